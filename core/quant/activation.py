@@ -1,0 +1,41 @@
+"""Activation (de)quantization for the dispatched formats (`formats.ScaleKind`).
+
+Works on any leading shape: `[T, H]`, `[M, H]` or `[E, M, H]`. Zero rows (padding)
+quantize to zero and stay zero.
+"""
+
+from __future__ import annotations
+
+import torch
+from moehal.formats import ScaleKind
+from moehal.quant import fp8, int8
+
+
+def quantize_activation(x: torch.Tensor, kind: ScaleKind) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if kind is ScaleKind.NONE:
+        return x, None
+    if kind in (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0):
+        return fp8.quantize_group(x, ue8m0=kind is ScaleKind.GROUP_128_UE8M0)
+    if kind is ScaleKind.PER_TOKEN:
+        return int8.quantize_per_token(x)
+    raise ValueError(f"no reference quantizer for scale kind {kind}")
+
+
+def dequantize_activation(q: torch.Tensor, scales: torch.Tensor | None, kind: ScaleKind) -> torch.Tensor:
+    """To float32."""
+    if kind is ScaleKind.NONE or scales is None:
+        return q.float()
+    if kind in (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0):
+        return fp8.dequantize_group(q, scales)
+    if kind is ScaleKind.PER_TOKEN:
+        return int8.dequantize_rows(q, scales)
+    raise ValueError(f"no reference dequantizer for scale kind {kind}")
+
+
+def scale_kind_dtype(kind: ScaleKind) -> torch.dtype | None:
+    """The activation dtype a scale kind implies."""
+    if kind in (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0):
+        return fp8.FP8_DTYPE
+    if kind is ScaleKind.PER_TOKEN:
+        return torch.int8
+    return None

@@ -38,6 +38,7 @@ class BuildRequest:
     quant: QuantScheme
     hardware: HardwareInfo
     settings: Settings = field(default_factory=Settings)
+    process_group: Any = None  # torch.distributed group for expert parallelism (None: one process)
 
     @property
     def device(self) -> torch.device:
@@ -83,6 +84,12 @@ class Implementation(ABC):
     graph_capturable: ClassVar[bool] = False  # forward does no host sync and keeps static shapes
     deterministic: ClassVar[bool] = True  # bitwise-equal results on the same inputs
     emulates: ClassVar[bool] = False  # True: runs torch stand-ins of vendor ops (reported `emulated`)
+
+    def execution_mode(self, req: BuildRequest) -> str:
+        """How this runs for `req`: 'native', 'emulated' (torch stand-ins of vendor ops,
+        explicitly enabled) or 'interpreted' (real kernel code under an interpreter such as
+        TRITON_INTERPRET=1). Conformance reports show it next to every result."""
+        return "emulated" if self.emulates else "native"
 
     @property
     def qualname(self) -> str:

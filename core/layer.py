@@ -35,6 +35,8 @@ class MoELayer(torch.nn.Module):
         validate: check input *values* (expert ids in range and distinct, finite weights),
             which reads device memory back to the host. Shapes, dtypes and devices are always
             checked. Default: on for CPU, off elsewhere (the hot path must not sync).
+        process_group: the torch.distributed group of the expert-parallel ranks when
+            `config.ep_size > 1` and tokens move between processes.
 
     Call with `layer(hidden_states, topk_ids, topk_weights)` or
     `layer(hidden_states, router_logits=logits)` (needs `config.routing`).
@@ -50,6 +52,7 @@ class MoELayer(torch.nn.Module):
         layout: str | None = None,
         registry: Registry | None = None,
         validate: bool | None = None,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -57,7 +60,7 @@ class MoELayer(torch.nn.Module):
         reg = registry if registry is not None else discover()
         hw: HardwareInfo = detect(device)
         chosen = backend if backend != "auto" else reg.settings.backend
-        self.request = BuildRequest(config, self.quant, hw, reg.settings)
+        self.request = BuildRequest(config, self.quant, hw, reg.settings, process_group)
         self.plan: Plan = select(self.request, reg, chosen, layout)
         self.device = hw.device
         self.validate_values = validate if validate is not None else hw.kind == "cpu"

@@ -90,10 +90,13 @@ class Pipeline:
     def adapter(self) -> str | None:
         return QuantizeAdapter.name if self.dispatch_fmt != self.fmt and self.kind == "modular" else None
 
-    @property
-    def emulated(self) -> bool:
-        parts = [self.main, self.dispatcher, self.processor]
-        return any(p is not None and p.emulates for p in parts)
+    def execution_mode(self, req: BuildRequest) -> str:
+        """'emulated' if any part is, else 'interpreted' if any part is, else 'native'."""
+        modes = {p.execution_mode(req) for p in (self.main, self.dispatcher, self.processor) if p is not None}
+        for mode in ("emulated", "interpreted"):
+            if mode in modes:
+                return mode
+        return "native"
 
     @property
     def graph_capturable(self) -> bool:
@@ -127,7 +130,6 @@ class Pipeline:
             "weight_layout": self.main.weight_layout,  # type: ignore[attr-defined]
             "routes_internally": self.routes_internally,
             "graph_capturable": self.graph_capturable,
-            "emulated": self.emulated,
         }
 
 
@@ -158,8 +160,11 @@ class Plan:
             f"  routing      {'inside the kernel' if p.routes_internally else 'by the caller or moehal.route'}"
         )
         lines.append(f"  graphs       {'capturable' if p.graph_capturable else 'not capturable'}")
-        if p.emulated:
+        mode = p.execution_mode(r)
+        if mode == "emulated":
             lines.append("  mode         EMULATED: vendor ops run as torch stand-ins (explicitly enabled)")
+        elif mode == "interpreted":
+            lines.append("  mode         INTERPRETED: kernel code runs under an interpreter (e.g. TRITON_INTERPRET=1)")
         if p.main.priority <= 0 and p.main.backend == "reference":
             lines.append(
                 "  note         the slow reference fallback was chosen; `moehal explain` shows why others declined"
@@ -174,7 +179,7 @@ class Plan:
             "config": self.request.config.describe(),
             "quant": self.request.quant.name,
             "hardware": self.request.hardware.describe(),
-            "pipeline": self.pipeline.as_dict(),
+            "pipeline": {**self.pipeline.as_dict(), "mode": self.pipeline.execution_mode(self.request)},
             "alternatives": [a.as_dict() for a in self.alternatives],
             "decisions": [d.as_dict() for d in self.decisions],
         }

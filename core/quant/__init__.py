@@ -58,10 +58,11 @@ class QuantScheme:
             return text
         kind, _, fmt = str(text).partition(":")
         try:
-            return cls(QuantKind(kind), ScaleFormat(fmt or "float"))
+            parsed_kind, parsed_fmt = QuantKind(kind), ScaleFormat(fmt or "float")
         except ValueError:
             known = ", ".join(s.name for s in ALL_SCHEMES)
             raise ConfigError(f"unknown quant scheme {text!r}; known: {known}") from None
+        return cls(parsed_kind, parsed_fmt)
 
 
 BF16 = QuantScheme(QuantKind.BF16)

@@ -1,0 +1,115 @@
+"""Bad input raises typed, actionable errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_testing import build_problem
+
+import moehal
+
+CFG = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+BF16 = moehal.QuantScheme.parse("bf16")
+
+
+@pytest.fixture
+def layer(registry):
+    weights, *_ = build_problem(CFG, BF16, 1)
+    layer = moehal.MoELayer(CFG, BF16, registry=registry)
+    layer.load_weights(weights)
+    return layer
+
+
+def _inputs(t=3):
+    x = torch.randn(t, 32).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])[:t]
+    return x, ids, torch.rand(t, 2)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda x, i, w: (x.float(), i, w), "dtype is torch.float32"),
+        (lambda x, i, w: (x[:, :16], i, w), r"must be \[T, 32\]"),
+        (lambda x, i, w: (x.to("meta"), i, w), "is on meta"),
+        (lambda x, i, w: (x, i + 3, w), r"out of range: found \[3, 6\]"),
+        (lambda x, i, w: (x, torch.tensor([[0, 0], [1, 2], [3, 1]]), w), "repeat an expert"),
+        (lambda x, i, w: (x, i.float(), w), "int32 or int64"),
+        (lambda x, i, w: (x, i[:, :1], w), r"must be \[3, 2\]"),
+        (lambda x, i, w: (x, i, w * float("nan")), "NaN or Inf"),
+        (lambda x, i, w: (x, i, w.int()), "floating point"),
+    ],
+)
+def test_bad_forward_inputs(layer, mutate, match):
+    with pytest.raises(moehal.InputError, match=match):
+        layer(*mutate(*_inputs()))
+
+
+def test_missing_routing_inputs(layer):
+    x, ids, w = _inputs()
+    with pytest.raises(moehal.InputError, match="pass topk_ids and topk_weights"):
+        layer(x)
+    with pytest.raises(moehal.InputError, match="MoEConfig.routing is None"):
+        layer(x, router_logits=torch.randn(3, 4))
+
+
+def test_weights_not_loaded(registry):
+    layer = moehal.MoELayer(CFG, BF16, registry=registry)
+    with pytest.raises(moehal.WeightsNotLoadedError, match="load_weights"):
+        layer(*_inputs())
+    with pytest.raises(moehal.WeightsNotLoadedError):
+        layer.process_weights_after_loading()
+
+
+def test_weight_processing_twice_is_refused(registry):
+    weights, *_ = build_problem(CFG, BF16, 1)
+    layer = moehal.MoELayer(CFG, BF16, registry=registry)
+    layer.load_weights(weights, process=False)
+    layer.process_weights_after_loading()
+    with pytest.raises(moehal.WeightsAlreadyProcessedError, match="twice"):
+        layer.process_weights_after_loading()
+    with pytest.raises(moehal.WeightsAlreadyProcessedError):
+        layer.load_weights(weights)
+
+
+@pytest.mark.parametrize(
+    "quant, change, match",
+    [
+        ("bf16", dict(w13=torch.zeros(4, 16, 32, dtype=torch.bfloat16)), r"shape \[4, 16, 32\], expected \[4, 32, 32\]"),
+        ("bf16", dict(w2=torch.zeros(4, 32, 16)), "dtype torch.float32"),
+        ("fp8_block", dict(w13_scale=None), "need `w13_scale`"),
+        ("bf16", dict(w13_scale=torch.ones(4)), "unexpected tensors"),
+    ],
+)
+def test_malformed_weights(registry, quant, change, match):
+    q = moehal.QuantScheme.parse(quant)
+    weights, *_ = build_problem(CFG, q, 1)
+    layer = moehal.MoELayer(CFG, q, registry=registry)
+    with pytest.raises(moehal.WeightError, match=match):
+        layer.load_weights(weights.replace(**change))
+
+
+def test_ep_weights_hint(registry):
+    cfg = CFG.with_(ep_size=2, ep_rank=0)
+    weights, *_ = build_problem(CFG, BF16, 1)  # all 4 experts, but the rank owns 2
+    with pytest.raises(moehal.WeightError, match="local experts"):
+        moehal.MoELayer(cfg, BF16, registry=registry).load_weights(weights)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_k=5), "exceeds num_experts"),
+        (dict(ep_size=3), "not divisible by ep_size"),
+        (dict(ep_size=2, ep_rank=2), "outside"),
+        (dict(activation="swiglu_oai", gated=False), "gated by definition"),
+        (dict(apply_router_weight_on_input=True), "top_k == 1"),
+        (dict(dtype=torch.int8), "bf16, fp16, fp32"),
+        (dict(hidden_size=0), "must be positive"),
+        (dict(routing=moehal.RoutingConfig("deepseek_v3", n_group=3)), "not divisible by n_group"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    base = dict(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    with pytest.raises(moehal.ConfigError, match=match):
+        moehal.MoEConfig(**{**base, **kwargs})

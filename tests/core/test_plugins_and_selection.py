@@ -1,0 +1,191 @@
+"""Discovery through real entry points, failure reporting, and negotiated selection."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from moe_testing import build_problem
+
+import moehal
+from moehal.formats import ActivationFormat, Layout, ScaleKind
+
+TOY_PLUGIN = '''
+from __future__ import annotations
+import torch
+import moehal
+from moehal.capability import accept, decline
+from moehal.formats import ActivationFormat, Layout, ScaleKind, MaskedOutput
+from moehal.interfaces import BackendInfo, Dispatcher, Experts, ExpertsRunner
+from moehal.reference.dispatcher import LocalDispatchRunner
+from moehal.reference.experts import ReferenceExpertsRunner
+
+
+@moehal.hookimpl
+def moehal_backend_info():
+    return BackendInfo("toy", "0.0.1", "throwaway test plugin")
+
+
+class BF16OnlyDispatcher(Dispatcher):
+    """Moves only unquantized rows (like an all-to-all that sends BF16)."""
+    name = "bf16_only"
+    priority = 50
+
+    def can_produce(self, fmt, req):
+        if fmt.is_quantized:
+            return decline("sends unquantized rows only", "format")
+        return accept(predicate="format") if fmt.layout is Layout.MASKED else decline("masked only", "format")
+
+    def build(self, req, fmt):
+        return LocalDispatchRunner(req, fmt)
+
+
+class ToyExperts(Experts):
+    name = "fp8_masked"
+    priority = 50
+    quant_schemes = frozenset({moehal.QuantScheme.parse("fp8_block")})
+    activations = frozenset({moehal.Activation.SILU})
+
+    def input_formats(self, req):
+        return [ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128)]
+
+    def build(self, req, fmt):
+        return ReferenceExpertsRunner(req, fmt)
+
+
+@moehal.hookimpl
+def moehal_dispatchers():
+    return [BF16OnlyDispatcher()]
+
+
+@moehal.hookimpl
+def moehal_experts():
+    return [ToyExperts()]
+'''
+
+BROKEN_IMPORT = "raise ImportError('vendor library libacme.so not found')\n"
+BROKEN_HOOK = '''
+import moehal
+from moehal.interfaces import BackendInfo
+
+@moehal.hookimpl
+def moehal_backend_info():
+    return BackendInfo("hookfail", "1.0", "hook raises")
+
+@moehal.hookimpl
+def moehal_experts():
+    raise RuntimeError("probe of device failed")
+'''
+
+
+def _make_dist(root, dist, module, source, ep_name):
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{dist}-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text(f"[moehal.backends]\n{ep_name} = {module}\n")
+
+
+@pytest.fixture
+def plugin_path(tmp_path, monkeypatch):
+    _make_dist(tmp_path, "moehal_toy", "moehal_toy_plugin", textwrap.dedent(TOY_PLUGIN), "toy")
+    _make_dist(tmp_path, "moehal_broken", "moehal_broken_plugin", BROKEN_IMPORT, "broken")
+    _make_dist(tmp_path, "moehal_hookfail", "moehal_hookfail_plugin", BROKEN_HOOK, "hookfail")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for m in ("moehal_toy_plugin", "moehal_broken_plugin", "moehal_hookfail_plugin"):
+        sys.modules.pop(m, None)
+
+
+def _registry(**settings):
+    reg = moehal.Registry(moehal.Settings(**settings))
+    reg.load_entry_points()
+    return reg
+
+
+def test_throwaway_plugin_is_discovered_and_selected(plugin_path):
+    reg = _registry()
+    rec = reg.plugins["toy"]
+    assert rec.status == "loaded" and rec.distribution == "moehal_toy" and rec.version == "0.0.1"
+    assert "toy.fp8_masked" in rec.implementations
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    layer = moehal.MoELayer(cfg, "fp8_block", registry=reg)
+    p = layer.plan.pipeline
+    assert p.experts.qualname == "toy.fp8_masked"
+    # Negotiation: the experts want fp8 masked; the best dispatcher sends bf16 only, so an
+    # adapter quantizes between them.
+    assert p.dispatcher.qualname == "toy.bf16_only" and p.adapter == "quantize"
+    assert p.dispatch_fmt == ActivationFormat(Layout.MASKED, torch.bfloat16)
+    assert p.fmt == ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128)
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("fp8_block"), 6)
+    layer.load_weights(weights)
+    ref = moehal.MoELayer(cfg, "fp8_block", backend="reference", layout="masked", registry=reg)
+    ref.load_weights(weights)
+    torch.testing.assert_close(layer(x, ids, wts), ref(x, ids, wts))
+    # A scheme the toy does not claim falls back to the reference, and the plan says so.
+    plan = moehal.MoELayer(cfg, "bf16", registry=reg).plan
+    assert plan.pipeline.experts.backend == "reference" and "slow reference fallback" in str(plan)
+
+
+def test_broken_plugins_are_reported_and_skipped(plugin_path):
+    reg = _registry()
+    broken, hookfail = reg.plugins["broken"], reg.plugins["hookfail"]
+    assert broken.status == "failed" and "libacme.so" in broken.error and broken.distribution == "moehal_broken"
+    assert hookfail.status == "failed" and "probe of device failed" in hookfail.error
+    assert "reference" in reg.loaded_backends() and "broken" not in reg.loaded_backends()
+    assert not any(i.backend == "hookfail" for i in reg.all_implementations())
+
+
+def test_strict_mode_raises_on_a_broken_plugin(plugin_path):
+    with pytest.raises(moehal.PluginLoadError, match="broken"):
+        _registry(strict=True)
+
+
+def test_disabled_plugins_are_not_imported(plugin_path):
+    reg = _registry(disabled_plugins=frozenset({"broken", "hookfail", "toy"}))
+    assert reg.plugins["broken"].status == "disabled"
+    assert "moehal_broken_plugin" not in sys.modules
+
+
+def test_settings_read_from_env():
+    s = moehal.Settings.from_env({"MOEHAL_BACKEND": "cuda", "MOEHAL_DISABLE_PLUGINS": "a, b",
+                                  "MOEHAL_NPU_EMULATE": "1", "MOEHAL_STRICT_PLUGINS": "true"})
+    assert s == moehal.Settings("cuda", frozenset({"a", "b"}), True, frozenset({"npu"}))
+    assert moehal.Settings.from_env({"MOEHAL_BACKEND": "auto"}).backend is None
+
+
+def test_forced_backend_restricts_experts(plugin_path):
+    reg = _registry(backend="reference")
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    layer = moehal.MoELayer(cfg, "fp8_block", registry=reg)  # backend='auto' defers to settings
+    assert layer.plan.pipeline.experts.backend == "reference"
+    assert any(d.reason.startswith("not of the requested backend") for d in layer.plan.decisions)
+
+
+def test_no_backend_error_lists_every_candidate(plugin_path):
+    reg = _registry()
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, activation="gelu")
+    with pytest.raises(moehal.NoBackendError) as info:
+        moehal.MoELayer(cfg, "fp8_block", backend="toy", registry=reg)
+    msg = str(info.value)
+    assert "toy.fp8_masked: declined" in msg and "activation gelu not in ['silu']" in msg
+    assert "reference.experts: declined: not of the requested backend" in msg
+
+
+def test_unknown_backend_is_a_typed_error(registry):
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    with pytest.raises(moehal.UnknownBackendError, match="loaded backends"):
+        moehal.MoELayer(cfg, backend="nonesuch", registry=registry)
+
+
+def test_layout_restriction_and_enumeration(registry):
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    req = moehal.BuildRequest(cfg, moehal.QuantScheme.parse("w8a8_int8"), moehal.detect("cpu"))
+    pipes, decisions = moehal.enumerate_pipelines(req, registry, backend="reference")
+    fmts = {(str(p.fmt.layout_name), p.fmt.scales) for p in pipes}
+    assert {("masked", ScaleKind.PER_TOKEN), ("contiguous", ScaleKind.NONE), ("standard", ScaleKind.PER_TOKEN)} <= fmts
+    plan = moehal.select(req, registry, "reference", "masked")
+    assert plan.pipeline.fmt.layout is Layout.MASKED and plan.pipeline.fmt.scales is ScaleKind.PER_TOKEN
+    assert "masked" in str(plan) and plan.as_dict()["pipeline"]["format"].startswith("masked")

@@ -1,0 +1,88 @@
+"""Reference quantization: round trips, scale formats, packing, documented error bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moehal
+from moehal.quant import QuantScheme, fp8, int8, nvfp4
+
+
+@given(n=st.integers(1, 300), k=st.integers(1, 300), ue8m0=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_fp8_block_roundtrip_error_is_bounded(n, k, ue8m0, seed):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 3
+    q, s = fp8.quantize_block(w, ue8m0)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (fp8.num_blocks(n), fp8.num_blocks(k))
+    err = (fp8.dequantize_block(q, s) - w).abs()
+    # e4m3 has 3 mantissa bits: relative step 2^-3, so error <= half a step of the block max
+    # (twice that with power-of-two scales, which leave up to one bit unused).
+    bound = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k] * fp8.FP8_MAX * (2**-4) * (2 if ue8m0 else 1)
+    assert (err <= bound + 1e-6).all()
+    if ue8m0:
+        assert torch.equal(torch.log2(s), torch.round(torch.log2(s)))
+
+
+@given(t=st.integers(0, 20), k=st.integers(1, 400), seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_fp8_group_and_int8_token_roundtrip(t, k, seed):
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(seed))
+    q, s = fp8.quantize_group(x)
+    assert s.shape == (t, fp8.num_blocks(k))
+    bound = s.repeat_interleave(128, -1)[:, :k] * fp8.FP8_MAX * 2**-4  # half an e4m3 step of the group max
+    assert ((fp8.dequantize_group(q, s) - x).abs() <= bound + 1e-6).all()
+    qi, si = int8.quantize_per_token(x)
+    assert qi.dtype == torch.int8 and si.shape == (t,)
+    if t:
+        assert ((int8.dequantize_rows(qi, si) - x).abs() <= si[:, None] / 2 + 1e-6).all()
+
+
+def test_zero_rows_stay_zero():
+    x = torch.zeros(3, 256)
+    assert (fp8.qdq_group(x) == 0).all() and (int8.qdq_per_token(x) == 0).all()
+    assert (nvfp4.qdq(x, 1.0) == 0).all()
+
+
+def test_e2m1_codes_cover_the_grid_and_round_to_nearest_even():
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    assert torch.equal(nvfp4.decode_e2m1(nvfp4.encode_e2m1(grid)), grid)
+    assert torch.equal(nvfp4.decode_e2m1(nvfp4.encode_e2m1(-grid[1:])), -grid[1:])
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    assert nvfp4.decode_e2m1(nvfp4.encode_e2m1(ties)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert nvfp4.decode_e2m1(nvfp4.encode_e2m1(torch.tensor([100.0, -7.0]))).tolist() == [6.0, -6.0]
+
+
+@given(rows=st.integers(1, 5), blocks=st.integers(1, 6), seed=st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None)
+def test_nvfp4_pack_unpack_and_error(rows, blocks, seed):
+    x = torch.randn(rows, 16 * blocks, generator=torch.Generator().manual_seed(seed))
+    codes = nvfp4.encode_e2m1(x)
+    assert torch.equal(nvfp4.unpack(nvfp4.pack(codes)), codes)
+    gs = nvfp4.global_scale_for(x)
+    packed, sf = nvfp4.quantize(x, gs)
+    assert packed.shape == (rows, 8 * blocks) and sf.shape == (rows, blocks) and sf.dtype == torch.float8_e4m3fn
+    y = nvfp4.dequantize(packed, sf, gs)
+    # the largest grid step is 2 (between 4 and 6): error <= 1 unit of the block scale,
+    # plus e4m3 rounding of the block scale itself (<= 1/16 relative).
+    unit = (sf.float() / gs).repeat_interleave(16, -1)
+    assert ((y - x).abs() <= unit * 1.0 + x.abs() * 0.07 + 1e-6).all()
+
+
+def test_nvfp4_low_nibble_holds_the_even_element():
+    codes = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
+    assert nvfp4.pack(codes).tolist() == [[0x21, 0x43]]
+
+
+@pytest.mark.parametrize("text", ["bf16", "fp8_block", "fp8_block:ue8m0", "fp8_tensor", "nvfp4", "w8a8_int8"])
+def test_scheme_names_round_trip(text):
+    assert QuantScheme.parse(text).name == text
+
+
+def test_unknown_scheme_and_bad_ue8m0_are_config_errors():
+    with pytest.raises(moehal.ConfigError, match="known:"):
+        QuantScheme.parse("int4")
+    with pytest.raises(moehal.ConfigError, match="fp8_block only"):
+        QuantScheme.parse("nvfp4:ue8m0")

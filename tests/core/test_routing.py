@@ -1,0 +1,69 @@
+"""Reference routing, and layers called with router logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moe_testing import build_problem
+
+import moehal
+from moehal.routing import RoutingConfig, route
+
+
+def _deepseek_loop(logits, bias, k, n_group, topk_group, renorm):
+    """Token-by-token DeepSeek-V3 selection written out with Python lists."""
+    ids_out, w_out = [], []
+    e = logits.shape[1]
+    per = e // n_group
+    for row, b in zip(torch.sigmoid(logits.double()), [bias.double()] * len(logits)):
+        choice = (row + b).tolist()
+        groups = [sorted(choice[g * per:(g + 1) * per], reverse=True) for g in range(n_group)]
+        gscore = [sum(gs[:2]) for gs in groups]
+        keep = sorted(range(n_group), key=lambda g: -gscore[g])[:topk_group]
+        cands = [j for j in range(e) if j // per in keep]
+        ids = sorted(cands, key=lambda j: -choice[j])[:k]
+        w = [row[j].item() for j in ids]
+        if renorm:
+            s = sum(w)
+            w = [v / s for v in w]
+        ids_out.append(ids)
+        w_out.append(w)
+    return torch.tensor(ids_out), torch.tensor(w_out)
+
+
+@given(seed=st.integers(0, 2**16), t=st.integers(1, 6), renorm=st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_deepseek_v3_grouped_routing(seed, t, renorm):
+    g = torch.Generator().manual_seed(seed)
+    logits, bias = torch.randn(t, 16, generator=g), torch.randn(16, generator=g) * 0.1
+    cfg = RoutingConfig("deepseek_v3", renormalize=renorm, n_group=4, topk_group=2, has_correction_bias=True)
+    got = route(logits, 4, cfg, bias)
+    ids, w = _deepseek_loop(logits, bias, 4, 4, 2, renorm)
+    assert torch.equal(got.ids.long(), ids)
+    torch.testing.assert_close(got.weights.double(), w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["softmax", "sigmoid"])
+def test_softmax_and_sigmoid_routing(method):
+    logits = torch.randn(5, 8)
+    got = route(logits, 2, RoutingConfig(method, renormalize=False))
+    scores = logits.softmax(-1) if method == "softmax" else logits.sigmoid()
+    ref = scores.topk(2, dim=-1)
+    assert torch.equal(got.ids.long(), ref.indices) and torch.allclose(got.weights, ref.values)
+
+
+def test_layer_called_with_router_logits_equals_topk_call(registry):
+    routing = RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True)
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, routing=routing,
+                           routed_scaling_factor=2.5)
+    q = moehal.QuantScheme.parse("bf16")
+    weights, x, _, _ = build_problem(cfg, q, 6)
+    bias = torch.randn(8) * 0.1
+    weights = weights.replace(correction_bias=bias)
+    layer = moehal.MoELayer(cfg, q, registry=registry)
+    layer.load_weights(weights)
+    logits = torch.randn(6, 8).bfloat16()  # bf16 logits accepted; routing runs in fp32
+    topk = route(logits, 2, routing, bias)
+    torch.testing.assert_close(layer(x, router_logits=logits), layer(x, topk.ids, topk.weights))

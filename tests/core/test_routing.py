@@ -42,7 +42,7 @@ def test_deepseek_v3_grouped_routing(seed, t, renorm):
     got = route(logits, 4, cfg, bias)
     ids, w = _deepseek_loop(logits, bias, 4, 4, 2, renorm)
     assert torch.equal(got.ids.long(), ids)
-    torch.testing.assert_close(got.weights.double(), w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.weights.double(), w.double(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["softmax", "sigmoid"])

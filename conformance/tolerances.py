@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from moehal.quant import QuantKind, QuantScheme
 
 

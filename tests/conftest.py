@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 
+import moehal
 import pytest
 import torch
 
-import moehal
-
 
 def pytest_report_header(config):
-    return [f"moehal {moehal.__version__}, torch {torch.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"]
+    return [
+        f"moehal {moehal.__version__}, torch {torch.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"
+    ]
 
 
 @pytest.fixture

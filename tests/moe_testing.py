@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import moehal
+import torch
 from moehal.quant import QuantKind, QuantScheme, ScaleFormat, fp8, int8, nvfp4
 
 

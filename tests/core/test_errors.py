@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import moehal
 import pytest
 import torch
 from moe_testing import build_problem
-
-import moehal
 
 CFG = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
 BF16 = moehal.QuantScheme.parse("bf16")
@@ -75,7 +74,11 @@ def test_weight_processing_twice_is_refused(registry):
 @pytest.mark.parametrize(
     "quant, change, match",
     [
-        ("bf16", dict(w13=torch.zeros(4, 16, 32, dtype=torch.bfloat16)), r"shape \[4, 16, 32\], expected \[4, 32, 32\]"),
+        (
+            "bf16",
+            dict(w13=torch.zeros(4, 16, 32, dtype=torch.bfloat16)),
+            r"shape \[4, 16, 32\], expected \[4, 32, 32\]",
+        ),
         ("bf16", dict(w2=torch.zeros(4, 32, 16)), "dtype torch.float32"),
         ("fp8_block", dict(w13_scale=None), "need `w13_scale`"),
         ("bf16", dict(w13_scale=torch.ones(4)), "unexpected tensors"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from moehal import permute
 
 
@@ -44,7 +43,7 @@ def test_masked_and_contiguous_round_trip(r, alignment):
     hm, masked_m = permute.to_masked(x, idx, max_m=t)
     assert hm.shape == (e_local, t, 16)
     for j in range(e_local):
-        assert (hm[j, int(masked_m[j]):] == 0).all()
+        assert (hm[j, int(masked_m[j]) :] == 0).all()
         toks = torch.nonzero((ids == start + j).any(1)).flatten()
         assert torch.equal(hm[j, : len(toks)], x[toks])  # stable: token order kept
     assert torch.allclose(permute.from_masked(hm, idx, w), expected, atol=1e-6)

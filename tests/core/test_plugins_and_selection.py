@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 import textwrap
 
+import moehal
 import pytest
 import torch
 from moe_testing import build_problem
-
-import moehal
 from moehal.formats import ActivationFormat, Layout, ScaleKind
 
 TOY_PLUGIN = '''
@@ -66,7 +65,7 @@ def moehal_experts():
 '''
 
 BROKEN_IMPORT = "raise ImportError('vendor library libacme.so not found')\n"
-BROKEN_HOOK = '''
+BROKEN_HOOK = """
 import moehal
 from moehal.interfaces import BackendInfo
 
@@ -77,7 +76,7 @@ def moehal_backend_info():
 @moehal.hookimpl
 def moehal_experts():
     raise RuntimeError("probe of device failed")
-'''
+"""
 
 
 def _make_dist(root, dist, module, source, ep_name):
@@ -150,8 +149,14 @@ def test_disabled_plugins_are_not_imported(plugin_path):
 
 
 def test_settings_read_from_env():
-    s = moehal.Settings.from_env({"MOEHAL_BACKEND": "cuda", "MOEHAL_DISABLE_PLUGINS": "a, b",
-                                  "MOEHAL_NPU_EMULATE": "1", "MOEHAL_STRICT_PLUGINS": "true"})
+    s = moehal.Settings.from_env(
+        {
+            "MOEHAL_BACKEND": "cuda",
+            "MOEHAL_DISABLE_PLUGINS": "a, b",
+            "MOEHAL_NPU_EMULATE": "1",
+            "MOEHAL_STRICT_PLUGINS": "true",
+        }
+    )
     assert s == moehal.Settings("cuda", frozenset({"a", "b"}), True, frozenset({"npu"}))
     assert moehal.Settings.from_env({"MOEHAL_BACKEND": "auto"}).backend is None
 

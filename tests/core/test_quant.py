@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import moehal
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import moehal
 from moehal.quant import QuantScheme, fp8, int8, nvfp4
 
 

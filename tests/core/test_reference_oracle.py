@@ -3,11 +3,10 @@ activation and layout."""
 
 from __future__ import annotations
 
+import moehal
 import pytest
 import torch
 from moe_testing import build_problem, float64_oracle
-
-import moehal
 from moehal.quant import ALL_SCHEMES
 from moehal_conformance.tolerances import compare, tolerance_for
 
@@ -71,8 +70,9 @@ def test_zero_and_one_token(layout, registry):
 
 
 def test_masked_padding_rows_stay_zero(registry):
-    cfg = moehal.MoEConfig(num_experts=4, top_k=1, hidden_size=32, intermediate_size=16, has_w13_bias=True,
-                           has_w2_bias=True)
+    cfg = moehal.MoEConfig(
+        num_experts=4, top_k=1, hidden_size=32, intermediate_size=16, has_w13_bias=True, has_w2_bias=True
+    )
     quant = moehal.QuantScheme.parse("bf16")
     weights, x, ids, wts = build_problem(cfg, quant, 5)
     layer = moehal.MoELayer(cfg, quant, backend="reference", layout="masked", registry=registry)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import moehal
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_testing import build_problem
-
-import moehal
 from moehal.routing import RoutingConfig, route
 
 
@@ -19,7 +18,7 @@ def _deepseek_loop(logits, bias, k, n_group, topk_group, renorm):
     per = e // n_group
     for row, b in zip(torch.sigmoid(logits.double()), [bias.double()] * len(logits)):
         choice = (row + b).tolist()
-        groups = [sorted(choice[g * per:(g + 1) * per], reverse=True) for g in range(n_group)]
+        groups = [sorted(choice[g * per : (g + 1) * per], reverse=True) for g in range(n_group)]
         gscore = [sum(gs[:2]) for gs in groups]
         keep = sorted(range(n_group), key=lambda g: -gscore[g])[:topk_group]
         cands = [j for j in range(e) if j // per in keep]
@@ -56,8 +55,9 @@ def test_softmax_and_sigmoid_routing(method):
 
 def test_layer_called_with_router_logits_equals_topk_call(registry):
     routing = RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True)
-    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, routing=routing,
-                           routed_scaling_factor=2.5)
+    cfg = moehal.MoEConfig(
+        num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, routing=routing, routed_scaling_factor=2.5
+    )
     q = moehal.QuantScheme.parse("bf16")
     weights, x, _, _ = build_problem(cfg, q, 6)
     bias = torch.randn(8) * 0.1

@@ -1,0 +1,54 @@
+"""The `moehal` command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from moehal.cli.main import main
+
+
+def test_doctor_json_lists_reference_available_and_others_with_reason():
+    out = subprocess.run([sys.executable, "-m", "moehal.cli.main", "doctor", "--json"], capture_output=True,
+                         text=True, check=True, env=None).stdout
+    report = json.loads(out)
+    by_name = {b["name"]: b for b in report["backends"]}
+    assert by_name["reference"]["available"] is True
+    for name in ("cuda", "npu", "rocm"):
+        assert name in by_name
+        b = by_name[name]
+        assert b["available"] is False and b["reason"], f"{name} must say why it is unavailable"
+    assert report["hardware"]["kind"] == "cpu"
+
+
+def test_doctor_table(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "reference" in out and "Backends" in out
+
+
+def test_explain_shows_decisions_and_plan(capsys):
+    assert main(["explain", "--experts", "8", "--hidden", "256", "--intermediate", "128", "--quant", "fp8_block"]) == 0
+    out = capsys.readouterr().out
+    assert "reference.experts" in out and "moehal plan" in out and "masked[float8_e4m3fn+group128]" in out
+
+
+def test_explain_json_and_no_pipeline_exit_code(capsys):
+    assert main(["explain", "--json", "--hidden", "256", "--intermediate", "128", "--backend", "reference",
+                 "--layout", "masked"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["format"].startswith("masked")
+    assert main(["explain", "--layout", "no_such_layout", "--hidden", "256", "--intermediate", "128"]) == 1
+    assert "No pipeline" in capsys.readouterr().out
+
+
+def test_explain_rejects_an_invalid_config(capsys):
+    assert main(["explain", "--top-k", "9", "--experts", "4"]) == 2
+    assert "exceeds num_experts" in capsys.readouterr().out
+
+
+def test_list(capsys):
+    assert main(["list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {"reference.local", "reference.experts"} <= {r["name"] for r in rows}

@@ -16,7 +16,7 @@ from moehal.interfaces import BuildRequest, DispatchRunner, ExpertsRunner, Fused
 from moehal.plugins import Registry, discover
 from moehal.quant import QuantScheme
 from moehal.routing import TopK, route
-from moehal.selection import Plan, QuantizeAdapter, select
+from moehal.selection import Pipeline, Plan, QuantizeAdapter, select
 from moehal.weights import ExpertWeights, validate
 
 
@@ -37,6 +37,8 @@ class MoELayer(torch.nn.Module):
             checked. Default: on for CPU, off elsewhere (the hot path must not sync).
         process_group: the torch.distributed group of the expert-parallel ranks when
             `config.ep_size > 1` and tokens move between processes.
+        pipeline: build exactly this pipeline (one of `moehal.enumerate_pipelines(...)`)
+            instead of selecting; conformance uses it to run every claimed format.
 
     Call with `layer(hidden_states, topk_ids, topk_weights)` or
     `layer(hidden_states, router_logits=logits)` (needs `config.routing`).
@@ -53,6 +55,7 @@ class MoELayer(torch.nn.Module):
         registry: Registry | None = None,
         validate: bool | None = None,
         process_group: Any = None,
+        pipeline: Pipeline | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -61,7 +64,10 @@ class MoELayer(torch.nn.Module):
         hw: HardwareInfo = detect(device)
         chosen = backend if backend != "auto" else reg.settings.backend
         self.request = BuildRequest(config, self.quant, hw, reg.settings, process_group)
-        self.plan: Plan = select(self.request, reg, chosen, layout)
+        if pipeline is not None:
+            self.plan: Plan = Plan(self.request, pipeline, (), ())
+        else:
+            self.plan = select(self.request, reg, chosen, layout)
         self.device = hw.device
         self.validate_values = validate if validate is not None else hw.kind == "cpu"
         p = self.plan.pipeline
@@ -167,6 +173,22 @@ class MoELayer(torch.nn.Module):
         if self._adapter is not None:
             dispatched = self._adapter(dispatched)
         return self._dispatch.combine(self._experts.apply(dispatched), handle)
+
+    def trace(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> dict[str, Any]:
+        """Run a modular pipeline stage by stage and return every intermediate
+        (`dispatched`, `adapted`, `expert_out`, `out`): for debugging and conformance."""
+        if self._dispatch is None or self._experts is None:
+            raise InputError(f"{self.plan.pipeline.name} is fused: it has no stages to trace")
+        if not self._processed:
+            raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
+        topk = TopK(topk_ids, topk_weights)
+        self._check_hidden(hidden_states)
+        self._check_topk(topk, hidden_states)
+        dispatched, handle = self._dispatch.dispatch(hidden_states, topk)
+        adapted = self._adapter(dispatched) if self._adapter is not None else dispatched
+        expert_out = self._experts.apply(adapted)
+        out = self._dispatch.combine(expert_out, handle)
+        return {"dispatched": dispatched, "adapted": adapted, "expert_out": expert_out, "out": out}
 
     # Input checks --------------------------------------------------------------------------
     def _check_hidden(self, x: torch.Tensor) -> None:

@@ -10,8 +10,13 @@ from moehal.cli.main import main
 
 
 def test_doctor_json_lists_reference_available_and_others_with_reason():
-    out = subprocess.run([sys.executable, "-m", "moehal.cli.main", "doctor", "--json"], capture_output=True,
-                         text=True, check=True, env=None).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "moehal.cli.main", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=None,
+    ).stdout
     report = json.loads(out)
     by_name = {b["name"]: b for b in report["backends"]}
     assert by_name["reference"]["available"] is True
@@ -35,8 +40,23 @@ def test_explain_shows_decisions_and_plan(capsys):
 
 
 def test_explain_json_and_no_pipeline_exit_code(capsys):
-    assert main(["explain", "--json", "--hidden", "256", "--intermediate", "128", "--backend", "reference",
-                 "--layout", "masked"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--json",
+                "--hidden",
+                "256",
+                "--intermediate",
+                "128",
+                "--backend",
+                "reference",
+                "--layout",
+                "masked",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["chosen"]["format"].startswith("masked")
     assert main(["explain", "--layout", "no_such_layout", "--hidden", "256", "--intermediate", "128"]) == 1

@@ -1,0 +1,92 @@
+"""The conformance suite catches wrong numbers, reports declines honestly, and the
+reference passes it with readable reports."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import torch
+
+import moehal
+from moehal.interfaces import BackendInfo
+from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
+from moehal_conformance import report
+from moehal_conformance.cli import main as conformance_main
+from moehal_conformance.suite import Suite
+
+
+class _WrongForGeluRunner(ReferenceExpertsRunner):
+    def apply(self, inp):
+        out = super().apply(inp)
+        if self.config.activation is moehal.Activation.GELU:  # a subtle bug in one claimed case
+            return type(out)(out.hidden * 1.05)
+        return out
+
+
+class _WrongExperts(ReferenceExperts):
+    name = "buggy"
+    priority = 40
+    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+
+    def build(self, req, fmt):
+        return _WrongForGeluRunner(req, fmt)
+
+
+class _ClaimsNothing(ReferenceExperts):
+    name = "picky"
+    priority = 40
+    devices = frozenset({"npu"})
+
+
+def _plugin(name, experts):
+    ns = types.SimpleNamespace()
+    ns.moehal_backend_info = moehal.hookimpl(lambda: BackendInfo(name, "9.9", "throwaway"))
+    ns.moehal_experts = moehal.hookimpl(lambda: [experts])
+    return ns
+
+
+def _suite(name, experts):
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    assert reg.register(_plugin(name, experts), name).status == "loaded"
+    return Suite(name, reg, torch.device("cpu"), profile="quick")
+
+
+def test_wrong_numbers_in_one_claimed_case_fail_the_suite():
+    suite = _suite("buggy", _WrongExperts())
+    suite.run([c for c in suite.cases() if c.family == "matrix"])
+    failed = {r.id for r in suite.results if r.status == "fail"}
+    assert failed and all("/gelu/" in f for f in failed), failed
+    assert any(r.status == "pass" and "/silu/" in r.id for r in suite.results)
+    assert not suite.ok
+    assert "**Verdict: FAIL**" in report.to_markdown(suite)
+
+
+def test_a_backend_claiming_nothing_gets_declines_with_reasons():
+    suite = _suite("picky", _ClaimsNothing())
+    suite.run()
+    statuses = {r.status for r in suite.results if r.family != "honesty"}
+    assert statuses == {"declined"}
+    assert all("runs on ['npu'], not cpu" in r.detail for r in suite.results if r.family == "matrix")
+    assert not suite.claimed_anything and not suite.ok
+    assert "NOTHING CLAIMED" in report.to_markdown(suite)
+
+
+def test_reference_passes_and_reports_are_readable(tmp_path, capsys):
+    code = conformance_main(["--backend", "reference", "--quick", "--report", str(tmp_path / "ref")])
+    assert code == 0, capsys.readouterr().out
+    data = json.loads((tmp_path / "ref.json").read_text())
+    assert data["summary"]["fail"] == 0 and data["summary"]["ok"] is True and data["backend"] == "reference"
+    assert data["hardware"]["kind"] == "cpu" and data["date"]
+    statuses = {c["status"] for c in data["cases"]}
+    assert statuses <= {"pass", "not run"}
+    graph = [c for c in data["cases"] if c["family"] == "cuda_graph"]
+    assert graph and all(c["status"] == "not run" and "CUDA" in c["detail"] for c in graph)
+    md = (tmp_path / "ref.md").read_text()
+    assert "**Verdict: PASS**" in md and "| bf16 |" in md
+
+
+def test_best_backend_on_a_bare_cpu_is_the_reference():
+    # Emulated or interpreted paths (NPU emulation, TRITON_INTERPRET=1) never count as best.
+    assert Suite.create("best", "cpu").backend == "reference"

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-
 from moehal.config import MoEConfig
 from moehal.interfaces import BuildRequest
 from moehal.plugins import Registry

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 from moehal.errors import MoEHalError
 from moehal_conformance import report
 from moehal_conformance.runner import FAIL, PASS
 from moehal_conformance.suite import Suite
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 
 def build_parser() -> argparse.ArgumentParser:

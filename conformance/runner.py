@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from moehal.errors import InputError, MoEHalError, WeightsAlreadyProcessedError
 from moehal.formats import MaskedInput, MaskedOutput
 from moehal.hardware import detect

@@ -8,9 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 import moehal
+import torch
 from moehal.hardware import HardwareInfo, detect, package_version
 from moehal.interfaces import BuildRequest
 from moehal.plugins import Registry

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, CaseRunner
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import types
 
-import torch
-
 import moehal
+import torch
 from moehal.interfaces import BackendInfo
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
 from moehal_conformance import report

@@ -83,7 +83,7 @@ class LocalFlatRunner(DispatchRunner):
         zero = torch.zeros((), device=rows.device)
         rows = torch.where(valid[:, None], rows, zero)  # dropped slots: whatever the gather index says
         w = torch.where(valid, handle.weights.reshape(-1).float(), zero)
-        out = (rows * w[:, None]).view(t, k, -1).sum(1)
+        out = (rows * w[:, None]).view(t, k, rows.shape[-1]).sum(1)
         if self.scale != 1.0:
             out = out * self.scale
         return out.to(self.dtype)

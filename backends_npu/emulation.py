@@ -364,7 +364,7 @@ def npu_moe_distribute_combine(
     all_y = _gather(expand_x, group_ep)  # [W, A, H]
     dst = expert_ids.to(torch.int64).reshape(-1) // local
     rows = all_y[dst, expand_idx.to(torch.int64)].float()
-    out = (rows * expert_scales.float().reshape(-1, 1)).view(bs, k, -1).sum(1)
+    out = (rows * expert_scales.float().reshape(-1, 1)).view(bs, k, expand_x.shape[-1]).sum(1)
     return out.to(expand_x.dtype)
 
 

@@ -14,7 +14,8 @@ def make_problem(cfg: moehal.MoEConfig, quant: str, t: int, seed: int = 0):
     w2 = torch.randn(e, h, i, generator=gen) / i**0.5
     weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2)
     x = torch.randn(t, h, generator=gen).to(cfg.dtype)
-    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(t)]).to(torch.int32)
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(t)]) if t else None
+    ids = ids.to(torch.int32) if t else torch.zeros(0, cfg.top_k, dtype=torch.int32)
     wts = torch.rand(t, cfg.top_k, generator=gen) + 0.1
     return weights, x, ids, wts
 

@@ -187,3 +187,12 @@ def test_plugin_import_does_not_import_torch_npu():
         "assert 'torch_npu' not in sys.modules and 'deep_ep' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
+def test_zero_tokens_through_the_flat_layout(npu_registry, quant):
+    w, x, ids, wts = make_problem(SMALL, quant, 0)
+    layer = MoELayer(SMALL, quant, backend="npu", device="cpu", registry=npu_registry)
+    layer.load_weights(w)
+    out = layer(x, ids, wts)
+    assert out.shape == (0, SMALL.hidden_size) and out.dtype == torch.bfloat16

@@ -1,0 +1,198 @@
+"""The NPU backend end to end in emulated mode, against the reference backend; its declines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import moehal
+import pytest
+import torch
+from moehal import MoEConfig, MoELayer
+from moehal.errors import NoBackendError
+from moehal.hardware import detect
+from moehal.interfaces import BuildRequest
+from moehal_npu import fuseep, ops, plugin, weights
+from npu_helpers import make_problem, rel_err
+
+TOL = {"bf16": 2e-2, "w8a8_int8": 0.065}
+SMALL = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+FUSE = MoEConfig(num_experts=4, top_k=2, hidden_size=512, intermediate_size=512, max_tokens=16)
+
+
+def _compare(cfg, quant, registry, t=12, **layer_kw):
+    w, x, ids, wts = make_problem(cfg, quant, t)
+    ref = MoELayer(cfg, quant, backend="reference", device="cpu", registry=registry)
+    ref.load_weights(w)
+    layer = MoELayer(cfg, quant, backend="npu", device="cpu", registry=registry, **layer_kw)
+    layer.load_weights(w)
+    return layer, rel_err(layer(x, ids, wts), ref(x, ids, wts))
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
+@pytest.mark.parametrize("layout", ["npu_ll_flat", "contiguous", "masked"])
+def test_grouped_matmul_experts_every_layout(npu_registry, quant, layout):
+    layer, err = _compare(SMALL, quant, npu_registry, layout=layout)
+    p = layer.plan.pipeline
+    assert p.kind == "modular" and p.experts.qualname == "npu.gmm" and p.fmt.layout_name == layout
+    assert p.execution_mode(layer.request) == "emulated"
+    if quant == "w8a8_int8":  # int8 rows with per-token scales, quantized by the dispatcher
+        assert p.fmt.dtype == torch.int8 and p.fmt.scales.value == "per_token" and p.adapter is None
+    if layout == "npu_ll_flat":
+        assert p.dispatcher.qualname == "npu.local_flat"
+    assert err < TOL[quant], err
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
+def test_default_pipeline_is_the_flat_layout(npu_registry, quant):
+    layer, err = _compare(SMALL, quant, npu_registry)
+    assert layer.plan.pipeline.name.startswith("npu.local_flat -> npu.gmm [npu_ll_flat")
+    assert "EMULATED" in str(layer.plan)
+    assert err < TOL[quant], err
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
+def test_scaling_partial_ep_and_weight_on_input(npu_registry, quant):
+    cfg = SMALL.with_(routed_scaling_factor=2.5, ep_size=2, ep_rank=1)  # one process: this rank's partial sum
+    _, err = _compare(cfg, quant, npu_registry)
+    assert err < TOL[quant], err
+    cfg1 = SMALL.with_(top_k=1, apply_router_weight_on_input=True)
+    _, err1 = _compare(cfg1, quant, npu_registry)
+    assert err1 < TOL[quant], err1
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
+def test_fuseep_fused_deep_moe(npu_registry, quant):
+    layer, err = _compare(FUSE, quant, npu_registry, t=16)
+    p = layer.plan.pipeline
+    assert p.kind == "fused" and p.fused.qualname == "npu.fuseep_fused_deep_moe"
+    assert p.processor.layout == weights.FUSED_DEEP_MOE_LAYOUT
+    assert p.execution_mode(layer.request) == "emulated"
+    assert err < TOL[quant], err
+
+
+def _run_fused(impl, cfg, quant, registry):
+    """Build one fused forward directly (as the selection would), with its weight processor."""
+    req = BuildRequest(cfg, moehal.QuantScheme.parse(quant), detect("cpu"), registry.settings)
+    assert impl.supports(req).ok
+    proc = next(p for p in registry.processors if p.layout == impl.weight_layout)
+    w, x, ids, wts = make_problem(cfg, quant, 16)
+    runner = impl.build(req)
+    runner.load(proc.process(w, req))
+    ref = MoELayer(cfg, quant, backend="reference", device="cpu", registry=registry)
+    ref.load_weights(w)
+    return rel_err(runner.forward(x, moehal.TopK(ids, wts), None), ref(x, ids, wts))
+
+
+def test_fuseep_dispatch_ffn_combine_w8a8(npu_registry):
+    impl = next(f for f in npu_registry.fused if f.qualname == "npu.fuseep_dispatch_ffn_combine")
+    err = _run_fused(impl, FUSE.with_(routed_scaling_factor=1.5), "w8a8_int8", npu_registry)
+    assert err < TOL["w8a8_int8"], err
+
+
+def _decisions(registry, cfg, quant):
+    req = BuildRequest(cfg, moehal.QuantScheme.parse(quant), detect("cpu"), registry.settings)
+    _, decisions = moehal.enumerate_pipelines(req, registry, backend="npu")
+    return {d.name: d for d in decisions}
+
+
+def test_fuse_modes_declare_their_quant_schemes(npu_registry):
+    d = _decisions(npu_registry, FUSE, "bf16")
+    assert d["npu.fuseep_fused_deep_moe"].ok
+    dfc = d["npu.fuseep_dispatch_ffn_combine"]
+    assert not dfc.ok and "W8A8 INT8 only" in dfc.reason
+    for scheme in ("fp8_block", "fp8_tensor", "nvfp4"):
+        d = _decisions(npu_registry, FUSE, scheme)
+        for name in ("npu.gmm", "npu.fuseep_fused_deep_moe", "npu.fuseep_dispatch_ffn_combine"):
+            assert not d[name].ok and d[name].predicate == "quant" and scheme in d[name].reason
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"hidden_size": 256}, "hidden_size in [512, 7168]"),
+        ({"hidden_size": 528}, "multiple of 32"),
+        ({"max_tokens": None}, "max_tokens"),
+        ({"max_tokens": 300}, "1..256"),
+        ({"intermediate_size": 256}, "gmm1 width"),
+        ({"intermediate_size": 768}, "multiple of 1024"),
+        ({"top_k": 13, "num_experts": 16}, "top_k <= 12"),
+        ({"num_experts": 520, "top_k": 2}, "at most 512 experts"),
+        ({"ep_size": 2}, "one rank"),
+    ],
+)
+def test_fused_deep_moe_declines_out_of_limit_shapes(npu_registry, change, needle):
+    d = _decisions(npu_registry, FUSE.with_(**change), "w8a8_int8")["npu.fuseep_fused_deep_moe"]
+    assert not d.ok and needle in d.reason, d.reason
+
+
+def test_fp16_is_declined_with_the_reason(npu_registry):
+    cfg = SMALL.with_(dtype=torch.float16)
+    with pytest.raises(NoBackendError) as exc:
+        MoELayer(cfg, "bf16", backend="npu", device="cpu", registry=npu_registry)
+    reasons = {d.name: d.reason for d in exc.value.decisions}
+    for name in ("npu.gmm", "npu.fuseep_fused_deep_moe", "npu.local_flat", "npu.hccl"):
+        assert reasons[name].startswith("Ascend dispatch/combine do not support FP16"), reasons[name]
+
+
+def test_non_swiglu_and_bias_are_declined(npu_registry):
+    d = _decisions(npu_registry, SMALL.with_(activation="gelu"), "bf16")["npu.gmm"]
+    assert not d.ok and "SwiGLU" in d.reason
+    d = _decisions(npu_registry, SMALL.with_(has_w13_bias=True), "bf16")["npu.gmm"]
+    assert not d.ok and "bias" in d.reason
+
+
+def test_hccl_dispatcher_needs_ep_and_a_group(npu_registry):
+    d = _decisions(npu_registry, SMALL, "bf16")["npu.hccl"]
+    assert not d.ok and "ep_size > 1" in d.reason
+    d = _decisions(npu_registry, SMALL.with_(ep_size=2, max_tokens=64), "bf16")["npu.hccl"]
+    assert not d.ok and "process_group" in d.reason
+
+
+def test_without_the_switch_cpu_is_declined_naming_it(plain_registry):
+    with pytest.raises(NoBackendError) as exc:
+        MoELayer(SMALL, "bf16", backend="npu", device="cpu", registry=plain_registry)
+    npu = [d for d in exc.value.decisions if d.name.startswith("npu.") and d.kind != "pipeline"]
+    assert npu and all(not d.ok and "MOEHAL_NPU_EMULATE=1" in d.reason for d in npu)
+    hw = detect("cpu")
+    info = plugin.available(hw, moehal.Settings())
+    assert not info.ok and ("torch_npu is not installed" in info.reason or "no Ascend NPU visible" in info.reason)
+    assert plugin.available(hw, moehal.Settings(emulate=frozenset({"npu"}))).reason.startswith("emulated mode")
+
+
+def test_weight_processing_runs_once_with_the_nz_cast(npu_registry, monkeypatch):
+    casts = []
+    real = ops.VendorOps.format_cast_nz
+
+    def spy(self, t):
+        casts.append(tuple(t.shape))
+        return real(self, t)
+
+    monkeypatch.setattr(ops.VendorOps, "format_cast_nz", spy)
+    w, *_ = make_problem(FUSE, "w8a8_int8", 4)
+    layer = MoELayer(FUSE, "w8a8_int8", backend="npu", device="cpu", registry=npu_registry)
+    layer.load_weights(w)
+    e, h, i = FUSE.num_experts, FUSE.hidden_size, FUSE.intermediate_size
+    assert casts == [(e, h, 2 * i), (e, i, h)]  # w13 -> [E,H,2I], w2 -> [E,I,H], each NZ-cast once
+    with pytest.raises(moehal.errors.WeightsAlreadyProcessedError):
+        layer.process_weights_after_loading()
+    assert isinstance(fuseep.FusedDeepMoe(), moehal.FusedForward)
+
+
+def test_plugin_import_does_not_import_torch_npu():
+    code = (
+        "import sys, moehal, moehal_npu.plugin; "
+        "r = moehal.Registry(moehal.Settings()); r.load_entry_points(); "
+        "assert r.plugins['npu'].status == 'loaded', r.plugins['npu']; "
+        "assert 'torch_npu' not in sys.modules and 'deep_ep' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
+def test_zero_tokens_through_the_flat_layout(npu_registry, quant):
+    w, x, ids, wts = make_problem(SMALL, quant, 0)
+    layer = MoELayer(SMALL, quant, backend="npu", device="cpu", registry=npu_registry)
+    layer.load_weights(w)
+    out = layer(x, ids, wts)
+    assert out.shape == (0, SMALL.hidden_size) and out.dtype == torch.bfloat16

@@ -1,0 +1,226 @@
+"""Each emulated vendor op against an independent float64 computation of its documented semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moehal_npu import emulation
+from moehal_npu.weights import float_bits_as_int64, permute_w13_columns
+
+
+def _groups(counts: list[int]) -> list[tuple[int, int]]:
+    out, s = [], 0
+    for c in counts:
+        out.append((s, s + c))
+        s += c
+    return out
+
+
+COUNTS = [3, 0, 5, 2]  # an empty group in the middle; 2 padding rows after the last group
+
+
+def _rows(m: int = 12, k: int = 16, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("group_list_type", [0, 1])
+def test_grouped_matmul_bf16_both_group_list_conventions(group_list_type):
+    gen = torch.Generator().manual_seed(1)
+    x, w = _rows(), torch.randn(4, 16, 8, generator=gen).to(torch.bfloat16)
+    counts = torch.tensor(COUNTS)
+    gl = torch.cumsum(counts, 0) if group_list_type == 0 else counts
+    (y,) = emulation.npu_grouped_matmul([x], [w], group_list=gl, group_list_type=group_list_type)
+    assert y.dtype == torch.bfloat16 and y.shape == (12, 8)
+    for g, (s, e) in enumerate(_groups(COUNTS)):
+        ref = x[s:e].double() @ w[g].double()
+        torch.testing.assert_close(y[s:e].double(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(y[sum(COUNTS) :], torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+def test_grouped_matmul_int8_scales_and_raw_accumulator():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(-127, 128, (12, 64), generator=gen, dtype=torch.int8)
+    w = torch.randint(-127, 128, (4, 64, 8), generator=gen, dtype=torch.int8)
+    scale, pts = torch.rand(4, 8, generator=gen) + 0.5, torch.rand(12, generator=gen) + 0.5
+    gl = torch.tensor(COUNTS)
+    (acc,) = emulation.npu_grouped_matmul([x], [w], group_list=gl, group_list_type=1, output_dtype=torch.int32)
+    (y,) = emulation.npu_grouped_matmul(
+        [x], [w], scale=[scale], per_token_scale=[pts], group_list=gl, group_list_type=1, output_dtype=torch.bfloat16
+    )
+    assert acc.dtype == torch.int32 and y.dtype == torch.bfloat16
+    for g, (s, e) in enumerate(_groups(COUNTS)):
+        exact = x[s:e].long() @ w[g].long()  # integer arithmetic, independent of the float path
+        assert torch.equal(acc[s:e].long(), exact)
+        ref = exact.double() * scale[g].double() * pts[s:e].double()[:, None]
+        torch.testing.assert_close(y[s:e].double(), ref, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError):
+        emulation.npu_grouped_matmul([x], [w], group_list=gl, group_list_type=1, output_dtype=torch.bfloat16)
+
+
+def test_swiglu_is_silu_of_first_half_times_second():
+    x = _rows(6, 10, seed=3)
+    a, b = x.double()[:, :5], x.double()[:, 5:]
+    ref = a / (1 + torch.exp(-a)) * b
+    y = emulation.npu_swiglu(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_dynamic_quant_per_token_symmetric():
+    x = _rows(7, 32, seed=4, dtype=torch.float32) * torch.arange(1, 8)[:, None]
+    q, s = emulation.npu_dynamic_quant(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (7,)
+    amax = x.double().abs().amax(-1)
+    torch.testing.assert_close(s.double(), amax / 127, rtol=1e-6, atol=0)
+    assert bool((q.abs().amax(-1) == 127).all())  # the largest element maps to +-127
+    assert bool(((q.double() * s.double()[:, None] - x.double()).abs() <= s.double()[:, None] / 2 + 1e-6).all())
+
+
+@pytest.mark.parametrize("activate_left", [True, False])
+def test_dequant_swiglu_quant(activate_left):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-(2**20), 2**20, (12, 16), generator=gen, dtype=torch.int32)
+    ws = torch.rand(4, 16, generator=gen) * 1e-3
+    acts = torch.rand(12, generator=gen) * 1e-3
+    q, s = emulation.npu_dequant_swiglu_quant(
+        x,
+        weight_scale=ws,
+        activation_scale=acts,
+        group_index=torch.tensor(COUNTS),
+        activate_left=activate_left,
+        quant_mode=1,
+    )
+    assert q.shape == (12, 8) and q.dtype == torch.int8
+    for g, (st, en) in enumerate(_groups(COUNTS)):
+        d = x[st:en].double() * ws[g].double() * acts[st:en].double()[:, None]
+        left, right = d[:, :8], d[:, 8:]
+        a = left / (1 + torch.exp(-left)) * right if activate_left else right / (1 + torch.exp(-right)) * left
+        deq = q[st:en].double() * s[st:en].double()[:, None]
+        bound = a.abs().amax(-1, keepdim=True) / 127 * 0.51 + 1e-9  # half a quantization step per row
+        assert bool(((deq - a).abs() <= bound).all())
+    assert torch.equal(q[sum(COUNTS) :], torch.zeros(2, 8, dtype=torch.int8))
+
+
+def test_format_cast_keeps_logical_values():
+    w = _rows(4, 8, seed=6)
+    assert torch.equal(emulation.npu_format_cast(w, 29), w)
+
+
+@pytest.mark.parametrize("quant_mode", [-1, 1])
+@pytest.mark.parametrize("tokens_type", [0, 1])
+def test_moe_init_routing_v2(quant_mode, tokens_type):
+    gen = torch.Generator().manual_seed(7)
+    n, k, e, h = 9, 3, 8, 16
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(torch.int32)
+    start, end = 2, 6
+    ex, row_idx, tokens, scale = emulation.npu_moe_init_routing_v2(
+        x,
+        ids,
+        active_num=n * k,
+        expert_num=e,
+        expert_tokens_num_type=tokens_type,
+        expert_tokens_num_flag=True,
+        quant_mode=quant_mode,
+        active_expert_range=[start, end],
+    )
+    flat = ids.reshape(-1).long()
+    kept = (flat >= start) & (flat < end)
+    counts = torch.bincount(flat[kept] - start, minlength=end - start)
+    assert torch.equal(tokens, torch.cumsum(counts, 0) if tokens_type == 0 else counts)
+    assert bool((row_idx[~kept] == -1).all())
+    pos = row_idx[kept].long()
+    assert sorted(pos.tolist()) == list(range(int(kept.sum())))  # a permutation onto the first rows
+    # expert order: sorted, and stable (token-major) within an expert
+    sorted_experts = torch.empty(int(kept.sum()), dtype=torch.long)
+    sorted_experts[pos] = flat[kept]
+    assert bool((sorted_experts[1:] >= sorted_experts[:-1]).all())
+    slots = torch.nonzero(kept).flatten()
+    for s in slots.tolist():
+        src = x[s // k].double()
+        row = ex[row_idx[s].long()]
+        if quant_mode == 1:
+            deq = row.double() * scale[row_idx[s].long()].double()
+            assert float((deq - src).abs().max()) <= float(src.abs().max()) / 127 * 0.51 + 1e-6
+        else:
+            assert torch.equal(row, x[s // k])
+
+
+def test_w13_tile_permute_matches_documented_index_map_and_inverse():
+    n, tile = 512, 128
+    cols = torch.arange(n).repeat(3, 1)  # [E, 2I] column ids
+    p = permute_w13_columns(cols, tile)
+    i = n // 2
+    for new in range(n):
+        c, rem = divmod(new, tile)
+        s, r = divmod(rem, tile // 2)
+        assert int(p[0, new]) == s * i + c * (tile // 2) + r
+    assert torch.equal(emulation.unpermute_w13_columns(p, tile), cols)
+
+
+def test_float_bits_as_int64_roundtrip():
+    s = torch.rand(3, 5) + 0.01
+    bits = float_bits_as_int64(s)
+    assert bits.dtype == torch.int64
+    assert torch.equal(bits.to(torch.int32).view(torch.float32), s)
+
+
+def _fused_oracle(x, ids, wts, w13, s13, w2, s2, quantized):
+    """Canonical weights (w13 [E,2I,H], w2 [E,H,I]) in float64."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for kk in range(ids.shape[1]):
+            e = int(ids[t, kk])
+            if e < 0:
+                continue
+            xi = x[t].double()
+            if quantized:
+                sc = xi.abs().max() / 127
+                xi = torch.round(xi / sc).clamp(-127, 127) * sc
+                h = (w13[e].double() * s13[e].double()[:, None]) @ xi
+            else:
+                h = w13[e].double() @ xi
+            g, u = h.chunk(2)
+            a = g / (1 + torch.exp(-g)) * u
+            if quantized:
+                sc = a.abs().max() / 127
+                a = torch.round(a / sc).clamp(-127, 127) * sc
+                y = (w2[e].double() * s2[e].double()[:, None]) @ a
+            else:
+                y = w2[e].double() @ a
+            out[t] += float(wts[t, kk]) * y
+    return out
+
+
+@pytest.mark.parametrize(
+    "fuse_mode,quantized",
+    [(emulation.FUSED_DEEP_MOE, True), (emulation.FUSED_DEEP_MOE, False), (emulation.DISPATCH_FFN_COMBINE, True)],
+)
+def test_fused_deep_moe(fuse_mode, quantized):
+    gen = torch.Generator().manual_seed(8)
+    e, h, i, bs, k = 3, 64, 128, 6, 2
+    x = torch.randn(bs, h, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(bs)]).long()
+    ids[0, 1] = -1  # a slot that is not dispatched
+    wts = torch.rand(bs, k, generator=gen)
+    if quantized:
+        w13 = torch.randint(-127, 128, (e, 2 * i, h), generator=gen, dtype=torch.int8)
+        w2 = torch.randint(-127, 128, (e, h, i), generator=gen, dtype=torch.int8)
+        s13, s2 = torch.rand(e, 2 * i, generator=gen) * 1e-3, torch.rand(e, h, generator=gen) * 1e-3
+    else:
+        w13 = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(torch.bfloat16)
+        s13, s2 = torch.ones(e, 2 * i), torch.ones(e, h)
+    g1, g2 = w13.transpose(1, 2), w2.transpose(1, 2)  # [E,H,2I], [E,I,H]
+    if fuse_mode == emulation.FUSED_DEEP_MOE:
+        g1, g1s, g2s = permute_w13_columns(g1), permute_w13_columns(s13), s2
+    else:
+        g1s, g2s = float_bits_as_int64(s13), float_bits_as_int64(s2)
+    out, recv = emulation.fused_deep_moe(
+        x, ids, wts, g1, g1s, g2, g2s, bs, e, quant_mode=1 if quantized else 0, fuse_mode=fuse_mode
+    )
+    ref = _fused_oracle(x, ids, wts, w13, s13, w2, s2, quantized)
+    assert out.dtype == torch.bfloat16 and out.shape == (bs, h)
+    assert torch.equal(recv, torch.bincount(ids[ids >= 0], minlength=e).to(torch.int32))
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert err < (0.065 if quantized else 2e-2), err

@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if counts[FAIL]:
         console.print(f"[red]FAIL[/red]: {counts[FAIL]} case(s) failed")
         return 1
-    if not suite.claimed_anything:
+    if not suite.claimed_anything and not args.select:
         console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")
         return 1
     console.print(

@@ -1,0 +1,42 @@
+"""CI runs the conformance suite against every backend this CPU machine can run:
+the reference natively, the NPU backend in its explicit emulated mode, and the ROCm
+backend's Triton path under the Triton interpreter (TRITON_INTERPRET=1). Reports land in
+$MOEHAL_REPORT_DIR when set (CI keeps them), else in a temp dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from moehal_conformance import report
+from moehal_conformance.suite import Suite
+
+
+def _run(backend: str, emulate: bool, profile: str, tmp_path: Path) -> Suite:
+    suite = Suite.create(backend, "cpu", emulate=emulate, profile=profile)
+    suite.run()
+    out = Path(os.environ.get("MOEHAL_REPORT_DIR", tmp_path))
+    js, md = report.write(suite, out / f"conformance-{backend}-cpu")
+    assert js.exists() and md.exists()
+    return suite
+
+
+def _assert_green(suite: Suite) -> None:
+    failures = [f"{r.id}: {r.detail}" for r in suite.results if r.status == "fail"]
+    assert not failures, "\n".join(failures[:20])
+    assert suite.claimed_anything, f"{suite.backend} claimed no case"
+
+
+def test_reference_full(tmp_path):
+    suite = _run("reference", False, "full", tmp_path)
+    _assert_green(suite)
+    assert {r.status for r in suite.results} <= {"pass", "not run"}, "the reference claims every case"
+
+
+def test_npu_emulated(tmp_path):
+    suite = _run("npu", True, "full", tmp_path)
+    _assert_green(suite)
+    passed = [r for r in suite.results if r.status == "pass"]
+    assert all(r.mode == "emulated" for r in passed), "every NPU pass must be labelled emulated"
+    assert {"bf16", "w8a8_int8"} <= {r.quant for r in passed}
+    assert any(r.layout == "fused" for r in passed), "the FuseEP path must run"

@@ -1,0 +1,272 @@
+"""`moehal bench`: whole-layer forward time (dispatch + experts + combine) against a roofline.
+
+Roofline, measured in the same run on the same device:
+- copy bandwidth: a large device-to-device copy, bytes read + written per second;
+- matmul rate: a large dense matmul in the layer dtype, FLOP/s.
+For each shape, roofline time = max(expert weight bytes touched / bandwidth,
+FLOPs / matmul rate); `% roofline` = roofline time / measured time. Weight bytes touched
+counts each expert that received at least one token once (w13 + w2 + scales).
+
+On CUDA the forward is timed as CUDA-graph replays when the pipeline claims graph capture
+(eager otherwise; the table says which), median of many runs with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import moehal
+import torch
+from moehal.errors import MoEHalError
+from moehal.hardware import detect
+from moehal.quant import QuantScheme
+
+SHAPES: dict[str, dict[str, int]] = {
+    # name: E (local experts), H, I, top-k
+    "deepseek_v3_ep8": dict(num_experts=32, hidden_size=7168, intermediate_size=2048, top_k=8),
+    "qwen3_30b_a3b": dict(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8),
+    "mixtral_8x7b": dict(num_experts=8, hidden_size=4096, intermediate_size=14336, top_k=2),
+    # tiny shapes so the machinery runs anywhere (CI, CPU)
+    "tiny": dict(num_experts=8, hidden_size=128, intermediate_size=64, top_k=2),
+}
+DEFAULT_TOKENS = (1, 4, 16, 64, 128, 512, 1024, 4096)
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+    device: str
+
+
+@dataclass
+class Row:
+    shape: str
+    backend: str
+    pipeline: str
+    quant: str
+    tokens: int
+    time_us: float
+    timing: str  # 'graph' or 'eager'
+    weight_bytes: int
+    flops: int
+    roofline_us: float
+    pct_roofline: float
+    tb_per_s: float
+    tflop_per_s: float
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def time_call(fn: Callable[[], Any], dev: torch.device, reps: int, warmup: int = 3) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    samples = []
+    if dev.type == "cuda":
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
+    big = 1 << 28 if dev.type == "cuda" else 1 << 22  # elements
+    src = torch.randn(big, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), dev, reps=20 if dev.type == "cuda" else 5)
+    copy = 2 * src.numel() * src.element_size() / t
+    n = 8192 if dev.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3)
+    return Ceilings(copy, 2 * n**3 / t, detect(dev).describe())
+
+
+def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
+    e = layer_weights.w13.shape[0]
+    total = 0
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        t = getattr(layer_weights, name)
+        if t is not None and t.dim() > 1:
+            total += t.numel() * t.element_size()
+    return total / e
+
+
+def bench_one(
+    shape: str,
+    cfg: moehal.MoEConfig,
+    quant: QuantScheme,
+    backend: str,
+    tokens: int,
+    dev: torch.device,
+    ceil: Ceilings,
+    reps: int,
+    registry: moehal.Registry,
+) -> Row:
+    gen = torch.Generator().manual_seed(tokens)
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    w13 = torch.randn(e, cfg.w13_rows, h, generator=gen) / h**0.5
+    w2 = torch.randn(e, h, i, generator=gen) / i**0.5
+    x = torch.randn(tokens, h, generator=gen)
+    weights = moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=x[:64])
+    layer = moehal.MoELayer(cfg, quant, backend=backend, device=dev, registry=registry, validate=False)
+    layer.load_weights(weights.to(dev))
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)])
+    ids, wts = ids.to(dev, torch.int32), (torch.rand(tokens, cfg.top_k, generator=gen) + 0.1).to(dev)
+    xd = x.to(dev, cfg.dtype)
+    fn: Callable[[], Any] = lambda: layer(xd, ids, wts)
+    timing = "eager"
+    if dev.type == "cuda" and layer.plan.pipeline.graph_capturable:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn, timing = graph.replay, "graph"
+    t = time_call(fn, dev, reps)
+    touched = int(torch.unique(ids).numel())
+    wbytes = int(_weight_bytes_per_expert(weights) * touched)
+    flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + i * h)
+    roof = max(wbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
+    return Row(
+        shape,
+        backend,
+        layer.plan.pipeline.name,
+        quant.name,
+        tokens,
+        t * 1e6,
+        timing,
+        wbytes,
+        flops,
+        roof * 1e6,
+        100 * roof / t,
+        wbytes / t / 1e12,
+        flops / t / 1e12,
+    )
+
+
+def plot(rows: list[Row], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    shapes = sorted({r.shape for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for key in sorted({(r.backend, r.quant) for r in rows if r.shape == shape}):
+            pts = sorted((r.tokens, r.pct_roofline) for r in rows if r.shape == shape and (r.backend, r.quant) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("% of roofline")
+        ax.axhline(100, color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    p = argparse.ArgumentParser(prog="moehal bench", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--shapes", default="deepseek_v3_ep8,qwen3_30b_a3b,mixtral_8x7b", help=f"comma list of {sorted(SHAPES)}"
+    )
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    p.add_argument("--backends", default="auto", help="comma list of backend names (auto = best)")
+    p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
+    p.add_argument("--device", default=None)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
+    args = p.parse_args(argv)
+    console = Console()
+    dev = detect(args.device).device
+    registry = moehal.discover()
+    ceil = measure_ceilings(dev)
+    console.print(
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s (measured now)"
+    )
+    jobs = [
+        (s, q, b, t)
+        for s in args.shapes.split(",")
+        for q in args.quant.split(",")
+        for b in args.backends.split(",")
+        for t in map(int, args.tokens.split(","))
+        if not (b == "reference" and t > args.max_reference_tokens)
+    ]
+    rows: list[Row] = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(jobs))
+        for shape, q, backend, tokens in jobs:
+            cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
+            try:
+                rows.append(
+                    bench_one(shape, cfg, QuantScheme.parse(q), backend, tokens, dev, ceil, args.reps, registry)
+                )
+            except (MoEHalError, torch.OutOfMemoryError) as exc:
+                console.print(f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False)
+            progress.advance(task)
+    t = Table(title="moehal bench (whole layer)", title_justify="left")
+    for col in ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r.shape,
+            r.backend,
+            r.quant,
+            str(r.tokens),
+            f"{r.time_us:.1f}",
+            r.timing,
+            f"{r.pct_roofline:.0f}",
+            f"{r.tb_per_s:.2f}",
+            f"{r.tflop_per_s:.1f}",
+        )
+    console.print(t)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "ceilings": asdict(ceil),
+            "torch": torch.__version__,
+            "moehal": moehal.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "rows": [asdict(r) for r in rows],
+        }
+        out.with_suffix(".json").write_text(json.dumps(data, indent=2))
+        png = plot(rows, out.with_suffix(".png"))
+        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
+    return 0

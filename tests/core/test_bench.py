@@ -1,0 +1,22 @@
+"""`moehal bench` machinery on tiny shapes (performance goals live in the benchmark itself,
+not in tests: this only checks that it measures, reports and plots)."""
+
+from __future__ import annotations
+
+import json
+
+from moehal.bench import main
+
+
+def test_bench_tiny_writes_json_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "2",
+                 "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["ceilings"]["copy_bytes_per_s"] > 0 and data["ceilings"]["matmul_flops_per_s"] > 0
+    rows = data["rows"]
+    assert [r["tokens"] for r in rows] == [1, 8]
+    for r in rows:
+        assert r["time_us"] > 0 and 0 < r["roofline_us"] and r["pct_roofline"] > 0
+        assert r["flops"] == 2 * r["tokens"] * 2 * (128 * 128 + 64 * 128)
+    assert out.with_suffix(".png").stat().st_size > 1000

@@ -79,6 +79,10 @@ def count_rows(rank: int, world: int, case: EPCase) -> dict:
 
 WIRE_CASE = EPCase("wire", top_k=4, num_experts=8, tokens_per_rank=(7, 3, 0, 5), routing="random", seed=11)
 BROKEN_CASE = EPCase("broken weights", top_k=3, tokens_per_rank=(8, 5))
+ALIGNED_CASES = [
+    EPCase("contiguous aligned to 8, bf16", top_k=3, tokens_per_rank=(9, 0, 4, 6)),
+    EPCase("contiguous aligned to 8, fp8", quant="fp8_block", routing="skewed", tokens_per_rank=(5, 12)),
+]
 
 
 def suite_worker(rank: int, world: int) -> dict:
@@ -88,6 +92,9 @@ def suite_worker(rank: int, world: int) -> dict:
     return {
         "suite": dc.run_ep_cases(rank, world),
         "wire": count_rows(rank, world, WIRE_CASE),
+        "aligned": dc.run_ep_cases(
+            rank, world, ALIGNED_CASES, backend="aligned", plugins=[("aligned", "ep_aligned_plugin")]
+        ),
         "broken": dc.run_ep_cases(
             rank, world, [BROKEN_CASE], dispatcher="broken.broken_ep", plugins=[("broken", "ep_test_workers")]
         ),

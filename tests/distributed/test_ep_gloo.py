@@ -41,6 +41,16 @@ def test_case_matches_reference(spawned, i):
     assert row.pipeline.startswith("reference.torch_distributed -> reference.experts"), row.pipeline
 
 
+def test_contiguous_alignment(spawned):
+    """Experts that want aligned segments (row_alignment 8) get them through the EP dispatcher."""
+    _, per_rank = spawned
+    rows = dc.summarize([r["aligned"] for r in per_rank])
+    assert len(rows) == len(workers.ALIGNED_CASES)
+    for row in rows:
+        assert row.verdict == "PASS", row.detail
+        assert "aligned.experts_aligned8" in row.pipeline and "align 8" in row.pipeline, row.pipeline
+
+
 def test_ranks_agree_on_the_verdict(spawned):
     _, per_rank = spawned
     for per_case in zip(*[r["suite"] for r in per_rank]):

@@ -101,8 +101,16 @@ class ReferenceDispatcher(Dispatcher):
         return accept(predicate="format")
 
     def check_parallel(self, req: BuildRequest) -> Decision:
-        # With ep_size > 1 in one process it computes this rank's partial sum; moving tokens
-        # between ranks is the EP dispatcher's job.
+        # With ep_size > 1 and no process group it computes this rank's partial sum in one
+        # process (conformance's local-expert-range case). With a process group, tokens must
+        # move between ranks: a partial sum would be silently wrong, so decline.
+        if req.config.ep_size > 1 and req.process_group is not None:
+            return decline(
+                f"ep_size={req.config.ep_size} with a process group needs tokens moved between ranks; the local "
+                "dispatcher would compute only this rank's partial sum (use an EP dispatcher such as "
+                "reference.torch_distributed)",
+                "parallel",
+            )
         return accept(predicate="parallel")
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> DispatchRunner:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import moehal
 import torch
 from moehal.capability import accept
+from moehal.ep_dispatcher import TorchDistributedDispatcher
 from moehal.hookspecs import hookimpl
 from moehal.interfaces import BackendInfo, Dispatcher, Experts
 from moehal.reference.dispatcher import ReferenceDispatcher
@@ -26,7 +27,7 @@ def moehal_backend_info() -> BackendInfo:
 
 @hookimpl
 def moehal_dispatchers() -> Sequence[Dispatcher]:
-    return [ReferenceDispatcher()]
+    return [ReferenceDispatcher(), TorchDistributedDispatcher()]
 
 
 @hookimpl

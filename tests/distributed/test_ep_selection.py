@@ -1,0 +1,84 @@
+"""Single-process checks of EP selection: who accepts ep_size > 1, and why others decline."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from moehal import MoEConfig, MoELayer, NoBackendError
+from moehal.ep_dispatcher import TorchDistributedDispatcher
+from moehal.formats import ActivationFormat, Layout, ScaleKind
+from moehal.hardware import detect
+from moehal.interfaces import BuildRequest
+from moehal.quant import BF16
+from moehal.reference.dispatcher import ReferenceDispatcher
+
+CFG = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64, ep_rank=0, ep_size=2)
+
+
+def _req(cfg=CFG, group=None):
+    return BuildRequest(cfg, BF16, detect("cpu"), process_group=group)
+
+
+def test_ep_dispatcher_declines_without_ep():
+    d = TorchDistributedDispatcher().check_parallel(_req(CFG.with_(ep_size=1)))
+    assert not d.ok and "ep_size is 1" in d.reason
+
+
+def test_ep_dispatcher_declines_without_group():
+    d = TorchDistributedDispatcher().check_parallel(_req())
+    assert not d.ok and "process_group=group" in d.reason
+
+
+def test_ep_dispatcher_declines_when_distributed_is_not_initialized():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    d = TorchDistributedDispatcher().check_parallel(_req(group=object()))
+    assert not d.ok and "not initialized" in d.reason
+
+
+def test_local_dispatcher_keeps_single_process_partial_sums_but_declines_real_ep():
+    assert ReferenceDispatcher().check_parallel(_req()).ok
+    d = ReferenceDispatcher().check_parallel(_req(group=object()))
+    assert not d.ok and "partial sum" in d.reason
+
+
+@pytest.mark.parametrize(
+    "fmt,ok",
+    [
+        (ActivationFormat(Layout.CONTIGUOUS, torch.bfloat16, row_alignment=64), True),
+        (ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128), True),
+        (ActivationFormat(Layout.STANDARD, torch.int8, ScaleKind.PER_TOKEN), True),
+        (ActivationFormat(Layout.MASKED, torch.float16), False),
+        (ActivationFormat(Layout.MASKED, torch.int8, ScaleKind.GROUP_128), False),
+        (ActivationFormat("vendor_flat", torch.bfloat16), False),
+    ],
+)
+def test_can_produce(fmt, ok):
+    assert TorchDistributedDispatcher().can_produce(fmt, _req()).ok is ok
+
+
+@pytest.fixture
+def world_of_one():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    path = tempfile.mktemp(prefix="moehal-ep-")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20)
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def test_group_size_must_match_ep_size(world_of_one):
+    d = TorchDistributedDispatcher().check_parallel(_req(group=world_of_one))
+    assert not d.ok and "1 ranks" in d.reason and "ep_size is 2" in d.reason
+    with pytest.raises(NoBackendError) as e:
+        MoELayer(CFG, "bf16", device="cpu", process_group=world_of_one)
+    assert "torch_distributed" in str(e.value)

@@ -192,8 +192,10 @@ class CaseBuilder:
         for quant in claimed:
             # With biases, computing a padding row would make it non-zero; backends without
             # bias support are checked without (then only leaks into the output show).
-            for name, cfg in (("bias_rows", base.with_(has_w13_bias=True, has_w2_bias=True, top_k=1)),
-                              ("plain_rows", base.with_(top_k=1))):
+            for name, cfg in (
+                ("bias_rows", base.with_(has_w13_bias=True, has_w2_bias=True, top_k=1)),
+                ("plain_rows", base.with_(top_k=1)),
+            ):
                 found = list(self.cases_for("padding", "padding", name, cfg, quant, tokens=5))
                 cases.extend(found)
                 if found:

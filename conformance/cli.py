@@ -22,6 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate", action="store_true", help="allow the backend's explicitly labelled emulated mode")
     p.add_argument("--quick", action="store_true", help="fewer shape cases (for slow interpreters)")
     p.add_argument("-k", dest="select", default=None, help="only cases whose id contains this text")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=0,
+        metavar="WORLD",
+        help="also run the expert-parallel cases on WORLD local processes (gloo, CPU)",
+    )
+    p.add_argument("--ep-dispatcher", default=None, help="EP dispatcher qualname to prove (default: generic)")
     p.add_argument("--show-passing", action="store_true", help="list every case, not only failures")
     return p
 
@@ -46,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.advance(task)
 
         suite.run(cases, tick)
+    if args.ep:
+        console.print(f"expert parallelism: {args.ep} processes")
+        suite.run_ep(args.ep, args.ep_dispatcher)
     counts = suite.counts()
     t = Table(title=f"conformance: {suite.backend}", title_justify="left")
     for col in ("family", "pass", "fail", "declined", "not run"):

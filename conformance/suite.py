@@ -68,6 +68,49 @@ class Suite:
             if on_result is not None:
                 on_result(r)
 
+    def run_ep(self, world: int = 2, dispatcher: str | None = None, timeout_s: float = 240.0) -> None:
+        """The expert-parallel cases: `world` local processes (gloo), each running the backend's
+        experts behind an EP dispatcher (the generic torch.distributed one unless `dispatcher`
+        names another), compared with the single-process reference on all tokens."""
+        import os
+
+        from moehal.distributed_check import run_ep_cases, run_spawned
+
+        if self.backend in self.registry.settings.emulate:
+            os.environ["MOEHAL_EMULATE"] = ",".join(sorted(self.registry.settings.emulate))
+        disp = dispatcher or "reference.torch_distributed"
+        outcomes = run_spawned(world, run_ep_cases, (None, "cpu", self.backend, disp), timeout_s=timeout_s)
+        errors = [
+            f"rank {o.rank} {o.status}: {o.error.strip().splitlines()[-1] if o.error else ''}"
+            for o in outcomes
+            if o.status != "ok"
+        ]
+        if errors:
+            self.results.append(
+                CaseResult(f"ep/world{world}", "ep", "ep", "-", "-", disp, FAIL, detail="; ".join(errors)[:400])
+            )
+            return
+        for rank0 in outcomes[0].result:
+            if rank0.declined:
+                self.results.append(CaseResult(f"ep/world{world}/{rank0.case}", "ep", "ep", "-", "-", "-", DECLINED,
+                                               detail=rank0.declined))
+                continue
+            status = PASS if rank0.all_ok else FAIL
+            self.results.append(
+                CaseResult(
+                    f"ep/world{world}/{rank0.case}",
+                    "ep",
+                    "ep",
+                    "-",
+                    "-",
+                    rank0.pipeline,
+                    status,
+                    rank0.mode,
+                    f"max err {rank0.max_abs_err:.2e} ({rank0.tolerance})"
+                    + (f"; {rank0.detail}" if rank0.detail else ""),
+                )
+            )
+
     # Summary ------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         out = {PASS: 0, FAIL: 0, DECLINED: 0, NOT_RUN: 0}

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from moehal.config import MoEConfig
+from moehal.errors import NoBackendError
 from moehal.layer import MoELayer
 from moehal.plugins import Registry, discover
 from moehal.quant import QuantScheme
@@ -186,6 +187,7 @@ class EPResult:
     device: str
     seconds: float
     detail: str = ""
+    declined: str = ""  # the backend declined the case (NoBackendError's summary), not a failure
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -324,7 +326,14 @@ def run_ep_cases(
     """
     todo = list(cases) if cases is not None else ep_cases(world)
     reg = default_registry(plugins)
-    return [run_ep_case(c, device=device, backend=backend, dispatcher=dispatcher, registry=reg) for c in todo]
+    results = []
+    for c in todo:
+        try:
+            results.append(run_ep_case(c, device=device, backend=backend, dispatcher=dispatcher, registry=reg))
+        except NoBackendError as exc:  # deterministic on every rank: raised before any collective
+            results.append(EPResult(c.name, rank, world, False, False, 0, math.nan, "-", "-", "-", device, 0.0,
+                                    declined=str(exc).splitlines()[0]))
+    return results
 
 
 # --- a local process group with bounded timeouts --------------------------------------------------

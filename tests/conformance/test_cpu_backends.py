@@ -12,9 +12,11 @@ from moehal_conformance import report
 from moehal_conformance.suite import Suite
 
 
-def _run(backend: str, emulate: bool, profile: str, tmp_path: Path) -> Suite:
+def _run(backend: str, emulate: bool, profile: str, tmp_path: Path, ep: int = 0) -> Suite:
     suite = Suite.create(backend, "cpu", emulate=emulate, profile=profile)
     suite.run()
+    if ep:
+        suite.run_ep(ep)
     out = Path(os.environ.get("MOEHAL_REPORT_DIR", tmp_path))
     js, md = report.write(suite, out / f"conformance-{backend}-cpu")
     assert js.exists() and md.exists()
@@ -28,15 +30,17 @@ def _assert_green(suite: Suite) -> None:
 
 
 def test_reference_full(tmp_path):
-    suite = _run("reference", False, "full", tmp_path)
+    suite = _run("reference", False, "full", tmp_path, ep=2)
+    assert sum(r.family == "ep" and r.status == "pass" for r in suite.results) >= 10
     _assert_green(suite)
     assert {r.status for r in suite.results} <= {"pass", "not run"}, "the reference claims every case"
 
 
 def test_npu_emulated(tmp_path):
-    suite = _run("npu", True, "full", tmp_path)
+    suite = _run("npu", True, "full", tmp_path, ep=2)
     _assert_green(suite)
     passed = [r for r in suite.results if r.status == "pass"]
     assert all(r.mode == "emulated" for r in passed), "every NPU pass must be labelled emulated"
     assert {"bf16", "w8a8_int8"} <= {r.quant for r in passed}
     assert any(r.layout == "fused" for r in passed), "the FuseEP path must run"
+    assert any(r.family == "ep" for r in passed), "NPU experts must run behind the generic EP dispatcher"

@@ -39,7 +39,7 @@ def test_reference_full(tmp_path):
 def test_npu_emulated(tmp_path):
     suite = _run("npu", True, "full", tmp_path, ep=2)
     _assert_green(suite)
-    passed = [r for r in suite.results if r.status == "pass"]
+    passed = [r for r in suite.results if r.status == "pass" and r.family != "honesty"]
     assert all(r.mode == "emulated" for r in passed), "every NPU pass must be labelled emulated"
     assert {"bf16", "w8a8_int8"} <= {r.quant for r in passed}
     assert any(r.layout == "fused" for r in passed), "the FuseEP path must run"

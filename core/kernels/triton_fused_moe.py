@@ -25,8 +25,9 @@ per-token activation scale, int32 accumulate).
 
 FP8 flavour: e4m3fn (OCP) on NVIDIA and gfx950/gfx12; e4m3fnuz on MI300 (gfx942). The bits of
 an e4m3fnuz number are worth half those of e4m3fn (exponent bias 8 instead of 7), so canonical
-e4m3fn weights become e4m3fnuz by keeping the bits and doubling the scale (`fn_to_fnuz`);
-the one e4m3fn pattern that means NaN in fnuz, 0x80 (-0.0), becomes +0. Activations are
+e4m3fn weights become e4m3fnuz by keeping the bits and doubling the scale;
+the one e4m3fn pattern that means NaN in fnuz, 0x80 (-0.0), becomes +0 (the ROCm backend's
+weight processor does this, `moehal_rocm.weights.to_fnuz`). Activations are
 quantized to fnuz with a maximum of 224 (= 448 / 2), which gives exactly the values the
 e4m3fn reference quantizer gives.
 
@@ -80,14 +81,6 @@ def fp8_dtype_for(arch: str | None, is_rocm: bool) -> torch.dtype:
 
 def fp8_qmax(fp8_dtype: torch.dtype) -> float:
     return FP8_E4M3FNUZ_QMAX if fp8_dtype == torch.float8_e4m3fnuz else FP8_E4M3FN_MAX
-
-
-def fn_to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reinterpret e4m3fn values as e4m3fnuz: same bits, scale doubled, -0 (0x80, NaN in
-    fnuz) turned into +0. Lossless: `fnuz(q') * 2s == fn(q) * s` for every finite q."""
-    bits = q.view(torch.int8)
-    bits = torch.where(bits == -128, torch.zeros_like(bits), bits)
-    return bits.view(torch.float8_e4m3fnuz), scale * 2.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -172,6 +172,10 @@ def heuristic_configs(
     num_stages=2; NVIDIA's prefers 3-4.
     """
     rows = max(1, m * top_k // max(e, 1))
+    if interpreting():
+        # The interpreter's cost is per program and per op, not per element: few, wide tiles.
+        bm = 16 if rows <= 16 else 32
+        return KernelConfig(bm, 256, 256, 1, 4, 1), KernelConfig(bm, 256, 256, 1, 4, 1)
     stages = 2 if is_rocm else 3
     bk = 128 if quant in ("fp8_block", "int8") else 64
     if rows <= 16:
@@ -487,9 +491,15 @@ def _group_quant_fp8_kernel(
     GROUP_SIZE: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    row_ids_ptr,
+    HAS_ROW_IDS: tl.constexpr,
 ):
-    """One program per (row, 128-group): scale = amax / QMAX, q = x / scale (saturated)."""
+    """One program per (row, 128-group): scale = amax / QMAX, q = x / scale (saturated).
+    With HAS_ROW_IDS, rows whose expert id is < 0 (not local, never written) are skipped."""
     row = tl.program_id(0).to(tl.int64)
+    if HAS_ROW_IDS:
+        if tl.load(row_ids_ptr + row) < 0:
+            return
     grp = tl.program_id(1)
     offs = grp * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     mask = offs < K
@@ -512,9 +522,15 @@ def _group_quant_fp8_kernel(
 
 
 @triton.jit
-def _token_quant_int8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
-    """One program per row: scale = amax / 127, q = round-half-even(x / scale)."""
+def _token_quant_int8_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, row_ids_ptr, HAS_ROW_IDS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program per row: scale = amax / 127, q = round-half-even(x / scale). With HAS_ROW_IDS,
+    rows whose expert id is < 0 are skipped."""
     row = tl.program_id(0).to(tl.int64)
+    if HAS_ROW_IDS:
+        if tl.load(row_ids_ptr + row) < 0:
+            return
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
@@ -534,24 +550,28 @@ def _moe_sum_kernel(
     c_ptr,
     ids_ptr,
     out_ptr,
+    T,
     H,
     stride_cm,
     stride_om,
     TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FIX_BF16: tl.constexpr,
 ):
     """out[t] = sum_k c[t*K + k] over the k whose expert is local (id >= 0); fp32 sum."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_mask = offs_t < T
+    h_mask = offs_h < H
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * TOP_K + k)
-        local = (tl.zeros((BLOCK_H,), dtype=tl.int32) + e) >= 0
-        row = tl.load(c_ptr + (t * TOP_K + k) * stride_cm + offs, mask=mask & local, other=0.0)
-        acc += row.to(tl.float32)
-    tl.store(out_ptr + t * stride_om + offs, _to(acc, out_ptr.dtype.element_ty, FIX_BF16), mask=mask)
+        e = tl.load(ids_ptr + offs_t * TOP_K + k, mask=t_mask, other=-1)
+        m = (t_mask & (e >= 0))[:, None] & h_mask[None, :]
+        ptrs = c_ptr + (offs_t * TOP_K + k)[:, None] * stride_cm + offs_h[None, :]
+        acc += tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + offs_t[:, None] * stride_om + offs_h[None, :]
+    tl.store(out_ptrs, _to(acc, out_ptr.dtype.element_ty, FIX_BF16), mask=t_mask[:, None] & h_mask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -560,9 +580,13 @@ def _moe_sum_kernel(
 
 
 def per_token_group_quant_fp8(
-    x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, ue8m0: bool = False
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    ue8m0: bool = False,
+    row_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[M, K]` -> (fp8 `[M, K]`, fp32 scales `[M, ceil(K/128)]`), 1x128 groups."""
+    """x `[M, K]` -> (fp8 `[M, K]`, fp32 scales `[M, ceil(K/128)]`), 1x128 groups.
+    row_ids int32 `[M]`: rows with a negative id are skipped (their outputs stay unset)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     ng = triton.cdiv(k, GROUP)
@@ -581,19 +605,31 @@ def per_token_group_quant_fp8(
             GROUP_SIZE=GROUP,
             MIN_NORMAL=2.0**-7 if fp8_dtype == torch.float8_e4m3fnuz else 2.0**-6,
             ROUND_IN_FP32=interpreting(),
+            row_ids_ptr=row_ids if row_ids is not None else s,
+            HAS_ROW_IDS=row_ids is not None,
         )
     return q, s
 
 
-def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[M, K]` -> (int8 `[M, K]`, fp32 scales `[M]`), dynamic symmetric per row."""
+def per_token_quant_int8(x: torch.Tensor, row_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` -> (int8 `[M, K]`, fp32 scales `[M]`), dynamic symmetric per row.
+    row_ids int32 `[M]`: rows with a negative id are skipped (their outputs stay unset)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m and k:
         block = _next_pow2(k)
         _token_quant_int8_kernel[(m,)](
-            x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 256))
+            x,
+            q,
+            s,
+            k,
+            x.stride(0),
+            q.stride(0),
+            row_ids if row_ids is not None else s,
+            HAS_ROW_IDS=row_ids is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
         )
     return q, s
 
@@ -708,11 +744,13 @@ def _launch_gemm(
     )
 
 
-def _quantize_rows(x: torch.Tensor, w: TritonMoEWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _quantize_rows(
+    x: torch.Tensor, w: TritonMoEWeights, row_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if w.quant == "fp8_block":
-        return per_token_group_quant_fp8(x, w.fp8_dtype, w.ue8m0)
+        return per_token_group_quant_fp8(x, w.fp8_dtype, w.ue8m0, row_ids)
     if w.quant == "int8":
-        return per_token_quant_int8(x)
+        return per_token_quant_int8(x, row_ids)
     return x, None
 
 
@@ -769,7 +807,8 @@ def fused_moe(
         a1, a1_s, w.w13, w.w13_scale, w.w13_bias, inter, None, sorted_ids, expert_ids, num_post, s, i, cfg1,
         top_k=top_k, gated=gated and n13 == 2 * i, act=act, quant=qcode, alpha=swiglu_alpha, limit=swiglu_limit,
     )  # fmt: skip
-    a2, a2_s = _quantize_rows(inter, w)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    a2, a2_s = _quantize_rows(inter, w, None if all_local else ids)  # rows of remote experts: never written
     direct = top_k == 1 and all_local
     y = out if direct else torch.empty((s, h), dtype=out_dtype, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
@@ -778,10 +817,20 @@ def fused_moe(
         top_k=1, gated=False, act=ACT_NONE, quant=qcode, alpha=0.0, limit=0.0,
     )  # fmt: skip
     if not direct:
-        ids = topk_ids.reshape(-1).to(torch.int32)
-        block_h = min(1024, _next_pow2(h))
-        grid = (t, triton.cdiv(h, block_h))
+        block_t = min(64, _next_pow2(t)) if interpreting() else 1
+        block_h = min(4096 if interpreting() else 1024, _next_pow2(h))
+        grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_h))
         _moe_sum_kernel[grid](
-            y, ids, out, h, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h, FIX_BF16=interpreting()
+            y,
+            ids,
+            out,
+            t,
+            h,
+            y.stride(0),
+            out.stride(0),
+            TOP_K=top_k,
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
+            FIX_BF16=interpreting(),
         )
     return out

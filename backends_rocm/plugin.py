@@ -3,6 +3,13 @@
 Experts, best first: AMD AITER (priority 30, when `aiter` imports), the portable Triton fused
 MoE shared with the CUDA backend (20), and a slow pure-torch fallback (1) so that no
 configuration is left without a path. Token movement uses the reference dispatcher.
+
+On a machine whose torch has no ROCm, nothing of this backend can run natively: the Triton
+experts run only in the interpreter on CPU (TRITON_INTERPRET=1) and the fallback is the
+reference math. There the plugin declares them BELOW the reference (Triton -1, fallback -2), so
+that automatic selection never picks `rocm` on a CPU or NVIDIA machine (a test suite run with
+TRITON_INTERPRET=1 would otherwise interpret every layer it builds); `backend='rocm'` still
+gets the Triton kernels first, then the fallback. With ROCm: AITER 30, Triton 20, fallback 0.
 """
 
 from __future__ import annotations
@@ -59,9 +66,15 @@ def moehal_backend_info() -> BackendInfo:
     )
 
 
+def priorities(on_rocm: bool) -> tuple[int, int]:
+    """(Triton, torch fallback) priorities; see the module docstring."""
+    return (TritonExperts.priority, TorchFallbackExperts.priority) if on_rocm else (-1, -2)
+
+
 @hookimpl
 def moehal_experts() -> Sequence[Experts]:
-    return [AiterExperts(), TritonExperts(), TorchFallbackExperts()]
+    triton_p, fallback_p = priorities(rocm_hw.rocm_build() is not None)
+    return [AiterExperts(), TritonExperts(priority=triton_p), TorchFallbackExperts(priority=fallback_p)]
 
 
 @hookimpl

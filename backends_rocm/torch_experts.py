@@ -27,10 +27,15 @@ class TorchFallbackExperts(ReferenceExperts):
     # sorts first, so that automatic selection still picks (and labels) `reference.experts`
     # on every device. With priority 1 this fallback would take every configuration that no
     # kernel takes on every CPU and GPU machine, under the name `rocm`. It is chosen when the
-    # caller asks for `backend='rocm'`.
+    # caller asks for `backend='rocm'`. The plugin lowers it below the Triton experts on
+    # machines without ROCm (see moehal_rocm.plugin).
     priority = 0
     description = "SLOW FALLBACK: pure-torch reference math per expert, for configurations no ROCm kernel takes"
     devices: ClassVar[frozenset[str]] = ALL_DEVICES
+
+    def __init__(self, priority: int | None = None) -> None:
+        if priority is not None:
+            self.priority = priority  # type: ignore[misc]
 
     def supports(self, req: BuildRequest) -> Decision:
         d = super().supports(req)

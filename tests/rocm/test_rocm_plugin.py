@@ -84,9 +84,14 @@ def test_torch_fallback_for_schemes_no_kernel_takes(reg, quant):
     assert torch.equal(layer(xb, ids, wts), ref(xb, ids, wts))
 
 
-def test_fallback_does_not_take_automatic_selection(reg):
+@pytest.mark.parametrize("quant", ["nvfp4", "bf16", "fp8_block", "w8a8_int8"])
+def test_rocm_never_taken_automatically_without_rocm(reg, quant):
+    """Even with TRITON_INTERPRET=1 (CI), automatic selection on CPU keeps the reference; only
+    backend='rocm' gets the interpreted Triton kernels (or the slow fallback)."""
+    if not NO_ROCM:
+        pytest.skip("checks a torch build without ROCm")
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)
-    layer = moehal.MoELayer(cfg, "nvfp4", device="cpu", registry=reg)
+    layer = moehal.MoELayer(cfg, quant, device="cpu", registry=reg)
     assert layer.plan.pipeline.main.qualname == "reference.experts"
 
 

@@ -1,0 +1,184 @@
+"""The ROCm backend's Triton path against the reference backend (same canonical weights).
+
+CI runs this under TRITON_INTERPRET=1 (the Triton interpreter on CPU): real kernel code, small
+shapes. On a GPU it runs compiled.
+"""
+
+from __future__ import annotations
+
+import moehal
+import pytest
+import torch
+from _rocm_testing import DEVICE, INTERPRET, ON_NVIDIA, TOL, TOL_DTYPE, needs_triton, problem, rel_err
+from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput
+from moehal.hardware import HardwareInfo
+from moehal.interfaces import BackendInfo, BuildRequest
+from moehal.quant.activation import quantize_activation
+
+pytestmark = needs_triton
+
+
+def _triton_registry() -> moehal.Registry:
+    """The reference plugin plus the ROCm Triton experts, on whatever device runs this test
+    (on an NVIDIA GPU this is also how the CUDA backend reuses the class)."""
+    from moehal.reference import plugin as reference_plugin
+    from moehal_rocm.triton_experts import TritonExperts
+    from moehal_rocm.weights import TritonWeightProcessor
+
+    devices = frozenset({"cuda"}) if ON_NVIDIA else frozenset({"rocm"})
+
+    class _Plugin:
+        @moehal.hookimpl
+        def moehal_backend_info(self) -> BackendInfo:
+            return BackendInfo(name="tritonmoe", version="0", description="ROCm Triton experts, reused")
+
+        @moehal.hookimpl
+        def moehal_experts(self):
+            return [TritonExperts(devices=devices)]
+
+        @moehal.hookimpl
+        def moehal_weight_processors(self):
+            return [TritonWeightProcessor(devices=devices | {"cpu"})]
+
+    reg = moehal.Registry(moehal.Settings())
+    reg.register(reference_plugin, "reference")
+    reg.register(_Plugin(), "tritonmoe")
+    return reg
+
+
+def run_pair(cfg: moehal.MoEConfig, quant: str, t: int, seed: int = 0):
+    w, x, ids, wts = problem(cfg, quant, t, seed)
+    reg = _triton_registry()
+    ours = moehal.MoELayer(cfg, quant, backend="tritonmoe", device=DEVICE, registry=reg)
+    ref = moehal.MoELayer(cfg, quant, backend="reference", device=DEVICE, registry=reg)
+    assert ours.plan.pipeline.main.name == "triton", ours.plan
+    if INTERPRET:
+        assert ours.plan.pipeline.execution_mode(ours.request) == "interpreted"
+    ours.load_weights(w)
+    ref.load_weights(w)
+    return ours(x, ids, wts), ref(x, ids, wts), ours
+
+
+SCHEMES = ["bf16", "fp8_block", "fp8_block:ue8m0", "w8a8_int8"]
+ACTS = [
+    dict(activation="silu"),
+    dict(activation="gelu", gated=False, has_w13_bias=True, has_w2_bias=True),
+    dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True),
+]
+
+
+@pytest.mark.parametrize("quant", SCHEMES)
+@pytest.mark.parametrize("act", ACTS, ids=["silu", "gelu_nongated_bias", "swiglu_oai_bias"])
+def test_schemes_and_activations(quant, act):
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=96, **act)
+    out, ref, _ = run_pair(cfg, quant, t=7)
+    assert rel_err(out, ref) < TOL[quant]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_layer_dtypes(dtype):
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64, dtype=dtype)
+    out, ref, _ = run_pair(cfg, "bf16", t=5)
+    assert rel_err(out, ref) < TOL_DTYPE[dtype]
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "w8a8_int8"])
+def test_expert_parallel_local_slice(quant):
+    # rank 1 of 2 owns experts 4..7; slots routed to 0..3 contribute nothing here
+    cfg = moehal.MoEConfig(num_experts=8, top_k=3, hidden_size=64, intermediate_size=128, ep_size=2, ep_rank=1)
+    out, ref, _ = run_pair(cfg, quant, t=9, seed=3)
+    assert rel_err(out, ref) < TOL[quant]
+
+
+def test_token_with_no_local_expert_is_zero():
+    cfg = moehal.MoEConfig(num_experts=4, top_k=1, hidden_size=64, intermediate_size=64, ep_size=2, ep_rank=0)
+    w, x, _, wts = problem(cfg, "bf16", t=3)
+    ids = torch.tensor([[0], [3], [1]], dtype=torch.int32, device=DEVICE)  # token 1 goes to rank 1
+    layer = moehal.MoELayer(cfg, "bf16", backend="tritonmoe", device=DEVICE, registry=_triton_registry())
+    layer.load_weights(w)
+    out = layer(x, ids, wts)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0 and out[2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("t", [0, 1])
+def test_zero_and_one_token(t):
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)
+    out, ref, _ = run_pair(cfg, "bf16", t=t)
+    assert out.shape == (t, 64)
+    if t:
+        assert rel_err(out, ref) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4])
+def test_top_k(top_k):
+    cfg = moehal.MoEConfig(num_experts=4, top_k=top_k, hidden_size=64, intermediate_size=64)
+    out, ref, _ = run_pair(cfg, "bf16", t=6, seed=top_k)
+    assert rel_err(out, ref) < TOL["bf16"]
+
+
+def test_router_weight_on_input():
+    cfg = moehal.MoEConfig(
+        num_experts=4, top_k=1, hidden_size=64, intermediate_size=64, apply_router_weight_on_input=True
+    )
+    out, ref, _ = run_pair(cfg, "bf16", t=5)
+    assert rel_err(out, ref) < TOL["bf16"]
+
+
+def test_plan_through_rocm_backend_is_interpreted_triton():
+    if not INTERPRET:
+        pytest.skip("checks the CPU-interpreter plan of backend='rocm'")
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)
+    layer = moehal.MoELayer(cfg, "fp8_block", backend="rocm", device="cpu")
+    assert layer.plan.pipeline.main.qualname == "rocm.triton"
+    assert "INTERPRETED" in str(layer.plan)
+    assert layer.plan.pipeline.processor is not None and layer.plan.pipeline.processor.qualname == "rocm.triton_weights"
+
+
+# --- pre-quantized dispatch and the MI300 (e4m3fnuz) path, driven directly -----------------------
+
+
+def _direct(cfg, quant, hw: HardwareInfo, fmt: ActivationFormat, t: int = 6):
+    from moehal_rocm.triton_experts import TritonExperts
+    from moehal_rocm.weights import TritonWeightProcessor
+
+    req = BuildRequest(cfg, moehal.QuantScheme.parse(quant), hw)
+    w, x, ids, wts = problem(cfg, quant, t)
+    processed = TritonWeightProcessor().process(w, req)
+    runner = TritonExperts().build(req, fmt)
+    runner.load(processed)
+    q, s = quantize_activation(x, fmt.scales)
+    out = runner.apply(StandardInput(q, s, ids, wts)).hidden
+    ref = moehal.MoELayer(cfg, quant, backend="reference", device=DEVICE)
+    ref.load_weights(w)
+    return out, ref(x, ids, wts), processed
+
+
+@pytest.mark.parametrize(
+    "quant,fmt",
+    [
+        ("fp8_block", ActivationFormat(Layout.STANDARD, torch.float8_e4m3fn, ScaleKind.GROUP_128)),
+        ("w8a8_int8", ActivationFormat(Layout.STANDARD, torch.int8, ScaleKind.PER_TOKEN)),
+    ],
+)
+def test_prequantized_dispatch(quant, fmt):
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    out, ref, _ = _direct(cfg, quant, moehal.detect(DEVICE), fmt)
+    assert rel_err(out, ref) < TOL[quant]
+
+
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_mi300_fnuz_path(prequantized):
+    """gfx942 computes in e4m3fnuz: the weight processor converts (bits kept, scale x2) and the
+    quantizer uses max 224, which reproduces the e4m3fn reference grid exactly."""
+    if not INTERPRET:
+        pytest.skip("emulates MI300 hardware info on CPU tensors: interpreter only")
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    hw = HardwareInfo("rocm", torch.device("cpu"), "AMD Instinct MI300X (emulated info)", (9, 4), "gfx942")
+    if prequantized:
+        fmt = ActivationFormat(Layout.STANDARD, torch.float8_e4m3fn, ScaleKind.GROUP_128)
+    else:
+        fmt = ActivationFormat(Layout.STANDARD, torch.bfloat16)
+    out, ref, processed = _direct(cfg, "fp8_block", hw, fmt)
+    assert processed.w13.dtype == torch.float8_e4m3fnuz
+    assert rel_err(out, ref) < TOL["fp8_block"]

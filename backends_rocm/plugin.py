@@ -1,15 +1,13 @@
 """Entry point `rocm` of group `moehal.backends`: AMD GPUs through ROCm.
 
 Experts, best first: AMD AITER (priority 30, when `aiter` imports), the portable Triton fused
-MoE shared with the CUDA backend (20), and a slow pure-torch fallback (1) so that no
-configuration is left without a path. Token movement uses the reference dispatcher.
+MoE shared with the CUDA backend (20), and a slow pure-torch fallback (0, tied with the
+reference, which wins the tie by name) so that `backend='rocm'` leaves no configuration
+without a path. Token movement uses the reference dispatcher.
 
-On a machine whose torch has no ROCm, nothing of this backend can run natively: the Triton
-experts run only in the interpreter on CPU (TRITON_INTERPRET=1) and the fallback is the
-reference math. There the plugin declares them BELOW the reference (Triton -1, fallback -2), so
-that automatic selection never picks `rocm` on a CPU or NVIDIA machine (a test suite run with
-TRITON_INTERPRET=1 would otherwise interpret every layer it builds); `backend='rocm'` still
-gets the Triton kernels first, then the fallback. With ROCm: AITER 30, Triton 20, fallback 0.
+On a machine whose torch has no ROCm the Triton experts run only in the interpreter on CPU
+(TRITON_INTERPRET=1, execution mode 'interpreted'), and automatic selection never picks an
+interpreted pipeline: only `backend='rocm'` does.
 """
 
 from __future__ import annotations
@@ -32,11 +30,15 @@ from moehal_rocm.weights import AiterWeightProcessor, TritonWeightProcessor
 def available(hw: HardwareInfo) -> Decision:
     hip = rocm_hw.rocm_build()
     if hip is None:
-        if hw.kind == "cpu" and rocm_hw.interpreting():
-            return accept("no ROCm, but TRITON_INTERPRET=1: the Triton kernels run in the interpreter (tests only)")
+        # Availability means native execution; the interpreter is a test mode, named in the reason.
+        interp = (
+            " (TRITON_INTERPRET=1 is set: `backend='rocm'` runs its Triton kernels interpreted, for tests)"
+            if hw.kind == "cpu" and rocm_hw.interpreting()
+            else ""
+        )
         return decline(
             "no ROCm: torch is a CUDA/CPU build (torch.version.hip is None); install a ROCm build of torch "
-            "(https://pytorch.org/get-started/locally/) on a machine with an AMD GPU"
+            "(https://pytorch.org/get-started/locally/) on a machine with an AMD GPU" + interp
         )
     if hw.kind != "rocm":
         return decline(f"torch is a ROCm {hip} build but no AMD GPU is visible (device is {hw.kind})")
@@ -66,15 +68,9 @@ def moehal_backend_info() -> BackendInfo:
     )
 
 
-def priorities(on_rocm: bool) -> tuple[int, int]:
-    """(Triton, torch fallback) priorities; see the module docstring."""
-    return (TritonExperts.priority, TorchFallbackExperts.priority) if on_rocm else (-1, -2)
-
-
 @hookimpl
 def moehal_experts() -> Sequence[Experts]:
-    triton_p, fallback_p = priorities(rocm_hw.rocm_build() is not None)
-    return [AiterExperts(), TritonExperts(priority=triton_p), TorchFallbackExperts(priority=fallback_p)]
+    return [AiterExperts(), TritonExperts(), TorchFallbackExperts()]
 
 
 @hookimpl

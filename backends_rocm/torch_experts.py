@@ -27,9 +27,9 @@ class TorchFallbackExperts(ReferenceExperts):
     # sorts first, so that automatic selection still picks (and labels) `reference.experts`
     # on every device. With priority 1 this fallback would take every configuration that no
     # kernel takes on every CPU and GPU machine, under the name `rocm`. It is chosen when the
-    # caller asks for `backend='rocm'`. The plugin lowers it below the Triton experts on
-    # machines without ROCm (see moehal_rocm.plugin).
+    # caller asks for `backend='rocm'` and no ROCm kernel accepts.
     priority = 0
+    fallback = True
     description = "SLOW FALLBACK: pure-torch reference math per expert, for configurations no ROCm kernel takes"
     devices: ClassVar[frozenset[str]] = ALL_DEVICES
 

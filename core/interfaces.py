@@ -84,6 +84,7 @@ class Implementation(ABC):
     graph_capturable: ClassVar[bool] = False  # forward does no host sync and keeps static shapes
     deterministic: ClassVar[bool] = True  # bitwise-equal results on the same inputs
     emulates: ClassVar[bool] = False  # True: runs torch stand-ins of vendor ops (reported `emulated`)
+    fallback: ClassVar[bool] = False  # True: a slow catch-all; the plan says so when it is chosen
 
     def execution_mode(self, req: BuildRequest) -> str:
         """How this runs for `req`: 'native', 'emulated' (torch stand-ins of vendor ops,

@@ -305,6 +305,16 @@ def enumerate_pipelines(
                     CandidateDecision(name, "pipeline", False, f"no dispatcher produces it ({why})", "format")
                 )
 
+    if backend is None:
+        # An interpreter (TRITON_INTERPRET=1) is for tests: used only when its backend is named.
+        kept = []
+        for p in pipelines:
+            if p.execution_mode(req) == "interpreted":
+                decisions.append(CandidateDecision(p.name, "pipeline", False, "interpreted execution is used only "
+                                                   "when its backend is requested by name", "request"))
+            else:
+                kept.append(p)
+        pipelines = kept
     pipelines.sort(key=lambda p: p.rank)
     return pipelines, decisions
 

@@ -88,6 +88,7 @@ class ReferenceExperts(Experts):
     description = "pure-torch oracle (float32 on dequantized weights)"
     quant_schemes = frozenset(ALL_SCHEMES)
     graph_capturable = False  # loops over experts with data-dependent row selection
+    fallback = True
 
     def input_formats(self, req: BuildRequest) -> Sequence[ActivationFormat]:
         out: list[ActivationFormat] = []

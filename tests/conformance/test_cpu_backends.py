@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+import torch
 from moehal_conformance import report
 from moehal_conformance.suite import Suite
 
@@ -44,3 +46,12 @@ def test_npu_emulated(tmp_path):
     assert {"bf16", "w8a8_int8"} <= {r.quant for r in passed}
     assert any(r.layout == "fused" for r in passed), "the FuseEP path must run"
     assert any(r.family == "ep" for r in passed), "NPU experts must run behind the generic EP dispatcher"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on a CPU machine")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is for CPU machines")
+def test_rocm_triton_interpreted(tmp_path):
+    suite = _run("rocm", False, "quick", tmp_path)
+    _assert_green(suite)
+    modes = {r.mode for r in suite.results if r.status == "pass" and "triton" in r.pipeline}
+    assert modes == {"interpreted"}, f"the Triton path must run (interpreted), saw {modes}"

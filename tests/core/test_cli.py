@@ -6,7 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+from moehal.cli import common
 from moehal.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    monkeypatch.setattr(common.console, "width", 250)  # no wrapping inside the strings we look for
 
 
 def test_doctor_json_lists_reference_available_and_others_with_reason():

@@ -331,8 +331,23 @@ def run_ep_cases(
         try:
             results.append(run_ep_case(c, device=device, backend=backend, dispatcher=dispatcher, registry=reg))
         except NoBackendError as exc:  # deterministic on every rank: raised before any collective
-            results.append(EPResult(c.name, rank, world, False, False, 0, math.nan, "-", "-", "-", device, 0.0,
-                                    declined=str(exc).splitlines()[0]))
+            results.append(
+                EPResult(
+                    c.name,
+                    rank,
+                    world,
+                    False,
+                    False,
+                    0,
+                    math.nan,
+                    "-",
+                    "-",
+                    "-",
+                    device,
+                    0.0,
+                    declined=str(exc).splitlines()[0],
+                )
+            )
     return results
 
 

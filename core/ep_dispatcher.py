@@ -63,7 +63,7 @@ from moehal.formats import (
     StandardOutput,
 )
 from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
-from moehal.quant.activation import quantize_activation, scale_kind_dtype
+from moehal.quant.activation import check_core_format, quantize_activation, scale_kind_dtype
 from moehal.routing import TopK
 
 _U8 = torch.uint8
@@ -278,18 +278,7 @@ class TorchDistributedDispatcher(Dispatcher):
         return accept(f"EP over {world} ranks", "parallel")
 
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
-        if not isinstance(fmt.layout, Layout):
-            return decline(f"layout {fmt.layout_name!r} is not a core layout", "format")
-        if fmt.scales is ScaleKind.NONE:
-            if fmt.dtype != req.config.dtype:
-                return decline(
-                    f"unquantized dispatch keeps the layer dtype {req.config.dtype}, not {fmt.dtype}", "format"
-                )
-            return accept(predicate="format")
-        want = scale_kind_dtype(fmt.scales)
-        if want is None or fmt.dtype != want:
-            return decline(f"scales {fmt.scales.value} need dtype {want}, got {fmt.dtype}", "format")
-        return accept("quantizes before sending; scales travel with the rows", "format")
+        return check_core_format(fmt, req.config.dtype)  # quantizes before sending; scales travel with the rows
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> DispatchRunner:
         return TorchDistributedDispatchRunner(req, fmt)

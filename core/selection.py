@@ -310,8 +310,15 @@ def enumerate_pipelines(
         kept = []
         for p in pipelines:
             if p.execution_mode(req) == "interpreted":
-                decisions.append(CandidateDecision(p.name, "pipeline", False, "interpreted execution is used only "
-                                                   "when its backend is requested by name", "request"))
+                decisions.append(
+                    CandidateDecision(
+                        p.name,
+                        "pipeline",
+                        False,
+                        "interpreted execution is used only when its backend is requested by name",
+                        "request",
+                    )
+                )
             else:
                 kept.append(p)
         pipelines = kept

@@ -7,7 +7,8 @@ quantize to zero and stay zero.
 from __future__ import annotations
 
 import torch
-from moehal.formats import ScaleKind
+from moehal.capability import Decision, accept, decline
+from moehal.formats import ActivationFormat, Layout, ScaleKind
 from moehal.quant import fp8, int8
 
 
@@ -39,3 +40,19 @@ def scale_kind_dtype(kind: ScaleKind) -> torch.dtype | None:
     if kind is ScaleKind.PER_TOKEN:
         return torch.int8
     return None
+
+
+def check_core_format(fmt: ActivationFormat, layer_dtype: torch.dtype) -> Decision:
+    """Whether a dispatcher that permutes with moehal's torch helpers and quantizes with the
+    reference quantizers can emit `fmt`: a core layout, unquantized in the layer dtype, or
+    fp8 group-128 / int8 per-token."""
+    if not isinstance(fmt.layout, Layout):
+        return decline(f"layout {fmt.layout_name!r} is not a core layout", "format")
+    if fmt.scales is ScaleKind.NONE:
+        if fmt.dtype != layer_dtype:
+            return decline(f"unquantized dispatch keeps the layer dtype {layer_dtype}, not {fmt.dtype}", "format")
+        return accept(predicate="format")
+    want = scale_kind_dtype(fmt.scales)
+    if want is None or fmt.dtype != want:
+        return decline(f"scales {fmt.scales.value} need dtype {want}, got {fmt.dtype}", "format")
+    return accept(predicate="format")

@@ -15,12 +15,11 @@ from moehal.formats import (
     Layout,
     MaskedInput,
     MaskedOutput,
-    ScaleKind,
     StandardInput,
     StandardOutput,
 )
 from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
-from moehal.quant.activation import quantize_activation, scale_kind_dtype
+from moehal.quant.activation import check_core_format, quantize_activation
 from moehal.routing import TopK
 
 
@@ -87,18 +86,7 @@ class ReferenceDispatcher(Dispatcher):
     graph_capturable = True
 
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
-        if not isinstance(fmt.layout, Layout):
-            return decline(f"layout {fmt.layout_name!r} is not a core layout", "format")
-        if fmt.scales is ScaleKind.NONE:
-            if fmt.dtype != req.config.dtype:
-                return decline(
-                    f"unquantized dispatch keeps the layer dtype {req.config.dtype}, not {fmt.dtype}", "format"
-                )
-            return accept(predicate="format")
-        want = scale_kind_dtype(fmt.scales)
-        if want is None or fmt.dtype != want:
-            return decline(f"scales {fmt.scales.value} need dtype {want}, got {fmt.dtype}", "format")
-        return accept(predicate="format")
+        return check_core_format(fmt, req.config.dtype)
 
     def check_parallel(self, req: BuildRequest) -> Decision:
         # With ep_size > 1 and no process group it computes this rank's partial sum in one

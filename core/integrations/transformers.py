@@ -55,6 +55,7 @@ __all__ = [
     "experts_module",
     "infer_activation",
     "moehal_experts_forward",
+    "peer_callable",
     "peer_implementations",
     "prepare",
     "register",
@@ -365,6 +366,21 @@ def peer_implementations(device: torch.device | str | None = None) -> dict[str, 
         if "deepgemm" in ALL_EXPERTS_FUNCTIONS and (module_available("deep_gemm") or module_available("kernels")):
             out["deepgemm"] = ALL_EXPERTS_FUNCTIONS["deepgemm"]
     return out
+
+
+def peer_callable(
+    name: str, config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, device: torch.device | str
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`call(hidden, topk_ids, topk_weights)` running transformers' experts function `name` on
+    canonical float weights (for `moehal bench`: the same problem, a peer implementation)."""
+    fns = peer_implementations(device)
+    if name not in fns:
+        raise NotSupportedError(
+            f"transformers experts implementation {name!r} cannot run here; available: {sorted(fns)}"
+        )
+    module = experts_module(config, w13.to(device, config.dtype), w2.to(device, config.dtype))
+    fn = fns[name]
+    return lambda x, ids, wts: fn(module, x, ids.long(), wts)
 
 
 class _Experts(torch.nn.Module):

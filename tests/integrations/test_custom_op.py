@@ -19,8 +19,9 @@ def _layer(dtype=torch.float32, routing=None, device="cpu", registry=None, backe
     gen = torch.Generator().manual_seed(seed)
     w13 = torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5
     w2 = torch.randn(E, H, INTER, generator=gen) / INTER**0.5
-    layer.load_weights(w13=w13.to(dtype).to(device), w2=w2.to(dtype).to(device))
-    return layer, w13, w2
+    w13, w2 = w13.to(dtype), w2.to(dtype)
+    layer.load_weights(w13=w13.to(device), w2=w2.to(device))
+    return layer, w13.float(), w2.float()
 
 
 def _float64_moe(x, ids, wts, w13, w2):
@@ -146,17 +147,39 @@ def test_registry_holds_weak_references():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
 
 
-def _capturable_gpu_layer(dtype=torch.bfloat16):
-    layer, w13, w2 = _layer(dtype=dtype, device="cuda")
+def _gpu_registry(backend):
+    """'auto': the installed plugins; 'acme': the example plugin's source registered directly
+    (sync-free, declares graph_capturable, so the capture is always exercised on a GPU)."""
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    if backend == "acme" and "acme" not in reg.loaded_backends():
+        import importlib
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "acme_plugin" / "src"))
+        try:
+            reg.register(importlib.import_module("acme_moehal.plugin"), "acme")
+        finally:
+            sys.path.pop(0)
+    return reg
+
+
+def _capturable_gpu_layer(backend, dtype=torch.bfloat16):
+    layer, w13, w2 = _layer(dtype=dtype, device="cuda", registry=_gpu_registry(backend), backend=backend)
     if not custom_op.is_graph_capturable(layer):
         pytest.skip(f"the selected pipeline {layer.plan.pipeline.name} does not declare graph_capturable")
     return layer, w13, w2
 
 
+GPU_BACKENDS = pytest.mark.parametrize("backend", ["auto", "acme"])
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_layer_forward_captures_into_cuda_graph():
-    layer, w13, w2 = _capturable_gpu_layer()
+@GPU_BACKENDS
+def test_layer_forward_captures_into_cuda_graph(backend):
+    layer, w13, w2 = _capturable_gpu_layer(backend)
     t = 16
     gen = torch.Generator().manual_seed(1)
     static_x = torch.zeros(t, H, dtype=torch.bfloat16, device="cuda")
@@ -190,10 +213,11 @@ def test_layer_forward_captures_into_cuda_graph():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_compiled_model_runs_as_cuda_graph_on_gpu():
+@GPU_BACKENDS
+def test_compiled_model_runs_as_cuda_graph_on_gpu(backend):
     from torch._dynamo.utils import counters
 
-    layer, w13, w2 = _capturable_gpu_layer()
+    layer, w13, w2 = _capturable_gpu_layer(backend)
     router = torch.nn.Linear(H, E, device="cuda", dtype=torch.bfloat16)
 
     def f(x):

@@ -223,6 +223,9 @@ def test_layout_flags_map_to_canonical(layout):
     assert {"grouped_mm", "batched_mm"} <= set(peers)
     for name, fn in peers.items():
         torch.testing.assert_close(fn(module, x, ids, wts).double(), want, rtol=1e-4, atol=1e-4, msg=name)
+        if layout == mt.ExpertsLayout(has_gate=True) or layout == mt.ExpertsLayout(has_gate=False):
+            call = mt.peer_callable(name, cfg, w13, w2, "cpu")  # what moehal bench times
+            torch.testing.assert_close(call(x, ids.int(), wts).double(), want, rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_unsupported_layouts_say_why():

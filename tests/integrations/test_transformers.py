@@ -93,7 +93,8 @@ def test_logits_match_eager(family):
     if family == "gpt_oss":
         c = layers[0].config
         assert (c.activation, c.has_w13_bias, c.has_w2_bias) == (moehal.Activation.SWIGLU_OAI, True, True)
-        assert (c.swiglu_alpha, c.swiglu_limit) == (model.config.swiglu_alpha, model.config.swiglu_limit)
+        experts = model.model.layers[0].mlp.experts
+        assert (c.swiglu_alpha, c.swiglu_limit) == (float(experts.alpha), float(experts.limit))
     torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
 
 

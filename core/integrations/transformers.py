@@ -203,12 +203,19 @@ class _Prepared:
     layer_id: int
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors (created under torch.inference_mode) keep no version counter
+        return -1
+
+
 def _weight_key(module: torch.nn.Module, top_k: int, variant: tuple[str, str]) -> tuple[Any, ...]:
     parts: list[Any] = [top_k, variant]
     for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
         t = getattr(module, name, None)
         if isinstance(t, torch.Tensor):
-            parts.append((name, t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device))
+            parts.append((name, t.data_ptr(), _version(t), tuple(t.shape), t.dtype, t.device))
     return tuple(parts)
 
 

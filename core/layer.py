@@ -12,6 +12,7 @@ import torch
 from moehal.config import MoEConfig
 from moehal.errors import InputError, WeightsAlreadyProcessedError, WeightsNotLoadedError
 from moehal.hardware import HardwareInfo, detect
+from moehal.integrations import custom_op
 from moehal.interfaces import BuildRequest, DispatchRunner, ExpertsRunner, FusedRunner
 from moehal.plugins import Registry, discover
 from moehal.quant import QuantScheme
@@ -88,6 +89,7 @@ class MoELayer(torch.nn.Module):
         self._weights: ExpertWeights | None = None
         self._correction_bias: torch.Tensor | None = None
         self._processed = False
+        self._op_id = custom_op.register_layer(self)  # torch.compile sees the layer as one custom op
 
     # Weights -------------------------------------------------------------------------------
     def load_weights(
@@ -143,6 +145,8 @@ class MoELayer(torch.nn.Module):
         topk_ids int32/int64 `[T, K]` global expert ids, topk_weights float `[T, K]`;
         or router_logits `[T, E]` (float32, or the layer dtype).
         """
+        if torch.compiler.is_compiling():  # one opaque node: moehal::moe_forward[_logits]
+            return custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
         if not self._processed:
             raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
         self._check_hidden(hidden_states)

@@ -1,0 +1,34 @@
+"""mkdocs hook: list the committed reports on the Reports page at build time.
+
+`<!-- reports:DIR -->` in a page becomes a table of the files under docs/DIR (newest first),
+so a report committed by a device run appears without editing the page.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+_MARK = re.compile(r"<!-- reports:([\w\-/]+) -->")
+_KINDS = {".md": "report", ".json": "machine-readable", ".log": "log", ".png": "plot", ".txt": "text"}
+
+
+def _table(docs_dir: Path, page_dir: Path, sub: str) -> str:
+    root = docs_dir / sub
+    files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.name, reverse=True)
+    if not files:
+        return f"_No reports are committed under `docs/{sub}/` yet._"
+    rows = ["| file | kind |", "|---|---|"]
+    for p in files:
+        rel = Path(*([".."] * len(page_dir.relative_to(docs_dir).parts)), p.relative_to(docs_dir)).as_posix()
+        rows.append(f"| [{p.relative_to(root).as_posix()}]({rel}) | {_KINDS.get(p.suffix, p.suffix)} |")
+    return "\n".join(rows)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    if "<!-- reports:" not in markdown:
+        return markdown
+    docs_dir = Path(config["docs_dir"])
+    page_dir = (docs_dir / page.file.src_path).parent
+    return _MARK.sub(lambda m: _table(docs_dir, page_dir, m.group(1)), markdown)

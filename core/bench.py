@@ -129,14 +129,26 @@ def bench_one(
     w2 = torch.randn(e, h, i, generator=gen) / i**0.5
     x = torch.randn(tokens, h, generator=gen)
     weights = moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=x[:64])
-    layer = moehal.MoELayer(cfg, quant, backend=backend, device=dev, registry=registry, validate=False)
-    layer.load_weights(weights.to(dev))
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)])
     ids, wts = ids.to(dev, torch.int32), (torch.rand(tokens, cfg.top_k, generator=gen) + 0.1).to(dev)
     xd = x.to(dev, cfg.dtype)
-    fn: Callable[[], Any] = lambda: layer(xd, ids, wts)
+    capturable = False
+    if backend.startswith("transformers:"):
+        # A peer: transformers' own experts function on the same float weights and routing.
+        from moehal.integrations.transformers import peer_callable
+
+        if quant.is_quantized:
+            raise moehal.NotSupportedError("transformers peers take float weights only")
+        call = peer_callable(backend.split(":", 1)[1], cfg, w13, w2, dev)
+        fn: Callable[[], Any] = lambda: call(xd, ids, wts)
+        pipeline = backend
+    else:
+        layer = moehal.MoELayer(cfg, quant, backend=backend, device=dev, registry=registry, validate=False)
+        layer.load_weights(weights.to(dev))
+        fn = lambda: layer(xd, ids, wts)
+        pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
-    if dev.type == "cuda" and layer.plan.pipeline.graph_capturable:
+    if dev.type == "cuda" and capturable:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -155,7 +167,7 @@ def bench_one(
     return Row(
         shape,
         backend,
-        layer.plan.pipeline.name,
+        pipeline,
         quant.name,
         tokens,
         t * 1e6,
@@ -205,7 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--shapes", default="deepseek_v3_ep8,qwen3_30b_a3b,mixtral_8x7b", help=f"comma list of {sorted(SHAPES)}"
     )
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
-    p.add_argument("--backends", default="auto", help="comma list of backend names (auto = best)")
+    p.add_argument(
+        "--backends",
+        default="auto",
+        help="comma list of backend names (auto = best); 'peers' adds transformers' experts functions",
+    )
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
     p.add_argument("--device", default=None)
     p.add_argument("--reps", type=int, default=50)
@@ -220,11 +236,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
         f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s (measured now)"
     )
+    backends = args.backends.split(",")
+    if "peers" in backends:
+        from moehal.integrations.transformers import peer_implementations
+
+        backends = [b for b in backends if b != "peers"] + [f"transformers:{n}" for n in peer_implementations(dev)]
     jobs = [
         (s, q, b, t)
         for s in args.shapes.split(",")
         for q in args.quant.split(",")
-        for b in args.backends.split(",")
+        for b in backends
         for t in map(int, args.tokens.split(","))
         if not (b == "reference" and t > args.max_reference_tokens)
     ]
@@ -237,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(
                     bench_one(shape, cfg, QuantScheme.parse(q), backend, tokens, dev, ceil, args.reps, registry)
                 )
-            except (MoEHalError, torch.OutOfMemoryError) as exc:
+            except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
                 console.print(f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False)
             progress.advance(task)
     t = Table(title="moehal bench (whole layer)", title_justify="left")

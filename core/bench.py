@@ -112,6 +112,25 @@ def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
     return total / e
 
 
+_WEIGHTS: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]] = {}
+
+
+def _weights(
+    shape: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]:
+    """Float and quantized weights, made on the device once per (shape, quant)."""
+    key = (shape, quant.name, str(dev))
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()  # one shape's weights at a time: the big shapes take GBs
+        gen = torch.Generator(dev).manual_seed(0)
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        w13 = torch.randn(e, cfg.w13_rows, h, generator=gen, device=dev) / h**0.5
+        w2 = torch.randn(e, h, i, generator=gen, device=dev) / i**0.5
+        calib = torch.randn(64, h, generator=gen, device=dev)
+        _WEIGHTS[key] = (w13, w2, moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=calib))
+    return _WEIGHTS[key]
+
+
 def bench_one(
     shape: str,
     cfg: moehal.MoEConfig,
@@ -123,13 +142,12 @@ def bench_one(
     reps: int,
     registry: moehal.Registry,
 ) -> Row:
+    w13, w2, weights = _weights(shape, cfg, quant, dev)
+    h = cfg.hidden_size
     gen = torch.Generator().manual_seed(tokens)
-    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-    w13 = torch.randn(e, cfg.w13_rows, h, generator=gen) / h**0.5
-    w2 = torch.randn(e, h, i, generator=gen) / i**0.5
     x = torch.randn(tokens, h, generator=gen)
-    weights = moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=x[:64])
-    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)])
+    # Random top-k without replacement per token (argsort of noise: vectorized, no Python loop).
+    ids = torch.rand(tokens, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
     ids, wts = ids.to(dev, torch.int32), (torch.rand(tokens, cfg.top_k, generator=gen) + 0.1).to(dev)
     xd = x.to(dev, cfg.dtype)
     capturable = False
@@ -144,7 +162,7 @@ def bench_one(
         pipeline = backend
     else:
         layer = moehal.MoELayer(cfg, quant, backend=backend, device=dev, registry=registry, validate=False)
-        layer.load_weights(weights.to(dev))
+        layer.load_weights(weights)
         fn = lambda: layer(xd, ids, wts)
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
@@ -162,7 +180,7 @@ def bench_one(
     t = time_call(fn, dev, reps)
     touched = int(torch.unique(ids).numel())
     wbytes = int(_weight_bytes_per_expert(weights) * touched)
-    flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + i * h)
+    flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
     roof = max(wbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
     return Row(
         shape,

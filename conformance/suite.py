@@ -76,10 +76,19 @@ class Suite:
 
         from moehal.distributed_check import run_ep_cases, run_spawned
 
-        if self.backend in self.registry.settings.emulate:
-            os.environ["MOEHAL_EMULATE"] = ",".join(sorted(self.registry.settings.emulate))
         disp = dispatcher or "reference.torch_distributed"
-        outcomes = run_spawned(world, run_ep_cases, (None, "cpu", self.backend, disp), timeout_s=timeout_s)
+        # The ranks are fresh processes that read Settings from their environment: hand them
+        # this run's emulate switch for the spawn only, never leaving it in ours.
+        saved = os.environ.get("MOEHAL_EMULATE")
+        if self.registry.settings.emulate:
+            os.environ["MOEHAL_EMULATE"] = ",".join(sorted(self.registry.settings.emulate))
+        try:
+            outcomes = run_spawned(world, run_ep_cases, (None, "cpu", self.backend, disp), timeout_s=timeout_s)
+        finally:
+            if saved is None:
+                os.environ.pop("MOEHAL_EMULATE", None)
+            else:
+                os.environ["MOEHAL_EMULATE"] = saved
         errors = [
             f"rank {o.rank} {o.status}: {o.error.strip().splitlines()[-1] if o.error else ''}"
             for o in outcomes

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
-from moehal.kernels.triton_permute import QUANT_GROUP, interpreting, round_to_e4m3_grid
+from moehal.kernels.triton_permute import QUANT_GROUP, interpreting, round_to_bf16_grid, round_to_e4m3_grid
 
 ACT_IDS = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
 
@@ -115,15 +115,18 @@ def _act_rows(
             g = tl.load(hrow + cols[None, :], mask=mk, other=0.0)
             if HAS_BIAS:
                 brow = b_ptr + e[:, None].to(tl.int64) * s_be
-                g = (g.to(tl.float32) + tl.load(brow + cols[None, :], mask=mk, other=0.0).to(tl.float32)).to(
-                    h_ptr.dtype.element_ty
-                )
-            g = g.to(tl.float32)
+                g = g.to(tl.float32) + tl.load(brow + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+                if EXACT_ROUND:
+                    g = round_to_bf16_grid(g)
+            g = g.to(h_ptr.dtype.element_ty).to(tl.float32)
             if GATED:
                 u = tl.load(hrow + I_SIZE + cols[None, :], mask=mk, other=0.0)
                 if HAS_BIAS:
                     bu = tl.load(brow + I_SIZE + cols[None, :], mask=mk, other=0.0).to(tl.float32)
-                    u = (u.to(tl.float32) + bu).to(h_ptr.dtype.element_ty)
+                    u = u.to(tl.float32) + bu
+                    if EXACT_ROUND:
+                        u = round_to_bf16_grid(u)
+                    u = u.to(h_ptr.dtype.element_ty)
                 u = u.to(tl.float32)
             if ACT == 0:
                 a = g * tl.sigmoid(g)
@@ -136,6 +139,8 @@ def _act_rows(
                 u = u + 1.0
             if GATED:
                 a = a * u
+            if EXACT_ROUND:
+                a = round_to_bf16_grid(a)
             a = a.to(h_ptr.dtype.element_ty).to(tl.float32)  # the layer dtype, as the reference rounds
             if QUANT:
                 amax = tl.max(tl.abs(tl.where(mk, a, 0.0)), axis=1)
@@ -185,6 +190,7 @@ def _bias_rows(
     max_m,
     H,
     MASKED: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -199,6 +205,8 @@ def _bias_rows(
             mk = live[:, None] & (cols[None, :] < H)
             v = tl.load(yrow + cols[None, :], mask=mk, other=0.0).to(tl.float32)
             v += tl.load(brow + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+            if EXACT_ROUND:
+                v = round_to_bf16_grid(v)
             tl.store(yrow + cols[None, :], v.to(y_ptr.dtype.element_ty), mask=mk)
 
 
@@ -294,7 +302,7 @@ def activation(
         HAS_BIAS=bias is not None,
         QUANT=quant,
         UE8M0=ue8m0,
-        EXACT_ROUND=quant and interpreting(),
+        EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_I=block_i,
         BLOCK_H=min(256, triton.next_power_of_2(h_size)),
@@ -320,6 +328,7 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
         max(rows.max_m, 1),
         y.shape[-1],
         MASKED=m,
+        EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(256, triton.next_power_of_2(y.shape[-1])),
     )

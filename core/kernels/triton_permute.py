@@ -63,6 +63,16 @@ def round_to_e4m3_grid(v):
 
 
 @triton.jit
+def round_to_bf16_grid(v):
+    """Round float32 to the nearest bfloat16 value (ties to even), still as float32.
+
+    Only used under the Triton interpreter, whose bf16 cast truncates."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _expert_positions(
     ids_ptr,
     slot_pos_ptr,
@@ -154,7 +164,10 @@ def _scatter_rows(
             m2 = valid[:, None] & cm[None, :]
             v = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=m2, other=0.0)
             if WEIGHT_ON_INPUT:
-                v = (v.to(tl.float32) * wt[:, None]).to(x_ptr.dtype.element_ty)
+                vw = v.to(tl.float32) * wt[:, None]
+                if EXACT_ROUND:
+                    vw = round_to_bf16_grid(vw)
+                v = vw.to(x_ptr.dtype.element_ty)
             dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
             if QUANT:
                 # one group of QUANT_GROUP (== BLOCK_H) elements per column block
@@ -219,6 +232,7 @@ def _combine_rows(
     TOP_K: tl.constexpr,
     MASKED: tl.constexpr,
     USE_WEIGHTS: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -237,6 +251,8 @@ def _combine_rows(
                 v = v * tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
             acc += v
     acc = acc * scaling
+    if EXACT_ROUND:
+        acc = round_to_bf16_grid(acc)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
@@ -417,7 +433,7 @@ def permute(
             QUANT=quant,
             UE8M0=ue8m0,
             WEIGHT_ON_INPUT=weight_on_input,
-            EXACT_ROUND=quant and interpreting(),
+            EXACT_ROUND=interpreting(),
             BLOCK_S=block_s,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
@@ -466,6 +482,7 @@ def combine(
         TOP_K=top_k,
         MASKED=masked,
         USE_WEIGHTS=topk_weights is not None,
+        EXACT_ROUND=interpreting() and out.dtype == torch.bfloat16,
         BLOCK_H=block_h,
     )
     return out

@@ -13,6 +13,7 @@ from moehal.hookspecs import hookimpl
 from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, WeightProcessor
 from moehal_cuda.deepgemm_experts import DeepGemmExperts, DeepGemmWeightProcessor
 from moehal_cuda.dispatch import CudaPermuteDispatcher
+from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts, Nvfp4DequantProcessor
 
 
 def _available(hw: HardwareInfo) -> Decision:
@@ -49,7 +50,7 @@ def moehal_dispatchers() -> Sequence[Dispatcher]:
 
 @hookimpl
 def moehal_experts() -> Sequence[Experts]:
-    return [DeepGemmExperts()]
+    return [DeepGemmExperts(), Nvfp4DequantExperts()]
 
 
 @hookimpl
@@ -59,4 +60,4 @@ def moehal_fused_forwards() -> Sequence[FusedForward]:
 
 @hookimpl
 def moehal_weight_processors() -> Sequence[WeightProcessor]:
-    return [DeepGemmWeightProcessor()]
+    return [DeepGemmWeightProcessor(), Nvfp4DequantProcessor()]

@@ -1,4 +1,4 @@
-# ruff: noqa: ANN001, ANN202  (Triton JIT kernels: arguments are untyped by design)
+# ruff: noqa: ANN001, ANN201, ANN202  (Triton JIT kernels: arguments are untyped by design)
 """Triton glue between the two grouped GEMMs: bias + activation + optional 1x128 FP8
 quantization in one pass over the GEMM1 output, and the GEMM2 bias.
 
@@ -60,6 +60,69 @@ def _row_state(
 
 
 @triton.jit
+def nvfp4_qdq(v, gs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """Quantize-dequantize float32 `[BLOCK_R, BLOCK_C]` as NVFP4 with global scale `gs`
+    (e2m1 values, one e4m3 scale per 16 elements), exactly as `moehal.quant.nvfp4.qdq`."""
+    b = tl.reshape(v, (BLOCK_R, BLOCK_C // 16, 16))
+    amax = tl.max(tl.abs(b), axis=2)
+    sf = tl.minimum(amax / 6.0 * gs, 448.0)
+    if EXACT_ROUND:
+        sf = round_to_e4m3_grid(sf)
+    else:
+        sf = sf.to(tl.float8e4nv).to(tl.float32)
+    inv = tl.where(sf > 0, gs / tl.maximum(sf, 1e-30), 0.0)
+    x = b * inv[:, :, None]
+    mag = tl.minimum(tl.abs(x), 6.0)
+    q = tl.where(mag > 0.25, 0.5, 0.0)
+    q = tl.where(mag >= 0.75, 1.0, q)
+    q = tl.where(mag > 1.25, 1.5, q)
+    q = tl.where(mag >= 1.75, 2.0, q)
+    q = tl.where(mag > 2.5, 3.0, q)
+    q = tl.where(mag >= 3.5, 4.0, q)
+    q = tl.where(mag > 5.0, 6.0, q)
+    q = tl.where(x < 0, -q, q)
+    return tl.reshape(q * sf[:, :, None] / gs, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit
+def _qdq_rows(
+    x_ptr,
+    s_xe,
+    s_xm,
+    o_ptr,
+    s_oe,
+    s_om,
+    gs_ptr,
+    masked_m_ptr,
+    row_expert_ptr,
+    seg_start_ptr,
+    counts_ptr,
+    num_rows,
+    max_m,
+    H,
+    MASKED: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rin = r < num_rows
+    e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        gs = tl.load(gs_ptr).to(tl.float32)
+        e64 = e_addr[:, None].to(tl.int64)
+        m64 = m[:, None].to(tl.int64)
+        for c0 in range(0, H, BLOCK_H):
+            cols = c0 + tl.arange(0, BLOCK_H)
+            mk = live[:, None] & (cols[None, :] < H)
+            v = tl.load(x_ptr + e64 * s_xe + m64 * s_xm + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+            v = nvfp4_qdq(v, gs, BLOCK_R, BLOCK_H, EXACT_ROUND)
+            if EXACT_ROUND:
+                v = round_to_bf16_grid(v)
+            tl.store(o_ptr + e64 * s_oe + m64 * s_om + cols[None, :], v.to(o_ptr.dtype.element_ty), mask=mk)
+
+
+@triton.jit
 def _act_rows(
     h_ptr,
     s_he,
@@ -87,12 +150,14 @@ def _act_rows(
     H,
     alpha,
     limit,
+    gs_ptr,
     MASKED: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     QUANT: tl.constexpr,
     UE8M0: tl.constexpr,
+    NVFP4: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -142,6 +207,10 @@ def _act_rows(
             if EXACT_ROUND:
                 a = round_to_bf16_grid(a)
             a = a.to(h_ptr.dtype.element_ty).to(tl.float32)  # the layer dtype, as the reference rounds
+            if NVFP4:  # weight-dequant path: activations see the scheme's NVFP4 quantization
+                a = nvfp4_qdq(a, tl.load(gs_ptr).to(tl.float32), BLOCK_R, BLOCK_I, EXACT_ROUND)
+                if EXACT_ROUND:
+                    a = round_to_bf16_grid(a)
             if QUANT:
                 amax = tl.max(tl.abs(tl.where(mk, a, 0.0)), axis=1)
                 sc = tl.maximum(amax, 1e-12) / 448.0
@@ -249,6 +318,7 @@ def activation(
     config: MoEConfig,
     bias: torch.Tensor | None = None,
     ue8m0: bool = False,
+    nvfp4_global_scale: torch.Tensor | None = None,
 ) -> None:
     """GEMM1 output `h [.., N13]` -> `out [.., I]` (+ scales when FP8), in place; zeroes rows
     of `out` and `y` that went stale. Layout per `rows` (masked: 3-D tensors)."""
@@ -296,12 +366,14 @@ def activation(
         h_size,
         float(config.swiglu_alpha),
         float(config.swiglu_limit),
+        nvfp4_global_scale if nvfp4_global_scale is not None else h,
         MASKED=m,
         GATED=config.gated,
         ACT=ACT_IDS[config.activation],
         HAS_BIAS=bias is not None,
         QUANT=quant,
         UE8M0=ue8m0,
+        NVFP4=nvfp4_global_scale is not None,
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_I=block_i,
@@ -331,4 +403,32 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(256, triton.next_power_of_2(y.shape[-1])),
+    )
+
+
+def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tensor, rows: RowIndex) -> None:
+    """out[live rows] = NVFP4 quantize-dequantize of x[live rows] (global scale read on device)."""
+    m = rows.masked
+    s_xe, s_xm = _strides2(x, m)
+    s_oe, s_om = _strides2(out, m)
+    block_r = 16
+    _qdq_rows[(triton.cdiv(rows.num_rows, block_r),)](
+        x,
+        s_xe,
+        s_xm,
+        out,
+        s_oe,
+        s_om,
+        global_scale,
+        rows.masked_m,
+        rows.row_expert,
+        rows.segment_start,
+        rows.counts,
+        rows.num_rows,
+        max(rows.max_m, 1),
+        x.shape[-1],
+        MASKED=m,
+        EXACT_ROUND=interpreting(),
+        BLOCK_R=block_r,
+        BLOCK_H=min(128, triton.next_power_of_2(x.shape[-1])),
     )

@@ -91,6 +91,8 @@ def correctness(quick: bool) -> None:
         ("fp8_block:ue8m0", dict(ep_rank=1, ep_size=2, routed_scaling_factor=2.5), "masked"),
         ("fp8_block", dict(top_k=1, apply_router_weight_on_input=True), "contiguous"),
         ("fp8_block", dict(max_tokens=None), "contiguous"),
+        ("nvfp4", dict(), "masked"),
+        ("nvfp4", dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True), "contiguous"),
     ]
     if quick:
         cases = cases[:2] + cases[5:7]
@@ -111,7 +113,7 @@ def correctness(quick: bool) -> None:
                 yr = ref(x, ids, wts)
                 err = ((y.float() - yr.float()).abs().max() / yr.float().abs().max().clamp_min(1e-6)).item()
                 worst = max(worst, err)
-            tol = 3e-2 if quant == "bf16" else 6e-2
+            tol = {"bf16": 3e-2, "nvfp4": 1e-1}.get(quant, 6e-2)
             ok = worst < tol
             row = {"case": name, "pipeline": layer.plan.pipeline.name, "max_rel_err": worst, "tol": tol, "ok": ok}
             RESULTS["correctness"].append(row)
@@ -227,6 +229,7 @@ def perf(quick: bool) -> None:
         ("qwen3-30b-a3b", "fp8_block", "contiguous", (128, 1024)),
         ("deepseek-v3-ep4", "fp8_block", "masked", (16, 128)),
         ("deepseek-v3-ep4", "fp8_block", "contiguous", (128, 1024)),
+        ("qwen3-30b-a3b", "nvfp4", "masked", (16,)),
     ]
     if quick:
         plan = plan[:1] + plan[2:3]
@@ -284,7 +287,7 @@ def perf_case(name: str, kw: dict[str, Any], quant: str, layout: str, t: int, bw
     lo, hi = c.local_expert_start, c.local_expert_start + c.num_local_experts
     local = ids[(ids >= lo) & (ids < hi)]
     active = int(torch.unique(local).numel())
-    elt = 2 if quant == "bf16" else 1
+    elt = 1 if quant.startswith("fp8") else 2  # nvfp4 here runs on dequantized bf16 weights
     wbytes = active * (c.w13_rows * c.hidden_size + c.hidden_size * c.intermediate_size) * elt
     abytes = t * c.hidden_size * 2 * 2
     roof_us = (wbytes + abytes) / bw * 1e6

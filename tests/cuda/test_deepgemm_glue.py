@@ -89,3 +89,48 @@ def test_layer_matches_reference(quant_name, layout, extra):
         ref_rows = rex.apply(inp).hidden
         rs = ref_rows.float().abs().max().clamp_min(1e-3)
         assert ((out.hidden[live].float() - ref_rows[live].float()).abs().max() / rs).item() < tol
+
+
+def test_nvfp4_qdq_kernel_matches_reference_exactly():
+    from moehal.quant import nvfp4
+    from moehal_cuda.triton_glue import RowIndex, nvfp4_qdq_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 8, 64, generator=g) * 3).bfloat16().to(DEV)
+    gs = torch.tensor(37.5, device=DEV)
+    mm = torch.tensor([5, 8], dtype=torch.int32, device=DEV)
+    out = torch.zeros_like(x)
+    nvfp4_qdq_rows(x, out, gs, RowIndex(16, 8, masked_m=mm))
+    ref = nvfp4.qdq(x.float().cpu(), 37.5).bfloat16()
+    assert torch.equal(out[0, :5].cpu(), ref[0, :5]) and torch.equal(out[1].cpu(), ref[1])
+    assert (out[0, 5:] == 0).all()
+
+
+@pytest.mark.parametrize("layout", [Layout.MASKED, Layout.CONTIGUOUS])
+def test_nvfp4_dequant_experts_follow_the_scheme(layout):
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantRunner
+
+    cfg = MoEConfig(num_experts=6, top_k=2, hidden_size=128, intermediate_size=64, max_tokens=8, has_w2_bias=True)
+    quant = QuantScheme.parse("nvfp4")
+    g = torch.Generator().manual_seed(4)
+    w13 = torch.randn(6, 128, 128, generator=g) / 11
+    w2 = torch.randn(6, 128, 64, generator=g) / 8
+    x = torch.randn(8, 128, generator=g)
+    weights = quantize_weights(cfg, quant, w13, w2, w2_bias=torch.randn(6, 128, generator=g) * 0.1, calibration_input=x)
+    weights = weights.to(DEV)
+    req = BuildRequest(cfg, quant, detect(DEV))
+    fmt = ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, 8 if layout is Layout.CONTIGUOUS else 1)
+    disp = CudaPermuteDispatcher().build(req, fmt)
+    ex = Nvfp4DequantRunner(req, fmt, TorchGemmOps(False))
+    ex.load(weights)
+    rex = ReferenceExperts().build(req, fmt)
+    rex.load(weights)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(8)]).int().to(DEV)
+    inp, _ = disp.dispatch(x.bfloat16().to(DEV), TopK(ids, torch.ones(8, 2, device=DEV)))
+    out, ref = ex.apply(inp).hidden, rex.apply(inp).hidden
+    if layout is Layout.MASKED:
+        live = torch.arange(out.shape[1], device=DEV)[None, :] < inp.masked_m[:, None]
+    else:
+        live = inp.row_expert >= 0  # all rows of a used segment; padding rows compare as zeros
+    err = ((out[live].float() - ref[live].float()).abs().max() / ref[live].float().abs().max()).item()
+    assert err < 5e-2

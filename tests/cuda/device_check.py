@@ -65,7 +65,8 @@ def make(cfg_kw: dict[str, Any], quant: str, seed: int = 0) -> tuple[Any, Any]:
     w2 = torch.randn(e, h, i, device="cuda", generator=g) / i**0.5
     b13 = torch.randn(e, n13, device="cuda", generator=g) * 0.1 if c.has_w13_bias else None
     b2 = torch.randn(e, h, device="cuda", generator=g) * 0.1 if c.has_w2_bias else None
-    return c, quantize_weights(c, QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2)
+    # .to(): quantize_weights builds static activation scales as CPU scalars
+    return c, quantize_weights(c, QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2).to("cuda")
 
 
 def routing(t: int, c: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,8 +199,7 @@ def read_bandwidth() -> float:
     """Achievable HBM read bandwidth (bytes/s): a large sum reduction."""
     n = 1 << 31
     a = torch.ones(n // 2, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty((), dtype=torch.float32, device="cuda")
-    us = bench_graph(lambda: torch.sum(a, dtype=torch.float32, out=out), reps=5, inner=5)
+    us = bench_graph(lambda: a.sum(dtype=torch.float32), reps=5, inner=5)
     return n / (us * 1e-6)
 
 

@@ -29,7 +29,9 @@ def _layers(quant: str, layout: str, **extra):
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(16, cfg.w13_rows, 512, device="cuda", generator=g) / 512**0.5
     w2 = torch.randn(16, 512, 256, device="cuda", generator=g) / 256**0.5
-    w = moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2)
+    b13 = torch.randn(16, cfg.w13_rows, device="cuda", generator=g) * 0.1 if cfg.has_w13_bias else None
+    b2 = torch.randn(16, 512, device="cuda", generator=g) * 0.1 if cfg.has_w2_bias else None
+    w = moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2).to("cuda")
     layer = moehal.MoELayer(cfg, quant, backend="cuda", device="cuda", layout=layout)
     ref = moehal.MoELayer(cfg, quant, backend="reference", device="cuda", layout=layout)
     layer.load_weights(w)

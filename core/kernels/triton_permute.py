@@ -119,6 +119,7 @@ def _scatter_rows(
     max_m,
     expert_start,
     n_slot_programs,
+    n_hchunks,
     H,
     TOP_K: tl.constexpr,
     E: tl.constexpr,
@@ -132,6 +133,7 @@ def _scatter_rows(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    H_SPAN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, E_P)
@@ -140,7 +142,9 @@ def _scatter_rows(
     seg_end = tl.cumsum(aligned, axis=0)
     if pid < n_slot_programs:
         # ---- slots -> rows ----
-        s = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+        # program = (block of BLOCK_S slots) x (H_SPAN columns): parallel over H for small batches
+        hc = pid % n_hchunks
+        s = (pid // n_hchunks) * BLOCK_S + tl.arange(0, BLOCK_S)
         sin = s < num_slots
         local = tl.load(ids_ptr + s, mask=sin, other=-1).to(tl.int32) - expert_start
         valid = sin & (local >= 0) & (local < E)
@@ -154,11 +158,13 @@ def _scatter_rows(
             dest_e = tl.zeros_like(pos)
             dest_m = start + pos
             row_id = dest_m
-        tl.store(slot_row_ptr + s, tl.where(valid, row_id, -1), mask=sin)
+        if hc == 0:
+            tl.store(slot_row_ptr + s, tl.where(valid, row_id, -1), mask=sin)
         tok = s // TOP_K
         if WEIGHT_ON_INPUT:
             wt = tl.load(w_ptr + s, mask=valid, other=0.0).to(tl.float32)
-        for h0 in range(0, H, BLOCK_H):
+        for h1 in tl.static_range(0, H_SPAN, BLOCK_H):
+            h0 = hc * H_SPAN + h1
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
             m2 = valid[:, None] & cm[None, :]
@@ -395,9 +401,11 @@ def permute(
         sc = out
         ss_e = ss_m = ss_g = 0
         block_h = min(256, triton.next_power_of_2(h))
-    block_s = 16
+    block_s = 16 if s >= 4096 else 4
     block_r = 64
-    n_slot = triton.cdiv(s, block_s)
+    h_span = min(8 * block_h, triton.cdiv(h, block_h) * block_h)
+    n_hc = triton.cdiv(h, h_span)
+    n_slot = triton.cdiv(s, block_s) * n_hc
     n_row = triton.cdiv(num_rows, block_r)
     w = topk_weights.reshape(-1) if topk_weights is not None else ids
     if n_slot + n_row > 0:
@@ -424,6 +432,7 @@ def permute(
             max_m,
             expert_start,
             n_slot,
+            n_hc,
             h,
             TOP_K=k,
             E=e,
@@ -437,6 +446,7 @@ def permute(
             BLOCK_S=block_s,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
+            H_SPAN=h_span,
         )
     return Permuted(out, dest.scales, counts, slot_row[:s], row_expert, seg_start)
 

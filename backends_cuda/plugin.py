@@ -45,19 +45,27 @@ def moehal_backend_info() -> BackendInfo:
 
 @hookimpl
 def moehal_dispatchers() -> Sequence[Dispatcher]:
-    return [CudaPermuteDispatcher()]
+    from moehal_cuda.deepep import DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
+
+    return [CudaPermuteDispatcher(), DeepEPNormalDispatcher(), DeepEPLowLatencyDispatcher()]
 
 
 @hookimpl
 def moehal_experts() -> Sequence[Experts]:
-    return [DeepGemmExperts(), Nvfp4DequantExperts()]
+    from moehal_cuda.flashinfer_moe import CuteDslNvfp4Experts
+
+    return [DeepGemmExperts(), Nvfp4DequantExperts(), *CuteDslNvfp4Experts.variants()]
 
 
 @hookimpl
 def moehal_fused_forwards() -> Sequence[FusedForward]:
-    return []
+    from moehal_cuda.flashinfer_moe import TrtllmFp8BlockMoE, TrtllmFp8TensorMoE
+
+    return [TrtllmFp8BlockMoE(), TrtllmFp8TensorMoE()]
 
 
 @hookimpl
 def moehal_weight_processors() -> Sequence[WeightProcessor]:
-    return [DeepGemmWeightProcessor(), Nvfp4DequantProcessor()]
+    from moehal_cuda.flashinfer_moe import flashinfer_weight_processors
+
+    return [DeepGemmWeightProcessor(), Nvfp4DequantProcessor(), *flashinfer_weight_processors()]

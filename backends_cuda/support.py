@@ -14,7 +14,9 @@ from moehal.interfaces import BuildRequest
 # one verified with torch 2.11 + CUDA 13.0 (see docs/backends/cuda.md).
 DEEPGEMM_MIN = (0, 1, 4)
 FLASHINFER_MIN = (0, 5, 0)
-FLASHINFER_BF16_LOGITS = (0, 5, 3)  # trtllm-gen MoE accepts bf16 routing logits from this release
+# trtllm-gen FP8/FP4 MoE accept bf16 routing logits for DeepSeek-V3 routing from 0.6.8 (earlier:
+# fp32 only; sglang PR #25189 drops its fp32 upcast on that basis)
+FLASHINFER_BF16_LOGITS = (0, 6, 8)
 
 
 def parse_version(text: str | None) -> tuple[int, ...]:

@@ -77,3 +77,44 @@ def test_registrations_are_declared():
     assert "permute" in names
     assert "deepgemm" in {e.name for e in plugin.moehal_experts()}
     assert "deepgemm" in {p.layout for p in plugin.moehal_weight_processors()}
+
+
+def test_sm100_paths_decline_on_hopper_with_the_reason():
+    from moehal.routing import RoutingConfig
+    from moehal_cuda.flashinfer_moe import CuteDslNvfp4Experts, TrtllmFp8BlockMoE
+
+    cfg = CFG.with_(routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True))
+    for impl in [TrtllmFp8BlockMoE(), *CuteDslNvfp4Experts.variants()]:
+        d = impl.check_hardware(_req((9, 0), cfg=cfg))
+        what = "TensorRT-LLM-gen MoE" if "trtllm" in impl.name else "FlashInfer CuteDSL NVFP4"
+        assert not d.ok
+        assert d.reason == f"{what} needs SM100 (Blackwell) or SM103 (Blackwell Ultra); this device is sm90"
+        assert impl.check_hardware(_req((10, 0), cfg=cfg)).ok
+
+
+def test_cutedsl_registers_one_variant_per_dispatch_layout():
+    from moehal_cuda.flashinfer_moe import CuteDslNvfp4Experts
+
+    req = _req((10, 0), "nvfp4")
+    layouts = {v.input_formats(req)[0].layout for v in CuteDslNvfp4Experts.variants()}
+    assert layouts == {Layout.MASKED, Layout.STANDARD}
+
+
+def test_deepep_limits_checked_at_build():
+    from moehal_cuda.deepep import DeepEPLowLatencyDispatcher
+
+    ll = DeepEPLowLatencyDispatcher
+    ok = MoEConfig(num_experts=64, top_k=8, hidden_size=7168, intermediate_size=2048, ep_size=8, max_tokens=128)
+    assert ll.check_limits(_req((9, 0), cfg=ok)).ok
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(hidden_size=1536)))
+    assert not d.ok and "hidden sizes" in d.reason
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(top_k=12)))
+    assert not d.ok and "top_k <= 11" in d.reason
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(max_tokens=600)))
+    assert not d.ok and "NVSHMEM_QP_DEPTH" in d.reason
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(max_tokens=None)))
+    assert not d.ok and "max_tokens" in d.reason
+    fp8 = ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128)
+    d = ll().can_produce(fp8, _req((9, 0), cfg=ok.with_(hidden_size=1792)))
+    assert not d.ok and "512" in d.reason
+    assert not ll().check_parallel(_req((9, 0), cfg=ok)).ok  # no process group given

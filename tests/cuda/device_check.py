@@ -315,6 +315,30 @@ def perf_case(name: str, kw: dict[str, Any], quant: str, layout: str, t: int, bw
     )
 
 
+def sm100_declines() -> None:
+    """What the SM100-only paths say on this device (they must decline with the reason)."""
+    from moehal import MoELayer
+    from moehal.config import MoEConfig
+    from moehal.routing import RoutingConfig
+
+    rc = RoutingConfig("deepseek_v3", n_group=8, topk_group=4, has_correction_bias=True)
+    rows = []
+    for quant in ("fp8_block", "fp8_tensor", "nvfp4"):
+        c = MoEConfig(num_experts=64, top_k=8, hidden_size=2048, intermediate_size=768, routing=rc, max_tokens=64)
+        try:
+            layer = MoELayer(c, quant, backend="cuda", device="cuda")
+        except Exception as exc:  # no pipeline: the message lists every decline
+            rows.append({"quant": quant, "no_pipeline": [ln for ln in str(exc).splitlines() if "cuda." in ln]})
+            continue
+        for d in layer.plan.decisions:
+            if any(k in d.name for k in ("trtllm", "cutedsl", "deepep")):
+                rows.append({"quant": quant, "name": d.name, "ok": d.ok, "reason": d.reason})
+        rows.append({"quant": quant, "chosen": layer.plan.pipeline.name})
+    RESULTS["sm100_and_ep_paths"] = rows
+    for r in rows:
+        log(f"  {r}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -327,6 +351,11 @@ def main() -> int:
         correctness(a.quick)
         log(f"correctness done in {time.time() - t0:.0f}s")
         graph_check()
+    try:
+        sm100_declines()
+    except Exception:
+        RESULTS["errors"].append({"case": "sm100_declines", "tb": traceback.format_exc()})
+        log(traceback.format_exc())
     if not a.no_perf:
         perf(a.quick)
     log(f"total {time.time() - t0:.0f}s; errors: {len(RESULTS['errors'])}")

@@ -18,6 +18,20 @@ def _routing(t: int, e_global: int, k: int, seed: int) -> tuple[torch.Tensor, to
     return ids.to(DEV), (torch.rand(t, k, generator=g) + 0.1).to(DEV)
 
 
+def _assert_fp8_matches(got_q, got_s, ref_q, ref_s):
+    """Interpreted: bitwise. On the GPU, Triton's fp32 division is not IEEE round-to-nearest, so
+    a rare element may land one e4m3 step away from torch's quantization (the layer-level GPU
+    tests bound the effect); everything else must be identical."""
+    if DEV == "cpu":
+        assert torch.equal(got_q.float(), ref_q.float()) and torch.equal(got_s, ref_s)
+        return
+    torch.testing.assert_close(got_s, ref_s, rtol=1e-6, atol=0)
+    diff = got_q.float() != ref_q.float()
+    assert diff.float().mean() < 0.01
+    step = ref_q.float().abs().clamp_min(2**-6) / 8
+    assert ((got_q.float() - ref_q.float()).abs() <= step + 1e-12).all()
+
+
 def _x(t: int, seed: int) -> torch.Tensor:
     return torch.randn(t, H, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
 
@@ -41,8 +55,7 @@ def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep):
         assert (got.float()[~live] == 0).all(), "padding rows must be zero"
         if quant:
             q, s = fp8.quantize_group(ref.float(), ue8m0=ue8m0)
-            assert torch.equal(got.float()[live], q.float()[live])
-            assert torch.equal(r.scales.cpu()[live], s[live])
+            _assert_fp8_matches(got[live], r.scales.cpu()[live], q[live], s[live])
         else:
             assert torch.equal(got, ref)
         # slot_row points at each local slot's row
@@ -73,9 +86,9 @@ def test_contiguous_matches_torch_permute_across_calls(quant):
         assert (got[n:].float() == 0).all()
         if quant:
             q, s = fp8.quantize_group(ref[:n].float())
-            assert torch.equal(got[:n].float(), q.float())
             used = ref[:n].abs().amax(1) > 0
-            assert torch.equal(r.scales.cpu()[:n][used], s[used])
+            _assert_fp8_matches(got[:n][used], r.scales.cpu()[:n][used], q[used], s[used])
+            assert (got[:n][~used].float() == 0).all()
         else:
             assert torch.equal(got[:n], ref[:n])
 

@@ -1,0 +1,283 @@
+"""DeepGEMM grouped-GEMM experts (SM90 / SM100): BF16 and FP8 block-scale, masked and
+contiguous layouts, with the Triton glue of `moehal_cuda.triton_glue` between the GEMMs.
+
+    GEMM1  h = x @ w13^T            m_grouped_{bf16,fp8_fp4}_gemm_nt_{masked,contiguous}
+    glue   a = act(h + b13) -> (FP8 1x128 quant)      one Triton pass, zeroes stale rows
+    GEMM2  y = a @ w2^T             same GEMM family
+    glue   y += b2 (live rows only, when the layer has w2 biases)
+
+Nothing reads device memory back to the host; buffers are persistent per shape (see
+`moehal.kernels.triton_permute.workspace`), so forward is CUDA-graph capturable once the
+DeepGEMM JIT kernels are compiled (run one forward before capturing).
+
+Scale layouts: activation scales are produced MN-major and TMA-aligned by our kernels, the
+layout DeepGEMM consumes without a transform. SM90 takes FP32 128x128 weight scales as they
+are; SM100 takes UE8M0 scales packed into int32, which the weight processor prepares once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from moehal.capability import Decision, accept, decline
+from moehal.formats import (
+    ActivationFormat,
+    ContiguousInput,
+    ContiguousOutput,
+    Layout,
+    MaskedInput,
+    MaskedOutput,
+    ScaleKind,
+)
+from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
+from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, QuantKind, QuantScheme, ScaleFormat
+from moehal.weights import ExpertWeights
+from moehal_cuda.support import deep_gemm_decision, dg_fn, import_deep_gemm, sm_decision, triton_decision
+
+LAYOUT = "deepgemm"
+SUPPORTED_SM = (90, 100, 103)
+_BF16_FNS = ("m_grouped_bf16_gemm_nt_masked", "m_grouped_bf16_gemm_nt_contiguous")
+_FP8_FNS = (
+    "m_grouped_fp8_fp4_gemm_nt_masked|m_grouped_fp8_gemm_nt_masked|fp8_m_grouped_gemm_nt_masked",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous|m_grouped_fp8_gemm_nt_contiguous",
+)
+_LAYOUT_FNS = ("get_mk_alignment_for_contiguous_layout|get_m_alignment_for_contiguous_layout",)
+
+
+def _is_sm100(req: BuildRequest) -> bool:
+    return (req.hardware.sm or 0) >= 100
+
+
+@dataclass
+class DeepGemmWeights:
+    """Weights in DeepGEMM's layout: K-major `[E, N, K]`; FP8 scales FP32 `[E, N/128, K/128]`
+    (SM90) or packed UE8M0 int32 (SM100); biases fp32 `[E, N]`."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+
+
+def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg: Any | None) -> DeepGemmWeights:
+    """Canonical -> DeepGEMM layout (pure torch for SM90; SM100 packs scales with deep_gemm)."""
+    b13 = weights.w13_bias.float().contiguous() if weights.w13_bias is not None else None
+    b2 = weights.w2_bias.float().contiguous() if weights.w2_bias is not None else None
+    w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
+    if quant.kind is QuantKind.BF16:
+        return DeepGemmWeights(w13, w2, None, None, b13, b2)
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    s13, s2 = weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous()
+    if sm100:
+        assert dg is not None
+        e, n13, h = w13.shape
+        i = w2.shape[2]
+        tf = dg_fn(dg, "transform_sf_into_required_layout")
+        s13 = tf(s13, n13, h, (1, 128, 128), num_groups=e, is_sfa=False)
+        s2 = tf(s2, h, i, (1, 128, 128), num_groups=e, is_sfa=False)
+    return DeepGemmWeights(w13, w2, s13, s2, b13, b2)
+
+
+class DeepGemmWeightProcessor(WeightProcessor):
+    """Canonical weights -> `DeepGemmWeights` (contiguous K-major; SM100: UE8M0-packed scales)."""
+
+    name = "deepgemm_weights"
+    layout = LAYOUT
+    priority = 10
+    devices = frozenset({"cuda"})
+    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0})
+
+    def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
+        sm100 = _is_sm100(req)
+        return prepare_weights(weights, req.quant, sm100, import_deep_gemm() if sm100 else None)
+
+
+# --- GEMM back-ends -----------------------------------------------------------------------------
+
+
+class DeepGemmOps:
+    """The four DeepGEMM calls, resolved once by name (names differ across releases)."""
+
+    def __init__(self, fp8: bool, sm100: bool) -> None:
+        dg = import_deep_gemm()
+        self.fp8 = fp8
+        names = _FP8_FNS if fp8 else _BF16_FNS
+        self._masked = dg_fn(dg, names[0])
+        self._contig = dg_fn(dg, names[1])
+        self._kw: dict[str, Any] = {"recipe": (1, 1, 128)} if (fp8 and sm100) else {}
+
+    def masked(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int
+    ) -> None:
+        if self.fp8:
+            self._masked((a, sa), (w, sw), d, mm, em, **self._kw)
+        else:
+            self._masked(a, w, d, mm, em)
+
+    def contiguous(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor
+    ) -> None:
+        if self.fp8:
+            self._contig((a, sa), (w, sw), d, layout, **self._kw)
+        else:
+            self._contig(a, w, d, layout)
+
+
+class TorchGemmOps:
+    """A float32 torch stand-in with DeepGEMM's contract (tests of the glue on CPU only):
+    masked computes every row of every expert (as full tiles would); contiguous computes the
+    rows whose expert id is >= 0 and leaves -1 rows untouched."""
+
+    def __init__(self, fp8: bool) -> None:
+        self.fp8 = fp8
+
+    @staticmethod
+    def _deq(x: torch.Tensor, s: Any, block: bool) -> torch.Tensor:
+        from moehal.quant import fp8
+
+        if s is None:
+            return x.float()
+        return fp8.dequantize_block(x, s) if block else fp8.dequantize_group(x, s)
+
+    def masked(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int
+    ) -> None:
+        d.copy_(torch.einsum("emk,enk->emn", self._deq(a, sa, False), self._deq(w, sw, True)).to(d.dtype))
+
+    def contiguous(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor
+    ) -> None:
+        af, wf = self._deq(a, sa, False), self._deq(w, sw, True)
+        for e in range(wf.shape[0]):
+            rows = torch.nonzero(layout == e).flatten()
+            if rows.numel():
+                d[rows] = (af[rows] @ wf[e].t()).to(d.dtype)
+
+
+# --- runner ---------------------------------------------------------------------------------------
+
+
+class DeepGemmExpertsRunner(ExpertsRunner):
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat, ops: Any) -> None:
+        self.fmt, self.req, self.config, self.ops = fmt, req, req.config, ops
+        self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
+        self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
+        self.w: DeepGemmWeights | None = None
+
+    def load(self, weights: Any) -> None:
+        if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
+            weights = prepare_weights(weights, self.req.quant, False, None)
+        self.w = weights
+
+    def _buffers(self, lead: tuple[int, ...], device: torch.device) -> tuple[Any, Any, Any]:
+        from moehal.kernels.triton_permute import workspace
+
+        c = self.config
+        i, h, n13 = c.intermediate_size, c.hidden_size, c.w13_rows
+        act_dt = torch.float8_e4m3fn if self.fp8 else c.dtype
+        tag = f"{n13}:{i}:{h}"
+        hbuf = workspace(f"dg.h:{tag}", lead, n13, c.dtype, device, False)
+        abuf = workspace(f"dg.act:{tag}", lead, i, act_dt, device, self.fp8)
+        ybuf = workspace(f"dg.y:{tag}", lead, h, c.dtype, device, False)
+        return hbuf, abuf, ybuf
+
+    def apply(self, inp: Any) -> Any:
+        from moehal_cuda.triton_glue import RowIndex, activation, add_bias
+
+        w = self.w
+        assert w is not None, "weights not loaded"
+        if isinstance(inp, MaskedInput):
+            e, m, _ = inp.hidden.shape
+            hb, ab, yb = self._buffers((e, m), inp.hidden.device)
+            rows = RowIndex(e * m, m, masked_m=inp.masked_m)
+            self.ops.masked(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
+            activation(
+                hb.hidden, ab.hidden, ab.scales, yb.hidden, ab.written, rows, self.config, w.w13_bias, self.ue8m0
+            )
+            self.ops.masked(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
+            if w.w2_bias is not None:
+                add_bias(yb.hidden, w.w2_bias, rows)
+            return MaskedOutput(yb.hidden)
+        if isinstance(inp, ContiguousInput):
+            m = inp.hidden.shape[0]
+            hb, ab, yb = self._buffers((m,), inp.hidden.device)
+            rows = RowIndex(m, 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
+            self.ops.contiguous(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.row_expert)
+            activation(
+                hb.hidden, ab.hidden, ab.scales, yb.hidden, ab.written, rows, self.config, w.w13_bias, self.ue8m0
+            )
+            self.ops.contiguous(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.row_expert)
+            if w.w2_bias is not None:
+                add_bias(yb.hidden, w.w2_bias, rows)
+            return ContiguousOutput(yb.hidden)
+        raise TypeError(f"DeepGEMM experts cannot take {type(inp).__name__}")
+
+
+class DeepGemmExperts(Experts):
+    """DeepGEMM m-grouped GEMMs (masked and contiguous), BF16 and FP8 1x128/128x128 block scales."""
+
+    name = "deepgemm"
+    priority = 20
+    description = "DeepGEMM m-grouped GEMMs (masked/contiguous), BF16 and FP8 block-scale, Triton glue"
+    devices = frozenset({"cuda"})
+    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0})
+    supports_non_gated = True
+    supports_bias = True
+    graph_capturable = True
+    weight_layout: ClassVar[str] = LAYOUT
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, SUPPORTED_SM, "DeepGEMM")
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        d = triton_decision()
+        if not d.ok:
+            return d
+        fns = _LAYOUT_FNS + (_FP8_FNS if req.quant.kind is QuantKind.FP8_BLOCK else _BF16_FNS)
+        return deep_gemm_decision(fns)
+
+    def check_quant(self, req: BuildRequest) -> Decision:
+        d = super().check_quant(req)
+        if d.ok and _is_sm100(req) and req.quant == FP8_BLOCK:
+            return decline(
+                "DeepGEMM on SM100 consumes UE8M0 (power-of-two) scales; use quant fp8_block:ue8m0 "
+                "(requantize the checkpoint's scales) so results match the scheme",
+                "quant",
+            )
+        return d
+
+    def check_shape(self, req: BuildRequest) -> Decision:
+        c = req.config
+        if c.dtype != torch.bfloat16:
+            return decline(f"DeepGEMM writes bf16 outputs; the layer dtype is {c.dtype}", "shape")
+        mult = 128 if req.quant.kind is QuantKind.FP8_BLOCK else 64
+        for name, v in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size)):
+            if v % mult:
+                return decline(f"{name}={v} must be a multiple of {mult} (the GEMM K dimension)", "shape")
+        return accept(predicate="shape")
+
+    def _alignment(self) -> int:
+        dg = import_deep_gemm()
+        return int(dg_fn(dg, _LAYOUT_FNS[0])())
+
+    def input_formats(self, req: BuildRequest) -> Sequence[ActivationFormat]:
+        q = req.quant
+        if q.kind is QuantKind.FP8_BLOCK:
+            kind = ScaleKind.GROUP_128_UE8M0 if q.scale_format is ScaleFormat.UE8M0 else ScaleKind.GROUP_128
+            dtype = torch.float8_e4m3fn
+        else:
+            kind, dtype = ScaleKind.NONE, req.config.dtype
+        masked = ActivationFormat(Layout.MASKED, dtype, kind)
+        contig = ActivationFormat(Layout.CONTIGUOUS, dtype, kind, self._alignment())
+        mt = req.config.max_tokens
+        # masked for bounded decode-sized batches; contiguous when batches are large or unbounded
+        return [masked, contig] if mt is not None and mt <= 512 else [contig, masked]
+
+    def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
+        fp8 = req.quant.kind is QuantKind.FP8_BLOCK
+        return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, _is_sm100(req)))

@@ -1,0 +1,434 @@
+# ruff: noqa: ANN001, ANN201, ANN202  (Triton JIT kernels: arguments are untyped by design)
+"""Triton glue between the two grouped GEMMs: bias + activation + optional 1x128 FP8
+quantization in one pass over the GEMM1 output, and the GEMM2 bias.
+
+Rows are addressed in either layout:
+- masked `[E, max_m, N]`: row r = e*max_m + m is live iff m < masked_m[e];
+- contiguous `[M, N]`: row r is live iff row_expert[r] >= 0 and
+  r - segment_start[row_expert[r]] < counts[row_expert[r]].
+
+Dead rows are never computed. Rows that were live in the previous call on the same buffers
+and are dead now (a per-row bitmap records what was written) are zeroed in the activation
+buffer and in the GEMM2 output buffer, so padding rows are exactly zero after GEMM2 without
+clearing the whole (worst-case sized) buffers on every call: padding rows inside a GEMM tile
+compute 0 @ W = 0, and only live rows get biases.
+
+Numerics follow `moehal.reference.math.expert_mlp`: GEMM1 output (+ bias) rounded to the layer
+dtype, activation in float32 rounded to the layer dtype, then quantized for GEMM2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from moehal.config import Activation, MoEConfig
+from moehal.kernels.triton_permute import QUANT_GROUP, interpreting, round_to_bf16_grid, round_to_e4m3_grid
+
+ACT_IDS = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
+
+
+@triton.jit
+def _row_state(
+    r,
+    rin,
+    max_m,
+    masked_m_ptr,
+    row_expert_ptr,
+    seg_start_ptr,
+    counts_ptr,
+    MASKED: tl.constexpr,
+):
+    """(expert, row-in-expert address, live) for flattened rows r."""
+    if MASKED:
+        e = r // max_m
+        m = r % max_m
+        cnt = tl.load(masked_m_ptr + e, mask=rin, other=0)
+        live = rin & (m < cnt)
+        e_addr = e
+    else:
+        e = tl.load(row_expert_ptr + r, mask=rin, other=-1)
+        has = rin & (e >= 0)
+        ec = tl.where(has, e, 0)
+        start = tl.load(seg_start_ptr + ec, mask=has, other=0)
+        cnt = tl.load(counts_ptr + ec, mask=has, other=0)
+        live = has & (r - start < cnt)
+        e = ec
+        m = r
+        e_addr = tl.zeros_like(r)
+    return e, e_addr, m, live
+
+
+@triton.jit
+def nvfp4_qdq(v, gs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """Quantize-dequantize float32 `[BLOCK_R, BLOCK_C]` as NVFP4 with global scale `gs`
+    (e2m1 values, one e4m3 scale per 16 elements), exactly as `moehal.quant.nvfp4.qdq`."""
+    b = tl.reshape(v, (BLOCK_R, BLOCK_C // 16, 16))
+    amax = tl.max(tl.abs(b), axis=2)
+    sf = tl.minimum(amax / 6.0 * gs, 448.0)
+    if EXACT_ROUND:
+        sf = round_to_e4m3_grid(sf)
+    else:
+        sf = sf.to(tl.float8e4nv).to(tl.float32)
+    inv = tl.where(sf > 0, gs / tl.maximum(sf, 1e-30), 0.0)
+    x = b * inv[:, :, None]
+    mag = tl.minimum(tl.abs(x), 6.0)
+    q = tl.where(mag > 0.25, 0.5, 0.0)
+    q = tl.where(mag >= 0.75, 1.0, q)
+    q = tl.where(mag > 1.25, 1.5, q)
+    q = tl.where(mag >= 1.75, 2.0, q)
+    q = tl.where(mag > 2.5, 3.0, q)
+    q = tl.where(mag >= 3.5, 4.0, q)
+    q = tl.where(mag > 5.0, 6.0, q)
+    q = tl.where(x < 0, -q, q)
+    return tl.reshape(q * sf[:, :, None] / gs, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit
+def _qdq_rows(
+    x_ptr,
+    s_xe,
+    s_xm,
+    o_ptr,
+    s_oe,
+    s_om,
+    gs_ptr,
+    masked_m_ptr,
+    row_expert_ptr,
+    seg_start_ptr,
+    counts_ptr,
+    num_rows,
+    max_m,
+    H,
+    MASKED: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rin = r < num_rows
+    e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        gs = tl.load(gs_ptr).to(tl.float32)
+        e64 = e_addr[:, None].to(tl.int64)
+        m64 = m[:, None].to(tl.int64)
+        for c0 in range(0, H, BLOCK_H):
+            cols = c0 + tl.arange(0, BLOCK_H)
+            mk = live[:, None] & (cols[None, :] < H)
+            v = tl.load(x_ptr + e64 * s_xe + m64 * s_xm + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+            v = nvfp4_qdq(v, gs, BLOCK_R, BLOCK_H, EXACT_ROUND)
+            if EXACT_ROUND:
+                v = round_to_bf16_grid(v)
+            tl.store(o_ptr + e64 * s_oe + m64 * s_om + cols[None, :], v.to(o_ptr.dtype.element_ty), mask=mk)
+
+
+@triton.jit
+def _act_rows(
+    h_ptr,
+    s_he,
+    s_hm,
+    out_ptr,
+    s_oe,
+    s_om,
+    sc_ptr,
+    s_se,
+    s_sm,
+    s_sg,
+    y_ptr,
+    s_ye,
+    s_ym,
+    b_ptr,
+    s_be,
+    masked_m_ptr,
+    row_expert_ptr,
+    seg_start_ptr,
+    counts_ptr,
+    written_ptr,
+    num_rows,
+    max_m,
+    I_SIZE,
+    H,
+    alpha,
+    limit,
+    gs_ptr,
+    MASKED: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QUANT: tl.constexpr,
+    UE8M0: tl.constexpr,
+    NVFP4: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rin = r < num_rows
+    e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
+    prev = tl.load(written_ptr + r, mask=rin, other=0)
+    stale = rin & (prev != 0) & (~live)
+    e64 = e_addr.to(tl.int64)
+    m64 = m.to(tl.int64)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        hrow = h_ptr + e64[:, None] * s_he + m64[:, None] * s_hm
+        orow = out_ptr + e64[:, None] * s_oe + m64[:, None] * s_om
+        for c0 in range(0, I_SIZE, BLOCK_I):
+            cols = c0 + tl.arange(0, BLOCK_I)
+            cm = cols < I_SIZE
+            mk = live[:, None] & cm[None, :]
+            g = tl.load(hrow + cols[None, :], mask=mk, other=0.0)
+            if HAS_BIAS:
+                brow = b_ptr + e[:, None].to(tl.int64) * s_be
+                g = g.to(tl.float32) + tl.load(brow + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+                if EXACT_ROUND:
+                    g = round_to_bf16_grid(g)
+            g = g.to(h_ptr.dtype.element_ty).to(tl.float32)
+            if GATED:
+                u = tl.load(hrow + I_SIZE + cols[None, :], mask=mk, other=0.0)
+                if HAS_BIAS:
+                    bu = tl.load(brow + I_SIZE + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+                    u = u.to(tl.float32) + bu
+                    if EXACT_ROUND:
+                        u = round_to_bf16_grid(u)
+                    u = u.to(h_ptr.dtype.element_ty)
+                u = u.to(tl.float32)
+            if ACT == 0:
+                a = g * tl.sigmoid(g)
+            elif ACT == 1:
+                a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+            else:
+                g = tl.minimum(g, limit)
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                a = g * tl.sigmoid(alpha * g)
+                u = u + 1.0
+            if GATED:
+                a = a * u
+            if EXACT_ROUND:
+                a = round_to_bf16_grid(a)
+            a = a.to(h_ptr.dtype.element_ty).to(tl.float32)  # the layer dtype, as the reference rounds
+            if NVFP4:  # weight-dequant path: activations see the scheme's NVFP4 quantization
+                a = nvfp4_qdq(a, tl.load(gs_ptr).to(tl.float32), BLOCK_R, BLOCK_I, EXACT_ROUND)
+                if EXACT_ROUND:
+                    a = round_to_bf16_grid(a)
+            if QUANT:
+                amax = tl.max(tl.abs(tl.where(mk, a, 0.0)), axis=1)
+                sc = tl.maximum(amax, 1e-12) / 448.0
+                if UE8M0:
+                    sc = tl.exp2(tl.ceil(tl.log2(sc)))
+                q = tl.minimum(tl.maximum(a / sc[:, None], -448.0), 448.0)
+                if EXACT_ROUND:
+                    q = round_to_e4m3_grid(q)
+                tl.store(orow + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mk)
+                grp = c0 // BLOCK_I
+                tl.store(sc_ptr + e64 * s_se + m64 * s_sm + grp * s_sg, sc, mask=live)
+            else:
+                tl.store(orow + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mk)
+    if tl.max(stale.to(tl.int32), axis=0) > 0:
+        orow = out_ptr + e64[:, None] * s_oe + m64[:, None] * s_om
+        for c0 in range(0, I_SIZE, BLOCK_I):
+            cols = c0 + tl.arange(0, BLOCK_I)
+            tl.store(
+                orow + cols[None, :],
+                tl.zeros((BLOCK_R, BLOCK_I), dtype=out_ptr.dtype.element_ty),
+                mask=stale[:, None] & (cols[None, :] < I_SIZE),
+            )
+        yrow = y_ptr + e64[:, None] * s_ye + m64[:, None] * s_ym
+        for c0 in range(0, H, BLOCK_H):
+            cols = c0 + tl.arange(0, BLOCK_H)
+            tl.store(
+                yrow + cols[None, :],
+                tl.zeros((BLOCK_R, BLOCK_H), dtype=y_ptr.dtype.element_ty),
+                mask=stale[:, None] & (cols[None, :] < H),
+            )
+    tl.store(written_ptr + r, live.to(tl.int8), mask=rin)
+
+
+@triton.jit
+def _bias_rows(
+    y_ptr,
+    s_ye,
+    s_ym,
+    b_ptr,
+    s_be,
+    masked_m_ptr,
+    row_expert_ptr,
+    seg_start_ptr,
+    counts_ptr,
+    num_rows,
+    max_m,
+    H,
+    MASKED: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rin = r < num_rows
+    e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        yrow = y_ptr + e_addr[:, None].to(tl.int64) * s_ye + m[:, None].to(tl.int64) * s_ym
+        brow = b_ptr + e[:, None].to(tl.int64) * s_be
+        for c0 in range(0, H, BLOCK_H):
+            cols = c0 + tl.arange(0, BLOCK_H)
+            mk = live[:, None] & (cols[None, :] < H)
+            v = tl.load(yrow + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+            v += tl.load(brow + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+            if EXACT_ROUND:
+                v = round_to_bf16_grid(v)
+            tl.store(yrow + cols[None, :], v.to(y_ptr.dtype.element_ty), mask=mk)
+
+
+# --- host side ------------------------------------------------------------------------------
+
+
+class RowIndex:
+    """Which rows are live: masked (`masked_m`) or contiguous (`row_expert`, `segment_start`,
+    `counts`). Built from a MaskedInput / ContiguousInput without reading anything back."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        max_m: int,
+        masked_m: torch.Tensor | None = None,
+        row_expert: torch.Tensor | None = None,
+        segment_start: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> None:
+        self.num_rows, self.max_m, self.masked = num_rows, max_m, masked_m is not None
+        any_t = masked_m if masked_m is not None else row_expert
+        assert any_t is not None
+        self.masked_m = masked_m if masked_m is not None else any_t
+        self.row_expert = row_expert if row_expert is not None else any_t
+        self.segment_start = segment_start if segment_start is not None else any_t
+        self.counts = counts if counts is not None else any_t
+
+
+def _strides2(t: torch.Tensor, masked: bool) -> tuple[int, int]:
+    return (t.stride(0), t.stride(1)) if masked else (0, t.stride(0))
+
+
+def activation(
+    h: torch.Tensor,
+    out: torch.Tensor,
+    out_scales: torch.Tensor | None,
+    y: torch.Tensor,
+    written: torch.Tensor,
+    rows: RowIndex,
+    config: MoEConfig,
+    bias: torch.Tensor | None = None,
+    ue8m0: bool = False,
+    nvfp4_global_scale: torch.Tensor | None = None,
+) -> None:
+    """GEMM1 output `h [.., N13]` -> `out [.., I]` (+ scales when FP8), in place; zeroes rows
+    of `out` and `y` that went stale. Layout per `rows` (masked: 3-D tensors)."""
+    i_size, h_size = config.intermediate_size, y.shape[-1]
+    quant = out_scales is not None
+    m = rows.masked
+    s_he, s_hm = _strides2(h, m)
+    s_oe, s_om = _strides2(out, m)
+    s_ye, s_ym = _strides2(y, m)
+    if quant:
+        assert out_scales is not None
+        s_se, s_sm = _strides2(out_scales, m)
+        s_sg = out_scales.stride(-1)
+        block_i = QUANT_GROUP
+    else:
+        out_scales = out
+        s_se = s_sm = s_sg = 0
+        block_i = min(128, triton.next_power_of_2(i_size))
+    block_r = 16
+    b = bias if bias is not None else h
+    _act_rows[(triton.cdiv(rows.num_rows, block_r),)](
+        h,
+        s_he,
+        s_hm,
+        out,
+        s_oe,
+        s_om,
+        out_scales,
+        s_se,
+        s_sm,
+        s_sg,
+        y,
+        s_ye,
+        s_ym,
+        b,
+        b.stride(0) if bias is not None else 0,
+        rows.masked_m,
+        rows.row_expert,
+        rows.segment_start,
+        rows.counts,
+        written,
+        rows.num_rows,
+        max(rows.max_m, 1),
+        i_size,
+        h_size,
+        float(config.swiglu_alpha),
+        float(config.swiglu_limit),
+        nvfp4_global_scale if nvfp4_global_scale is not None else h,
+        MASKED=m,
+        GATED=config.gated,
+        ACT=ACT_IDS[config.activation],
+        HAS_BIAS=bias is not None,
+        QUANT=quant,
+        UE8M0=ue8m0,
+        NVFP4=nvfp4_global_scale is not None,
+        EXACT_ROUND=interpreting(),
+        BLOCK_R=block_r,
+        BLOCK_I=block_i,
+        BLOCK_H=min(256, triton.next_power_of_2(h_size)),
+    )
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
+    """y[live rows] += bias[expert of row], in place (rounded to y's dtype)."""
+    m = rows.masked
+    s_ye, s_ym = _strides2(y, m)
+    block_r = 16
+    _bias_rows[(triton.cdiv(rows.num_rows, block_r),)](
+        y,
+        s_ye,
+        s_ym,
+        bias,
+        bias.stride(0),
+        rows.masked_m,
+        rows.row_expert,
+        rows.segment_start,
+        rows.counts,
+        rows.num_rows,
+        max(rows.max_m, 1),
+        y.shape[-1],
+        MASKED=m,
+        EXACT_ROUND=interpreting(),
+        BLOCK_R=block_r,
+        BLOCK_H=min(256, triton.next_power_of_2(y.shape[-1])),
+    )
+
+
+def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tensor, rows: RowIndex) -> None:
+    """out[live rows] = NVFP4 quantize-dequantize of x[live rows] (global scale read on device)."""
+    m = rows.masked
+    s_xe, s_xm = _strides2(x, m)
+    s_oe, s_om = _strides2(out, m)
+    block_r = 16
+    _qdq_rows[(triton.cdiv(rows.num_rows, block_r),)](
+        x,
+        s_xe,
+        s_xm,
+        out,
+        s_oe,
+        s_om,
+        global_scale,
+        rows.masked_m,
+        rows.row_expert,
+        rows.segment_start,
+        rows.counts,
+        rows.num_rows,
+        max(rows.max_m, 1),
+        x.shape[-1],
+        MASKED=m,
+        EXACT_ROUND=interpreting(),
+        BLOCK_R=block_r,
+        BLOCK_H=min(128, triton.next_power_of_2(x.shape[-1])),
+    )

@@ -1,0 +1,136 @@
+"""DeepGEMM experts' glue (activation, bias, FP8 quant, stale-row zeroing) and the cuda.permute
+dispatcher, end to end against the reference oracle. On CPU the GEMMs are a float32 torch
+stand-in with DeepGEMM's contract (TorchGemmOps) and the Triton kernels run interpreted; on a
+GPU with DeepGEMM, tests/cuda/test_gpu.py runs the real kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moehal.config import MoEConfig
+from moehal.formats import ActivationFormat, Layout, ScaleKind
+from moehal.hardware import detect
+from moehal.interfaces import BuildRequest
+from moehal.quant import QuantScheme, ScaleFormat
+from moehal.reference.dispatcher import ReferenceDispatcher
+from moehal.reference.experts import ReferenceExperts
+from moehal.routing import TopK
+from moehal.weights import quantize_weights
+from moehal_cuda.deepgemm_experts import DeepGemmExpertsRunner, TorchGemmOps
+from moehal_cuda.dispatch import CudaPermuteDispatcher
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = [
+    ("bf16", Layout.MASKED, dict()),
+    ("bf16", Layout.CONTIGUOUS, dict(has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5)),
+    ("bf16", Layout.MASKED, dict(activation="gelu", gated=False, has_w2_bias=True)),
+    ("fp8_block", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)),
+    ("fp8_block:ue8m0", Layout.CONTIGUOUS, dict(activation="gelu", ep_rank=1, ep_size=2)),
+    ("fp8_block", Layout.CONTIGUOUS, dict(top_k=1, apply_router_weight_on_input=True)),
+]
+
+
+def _fmt(quant: QuantScheme, layout: Layout) -> ActivationFormat:
+    if quant.kind.value == "fp8_block":
+        ue = quant.scale_format is ScaleFormat.UE8M0
+        return ActivationFormat(
+            layout, torch.float8_e4m3fn, ScaleKind.GROUP_128_UE8M0 if ue else ScaleKind.GROUP_128, 8
+        )
+    return ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, 8 if layout is Layout.CONTIGUOUS else 1)
+
+
+@pytest.mark.parametrize(
+    "quant_name,layout,extra", CASES, ids=[f"{q}-{lay.value}-{i}" for i, (q, lay, _) in enumerate(CASES)]
+)
+def test_layer_matches_reference(quant_name, layout, extra):
+    kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=12)
+    cfg = MoEConfig(**{**kw, **extra})
+    quant = QuantScheme.parse(quant_name)
+    g = torch.Generator().manual_seed(1)
+    e = cfg.num_local_experts
+    w13 = torch.randn(e, cfg.w13_rows, 256, generator=g) / 16
+    w2 = torch.randn(e, 256, 128, generator=g) / 11
+    b13 = torch.randn(e, cfg.w13_rows, generator=g) * 0.1 if cfg.has_w13_bias else None
+    b2 = torch.randn(e, 256, generator=g) * 0.1 if cfg.has_w2_bias else None
+    weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2).to(DEV)
+    req = BuildRequest(cfg, quant, detect(DEV))
+    fmt = _fmt(quant, layout)
+    fp8 = fmt.is_quantized
+    disp = CudaPermuteDispatcher().build(req, fmt)
+    ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8))
+    ex.load(weights)
+    rdisp = ReferenceDispatcher().build(req, fmt)
+    rex = ReferenceExperts().build(req, fmt)
+    rex.load(weights)
+    for step, t in enumerate((12, 3, 7)):  # later calls reuse buffers holding stale rows
+        x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(t)]).int().to(DEV)
+        topk = TopK(ids, (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(DEV))
+        inp, handle = disp.dispatch(x, topk)
+        out = ex.apply(inp)
+        y = disp.combine(out, handle)
+        rinp, rhandle = rdisp.dispatch(x, topk)
+        ry = rdisp.combine(rex.apply(rinp), rhandle)
+        scale = ry.float().abs().max().clamp_min(1e-3)
+        tol = 2e-2 if not fp8 else 4e-2
+        err = ((y.float() - ry.float()).abs().max() / scale).item()
+        assert err < tol, f"call {step}: rel err {err:.4f}"
+        # experts' contract: padding rows of the output are zero
+        if layout is Layout.MASKED:
+            live = torch.arange(out.hidden.shape[1], device=DEV)[None, :] < inp.masked_m[:, None]
+        else:
+            r = torch.arange(out.hidden.shape[0], device=DEV)
+            ex_id = inp.row_expert.long()
+            c = ex_id.clamp(min=0)
+            live = (ex_id >= 0) & (r - inp.segment_start.long()[c] < inp.counts.long()[c])
+        assert (out.hidden[~live].float() == 0).all()
+        # the experts' rows themselves match the reference experts' rows on the same input
+        ref_rows = rex.apply(inp).hidden
+        rs = ref_rows.float().abs().max().clamp_min(1e-3)
+        assert ((out.hidden[live].float() - ref_rows[live].float()).abs().max() / rs).item() < tol
+
+
+def test_nvfp4_qdq_kernel_matches_reference_exactly():
+    from moehal.quant import nvfp4
+    from moehal_cuda.triton_glue import RowIndex, nvfp4_qdq_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 8, 64, generator=g) * 3).bfloat16().to(DEV)
+    gs = torch.tensor(37.5, device=DEV)
+    mm = torch.tensor([5, 8], dtype=torch.int32, device=DEV)
+    out = torch.zeros_like(x)
+    nvfp4_qdq_rows(x, out, gs, RowIndex(16, 8, masked_m=mm))
+    ref = nvfp4.qdq(x.float().cpu(), 37.5).bfloat16()
+    assert torch.equal(out[0, :5].cpu(), ref[0, :5]) and torch.equal(out[1].cpu(), ref[1])
+    assert (out[0, 5:] == 0).all()
+
+
+@pytest.mark.parametrize("layout", [Layout.MASKED, Layout.CONTIGUOUS])
+def test_nvfp4_dequant_experts_follow_the_scheme(layout):
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantRunner
+
+    cfg = MoEConfig(num_experts=6, top_k=2, hidden_size=128, intermediate_size=64, max_tokens=8, has_w2_bias=True)
+    quant = QuantScheme.parse("nvfp4")
+    g = torch.Generator().manual_seed(4)
+    w13 = torch.randn(6, 128, 128, generator=g) / 11
+    w2 = torch.randn(6, 128, 64, generator=g) / 8
+    x = torch.randn(8, 128, generator=g)
+    weights = quantize_weights(cfg, quant, w13, w2, w2_bias=torch.randn(6, 128, generator=g) * 0.1, calibration_input=x)
+    weights = weights.to(DEV)
+    req = BuildRequest(cfg, quant, detect(DEV))
+    fmt = ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, 8 if layout is Layout.CONTIGUOUS else 1)
+    disp = CudaPermuteDispatcher().build(req, fmt)
+    ex = Nvfp4DequantRunner(req, fmt, TorchGemmOps(False))
+    ex.load(weights)
+    rex = ReferenceExperts().build(req, fmt)
+    rex.load(weights)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(8)]).int().to(DEV)
+    inp, _ = disp.dispatch(x.bfloat16().to(DEV), TopK(ids, torch.ones(8, 2, device=DEV)))
+    out, ref = ex.apply(inp).hidden, rex.apply(inp).hidden
+    if layout is Layout.MASKED:
+        live = torch.arange(out.shape[1], device=DEV)[None, :] < inp.masked_m[:, None]
+    else:
+        live = inp.row_expert >= 0  # all rows of a used segment; padding rows compare as zeros
+    err = ((out[live].float() - ref[live].float()).abs().max() / ref[live].float().abs().max()).item()
+    assert err < 5e-2

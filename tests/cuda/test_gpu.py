@@ -1,0 +1,82 @@
+"""Real kernels on a GPU: the chosen DeepGEMM pipeline against the reference, and CUDA-graph
+capture. The full device report (more cases, timings) is tests/cuda/device_check.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible)"),
+]
+
+
+def _deepgemm_usable() -> str | None:
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        return f"DeepGEMM needs SM90 or SM100; this device is sm{''.join(map(str, torch.cuda.get_device_capability()))}"
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"deep_gemm not importable: {exc}"
+    return None
+
+
+def _layers(quant: str, layout: str, **extra):
+    import moehal
+
+    cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32, **extra)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(16, cfg.w13_rows, 512, device="cuda", generator=g) / 512**0.5
+    w2 = torch.randn(16, 512, 256, device="cuda", generator=g) / 256**0.5
+    b13 = torch.randn(16, cfg.w13_rows, device="cuda", generator=g) * 0.1 if cfg.has_w13_bias else None
+    b2 = torch.randn(16, 512, device="cuda", generator=g) * 0.1 if cfg.has_w2_bias else None
+    w = moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2).to("cuda")
+    layer = moehal.MoELayer(cfg, quant, backend="cuda", device="cuda", layout=layout)
+    ref = moehal.MoELayer(cfg, quant, backend="reference", device="cuda", layout=layout)
+    layer.load_weights(w)
+    ref.load_weights(w)
+    return cfg, layer, ref
+
+
+def _inputs(cfg, t: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+    w, ids = torch.rand(t, cfg.num_experts, device="cuda", generator=g).topk(cfg.top_k, dim=-1)
+    return x, ids.int(), (w / w.sum(-1, keepdim=True)).float()
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_deepgemm_layer_matches_reference(quant, layout):
+    why = _deepgemm_usable()
+    if why:
+        pytest.skip(why)
+    cfg, layer, ref = _layers(quant, layout, activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)
+    assert "cuda.deepgemm" in layer.plan.pipeline.name
+    for step, t in enumerate((32, 5, 17)):
+        x, ids, w = _inputs(cfg, t, step)
+        y, yr = layer(x, ids, w), ref(x, ids, w)
+        err = ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item()
+        assert err < (3e-2 if quant == "bf16" else 6e-2)
+
+
+def test_forward_is_graph_capturable():
+    why = _deepgemm_usable()
+    if why:
+        pytest.skip(why)
+    cfg, layer, ref = _layers("fp8_block", "masked")
+    x, ids, w = _inputs(cfg, 32, 0)
+    layer(x, ids, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        y = layer(x, ids, w)
+    torch.cuda.current_stream().wait_stream(s)
+    x2, ids2, w2 = _inputs(cfg, 32, 1)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
+    graph.replay()
+    yr = ref(x, ids, w)
+    assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 6e-2

@@ -1,0 +1,120 @@
+"""Declarations of the cuda plugin: discovery, honest declines with reasons, shape/quant gates."""
+
+from __future__ import annotations
+
+import torch
+from moehal.config import MoEConfig
+from moehal.formats import ActivationFormat, Layout, ScaleKind
+from moehal.hardware import HardwareInfo
+from moehal.interfaces import BuildRequest
+from moehal.quant import QuantScheme
+from moehal_cuda import plugin
+from moehal_cuda.deepgemm_experts import DeepGemmExperts
+from moehal_cuda.dispatch import CudaPermuteDispatcher
+
+CFG = MoEConfig(num_experts=8, top_k=2, hidden_size=512, intermediate_size=256)
+
+
+def _req(sm: tuple[int, int] | None, quant: str = "bf16", cfg: MoEConfig = CFG) -> BuildRequest:
+    if sm is None:
+        hw = HardwareInfo("cpu", torch.device("cpu"), "cpu")
+    else:
+        hw = HardwareInfo("cuda", torch.device("cuda", 0), "fake", sm)
+    return BuildRequest(cfg, QuantScheme.parse(quant), hw)
+
+
+def test_backend_info_declines_without_cuda():
+    info = plugin.moehal_backend_info()
+    assert info.name == "cuda"
+    d = info.available(HardwareInfo("cpu", torch.device("cpu"), "cpu"))
+    assert not d.ok and "no CUDA device" in d.reason
+    libs = info.libraries()
+    assert {"torch", "triton", "deep_gemm", "flashinfer", "deep_ep"} <= set(libs)
+
+
+def test_deepgemm_declines_on_cpu_and_old_gpus_with_reasons():
+    ex = DeepGemmExperts()
+    d = ex.check_hardware(_req(None))
+    assert not d.ok and "needs an NVIDIA GPU" in d.reason
+    d = ex.check_hardware(_req((8, 0)))
+    assert not d.ok and "SM90 (Hopper)" in d.reason and "sm80" in d.reason
+    assert ex.check_hardware(_req((9, 0))).ok and ex.check_hardware(_req((10, 0))).ok
+
+
+def test_deepgemm_shape_and_quant_gates():
+    ex = DeepGemmExperts()
+    assert ex.check_shape(_req((9, 0), "fp8_block")).ok
+    odd = CFG.with_(intermediate_size=192)
+    d = ex.check_shape(_req((9, 0), "fp8_block", odd))
+    assert not d.ok and "intermediate_size=192" in d.reason and "128" in d.reason
+    assert ex.check_shape(_req((9, 0), "bf16", odd)).ok  # K % 64 suffices for bf16
+    d = ex.check_shape(_req((9, 0), "bf16", CFG.with_(dtype=torch.float16)))
+    assert not d.ok and "bf16" in d.reason
+    d = ex.check_quant(_req((10, 0), "fp8_block"))
+    assert not d.ok and "fp8_block:ue8m0" in d.reason
+    assert ex.check_quant(_req((10, 0), "fp8_block:ue8m0")).ok
+    assert ex.check_quant(_req((9, 0), "fp8_block")).ok
+    assert not ex.check_quant(_req((9, 0), "w8a8_int8")).ok
+
+
+def test_permute_dispatcher_formats(monkeypatch):
+    dsp = CudaPermuteDispatcher()
+    req = _req((9, 0))
+    assert dsp.can_produce(ActivationFormat(Layout.MASKED, torch.bfloat16), req).ok
+    assert dsp.can_produce(ActivationFormat(Layout.CONTIGUOUS, torch.float8_e4m3fn, ScaleKind.GROUP_128, 128), req).ok
+    assert not dsp.can_produce(ActivationFormat(Layout.MASKED, torch.int8, ScaleKind.PER_TOKEN), req).ok
+    assert not dsp.can_produce(ActivationFormat("deepep_ll", torch.bfloat16), req).ok
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    d = dsp.check_hardware(_req(None))
+    assert not d.ok and "no CUDA device" in d.reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dsp.check_hardware(_req(None)).ok
+    assert dsp.execution_mode(_req(None)) == "interpreted"
+
+
+def test_registrations_are_declared():
+    names = {d.name for d in plugin.moehal_dispatchers()}
+    assert "permute" in names
+    assert "deepgemm" in {e.name for e in plugin.moehal_experts()}
+    assert "deepgemm" in {p.layout for p in plugin.moehal_weight_processors()}
+
+
+def test_sm100_paths_decline_on_hopper_with_the_reason():
+    from moehal.routing import RoutingConfig
+    from moehal_cuda.flashinfer_moe import CuteDslNvfp4Experts, TrtllmFp8BlockMoE
+
+    cfg = CFG.with_(routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True))
+    for impl in [TrtllmFp8BlockMoE(), *CuteDslNvfp4Experts.variants()]:
+        d = impl.check_hardware(_req((9, 0), cfg=cfg))
+        what = "TensorRT-LLM-gen MoE" if "trtllm" in impl.name else "FlashInfer CuteDSL NVFP4"
+        assert not d.ok
+        assert d.reason == f"{what} needs SM100 (Blackwell) or SM103 (Blackwell Ultra); this device is sm90"
+        assert impl.check_hardware(_req((10, 0), cfg=cfg)).ok
+
+
+def test_cutedsl_registers_one_variant_per_dispatch_layout():
+    from moehal_cuda.flashinfer_moe import CuteDslNvfp4Experts
+
+    req = _req((10, 0), "nvfp4")
+    layouts = {v.input_formats(req)[0].layout for v in CuteDslNvfp4Experts.variants()}
+    assert layouts == {Layout.MASKED, Layout.STANDARD}
+
+
+def test_deepep_limits_checked_at_build():
+    from moehal_cuda.deepep import DeepEPLowLatencyDispatcher
+
+    ll = DeepEPLowLatencyDispatcher
+    ok = MoEConfig(num_experts=64, top_k=8, hidden_size=7168, intermediate_size=2048, ep_size=8, max_tokens=128)
+    assert ll.check_limits(_req((9, 0), cfg=ok)).ok
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(hidden_size=1536)))
+    assert not d.ok and "hidden sizes" in d.reason
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(top_k=12)))
+    assert not d.ok and "top_k <= 11" in d.reason
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(max_tokens=600)))
+    assert not d.ok and "NVSHMEM_QP_DEPTH" in d.reason
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(max_tokens=None)))
+    assert not d.ok and "max_tokens" in d.reason
+    fp8 = ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128)
+    d = ll().can_produce(fp8, _req((9, 0), cfg=ok.with_(hidden_size=1792)))
+    assert not d.ok and "512" in d.reason
+    assert not ll().check_parallel(_req((9, 0), cfg=ok)).ok  # no process group given

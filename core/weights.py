@@ -174,18 +174,26 @@ def quantize_weights(
             q2,
             s13,
             s2,
-            a13_scale=torch.tensor(a_amax / fp8.FP8_MAX),
-            a2_scale=torch.tensor(a2_amax / fp8.FP8_MAX),
+            a13_scale=torch.tensor(a_amax / fp8.FP8_MAX, device=w13.device),
+            a2_scale=torch.tensor(a2_amax / fp8.FP8_MAX, device=w13.device),
             **extra,
         )
     if k is QuantKind.NVFP4:
-        g13 = torch.stack([nvfp4.global_scale_for(w) for w in w13]) if len(w13) else torch.ones(0)
-        g2 = torch.stack([nvfp4.global_scale_for(w) for w in w2]) if len(w2) else torch.ones(0)
+        g13 = torch.stack([nvfp4.global_scale_for(w) for w in w13]) if len(w13) else torch.ones(0, device=w13.device)
+        g2 = torch.stack([nvfp4.global_scale_for(w) for w in w2]) if len(w2) else torch.ones(0, device=w2.device)
         q13, s13 = nvfp4.quantize(w13, g13)
         q2, s2 = nvfp4.quantize(w2, g2)
         full = nvfp4.E4M3_MAX * nvfp4.E2M1_MAX
         return ExpertWeights(
-            q13, q2, s13, s2, g13, g2, torch.tensor(full / a_amax), torch.tensor(full / a2_amax), **extra
+            q13,
+            q2,
+            s13,
+            s2,
+            g13,
+            g2,
+            torch.tensor(full / a_amax, device=w13.device),
+            torch.tensor(full / a2_amax, device=w13.device),
+            **extra,
         )
     q13, s13 = int8.quantize_per_channel(w13)
     q2, s2 = int8.quantize_per_channel(w2)

@@ -15,6 +15,18 @@ from moehal_cuda.deepgemm_experts import DeepGemmExperts, DeepGemmWeightProcesso
 from moehal_cuda.dispatch import CudaPermuteDispatcher
 from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts, Nvfp4DequantProcessor
 
+# The portable Triton fused MoE (moehal.kernels.triton_fused_moe) is one implementation shared
+# with the ROCm backend; its Experts wrapper lives there. Here it runs on NVIDIA GPUs, below
+# DeepGEMM (priority 20): it covers what DeepGEMM declines (e.g. shapes, int8, sm80/89).
+from moehal_rocm.triton_experts import TritonExperts
+from moehal_rocm.weights import TritonWeightProcessor
+
+
+class CudaTritonExperts(TritonExperts):
+    devices = frozenset({"cuda"})
+    interpret_on_cpu = False  # on CPU the interpreter path belongs to backend 'rocm' (tests)
+    priority = 12
+
 
 def _available(hw: HardwareInfo) -> Decision:
     if hw.kind != "cuda":
@@ -54,7 +66,7 @@ def moehal_dispatchers() -> Sequence[Dispatcher]:
 def moehal_experts() -> Sequence[Experts]:
     from moehal_cuda.flashinfer_moe import CuteDslNvfp4Experts
 
-    return [DeepGemmExperts(), Nvfp4DequantExperts(), *CuteDslNvfp4Experts.variants()]
+    return [DeepGemmExperts(), Nvfp4DequantExperts(), CudaTritonExperts(), *CuteDslNvfp4Experts.variants()]
 
 
 @hookimpl
@@ -68,4 +80,9 @@ def moehal_fused_forwards() -> Sequence[FusedForward]:
 def moehal_weight_processors() -> Sequence[WeightProcessor]:
     from moehal_cuda.flashinfer_moe import flashinfer_weight_processors
 
-    return [DeepGemmWeightProcessor(), Nvfp4DequantProcessor(), *flashinfer_weight_processors()]
+    return [
+        DeepGemmWeightProcessor(),
+        Nvfp4DequantProcessor(),
+        TritonWeightProcessor(devices=frozenset({"cuda"})),
+        *flashinfer_weight_processors(),
+    ]

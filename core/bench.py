@@ -131,6 +131,19 @@ def _weights(
     return _WEIGHTS[key]
 
 
+def _pipeline_named(
+    qualname: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device, registry: moehal.Registry
+) -> moehal.selection.Pipeline:
+    """The best accepted pipeline whose experts (or fused forward) is `qualname`, e.g. 'cuda.triton'."""
+    req = moehal.BuildRequest(cfg, quant, detect(dev), registry.settings)
+    pipes, decisions = moehal.enumerate_pipelines(req, registry, qualname.split(".")[0])
+    for p in pipes:
+        if p.main.qualname == qualname:
+            return p
+    why = [d.reason for d in decisions if d.name == qualname]
+    raise moehal.NoBackendError(f"{qualname} declines this shape: {why[0] if why else 'not registered'}")
+
+
 def bench_one(
     shape: str,
     cfg: moehal.MoEConfig,
@@ -161,7 +174,10 @@ def bench_one(
         fn: Callable[[], Any] = lambda: call(xd, ids, wts)
         pipeline = backend
     else:
-        layer = moehal.MoELayer(cfg, quant, backend=backend, device=dev, registry=registry, validate=False)
+        pipe = _pipeline_named(backend, cfg, quant, dev, registry) if "." in backend else None
+        layer = moehal.MoELayer(
+            cfg, quant, backend=backend.split(".")[0], device=dev, registry=registry, validate=False, pipeline=pipe
+        )
         layer.load_weights(weights)
         fn = lambda: layer(xd, ids, wts)
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
@@ -238,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--backends",
         default="auto",
-        help="comma list of backend names (auto = best); 'peers' adds transformers' experts functions",
+        help="comma list of backends (auto = best) or experts names (cuda.triton); 'peers' adds transformers' experts",
     )
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
     p.add_argument("--device", default=None)

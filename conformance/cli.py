@@ -34,8 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt_on_sigterm() -> None:
+    """`timeout` sends SIGTERM: turn it into KeyboardInterrupt so the report of what ran is kept."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _interrupt_on_sigterm()
     console = Console()
     try:
         suite = Suite.create(args.backend, args.device, args.emulate, "quick" if args.quick else "full")
@@ -73,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"reports: {md} {js}", markup=False)
     if counts[FAIL]:
         console.print(f"[red]FAIL[/red]: {counts[FAIL]} case(s) failed")
+        return 1
+    if suite.interrupted:
+        console.print(f"[yellow]INCOMPLETE[/yellow]: interrupted; {counts['not run']} case(s) did not run")
         return 1
     if not suite.claimed_anything and not args.select:
         console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")

@@ -57,7 +57,11 @@ def to_markdown(suite: Suite) -> str:
     hw = meta["hardware"]
     cap = f" (compute capability {hw['capability'][0]}.{hw['capability'][1]})" if hw["capability"] else ""
     libs = ", ".join(f"{k} {v or 'missing'}" for k, v in meta["vendor_libraries"].items()) or "none"
-    verdict = "PASS" if suite.ok else ("FAIL" if counts[FAIL] else "NOTHING CLAIMED")
+    verdict = (
+        "PASS"
+        if suite.ok
+        else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else "NOTHING CLAIMED"))
+    )
     lines = [
         f"# moehal conformance report: backend `{meta['backend']}`",
         "",

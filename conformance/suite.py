@@ -44,6 +44,7 @@ class Suite:
     device: torch.device
     profile: str = "full"
     results: list[CaseResult] = field(default_factory=list)
+    interrupted: bool = False
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     @classmethod
@@ -62,8 +63,26 @@ class Suite:
 
     def run(self, cases: list[Case] | None = None, on_result: Callable[[CaseResult], None] | None = None) -> None:
         runner = CaseRunner(self.registry, self.device)
-        for case in cases if cases is not None else self.cases():
-            r = runner.run(case)
+        todo = cases if cases is not None else self.cases()
+        for n, case in enumerate(todo):
+            try:
+                r = runner.run(case)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit): keep what ran, say what did not
+                self.interrupted = True
+                for rest in todo[n:]:
+                    self.results.append(
+                        CaseResult(
+                            rest.id,
+                            rest.family,
+                            rest.check,
+                            rest.quant.name,
+                            rest.layout,
+                            "-",
+                            NOT_RUN,
+                            detail="the run was interrupted before this case",
+                        )
+                    )
+                return
             self.results.append(r)
             if on_result is not None:
                 on_result(r)
@@ -101,8 +120,11 @@ class Suite:
             return
         for rank0 in outcomes[0].result:
             if rank0.declined:
-                self.results.append(CaseResult(f"ep/world{world}/{rank0.case}", "ep", "ep", "-", "-", "-", DECLINED,
-                                               detail=rank0.declined))
+                self.results.append(
+                    CaseResult(
+                        f"ep/world{world}/{rank0.case}", "ep", "ep", "-", "-", "-", DECLINED, detail=rank0.declined
+                    )
+                )
                 continue
             status = PASS if rank0.all_ok else FAIL
             self.results.append(
@@ -133,7 +155,7 @@ class Suite:
 
     @property
     def ok(self) -> bool:
-        return self.counts()[FAIL] == 0 and self.claimed_anything
+        return self.counts()[FAIL] == 0 and self.claimed_anything and not self.interrupted
 
     def metadata(self) -> dict[str, Any]:
         hw = detect(self.device)
@@ -152,6 +174,7 @@ class Suite:
             "moehal_version": moehal.__version__,
             "date": self.started,
             "profile": self.profile,
+            "interrupted": self.interrupted,
             "hardware": {
                 "kind": hw.kind,
                 "device": str(hw.device),

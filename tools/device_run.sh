@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 repo=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 cd /tmp
 {
@@ -17,14 +17,20 @@ cd /tmp
   nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } > "$OUT/env.txt" 2>&1
-moehal doctor --json > "$OUT/doctor.json" 2>&1
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout -s TERM "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? ${SECONDS}s-$t0s" | tee -a "$OUT/steps.txt"; }
-step conformance-cuda "${CONF_LIMIT:-220}" moehal conformance --backend cuda --quick --report "$OUT/conformance-cuda"
-step bench "${BENCH_LIMIT:-170}" moehal bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
+python3 -m moehal.cli.main doctor --json > "$OUT/doctor.json" 2>&1
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  timeout -s TERM "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+}
+step conformance-cuda "${CONF_LIMIT:-220}" python3 -m moehal.cli.main conformance --backend cuda --quick --report "$OUT/conformance-cuda"
+step bench "${BENCH_LIMIT:-170}" python3 -m moehal.cli.main bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
   --tokens 1,16,128,1024,4096 --quant bf16,fp8_block --backends cuda,cuda.triton,transformers:grouped_mm \
   --reps 20 --out "$OUT/bench"
 cd "$repo"
-step pytest-gpu "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+step pytest-gpu "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
   tests/cuda tests/rocm tests/integrations/test_custom_op.py
-tail -3 "$OUT"/*.log
+for f in "$OUT"/*.log; do echo "== $f"; tail -n 4 "$f"; done
 cat "$OUT/steps.txt"

@@ -284,17 +284,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (b == "reference" and t > args.max_reference_tokens)
     ]
     rows: list[Row] = []
+    out = Path(args.out) if args.out else None
+
+    def save() -> None:  # after every row: a time limit keeps what was measured
+        if out is None:
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "ceilings": asdict(ceil),
+            "torch": torch.__version__,
+            "moehal": moehal.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "rows": [asdict(r) for r in rows],
+        }
+        out.with_suffix(".json").write_text(json.dumps(data, indent=2))
+
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(jobs))
-        for shape, q, backend, tokens in jobs:
-            cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
-            try:
-                rows.append(
-                    bench_one(shape, cfg, QuantScheme.parse(q), backend, tokens, dev, ceil, args.reps, registry)
-                )
-            except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
-                console.print(f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False)
-            progress.advance(task)
+        try:
+            for shape, q, backend, tokens in jobs:
+                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
+                try:
+                    rows.append(
+                        bench_one(shape, cfg, QuantScheme.parse(q), backend, tokens, dev, ceil, args.reps, registry)
+                    )
+                    save()
+                except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
+                    console.print(
+                        f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False
+                    )
+                progress.advance(task)
+        except KeyboardInterrupt:
+            console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
     t = Table(title="moehal bench (whole layer)", title_justify="left")
     for col in ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s"):
         t.add_column(col)
@@ -311,17 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.tflop_per_s:.1f}",
         )
     console.print(t)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        data = {
-            "ceilings": asdict(ceil),
-            "torch": torch.__version__,
-            "moehal": moehal.__version__,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "rows": [asdict(r) for r in rows],
-        }
-        out.with_suffix(".json").write_text(json.dumps(data, indent=2))
+    if out is not None:
+        save()
         png = plot(rows, out.with_suffix(".png"))
         console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
     return 0

@@ -85,8 +85,17 @@ def test_group_quant_fp8_matches_reference(ue8m0, fp8_dtype):
     qr, sr = fp8.quantize_group(x, ue8m0)
     ours = q.float().cpu() * s.cpu().repeat_interleave(128, dim=1)[:, :300]
     ref = qr.float() * sr.repeat_interleave(128, dim=1)[:, :300]
-    # e4m3fnuz with max 224 is the e4m3fn grid scaled by 1/2: the dequantized values are identical
-    assert torch.equal(ours, ref)
+    # e4m3fnuz with max 224 is the e4m3fn grid scaled by 1/2: the dequantized values are identical.
+    if fp8_dtype == torch.float8_e4m3fn:
+        assert torch.equal(s.cpu(), sr), "scales must agree exactly"
+    if DEVICE == "cpu":
+        assert torch.equal(ours, ref)
+    else:
+        # Seen on an H100 (2026-11-22): Triton's fp32 division on GPUs is not IEEE-exact, so a
+        # value at a rounding boundary can land one e4m3 step (1/8 relative) from torch's.
+        step = (ref.abs() / 8).clamp_min(s.cpu().repeat_interleave(128, dim=1)[:, :300] * 2**-9)
+        assert ((ours - ref).abs() <= step).all()
+        assert (ours != ref).float().mean() < 0.01, "more than rare boundary cases differ"
     assert torch.equal(ours[0], torch.zeros(300))
 
 

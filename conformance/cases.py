@@ -85,12 +85,29 @@ def _distinct(pipes: list[Pipeline], per_layout: bool) -> list[Pipeline]:
     return out
 
 
+_DEPTH = {
+    "request": -1,
+    "hardware": 0,
+    "libraries": 1,
+    "quant": 2,
+    "activation": 3,
+    "parallel": 4,
+    "shape": 5,
+    "routing": 6,
+    "weights": 7,
+    "format": 8,
+}
+
+
 def _main_decline(decisions: list[CandidateDecision], backend: str) -> str:
+    """The backend's reasons, the most telling first: a kernel that got as far as the shape
+    check says more about this configuration than one for other hardware."""
     mine = [d for d in decisions if d.name.startswith(f"{backend}.") and not d.ok and d.kind in ("experts", "fused")]
     mine = mine or [d for d in decisions if d.name.startswith(f"{backend}.") and not d.ok]
     if not mine:
         return "the backend declares no experts kernel or fused forward"
-    return "; ".join(f"{d.name}: {d.reason}" for d in mine[:4])
+    mine.sort(key=lambda d: -_DEPTH.get(d.predicate, 0))
+    return "; ".join(f"{d.name}: {d.reason}" for d in mine)
 
 
 class CaseBuilder:

@@ -136,6 +136,17 @@ class CudaPermuteDispatcher(Dispatcher):
     def check_libraries(self, req: BuildRequest) -> Decision:
         return triton_decision()
 
+    def check_parallel(self, req: BuildRequest) -> Decision:
+        # One device: with a process group, tokens must cross ranks (an EP dispatcher's job);
+        # a local permute would silently compute a partial sum.
+        if req.config.ep_size > 1 and req.process_group is not None:
+            return decline(
+                "moves tokens on one GPU only; expert parallelism across processes needs an EP "
+                "dispatcher (DeepEP, or reference.torch_distributed)",
+                "parallel",
+            )
+        return accept(predicate="parallel")
+
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
         if not isinstance(fmt.layout, Layout):
             return decline(f"layout {fmt.layout_name!r} is not a core layout", "format")

@@ -305,23 +305,25 @@ def enumerate_pipelines(
                     CandidateDecision(name, "pipeline", False, f"no dispatcher produces it ({why})", "format")
                 )
 
-    if backend is None:
-        # An interpreter (TRITON_INTERPRET=1) is for tests: used only when its backend is named.
-        kept = []
-        for p in pipelines:
-            if p.execution_mode(req) == "interpreted":
-                decisions.append(
-                    CandidateDecision(
-                        p.name,
-                        "pipeline",
-                        False,
-                        "interpreted execution is used only when its backend is requested by name",
-                        "request",
-                    )
+    # An interpreter (TRITON_INTERPRET=1) is for tests: a part that would run interpreted is
+    # used only when its own backend is the one requested by name.
+    kept = []
+    for p in pipelines:
+        parts = [x for x in (p.main, p.dispatcher, p.processor) if x is not None]
+        bad = [x.qualname for x in parts if x.execution_mode(req) == "interpreted" and x.backend != backend]
+        if bad:
+            decisions.append(
+                CandidateDecision(
+                    p.name,
+                    "pipeline",
+                    False,
+                    f"{', '.join(bad)} would run interpreted; interpreters are used only when their backend is named",
+                    "request",
                 )
-            else:
-                kept.append(p)
-        pipelines = kept
+            )
+        else:
+            kept.append(p)
+    pipelines = kept
     pipelines.sort(key=lambda p: p.rank)
     return pipelines, decisions
 

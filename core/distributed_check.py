@@ -310,6 +310,13 @@ def run_ep_case(
     )
 
 
+def declined_result(case: EPCase, rank: int, world: int, device: str, exc: NoBackendError) -> EPResult:
+    """The result of a case the backend declines (the same on every rank, no collective ran)."""
+    return EPResult(
+        case.name, rank, world, False, False, 0, math.nan, "-", "-", "-", device, 0.0, declined=str(exc).splitlines()[0]
+    )
+
+
 def run_ep_cases(
     rank: int,
     world: int,
@@ -464,7 +471,7 @@ def run_spawned(
 @dataclass
 class CaseRow:
     case: str
-    verdict: str  # PASS / FAIL
+    verdict: str  # PASS / FAIL / DECLINED
     max_abs_err: float
     pipeline: str
     mode: str
@@ -478,14 +485,15 @@ def summarize(results: Sequence[Sequence[EPResult]]) -> list[CaseRow]:
     for i, first in enumerate(results[0]):
         per = [rank_results[i] for rank_results in results]
         ok = all(r.ok and r.all_ok for r in per)
+        verdict = "DECLINED" if first.declined else ("PASS" if ok else "FAIL")
         rows.append(
             CaseRow(
                 case=first.case,
-                verdict="PASS" if ok else "FAIL",
+                verdict=verdict,
                 max_abs_err=max(r.max_abs_err for r in per),
                 pipeline=first.pipeline,
                 mode=first.mode,
-                detail="; ".join(f"rank {r.rank}: {r.detail}" for r in per if r.detail),
+                detail=first.declined or "; ".join(f"rank {r.rank}: {r.detail}" for r in per if r.detail),
                 per_rank=[f"{r.tokens} tok" for r in per],
             )
         )
@@ -501,10 +509,14 @@ def to_markdown(rows: Sequence[CaseRow], title: str, header: str = "") -> str:
         lines.append(
             f"| {r.case} | {r.verdict} | {r.max_abs_err:.3g} | {', '.join(r.per_rank)} | `{r.pipeline}` | {r.mode} |"
         )
-    fails = [r for r in rows if r.verdict != "PASS"]
-    lines += ["", f"{len(rows) - len(fails)} of {len(rows)} cases passed."]
+    fails = [r for r in rows if r.verdict == "FAIL"]
+    declined = [r for r in rows if r.verdict == "DECLINED"]
+    passed = len(rows) - len(fails) - len(declined)
+    lines += ["", f"{passed} of {len(rows)} cases passed, {len(declined)} declined by the backend."]
     for r in fails:
         lines.append(f"- FAIL {r.case}: {r.detail}")
+    for r in declined:
+        lines.append(f"- declined {r.case}: {r.detail}")
     return "\n".join(lines) + "\n"
 
 

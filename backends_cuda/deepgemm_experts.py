@@ -186,11 +186,20 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         ybuf = workspace(f"dg.y:{tag}", lead, h, c.dtype, device, False)
         return hbuf, abuf, ybuf
 
+    def _empty_output(self, inp: Any) -> Any:
+        """No rows (0 tokens, or an EP rank that received none): DeepGEMM rejects empty operands
+        (their strides), and there is nothing to compute."""
+        shape = (*inp.hidden.shape[:-1], self.config.hidden_size)
+        empty = torch.zeros(shape, dtype=self.config.dtype, device=inp.hidden.device)
+        return MaskedOutput(empty) if isinstance(inp, MaskedInput) else ContiguousOutput(empty)
+
     def apply(self, inp: Any) -> Any:
         from moehal_cuda.triton_glue import RowIndex, activation, add_bias
 
         w = self.w
         assert w is not None, "weights not loaded"
+        if inp.hidden.numel() == 0:
+            return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
             e, m, _ = inp.hidden.shape
             hb, ab, yb = self._buffers((e, m), inp.hidden.device)

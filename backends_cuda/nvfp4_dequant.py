@@ -73,6 +73,8 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
 
         w = self.w
         assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        if inp.hidden.numel() == 0:
+            return self._empty_output(inp)
         c = self.config
         tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
         if isinstance(inp, MaskedInput):

@@ -134,3 +134,36 @@ def test_nvfp4_dequant_experts_follow_the_scheme(layout):
         live = inp.row_expert >= 0  # all rows of a used segment; padding rows compare as zeros
     err = ((out[live].float() - ref[live].float()).abs().max() / ref[live].float().abs().max()).item()
     assert err < 5e-2
+
+
+class _NoGemm(TorchGemmOps):
+    """Fails the test if a GEMM is launched: empty inputs must not reach DeepGEMM, which
+    rejects empty operands (seen on 2 x H200, 2026-11-22: an EP rank that received no rows)."""
+
+    def masked(self, *args, **kwargs):
+        raise AssertionError("GEMM launched on an empty input")
+
+    contiguous = masked
+
+
+@pytest.mark.parametrize("layout", [Layout.MASKED, Layout.CONTIGUOUS])
+def test_empty_input_skips_the_gemms(layout):
+    from moehal.formats import ContiguousInput, MaskedInput
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    req = BuildRequest(cfg, QuantScheme.parse("bf16"), detect(DEV))
+    fmt = _fmt(QuantScheme.parse("bf16"), layout)
+    ex = DeepGemmExpertsRunner(req, fmt, _NoGemm(False))
+    g = torch.Generator().manual_seed(0)
+    w = quantize_weights(
+        cfg, QuantScheme.parse("bf16"), torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g)
+    ).to(DEV)
+    ex.load(w)
+    zeros = torch.zeros(4, dtype=torch.int32, device=DEV)
+    if layout is Layout.MASKED:
+        inp = MaskedInput(torch.zeros(4, 0, 256, dtype=torch.bfloat16, device=DEV), None, zeros, 1)
+    else:
+        empty_rows = torch.zeros(0, dtype=torch.int32, device=DEV)
+        inp = ContiguousInput(torch.zeros(0, 256, dtype=torch.bfloat16, device=DEV), None, empty_rows, zeros, zeros)
+    out = ex.apply(inp).hidden
+    assert out.shape == (*inp.hidden.shape[:-1], 256) and out.dtype == torch.bfloat16

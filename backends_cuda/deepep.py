@@ -157,6 +157,13 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
         if fmt.layout is not Layout.MASKED:
             return decline("DeepEP low latency produces the masked layout only", "format")
+        rows = req.config.ep_size * (req.config.max_tokens or 0)
+        if rows % fmt.row_alignment:
+            return decline(
+                f"DeepEP low latency receives ep_size*max_tokens = {rows} rows per expert, not a multiple of "
+                f"{fmt.row_alignment} as the experts need; choose max_tokens accordingly",
+                "format",
+            )
         if fmt.scales is ScaleKind.NONE:
             if fmt.dtype != torch.bfloat16:
                 return decline(f"DeepEP low latency sends bf16, not {fmt.dtype}", "format")

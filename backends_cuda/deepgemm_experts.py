@@ -128,6 +128,21 @@ class DeepGemmOps:
             self._contig(a, w, d, layout)
 
 
+# DeepGEMM's masked grouped GEMM computes and stores whole BLOCK_M tiles of each group: with
+# max_m not a multiple of the tile, a group's last tile spills into the next group's rows
+# (seen on 2 x H200, 2026-11-22: wrong outputs behind the EP dispatcher, max_m = 9). The
+# experts declare the alignment in their input format, so dispatchers size max_m for it.
+MASKED_ROW_ALIGNMENT = 64
+
+
+def check_masked_rows(max_m: int) -> None:
+    if max_m % MASKED_ROW_ALIGNMENT:
+        raise ValueError(
+            f"masked input has max_m={max_m}, not a multiple of {MASKED_ROW_ALIGNMENT}: the dispatcher ignored the "
+            "row_alignment these experts declared (DeepGEMM would write across experts)"
+        )
+
+
 class TorchGemmOps:
     """A float32 torch stand-in with DeepGEMM's contract (tests of the glue on CPU only):
     masked computes every row of every expert (as full tiles would); contiguous computes the
@@ -202,6 +217,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
             e, m, _ = inp.hidden.shape
+            check_masked_rows(m)
             hb, ab, yb = self._buffers((e, m), inp.hidden.device)
             rows = RowIndex(e * m, m, masked_m=inp.masked_m)
             self.ops.masked(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
@@ -281,7 +297,7 @@ class DeepGemmExperts(Experts):
             dtype = torch.float8_e4m3fn
         else:
             kind, dtype = ScaleKind.NONE, req.config.dtype
-        masked = ActivationFormat(Layout.MASKED, dtype, kind)
+        masked = ActivationFormat(Layout.MASKED, dtype, kind, MASKED_ROW_ALIGNMENT)
         contig = ActivationFormat(Layout.CONTIGUOUS, dtype, kind, self._alignment())
         mt = req.config.max_tokens
         # masked for bounded decode-sized batches; contiguous when batches are large or unbounded

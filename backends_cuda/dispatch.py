@@ -7,6 +7,7 @@ output is valid until the next dispatch of the same shape: one micro-batch in fl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ class PermuteRunner(DispatchRunner):
         c, dt = self.config, (self.fmt.dtype if self.quant else self.dtype)
         rows_for = c.max_tokens if c.max_tokens is not None else t
         if self.fmt.layout is Layout.MASKED:
-            lead: tuple[int, ...] = (self.e, tp.masked_rows(rows_for))
+            lead: tuple[int, ...] = (self.e, tp.masked_rows(rows_for, math.lcm(64, self.fmt.row_alignment)))
         else:
             lead = (tp.contiguous_rows(rows_for * self.k, self.e, self.fmt.row_alignment),)
         return tp.workspace(f"dispatch.{self.fmt.layout_name}", lead, c.hidden_size, dt, device, self.quant)

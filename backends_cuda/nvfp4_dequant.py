@@ -18,7 +18,14 @@ from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, Maske
 from moehal.interfaces import BuildRequest, ExpertsRunner, WeightProcessor
 from moehal.quant import NVFP4, nvfp4
 from moehal.weights import ExpertWeights
-from moehal_cuda.deepgemm_experts import DeepGemmExperts, DeepGemmExpertsRunner, DeepGemmOps, DeepGemmWeights
+from moehal_cuda.deepgemm_experts import (
+    MASKED_ROW_ALIGNMENT,
+    DeepGemmExperts,
+    DeepGemmExpertsRunner,
+    DeepGemmOps,
+    DeepGemmWeights,
+    check_masked_rows,
+)
 
 LAYOUT = "deepgemm_nvfp4_dequant"
 
@@ -79,6 +86,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
         if isinstance(inp, MaskedInput):
             e, m, h = inp.hidden.shape
+            check_masked_rows(m)
             lead: tuple[int, ...] = (e, m)
             rows = RowIndex(e * m, m, masked_m=inp.masked_m)
         elif isinstance(inp, ContiguousInput):
@@ -131,7 +139,7 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     def input_formats(self, req: BuildRequest) -> list[Any]:
         from moehal.formats import ActivationFormat, Layout
 
-        masked = ActivationFormat(Layout.MASKED, req.config.dtype)
+        masked = ActivationFormat(Layout.MASKED, req.config.dtype, row_alignment=MASKED_ROW_ALIGNMENT)
         contig = ActivationFormat(Layout.CONTIGUOUS, req.config.dtype, row_alignment=self._alignment())
         mt = req.config.max_tokens
         return [masked, contig] if mt is not None and mt <= 512 else [contig, masked]

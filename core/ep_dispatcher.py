@@ -202,6 +202,7 @@ class TorchDistributedDispatchRunner(DispatchRunner):
         idx = permute.index_slots(recv_ids, self.expert_start, self.num_local)
         if layout is Layout.MASKED:
             max_m = self.max_tokens * w if self.max_tokens is not None else r
+            max_m = permute.round_up(max_m, self.fmt.row_alignment)
             xm, masked_m = permute.to_masked(payload, idx, max_m)
             hq, hs = self._unpack(xm)
             per_row = max(1, -(-k // w))  # hint: local slots per received token, roughly

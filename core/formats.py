@@ -43,7 +43,9 @@ class ActivationFormat:
     layout: a `Layout`, or a plugin-defined layout name.
     dtype: dtype of the dispatched hidden states (bf16/fp16/fp32, float8_e4m3fn, int8).
     scales: scale kind; NONE for unquantized dtypes.
-    row_alignment: CONTIGUOUS only: each expert's segment starts at a multiple of this.
+    row_alignment: CONTIGUOUS: each expert's segment starts at a multiple of this.
+        MASKED: max_m (rows per expert) is a multiple of this (GEMM tiles must not
+        straddle two experts' rows: DeepGEMM's masked GEMM writes whole tiles).
     """
 
     layout: Layout | str

@@ -53,6 +53,7 @@ class LocalDispatchRunner(DispatchRunner):
         idx = permute.index_slots(topk.ids, self.expert_start, self.num_local)
         if layout is Layout.MASKED:
             max_m = self.max_tokens if self.max_tokens is not None else hidden.shape[0]
+            max_m = permute.round_up(max_m, self.fmt.row_alignment)
             x, masked_m = permute.to_masked(hidden, idx, max_m)
             q, s = quantize_activation(x, self.fmt.scales)
             expected_m = max(1, (hidden.shape[0] * self.top_k + self.num_local - 1) // self.num_local)

@@ -10,8 +10,9 @@ from moehal.bench import main
 
 def test_bench_tiny_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
-    assert main(["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "2",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "2", "--out", str(out)]) == 0
+    )
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["ceilings"]["copy_bytes_per_s"] > 0 and data["ceilings"]["matmul_flops_per_s"] > 0
     rows = data["rows"]

@@ -68,3 +68,20 @@ def test_local_ids_mark_remote_experts(r):
     inside = (ids >= start) & (ids < start + e_local)
     assert torch.equal(local[inside], (ids[inside] - start).to(torch.int32))
     assert (local[~inside] == -1).all()
+
+
+def test_dispatchers_honour_the_masked_row_alignment():
+    """Experts may need max_m to be a multiple of their tile (DeepGEMM: 64); the format says so
+    and the dispatcher sizes the masked layout for it."""
+    import moehal
+    from moehal.formats import ActivationFormat, Layout
+    from moehal.interfaces import BuildRequest
+    from moehal.reference.dispatcher import ReferenceDispatcher
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)
+    fmt = ActivationFormat(Layout.MASKED, torch.bfloat16, row_alignment=64)
+    runner = ReferenceDispatcher().build(BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), moehal.detect("cpu")), fmt)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]], dtype=torch.int32)
+    out, handle = runner.dispatch(torch.randn(5, 16).bfloat16(), moehal.TopK(ids, torch.rand(5, 2)))
+    assert out.hidden.shape == (4, 64, 16)
+    assert out.masked_m.tolist() == [3, 3, 2, 2]

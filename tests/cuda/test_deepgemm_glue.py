@@ -167,3 +167,24 @@ def test_empty_input_skips_the_gemms(layout):
         inp = ContiguousInput(torch.zeros(0, 256, dtype=torch.bfloat16, device=DEV), None, empty_rows, zeros, zeros)
     out = ex.apply(inp).hidden
     assert out.shape == (*inp.hidden.shape[:-1], 256) and out.dtype == torch.bfloat16
+
+
+def test_misaligned_masked_input_is_refused_not_computed():
+    from moehal.formats import MaskedInput
+    from moehal_cuda.deepgemm_experts import MASKED_ROW_ALIGNMENT
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    req = BuildRequest(cfg, QuantScheme.parse("bf16"), detect(DEV))
+    fmt = ActivationFormat(Layout.MASKED, torch.bfloat16, ScaleKind.NONE, MASKED_ROW_ALIGNMENT)
+    ex = DeepGemmExpertsRunner(req, fmt, _NoGemm(False))
+    g = torch.Generator().manual_seed(0)
+    ex.load(
+        quantize_weights(
+            cfg, QuantScheme.parse("bf16"), torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g)
+        ).to(DEV)
+    )
+    inp = MaskedInput(
+        torch.zeros(4, 9, 256, dtype=torch.bfloat16, device=DEV), None, torch.ones(4, dtype=torch.int32, device=DEV), 1
+    )
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        ex.apply(inp)

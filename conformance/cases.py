@@ -70,12 +70,15 @@ def _short(p: Pipeline) -> str:
     return f"{p.main.name}[{p.fmt}]"
 
 
-def _distinct(pipes: list[Pipeline], per_layout: bool) -> list[Pipeline]:
-    """All accepted pipelines of distinct (kernel, format), or the best one per layout."""
+def _distinct(pipes: list[Pipeline], per_layout: bool | None) -> list[Pipeline]:
+    """All accepted pipelines of distinct (kernel, format), or the best one per layout, or
+    (per_layout None) every distinct (dispatcher, kernel, format) pairing."""
     seen: set[object] = set()
     out = []
     for p in pipes:
-        if per_layout:
+        if per_layout is None:
+            key = (p.dispatcher.qualname if p.dispatcher else None, p.main.qualname, p.fmt)
+        elif per_layout:
             key = ("fused", p.main.qualname) if p.kind == "fused" else (p.fmt.layout_name if p.fmt else None)
         else:
             key = (p.main.qualname, p.fmt)
@@ -147,8 +150,9 @@ class CaseBuilder:
             )  # type: ignore[arg-type]
             return
         for p in _distinct(pipes, per_layout):
+            prefix = f"{p.dispatcher.qualname}->" if per_layout is None and p.dispatcher else ""
             yield Case(
-                f"{family}/{quant.name}/{name}/{_short(p)}",
+                f"{family}/{quant.name}/{name}/{prefix}{_short(p)}",
                 family,
                 check,
                 config,
@@ -205,6 +209,10 @@ class CaseBuilder:
             shapes = [s for s in shapes if s[0] in {"tokens_0", "tokens_1", "one_expert", "top_k_10", "experts_64"}]
         for name, change, kw in shapes:
             cases.extend(self.cases_for("shapes", "numeric", name, base.with_(**change), first, **kw))
+        # every dispatcher the experts can be paired with (a dispatcher that ignores a format's
+        # row alignment, say, shows here and not with the best dispatcher alone) ------------
+        for quant in claimed[:2]:
+            cases.extend(self.cases_for("pairs", "numeric", "silu", base, quant, per_layout=None, tokens=9))
         # masked padding ----------------------------------------------------------------------
         for quant in claimed:
             # With biases, computing a padding row would make it non-zero; backends without

@@ -10,6 +10,8 @@ from typing import Any
 from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite
 
+NUMERIC_FAMILIES = ("matrix", "features", "shapes", "pairs", "padding", "routing")
+
 
 def to_dict(suite: Suite) -> dict[str, Any]:
     return {
@@ -82,13 +84,13 @@ def to_markdown(suite: Suite) -> str:
         "`pass (emulated)`: vendor ops ran as documented torch stand-ins; `pass (interpreted)`: the real kernel "
         "code ran under an interpreter (TRITON_INTERPRET=1). Neither is a hardware result.",
         "",
-        "## Matrix: quant scheme x layout (matrix, features, shapes, padding, routing)",
+        "## Matrix: quant scheme x layout (matrix, features, shapes, pairs, padding, routing)",
         "",
     ]
     grid: dict[str, dict[str, list[CaseResult]]] = defaultdict(lambda: defaultdict(list))
     layouts: list[str] = []
     for r in suite.results:
-        if r.family in ("matrix", "features", "shapes", "padding", "routing"):
+        if r.family in NUMERIC_FAMILIES:
             grid[r.quant][r.layout].append(r)
             if r.layout not in layouts:
                 layouts.append(r.layout)
@@ -99,7 +101,7 @@ def to_markdown(suite: Suite) -> str:
         lines.append(f"| {quant} | " + " | ".join(_cell(grid[quant][x]) for x in order) + " |")
     lines += ["", "## Behaviour", "", "| case | result |", "|---|---|"]
     for r in suite.results:
-        if r.family not in ("matrix", "features", "shapes", "padding", "routing"):
+        if r.family not in NUMERIC_FAMILIES:
             lines.append(f"| {r.id} | {_escape(r.label)} |")
     failures = [r for r in suite.results if r.status == FAIL]
     if failures:

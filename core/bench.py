@@ -61,6 +61,7 @@ class Row:
     pct_roofline: float
     tb_per_s: float
     tflop_per_s: float
+    host_us: float = float("nan")  # CUDA only: host time per eager forward call (launch overhead)
 
 
 def _sync(dev: torch.device) -> None:
@@ -88,6 +89,22 @@ def time_call(fn: Callable[[], Any], dev: torch.device, reps: int, warmup: int =
             fn()
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 20) -> float:
+    """Seconds of host time per eager call on CUDA: the calls return once their kernels are
+    queued, so with fewer calls than the launch queue holds this is Python and launch overhead
+    (the issue's "host overhead under 20 us per forward outside graphs"). NaN off CUDA."""
+    if dev.type != "cuda":
+        return float("nan")
+    fn()
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize(dev)
+    return elapsed
 
 
 def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
@@ -182,6 +199,7 @@ def bench_one(
         fn = lambda: layer(xd, ids, wts)
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
+    host = host_time(fn, dev)
     if dev.type == "cuda" and capturable:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -212,6 +230,7 @@ def bench_one(
         100 * roof / t,
         wbytes / t / 1e12,
         flops / t / 1e12,
+        host * 1e6,
     )
 
 
@@ -323,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
     t = Table(title="moehal bench (whole layer)", title_justify="left")
-    for col in ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s"):
+    for col in ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s", "host us"):
         t.add_column(col)
     for r in rows:
         t.add_row(
@@ -336,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.pct_roofline:.0f}",
             f"{r.tb_per_s:.2f}",
             f"{r.tflop_per_s:.1f}",
+            "-" if r.host_us != r.host_us else f"{r.host_us:.1f}",  # NaN off CUDA
         )
     console.print(t)
     if out is not None:

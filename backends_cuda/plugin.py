@@ -11,15 +11,14 @@ from moehal.capability import Decision, accept, decline
 from moehal.hardware import HardwareInfo, package_version
 from moehal.hookspecs import hookimpl
 from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, WeightProcessor
+
+# The portable Triton fused MoE (moehal.kernels) is one implementation shared with the ROCm
+# backend. Here it runs on NVIDIA GPUs, below DeepGEMM (priority 20): it covers what DeepGEMM
+# declines (e.g. shapes, int8, sm80/89).
+from moehal.kernels.triton_experts import TritonExperts, TritonWeightProcessor
 from moehal_cuda.deepgemm_experts import DeepGemmExperts, DeepGemmWeightProcessor
 from moehal_cuda.dispatch import CudaPermuteDispatcher
 from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts, Nvfp4DequantProcessor
-
-# The portable Triton fused MoE (moehal.kernels.triton_fused_moe) is one implementation shared
-# with the ROCm backend; its Experts wrapper lives there. Here it runs on NVIDIA GPUs, below
-# DeepGEMM (priority 20): it covers what DeepGEMM declines (e.g. shapes, int8, sm80/89).
-from moehal_rocm.triton_experts import TritonExperts
-from moehal_rocm.weights import TritonWeightProcessor
 
 
 class CudaTritonExperts(TritonExperts):

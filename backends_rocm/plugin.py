@@ -20,11 +20,11 @@ from moehal.capability import Decision, accept, decline
 from moehal.hardware import HardwareInfo
 from moehal.hookspecs import hookimpl
 from moehal.interfaces import BackendInfo, Experts, WeightProcessor
+from moehal.kernels.triton_experts import TritonExperts, TritonWeightProcessor
 from moehal_rocm import hw as rocm_hw
 from moehal_rocm.aiter_experts import AiterExperts
 from moehal_rocm.torch_experts import TorchFallbackExperts
-from moehal_rocm.triton_experts import TritonExperts
-from moehal_rocm.weights import AiterWeightProcessor, TritonWeightProcessor
+from moehal_rocm.weights import AiterWeightProcessor
 
 
 def available(hw: HardwareInfo) -> Decision:

@@ -27,7 +27,7 @@ FP8 flavour: e4m3fn (OCP) on NVIDIA and gfx950/gfx12; e4m3fnuz on MI300 (gfx942)
 an e4m3fnuz number are worth half those of e4m3fn (exponent bias 8 instead of 7), so canonical
 e4m3fn weights become e4m3fnuz by keeping the bits and doubling the scale;
 the one e4m3fn pattern that means NaN in fnuz, 0x80 (-0.0), becomes +0 (the ROCm backend's
-weight processor does this, `moehal_rocm.weights.to_fnuz`). Activations are
+weight processor does this, `moehal.kernels.triton_experts.to_fnuz`). Activations are
 quantized to fnuz with a maximum of 224 (= 448 / 2), which gives exactly the values the
 e4m3fn reference quantizer gives.
 

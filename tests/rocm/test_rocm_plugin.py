@@ -113,7 +113,7 @@ def test_aiter_gated_on_hardware_and_library(reg, monkeypatch):
 
 
 def test_triton_fp8_declined_on_gpus_without_fp8():
-    from moehal_rocm.triton_experts import TritonExperts
+    from moehal.kernels.triton_experts import TritonExperts
 
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128)
     mi200 = HardwareInfo("rocm", torch.device("cpu"), "AMD Instinct MI250X", (9, 0), "gfx90a")
@@ -129,8 +129,8 @@ def test_triton_fp8_declined_on_gpus_without_fp8():
 
 
 def test_fnuz_conversion_is_lossless():
+    from moehal.kernels.triton_experts import to_fnuz
     from moehal.quant import fp8
-    from moehal_rocm.weights import to_fnuz
 
     bits = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     q = bits.view(torch.float8_e4m3fn)

@@ -21,9 +21,8 @@ pytestmark = needs_triton
 def _triton_registry() -> moehal.Registry:
     """The reference plugin plus the ROCm Triton experts, on whatever device runs this test
     (on an NVIDIA GPU this is also how the CUDA backend reuses the class)."""
+    from moehal.kernels.triton_experts import TritonExperts, TritonWeightProcessor
     from moehal.reference import plugin as reference_plugin
-    from moehal_rocm.triton_experts import TritonExperts
-    from moehal_rocm.weights import TritonWeightProcessor
 
     devices = frozenset({"cuda"}) if ON_NVIDIA else frozenset({"rocm"})
 
@@ -139,8 +138,7 @@ def test_plan_through_rocm_backend_is_interpreted_triton():
 
 
 def _direct(cfg, quant, hw: HardwareInfo, fmt: ActivationFormat, t: int = 6):
-    from moehal_rocm.triton_experts import TritonExperts
-    from moehal_rocm.weights import TritonWeightProcessor
+    from moehal.kernels.triton_experts import TritonExperts, TritonWeightProcessor
 
     req = BuildRequest(cfg, moehal.QuantScheme.parse(quant), hw)
     w, x, ids, wts = problem(cfg, quant, t)

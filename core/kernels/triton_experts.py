@@ -1,16 +1,19 @@
-"""The portable Triton fused-MoE experts (`moehal.kernels.triton_fused_moe`).
+"""The portable Triton fused-MoE experts and their weight processor, shared by backends.
 
-One implementation for AMD and NVIDIA: the ROCm backend registers `TritonExperts()`
-(devices {'rocm'}); the CUDA backend instantiates it with its own devices, e.g.
-`TritonExperts(devices=frozenset({'cuda'}))`, or subclasses it, and registers a
-`TritonWeightProcessor` of its own for the `triton_fused_moe` weight layout.
+One implementation for AMD and NVIDIA (the kernels: `moehal.kernels.triton_fused_moe`). The
+ROCm backend registers `TritonExperts()` (devices {'rocm'}, and the CPU under the Triton
+interpreter, for tests); the CUDA backend subclasses it with devices {'cuda'}. Each backend
+registers its own `TritonWeightProcessor` for the `triton_fused_moe` weight layout, so neither
+depends on the other being installed.
 
 On CPU it runs only under TRITON_INTERPRET=1 (the Triton interpreter: the real kernel code,
-exact but slow), reported as execution mode 'interpreted'.
+exact but slow), reported as execution mode 'interpreted'. Importing this module never
+imports triton.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -18,10 +21,93 @@ import torch
 from moehal.capability import Decision, accept, decline
 from moehal.config import Activation
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput, StandardOutput
-from moehal.interfaces import BuildRequest, Experts, ExpertsRunner
+from moehal.hardware import HardwareInfo, module_available
+from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
-from moehal_rocm import hw as rocm_hw
-from moehal_rocm.weights import TRITON_LAYOUT, to_fnuz
+from moehal.weights import ExpertWeights
+
+TRITON_LAYOUT = "triton_fused_moe"
+_KERNEL_QUANT = {QuantKind.BF16: "none", QuantKind.FP8_BLOCK: "fp8_block", QuantKind.W8A8_INT8: "int8"}
+
+
+def interpreting() -> bool:
+    """Triton kernels run in the interpreter (TRITON_INTERPRET=1): CPU tensors, slow, exact."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def triton_available() -> bool:
+    return module_available("triton")
+
+
+# Architectures with FP8 matrix cores: MI300 (gfx940/941/942, e4m3fnuz), MI350 (gfx950) and
+# RDNA4 (gfx12xx), both OCP e4m3fn.
+FP8_ARCH_PREFIXES = ("gfx94", "gfx95", "gfx12")
+
+
+def fp8_capable(hw: HardwareInfo) -> bool:
+    if hw.kind == "rocm":
+        return hw.arch is not None and hw.arch.startswith(FP8_ARCH_PREFIXES)
+    if hw.kind == "cuda":
+        return (hw.sm or 0) >= 89
+    return hw.kind == "cpu"  # the interpreter computes fp8 in software
+
+
+def fp8_is_fnuz(hw: HardwareInfo) -> bool:
+    """MI300 (gfx94x) computes with e4m3fnuz; everything else with OCP e4m3fn."""
+    return hw.kind == "rocm" and hw.arch is not None and hw.arch.startswith("gfx94")
+
+
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.float().contiguous() if t is not None else None
+
+
+def to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3fn weights -> e4m3fnuz for MI300 (same bits, scale x2, -0 -> +0); lossless.
+    The vLLM/SGLang ROCm paths normalize checkpoints the same way."""
+    bits = q.view(torch.int8)
+    bits = torch.where(bits == -128, torch.zeros_like(bits), bits)
+    return bits.view(torch.float8_e4m3fnuz).contiguous(), (scale.float() * 2.0).contiguous()
+
+
+class TritonWeightProcessor(WeightProcessor):
+    """Canonical weights -> `moehal.kernels.triton_fused_moe.TritonMoEWeights`.
+
+    The kernel reads the canonical `[E, N, K]` layout as is; this converts fp8 to the
+    hardware's flavour (e4m3fnuz on MI300) and biases to fp32. The CUDA backend registers its
+    own instance (`TritonWeightProcessor(devices=frozenset({'cuda'}))`) so that its Triton
+    experts do not depend on this plugin being loaded.
+    """
+
+    name = "triton_weights"
+    layout = TRITON_LAYOUT
+    priority = 20
+    description = "canonical -> Triton fused-MoE weights (fp8 e4m3fn -> e4m3fnuz on MI300)"
+    devices: ClassVar[frozenset[str]] = frozenset({"rocm", "cpu"})
+    quant_schemes: ClassVar[frozenset[QuantScheme]] = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, W8A8_INT8})
+
+    def __init__(self, devices: frozenset[str] | None = None) -> None:
+        if devices is not None:
+            self.devices = frozenset(devices)  # type: ignore[misc]
+
+    def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
+        from moehal.kernels.triton_fused_moe import TritonMoEWeights
+
+        kind = req.quant.kind
+        w13, w2, s13, s2 = weights.w13, weights.w2, weights.w13_scale, weights.w2_scale
+        if kind is QuantKind.FP8_BLOCK and fp8_is_fnuz(req.hardware):
+            assert s13 is not None and s2 is not None
+            w13, s13 = to_fnuz(w13, s13)
+            w2, s2 = to_fnuz(w2, s2)
+        return TritonMoEWeights(
+            w13=w13.contiguous(),
+            w2=w2.contiguous(),
+            quant=_KERNEL_QUANT[kind],
+            w13_scale=_fp32(s13),
+            w2_scale=_fp32(s2),
+            w13_bias=_fp32(weights.w13_bias),
+            w2_bias=_fp32(weights.w2_bias),
+            ue8m0=req.quant.scale_format is ScaleFormat.UE8M0,
+        )
 
 
 class TritonExpertsRunner(ExpertsRunner):
@@ -96,7 +182,7 @@ class TritonExperts(Experts):
     def check_hardware(self, req: BuildRequest) -> Decision:
         kind = req.hardware.kind
         if kind == "cpu" and self.interpret_on_cpu:
-            if rocm_hw.interpreting():
+            if interpreting():
                 return accept("CPU: the Triton kernels run in the interpreter (TRITON_INTERPRET=1)", "hardware")
             return decline(
                 "Triton needs a GPU; on CPU it runs only in the interpreter: set TRITON_INTERPRET=1 (slow, for tests)",
@@ -105,9 +191,10 @@ class TritonExperts(Experts):
         return super().check_hardware(req)
 
     def check_libraries(self, req: BuildRequest) -> Decision:
-        if not rocm_hw.triton_available():
+        if not triton_available():
             return decline(
-                "triton is not installed: pip install 'moehal[rocm]' (ROCm torch wheels bring pytorch-triton-rocm)",
+                "triton is not installed: pip install 'moehal[cuda]' or 'moehal[rocm]' "
+                "(ROCm torch wheels bring pytorch-triton-rocm)",
                 "libraries",
             )
         return accept(predicate="libraries")
@@ -117,7 +204,7 @@ class TritonExperts(Experts):
         if not d.ok:
             return d
         hw = req.hardware
-        if req.quant.kind is QuantKind.FP8_BLOCK and not rocm_hw.fp8_capable(hw):
+        if req.quant.kind is QuantKind.FP8_BLOCK and not fp8_capable(hw):
             where = hw.arch if hw.kind == "rocm" else (f"sm{hw.sm}" if hw.sm else hw.kind)
             return decline(
                 f"fp8 needs FP8 matrix cores (MI300 gfx942, MI350 gfx950, RDNA4 gfx12, or NVIDIA SM89+); "

@@ -62,6 +62,7 @@ class Row:
     tb_per_s: float
     tflop_per_s: float
     host_us: float = float("nan")  # CUDA only: host time per eager forward call (launch overhead)
+    breakdown: dict[str, float] | None = None  # --breakdown: kernel (or op) -> us per forward
 
 
 def _sync(dev: torch.device) -> None:
@@ -105,6 +106,41 @@ def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 20) -> floa
     elapsed = (time.perf_counter() - t0) / calls
     torch.cuda.synchronize(dev)
     return elapsed
+
+
+def kernel_breakdown(fn: Callable[[], Any], dev: torch.device, calls: int = 5, top: int = 8) -> dict[str, float]:
+    """Where one forward's device time goes: microseconds per call for each kernel (CUDA),
+    or each operator's self time (CPU), from torch.profiler over `calls` eager calls. The
+    `top` largest are named; the rest are summed under "(other)"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    fn()
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(dev)
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if cuda and ev.device_type != DeviceType.CUDA:
+            continue
+        us = (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / calls
+        if us > 0:
+            times[ev.key] = times.get(ev.key, 0.0) + us
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])
+    out = {_short_kernel_name(k): round(v, 2) for k, v in ranked[:top]}
+    rest = sum(v for _, v in ranked[top:])
+    if rest > 0:
+        out["(other)"] = round(rest, 2)
+    return out
+
+
+def _short_kernel_name(name: str) -> str:
+    """Kernel names from the profiler can be whole C++ template signatures: keep the head."""
+    head = name.split("(")[0].split("<")[0].strip()
+    return head[-60:] if head else name[:60]
 
 
 def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
@@ -171,6 +207,7 @@ def bench_one(
     ceil: Ceilings,
     reps: int,
     registry: moehal.Registry,
+    breakdown: bool = False,
 ) -> Row:
     w13, w2, weights = _weights(shape, cfg, quant, dev)
     h = cfg.hidden_size
@@ -200,6 +237,7 @@ def bench_one(
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
     host = host_time(fn, dev)
+    parts = kernel_breakdown(fn, dev) if breakdown else None
     if dev.type == "cuda" and capturable:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -231,6 +269,7 @@ def bench_one(
         wbytes / t / 1e12,
         flops / t / 1e12,
         host * 1e6,
+        parts,
     )
 
 
@@ -260,6 +299,19 @@ def plot(rows: list[Row], path: Path) -> Path | None:
     return path
 
 
+def breakdown_table(rows: Sequence[Row]) -> Any:
+    """One line per row: its kernels by device time per forward, largest first."""
+    from rich.table import Table
+
+    t = Table(title="where the time goes (us per forward, eager, profiler)", title_justify="left")
+    for col in ("shape", "backend", "quant", "tokens", "kernels"):
+        t.add_column(col)
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in (r.breakdown or {}).items())
+        t.add_row(r.shape, r.backend, r.quant, str(r.tokens), parts or "-")
+    return t
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -280,6 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
+    p.add_argument(
+        "--breakdown", action="store_true", help="also profile each row: device time per kernel (CPU: per operator)"
+    )
     args = p.parse_args(argv)
     console = Console()
     dev = detect(args.device).device
@@ -331,7 +386,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
                 try:
                     rows.append(
-                        bench_one(shape, cfg, QuantScheme.parse(q), backend, tokens, dev, ceil, args.reps, registry)
+                        bench_one(
+                            shape,
+                            cfg,
+                            QuantScheme.parse(q),
+                            backend,
+                            tokens,
+                            dev,
+                            ceil,
+                            args.reps,
+                            registry,
+                            args.breakdown,
+                        )
                     )
                     save()
                 except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
@@ -358,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "-" if r.host_us != r.host_us else f"{r.host_us:.1f}",  # NaN off CUDA
         )
     console.print(t)
+    if args.breakdown:
+        console.print(breakdown_table(rows))
     if out is not None:
         save()
         png = plot(rows, out.with_suffix(".png"))

@@ -22,3 +22,31 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         assert r["flops"] == 2 * r["tokens"] * 2 * (128 * 128 + 64 * 128)
         assert r["host_us"] != r["host_us"], "host overhead is a CUDA measurement: NaN on CPU"
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_breakdown_names_where_the_time_goes(tmp_path):
+    out = tmp_path / "bench"
+    assert (
+        main(
+            [
+                "--shapes",
+                "tiny",
+                "--tokens",
+                "4",
+                "--backends",
+                "reference",
+                "--reps",
+                "1",
+                "--breakdown",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    parts = row["breakdown"]
+    # on CPU the parts are torch operators; the expert GEMMs must be among them
+    assert any("mm" in name for name in parts), parts
+    assert all(v > 0 for v in parts.values())
+    assert len(parts) <= 9  # the top 8 plus "(other)"

@@ -191,13 +191,14 @@ class DeepGemmExpertsRunner(ExpertsRunner):
 
     def _buffers(self, lead: tuple[int, ...], device: torch.device) -> tuple[Any, Any, Any]:
         from moehal.kernels.triton_permute import workspace
+        from moehal_cuda.triton_glue import activation_chunks
 
         c = self.config
         i, h, n13 = c.intermediate_size, c.hidden_size, c.w13_rows
         act_dt = torch.float8_e4m3fn if self.fp8 else c.dtype
         tag = f"{n13}:{i}:{h}"
         hbuf = workspace(f"dg.h:{tag}", lead, n13, c.dtype, device, False)
-        abuf = workspace(f"dg.act:{tag}", lead, i, act_dt, device, self.fp8)
+        abuf = workspace(f"dg.act:{tag}", lead, i, act_dt, device, self.fp8, activation_chunks(i))
         ybuf = workspace(f"dg.y:{tag}", lead, h, c.dtype, device, False)
         return hbuf, abuf, ybuf
 

@@ -151,6 +151,9 @@ def _act_rows(
     alpha,
     limit,
     gs_ptr,
+    n_chunks,
+    I_SPAN,
+    H_SPAN,
     MASKED: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
@@ -163,19 +166,26 @@ def _act_rows(
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    # program = (block of BLOCK_R rows) x (column chunk): chunk c owns columns
+    # [c*I_SPAN, (c+1)*I_SPAN) of the output and [c*H_SPAN, (c+1)*H_SPAN) of y, and its own
+    # bitmap cell per row, so no program reads what another one writes.
+    chunk = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rin = r < num_rows
     e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
-    prev = tl.load(written_ptr + r, mask=rin, other=0)
+    bit = written_ptr + r.to(tl.int64) * n_chunks + chunk
+    prev = tl.load(bit, mask=rin, other=0)
     stale = rin & (prev != 0) & (~live)
     e64 = e_addr.to(tl.int64)
     m64 = m.to(tl.int64)
+    i_lo = chunk * I_SPAN
+    i_hi = tl.minimum(i_lo + I_SPAN, I_SIZE)
     if tl.max(live.to(tl.int32), axis=0) > 0:
         hrow = h_ptr + e64[:, None] * s_he + m64[:, None] * s_hm
         orow = out_ptr + e64[:, None] * s_oe + m64[:, None] * s_om
-        for c0 in range(0, I_SIZE, BLOCK_I):
+        for c0 in range(i_lo, i_hi, BLOCK_I):
             cols = c0 + tl.arange(0, BLOCK_I)
-            cm = cols < I_SIZE
+            cm = cols < i_hi
             mk = live[:, None] & cm[None, :]
             g = tl.load(hrow + cols[None, :], mask=mk, other=0.0)
             if HAS_BIAS:
@@ -226,22 +236,24 @@ def _act_rows(
                 tl.store(orow + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mk)
     if tl.max(stale.to(tl.int32), axis=0) > 0:
         orow = out_ptr + e64[:, None] * s_oe + m64[:, None] * s_om
-        for c0 in range(0, I_SIZE, BLOCK_I):
+        for c0 in range(i_lo, i_hi, BLOCK_I):
             cols = c0 + tl.arange(0, BLOCK_I)
             tl.store(
                 orow + cols[None, :],
                 tl.zeros((BLOCK_R, BLOCK_I), dtype=out_ptr.dtype.element_ty),
-                mask=stale[:, None] & (cols[None, :] < I_SIZE),
+                mask=stale[:, None] & (cols[None, :] < i_hi),
             )
+        h_lo = chunk * H_SPAN
+        h_hi = tl.minimum(h_lo + H_SPAN, H)
         yrow = y_ptr + e64[:, None] * s_ye + m64[:, None] * s_ym
-        for c0 in range(0, H, BLOCK_H):
+        for c0 in range(h_lo, h_hi, BLOCK_H):
             cols = c0 + tl.arange(0, BLOCK_H)
             tl.store(
                 yrow + cols[None, :],
                 tl.zeros((BLOCK_R, BLOCK_H), dtype=y_ptr.dtype.element_ty),
-                mask=stale[:, None] & (cols[None, :] < H),
+                mask=stale[:, None] & (cols[None, :] < h_hi),
             )
-    tl.store(written_ptr + r, live.to(tl.int8), mask=rin)
+    tl.store(bit, live.to(tl.int8), mask=rin)
 
 
 @triton.jit
@@ -308,6 +320,16 @@ def _strides2(t: torch.Tensor, masked: bool) -> tuple[int, int]:
     return (t.stride(0), t.stride(1)) if masked else (0, t.stride(0))
 
 
+# Column span of one activation program: wide layers (Mixtral: I = 14336) get many programs
+# per row block instead of one program walking every column (150 us -> a few at 16 tokens).
+ACT_COL_SPAN = 512
+
+
+def activation_chunks(intermediate_size: int) -> int:
+    """Column chunks of the activation grid; its written-rows bitmap has this many cells per row."""
+    return triton.cdiv(intermediate_size, ACT_COL_SPAN)
+
+
 def activation(
     h: torch.Tensor,
     out: torch.Tensor,
@@ -321,8 +343,14 @@ def activation(
     nvfp4_global_scale: torch.Tensor | None = None,
 ) -> None:
     """GEMM1 output `h [.., N13]` -> `out [.., I]` (+ scales when FP8), in place; zeroes rows
-    of `out` and `y` that went stale. Layout per `rows` (masked: 3-D tensors)."""
+    of `out` and `y` that went stale. Layout per `rows` (masked: 3-D tensors). `written` is
+    int8 with `activation_chunks(I)` cells per row (see `workspace(..., bitmap_cols=)`)."""
     i_size, h_size = config.intermediate_size, y.shape[-1]
+    n_chunks = activation_chunks(i_size)
+    if written.numel() != rows.num_rows * n_chunks:
+        raise ValueError(
+            f"activation bitmap has {written.numel()} cells; {rows.num_rows} rows x {n_chunks} column chunks needed"
+        )
     quant = out_scales is not None
     m = rows.masked
     s_he, s_hm = _strides2(h, m)
@@ -338,8 +366,9 @@ def activation(
         s_se = s_sm = s_sg = 0
         block_i = min(128, triton.next_power_of_2(i_size))
     block_r = 16
+    block_h = min(256, triton.next_power_of_2(h_size))
     b = bias if bias is not None else h
-    _act_rows[(triton.cdiv(rows.num_rows, block_r),)](
+    _act_rows[(triton.cdiv(rows.num_rows, block_r), n_chunks)](
         h,
         s_he,
         s_hm,
@@ -367,6 +396,9 @@ def activation(
         float(config.swiglu_alpha),
         float(config.swiglu_limit),
         nvfp4_global_scale if nvfp4_global_scale is not None else h,
+        n_chunks,
+        ACT_COL_SPAN,
+        triton.cdiv(triton.cdiv(h_size, n_chunks), block_h) * block_h,
         MASKED=m,
         GATED=config.gated,
         ACT=ACT_IDS[config.activation],
@@ -377,7 +409,7 @@ def activation(
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_I=block_i,
-        BLOCK_H=min(256, triton.next_power_of_2(h_size)),
+        BLOCK_H=block_h,
     )
 
 

@@ -129,8 +129,11 @@ def kernel_breakdown(fn: Callable[[], Any], dev: torch.device, calls: int = 5, t
         us = (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / calls
         if us > 0:
             times[ev.key] = times.get(ev.key, 0.0) + us
-    ranked = sorted(times.items(), key=lambda kv: -kv[1])
-    out = {_short_kernel_name(k): round(v, 2) for k, v in ranked[:top]}
+    merged: dict[str, float] = {}  # template instances of one kernel share a short name: sum them
+    for k, v in times.items():
+        merged[_short_kernel_name(k)] = merged.get(_short_kernel_name(k), 0.0) + v
+    ranked = sorted(merged.items(), key=lambda kv: -kv[1])
+    out = {k: round(v, 2) for k, v in ranked[:top]}
     rest = sum(v for _, v in ranked[top:])
     if rest > 0:
         out["(other)"] = round(rest, 2)

@@ -12,6 +12,8 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Callable
+from typing import Any
 
 import moehal
 import torch
@@ -24,7 +26,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn: Callable[[], Any], calls: int) -> float:
     fn()
     sync()
     t0 = time.perf_counter()
@@ -62,29 +64,34 @@ def main() -> None:
             pipe = next(q for q in pipes if q.main.qualname == name and q.fmt.layout_name == layout)
         layer = moehal.MoELayer(cfg, quant, device=dev, registry=reg, validate=False, pipeline=pipe)
         layer.load_weights(weights)
-        x = torch.randn(a.tokens, h, device=dev, dtype=cfg.dtype)
-        ids = torch.rand(a.tokens, e, device=dev).argsort(dim=1)[:, : cfg.top_k].int()
-        wts = torch.rand(a.tokens, cfg.top_k, device=dev)
-        topk = moehal.routing.TopK(ids, wts)
-        disp, exp = layer._dispatch, layer._experts
-        d, hd = disp.dispatch(x, topk)
-        y = exp.apply(d)
-        print(f"== {a.shape} T={a.tokens} {a.quant} {layer.plan.pipeline.name}")
-        print(
-            f"host us/call: forward {per_call_us(lambda: layer(x, ids, wts), a.calls):.1f}, "
-            f"dispatch {per_call_us(lambda: disp.dispatch(x, topk), a.calls):.1f}, "
-            f"experts {per_call_us(lambda: exp.apply(d), a.calls):.1f}, "
-            f"combine {per_call_us(lambda: disp.combine(y, hd), a.calls):.1f}"
-        )
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.calls):
-            layer(x, ids, wts)
-        prof.disable()
-        sync()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-        print(s.getvalue())
+        profile_layer(layer, a.shape, a.tokens, a.quant, a.calls, a.top)
+
+
+def profile_layer(layer: moehal.MoELayer, shape: str, tokens: int, quant: str, calls: int, top: int) -> None:
+    cfg, dev = layer.config, layer.device
+    x = torch.randn(tokens, cfg.hidden_size, device=dev, dtype=cfg.dtype)
+    ids = torch.rand(tokens, cfg.num_experts, device=dev).argsort(dim=1)[:, : cfg.top_k].int()
+    wts = torch.rand(tokens, cfg.top_k, device=dev)
+    topk = moehal.routing.TopK(ids, wts)
+    disp, exp = layer._dispatch, layer._experts
+    d, hd = disp.dispatch(x, topk)
+    y = exp.apply(d)
+    print(f"== {shape} T={tokens} {quant} {layer.plan.pipeline.name}")
+    print(
+        f"host us/call: forward {per_call_us(lambda: layer(x, ids, wts), calls):.1f}, "
+        f"dispatch {per_call_us(lambda: disp.dispatch(x, topk), calls):.1f}, "
+        f"experts {per_call_us(lambda: exp.apply(d), calls):.1f}, "
+        f"combine {per_call_us(lambda: disp.combine(y, hd), calls):.1f}"
+    )
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        layer(x, ids, wts)
+    prof.disable()
+    sync()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    print(s.getvalue())
 
 
 if __name__ == "__main__":

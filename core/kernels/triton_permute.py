@@ -297,7 +297,7 @@ class PaddedBuffer:
 
 
 def alloc_padded(
-    lead: tuple[int, ...], cols: int, dtype: torch.dtype, device: torch.device, quant: bool
+    lead: tuple[int, ...], cols: int, dtype: torch.dtype, device: torch.device, quant: bool, bitmap_cols: int = 1
 ) -> PaddedBuffer:
     hidden = torch.zeros(*lead, cols, dtype=dtype, device=device)
     scales = None
@@ -309,22 +309,29 @@ def alloc_padded(
     n = 1
     for d in lead:
         n *= d
-    return PaddedBuffer(hidden, scales, torch.zeros(n, dtype=torch.int8, device=device))
+    return PaddedBuffer(hidden, scales, torch.zeros(n * bitmap_cols, dtype=torch.int8, device=device))
 
 
 _WORKSPACE: dict[tuple, PaddedBuffer] = {}
 
 
 def workspace(
-    role: str, lead: tuple[int, ...], cols: int, dtype: torch.dtype, device: torch.device, quant: bool
+    role: str,
+    lead: tuple[int, ...],
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: bool,
+    bitmap_cols: int = 1,
 ) -> PaddedBuffer:
     """A process-wide persistent buffer per (role, shape, dtype, device): MoE layers run one
     after another on a stream, so layers of equal shape share one (memory stays O(1) in the
-    number of layers). Not for concurrent use from two streams."""
-    key = (role, lead, cols, dtype, torch.device(device), quant)
+    number of layers). Not for concurrent use from two streams. `bitmap_cols`: cells per row
+    of the written-rows bitmap (kernels that split rows over column chunks keep one each)."""
+    key = (role, lead, cols, dtype, torch.device(device), quant, bitmap_cols)
     buf = _WORKSPACE.get(key)
     if buf is None:
-        buf = _WORKSPACE[key] = alloc_padded(lead, cols, dtype, torch.device(device), quant)
+        buf = _WORKSPACE[key] = alloc_padded(lead, cols, dtype, torch.device(device), quant, bitmap_cols)
     return buf
 
 
@@ -374,7 +381,10 @@ def permute(
     counts = torch.empty(e, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
-    _expert_positions[(e,)](ids, slot_pos, counts, s, expert_start, BLOCK=1024 if s > 256 else 256)
+    # one program per expert scans every slot: fewer, wider scan steps for big batches
+    _expert_positions[(e,)](
+        ids, slot_pos, counts, s, expert_start, BLOCK=min(4096, max(256, triton.next_power_of_2(s)))
+    )
     out = dest.hidden
     if masked:
         max_m = out.shape[1]

@@ -50,7 +50,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
     g = torch.Generator().manual_seed(1)
     e = cfg.num_local_experts
     w13 = torch.randn(e, cfg.w13_rows, 256, generator=g) / 16
-    w2 = torch.randn(e, 256, 128, generator=g) / 11
+    w2 = torch.randn(e, 256, cfg.intermediate_size, generator=g) / 11
     b13 = torch.randn(e, cfg.w13_rows, generator=g) * 0.1 if cfg.has_w13_bias else None
     b2 = torch.randn(e, 256, generator=g) * 0.1 if cfg.has_w2_bias else None
     weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2).to(DEV)
@@ -89,6 +89,17 @@ def test_layer_matches_reference(quant_name, layout, extra):
         ref_rows = rex.apply(inp).hidden
         rs = ref_rows.float().abs().max().clamp_min(1e-3)
         assert ((out.hidden[live].float() - ref_rows[live].float()).abs().max() / rs).item() < tol
+
+
+@pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])
+def test_activation_split_over_column_chunks(monkeypatch, quant_name, layout):
+    """Wide layers run the activation as (row block x column chunk) programs, each with its own
+    bitmap cell per row: stale rows must still be zeroed in every chunk of `out` and `y`."""
+    import moehal_cuda.triton_glue as glue
+
+    monkeypatch.setattr(glue, "ACT_COL_SPAN", 128)
+    assert glue.activation_chunks(384) == 3
+    test_layer_matches_reference(quant_name, layout, dict(intermediate_size=384, has_w2_bias=True))
 
 
 def test_nvfp4_qdq_kernel_matches_reference_exactly():

@@ -63,6 +63,7 @@ class Row:
     tflop_per_s: float
     host_us: float = float("nan")  # CUDA only: host time per eager forward call (launch overhead)
     breakdown: dict[str, float] | None = None  # --breakdown: kernel (or op) -> us per forward
+    host_graph_us: float = float("nan")  # CUDA only: the same with `cuda_graph_tokens` (eager calls replay graphs)
 
 
 def _sync(dev: torch.device) -> None:
@@ -240,6 +241,11 @@ def bench_one(
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
     host = host_time(fn, dev)
+    host_graph = float("nan")
+    if dev.type == "cuda" and capturable:
+        layer.cuda_graph_tokens = tokens  # eager calls replay a captured graph (moehal.graphs)
+        host_graph = host_time(fn, dev)
+        layer.cuda_graph_tokens = 0
     parts = kernel_breakdown(fn, dev) if breakdown else None
     if dev.type == "cuda" and capturable:
         s = torch.cuda.Stream()
@@ -273,6 +279,7 @@ def bench_one(
         flops / t / 1e12,
         host * 1e6,
         parts,
+        host_graph * 1e6,
     )
 
 
@@ -411,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
     t = Table(title="moehal bench (whole layer)", title_justify="left")
-    for col in ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s", "host us"):
+    cols = ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s")
+    for col in (*cols, "host us", "host us (graphs)"):
         t.add_column(col)
     for r in rows:
         t.add_row(
@@ -425,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.tb_per_s:.2f}",
             f"{r.tflop_per_s:.1f}",
             "-" if r.host_us != r.host_us else f"{r.host_us:.1f}",  # NaN off CUDA
+            "-" if r.host_graph_us != r.host_graph_us else f"{r.host_graph_us:.1f}",
         )
     console.print(t)
     if args.breakdown:

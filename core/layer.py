@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 from moehal.config import MoEConfig
-from moehal.errors import InputError, WeightsAlreadyProcessedError, WeightsNotLoadedError
+from moehal.errors import InputError, NotSupportedError, WeightsAlreadyProcessedError, WeightsNotLoadedError
+from moehal.graphs import GraphCache, should_replay
 from moehal.hardware import HardwareInfo, detect
 from moehal.integrations import custom_op
 from moehal.interfaces import BuildRequest, DispatchRunner, ExpertsRunner, FusedRunner
@@ -40,6 +41,10 @@ class MoELayer(torch.nn.Module):
             `config.ep_size > 1` and tokens move between processes.
         pipeline: build exactly this pipeline (one of `moehal.enumerate_pipelines(...)`)
             instead of selecting; conformance uses it to run every claimed format.
+        cuda_graph_tokens: replay eager calls of up to this many tokens from CUDA graphs,
+            captured once per token count (see `moehal.graphs`): removes per-call launch
+            overhead for engines that run eagerly. 0 (default) = off. Also settable later as
+            `layer.cuda_graph_tokens`.
 
     Call with `layer(hidden_states, topk_ids, topk_weights)` or
     `layer(hidden_states, router_logits=logits)` (needs `config.routing`).
@@ -57,6 +62,7 @@ class MoELayer(torch.nn.Module):
         validate: bool | None = None,
         process_group: Any = None,
         pipeline: Pipeline | None = None,
+        cuda_graph_tokens: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -90,6 +96,31 @@ class MoELayer(torch.nn.Module):
         self._correction_bias: torch.Tensor | None = None
         self._processed = False
         self._op_id = custom_op.register_layer(self)  # torch.compile sees the layer as one custom op
+        self._graph_tokens = 0
+        self._graphs_topk = GraphCache(self._forward_topk, self.device)
+        self._graphs_logits = GraphCache(self._forward_logits, self.device)
+        self.cuda_graph_tokens = cuda_graph_tokens
+
+    @property
+    def cuda_graph_tokens(self) -> int:
+        """Eager calls with at most this many tokens replay a per-token-count CUDA graph (0: off)."""
+        return self._graph_tokens
+
+    @cuda_graph_tokens.setter
+    def cuda_graph_tokens(self, limit: int) -> None:
+        if limit < 0:
+            raise InputError(f"cuda_graph_tokens must be >= 0, got {limit}")
+        if limit and self.device.type != "cuda":
+            raise NotSupportedError(f"cuda_graph_tokens needs a CUDA device; this layer runs on {self.device}")
+        if limit and not self.plan.pipeline.graph_capturable:
+            raise NotSupportedError(
+                f"{self.plan.pipeline.name} does not declare CUDA-graph capture (graph_capturable), so its "
+                "forward cannot be replayed from a graph; leave cuda_graph_tokens at 0"
+            )
+        if limit != self._graph_tokens:
+            self._graphs_topk.clear()
+            self._graphs_logits.clear()
+        self._graph_tokens = limit
 
     # Weights -------------------------------------------------------------------------------
     def load_weights(
@@ -154,22 +185,35 @@ class MoELayer(torch.nn.Module):
             if topk_ids is not None or topk_weights is not None:
                 raise InputError("pass either topk_ids/topk_weights or router_logits, not both")
             self._check_logits(router_logits, hidden_states)
-            if self.plan.pipeline.routes_internally:
-                assert self._fused is not None
-                return self._fused.forward(hidden_states, None, router_logits)
-            routing = self.config.routing
-            assert routing is not None
-            topk = route(router_logits, self.config.top_k, routing, self._correction_bias)
-        else:
-            if topk_ids is None or topk_weights is None:
-                raise InputError("pass topk_ids and topk_weights (or router_logits=...)")
-            topk = TopK(topk_ids, topk_weights)
-            self._check_topk(topk, hidden_states)
-            if not self._accepts_topk:
-                raise InputError(
-                    f"{self.plan.pipeline.name} routes inside the kernel and takes router_logits only; "
-                    "pass router_logits=..., or build the layer with MoEConfig.routing=None"
-                )
+            if should_replay(self._graph_tokens, hidden_states):
+                return self._graphs_logits(hidden_states, router_logits)
+            return self._forward_logits(hidden_states, router_logits)
+        if topk_ids is None or topk_weights is None:
+            raise InputError("pass topk_ids and topk_weights (or router_logits=...)")
+        self._check_topk(TopK(topk_ids, topk_weights), hidden_states)
+        if not self._accepts_topk:
+            raise InputError(
+                f"{self.plan.pipeline.name} routes inside the kernel and takes router_logits only; "
+                "pass router_logits=..., or build the layer with MoEConfig.routing=None"
+            )
+        if should_replay(self._graph_tokens, hidden_states):
+            return self._graphs_topk(hidden_states, topk_ids, topk_weights)
+        return self._forward_topk(hidden_states, topk_ids, topk_weights)
+
+    # The hot path proper: inputs already checked; no lookups, no host sync.
+    def _forward_logits(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.plan.pipeline.routes_internally:
+            assert self._fused is not None
+            return self._fused.forward(hidden_states, None, router_logits)
+        routing = self.config.routing
+        assert routing is not None
+        topk = route(router_logits, self.config.top_k, routing, self._correction_bias)
+        return self._forward_topk(hidden_states, topk.ids, topk.weights)
+
+    def _forward_topk(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        topk = TopK(topk_ids, topk_weights)
         if self._fused is not None:
             return self._fused.forward(hidden_states, topk, None)
         assert self._dispatch is not None and self._experts is not None

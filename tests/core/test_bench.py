@@ -21,6 +21,7 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         assert r["time_us"] > 0 and 0 < r["roofline_us"] and r["pct_roofline"] > 0
         assert r["flops"] == 2 * r["tokens"] * 2 * (128 * 128 + 64 * 128)
         assert r["host_us"] != r["host_us"], "host overhead is a CUDA measurement: NaN on CPU"
+        assert r["host_graph_us"] != r["host_graph_us"]
     assert out.with_suffix(".png").stat().st_size > 1000
 
 

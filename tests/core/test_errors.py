@@ -116,3 +116,47 @@ def test_config_errors(kwargs, match):
     base = dict(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
     with pytest.raises(moehal.ConfigError, match=match):
         moehal.MoEConfig(**{**base, **kwargs})
+
+
+def test_cuda_graph_replay_is_refused_off_cuda(layer):
+    with pytest.raises(moehal.NotSupportedError, match="needs a CUDA device"):
+        layer.cuda_graph_tokens = 64
+    with pytest.raises(moehal.InputError, match=">= 0"):
+        layer.cuda_graph_tokens = -1
+    assert layer.cuda_graph_tokens == 0
+    x, ids, w = _inputs()
+    assert torch.equal(layer(x, ids, w), layer(x, ids, w))  # still the plain eager path
+
+
+def test_graph_cache_replays_with_new_inputs_on_cpu_semantics():
+    """The cache's bookkeeping (one capture per token count, inputs copied in, output copied
+    out) without a GPU: a stand-in graph object that records and re-runs the function."""
+    from moehal import graphs
+
+    calls = []
+
+    def fn(x, y):
+        calls.append(x.shape[0])
+        return x * 2 + y
+
+    class FakeGraph:
+        def __init__(self, cache, key):
+            self.cache, self.key = cache, key
+
+        def replay(self):
+            cap = self.cache._graphs[self.key]
+            cap.output.copy_(fn(*cap.inputs))
+
+    cache = graphs.GraphCache(fn, torch.device("cpu"))
+    cache._capture = lambda inputs: graphs._Captured(  # type: ignore[method-assign]
+        FakeGraph(cache, (inputs[0].shape[0],) + tuple((t.dtype, tuple(t.shape)) for t in inputs)),
+        tuple(t.clone() for t in inputs),
+        fn(*inputs),
+    )
+    a = cache(torch.ones(3), torch.zeros(3))
+    b = cache(torch.full((3,), 5.0), torch.ones(3))
+    c = cache(torch.ones(2), torch.ones(2))
+    assert a.tolist() == [2.0] * 3, "an earlier output must not change when the graph replays again"
+    assert b.tolist() == [11.0] * 3 and c.tolist() == [3.0] * 2
+    assert cache.captured_token_counts == [2, 3]
+    assert not graphs.should_replay(64, torch.ones(3, 4))  # CPU tensors never replay

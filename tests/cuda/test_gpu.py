@@ -22,16 +22,22 @@ def _deepgemm_usable() -> str | None:
     return None
 
 
-def _layers(quant: str, layout: str, **extra):
+def _weights(cfg, quant: str):
     import moehal
 
-    cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32, **extra)
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(16, cfg.w13_rows, 512, device="cuda", generator=g) / 512**0.5
     w2 = torch.randn(16, 512, 256, device="cuda", generator=g) / 256**0.5
     b13 = torch.randn(16, cfg.w13_rows, device="cuda", generator=g) * 0.1 if cfg.has_w13_bias else None
     b2 = torch.randn(16, 512, device="cuda", generator=g) * 0.1 if cfg.has_w2_bias else None
-    w = moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2).to("cuda")
+    return moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2).to("cuda")
+
+
+def _layers(quant: str, layout: str, **extra):
+    import moehal
+
+    cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32, **extra)
+    w = _weights(cfg, quant)
     layer = moehal.MoELayer(cfg, quant, backend="cuda", device="cuda", layout=layout)
     ref = moehal.MoELayer(cfg, quant, backend="reference", device="cuda", layout=layout)
     layer.load_weights(w)
@@ -66,6 +72,7 @@ def test_forward_is_graph_capturable():
     if why:
         pytest.skip(why)
     cfg, layer, ref = _layers("fp8_block", "masked")
+    layer.cuda_graph_tokens = 64  # inside the caller's capture the layer must not replay its own graphs
     x, ids, w = _inputs(cfg, 32, 0)
     layer(x, ids, w)
     torch.cuda.synchronize()
@@ -80,3 +87,29 @@ def test_forward_is_graph_capturable():
     graph.replay()
     yr = ref(x, ids, w)
     assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 6e-2
+
+
+@pytest.mark.parametrize("pipeline", ["cuda.deepgemm", "cuda.triton"])
+def test_eager_calls_replay_cuda_graphs(pipeline):
+    """`cuda_graph_tokens`: one capture per token count, new inputs each call, outputs that
+    stay the caller's, and larger batches eager."""
+    if pipeline == "cuda.deepgemm" and (why := _deepgemm_usable()):
+        pytest.skip(why)
+    import moehal
+    from moehal.bench import _pipeline_named
+
+    cfg, _, ref = _layers("bf16", "masked")
+    reg = moehal.discover()
+    pipe = _pipeline_named(pipeline, cfg, moehal.QuantScheme.parse("bf16"), torch.device("cuda"), reg)
+    layer = moehal.MoELayer(cfg, "bf16", device="cuda", pipeline=pipe, cuda_graph_tokens=20)
+    layer.load_weights(_weights(cfg, "bf16"))
+    outs = []
+    for seed, t in enumerate((5, 5, 17, 5, 32)):
+        x, ids, w = _inputs(cfg, t, seed)
+        y = layer(x, ids, w)
+        outs.append((y, y.clone(), ref(x, ids, w)))
+    torch.cuda.synchronize()
+    assert layer._graphs_topk.captured_token_counts == [5, 17]  # 32 > 20 ran eagerly
+    for y, y_then, yr in outs:
+        assert torch.equal(y, y_then), "a later replay overwrote an earlier output"
+        assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2

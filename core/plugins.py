@@ -8,6 +8,7 @@ strict mode it raises `PluginLoadError` instead. Nothing is chosen here: choosin
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ def discover(*, strict: bool | None = None, refresh: bool = False, settings: Set
             return _default
         s = settings if settings is not None else Settings.from_env()
         if strict is not None:
-            s = Settings(s.backend, s.disabled_plugins, strict, s.emulate)
+            s = dataclasses.replace(s, strict=strict)
         reg = Registry(s)
         reg.load_entry_points()
         _default = reg

@@ -11,6 +11,13 @@ variable per setting; no variable overrides another.
 | MOEHAL_STRICT_PLUGINS    | strict            | 1: a plugin that fails to load raises                |
 | MOEHAL_EMULATE           | emulate           | comma-separated backends allowed to run in emulated mode |
 | MOEHAL_NPU_EMULATE       | emulate += {npu}  | the NPU backend's documented switch (same setting)  |
+| MOEHAL_MASKED_WORKSPACE_GIB | masked_workspace_gib | GiB for worst-case masked buffers (default 8) |
+
+`masked_workspace_gib`: a masked layout `[local_experts, max_tokens, hidden]` must be sized for
+the worst case (every token at one expert), so its buffers grow with experts x max_tokens. Experts
+that can consume either masked or contiguous input prefer masked (faster on DeepGEMM at every
+batch size measured) only while their masked buffers fit this budget. Buffers are shared by all
+layers of one shape, so this is a per-process cost, not a per-layer one.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+DEFAULT_MASKED_WORKSPACE_GIB = 8.0
 
 
 def _names(value: str | None) -> frozenset[str]:
@@ -34,6 +43,7 @@ class Settings:
     disabled_plugins: frozenset[str] = field(default_factory=frozenset)
     strict: bool = False
     emulate: frozenset[str] = field(default_factory=frozenset)
+    masked_workspace_gib: float = DEFAULT_MASKED_WORKSPACE_GIB
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -42,9 +52,15 @@ class Settings:
         if _flag(env.get("MOEHAL_NPU_EMULATE")):
             emulate.add("npu")
         backend = (env.get("MOEHAL_BACKEND") or "").strip() or None
+        gib = (env.get("MOEHAL_MASKED_WORKSPACE_GIB") or "").strip()
+        try:
+            masked_gib = float(gib) if gib else DEFAULT_MASKED_WORKSPACE_GIB
+        except ValueError:
+            raise ValueError(f"MOEHAL_MASKED_WORKSPACE_GIB must be a number of GiB, got {gib!r}") from None
         return cls(
             backend=None if backend == "auto" else backend,
             disabled_plugins=_names(env.get("MOEHAL_DISABLE_PLUGINS")),
             strict=_flag(env.get("MOEHAL_STRICT_PLUGINS")),
             emulate=frozenset(emulate),
+            masked_workspace_gib=masked_gib,
         )

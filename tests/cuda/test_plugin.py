@@ -118,3 +118,33 @@ def test_deepep_limits_checked_at_build():
     d = ll().can_produce(fp8, _req((9, 0), cfg=ok.with_(hidden_size=1792)))
     assert not d.ok and "512" in d.reason
     assert not ll().check_parallel(_req((9, 0), cfg=ok)).ok  # no process group given
+
+
+def test_deepgemm_prefers_masked_while_its_worst_case_buffers_fit(monkeypatch):
+    import moehal_cuda.deepgemm_experts as dge
+    from moehal.settings import Settings
+
+    monkeypatch.setattr(dge.DeepGemmExperts, "_alignment", lambda self: 128)  # no deep_gemm on CPU
+    ex = DeepGemmExperts()
+    qwen = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, max_tokens=4096)
+    req = _req((9, 0), "bf16", qwen)
+    # [128 experts, 4096 rows] x (2048 in + 1536 gemm1 + 768 act + 2048 out) bf16 = 6.25 GiB
+    assert dge.masked_workspace_bytes(req) == 128 * 4096 * (2048 + 1536 + 768 + 2048) * 2
+    assert ex.input_formats(req)[0].layout is Layout.MASKED  # fits the default 8 GiB
+    tight = BuildRequest(qwen, req.quant, req.hardware, Settings(masked_workspace_gib=4.0))
+    assert ex.input_formats(tight)[0].layout is Layout.CONTIGUOUS
+    unbounded = _req((9, 0), "bf16", qwen.with_(max_tokens=None))
+    assert ex.input_formats(unbounded)[0].layout is Layout.CONTIGUOUS
+    fp8 = _req((9, 0), "fp8_block", qwen)  # fp8 inputs and activations: one byte each
+    assert dge.masked_workspace_bytes(fp8) == 128 * 4096 * (2048 + 1536 * 2 + 768 + 2048 * 2)
+
+
+def test_masked_workspace_budget_reads_from_the_environment():
+    from moehal.settings import Settings
+
+    assert Settings.from_env({}).masked_workspace_gib == 8.0
+    assert Settings.from_env({"MOEHAL_MASKED_WORKSPACE_GIB": "2.5"}).masked_workspace_gib == 2.5
+    import pytest
+
+    with pytest.raises(ValueError, match="number of GiB"):
+        Settings.from_env({"MOEHAL_MASKED_WORKSPACE_GIB": "lots"})

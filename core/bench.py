@@ -94,19 +94,21 @@ def time_call(fn: Callable[[], Any], dev: torch.device, reps: int, warmup: int =
 
 
 def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 20) -> float:
-    """Seconds of host time per eager call on CUDA: the calls return once their kernels are
-    queued, so with fewer calls than the launch queue holds this is Python and launch overhead
-    (the issue's "host overhead under 20 us per forward outside graphs"). NaN off CUDA."""
+    """Median seconds of host time per eager call on CUDA: each call starts with the GPU idle
+    and is timed until it returns (its kernels queued, not finished), so this is Python and
+    launch overhead (the issue's "host overhead under 20 us per forward outside graphs"),
+    without back-pressure from earlier calls. NaN off CUDA."""
     if dev.type != "cuda":
         return float("nan")
     fn()
-    torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
+    samples = []
     for _ in range(calls):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
         fn()
-    elapsed = (time.perf_counter() - t0) / calls
+        samples.append(time.perf_counter() - t0)
     torch.cuda.synchronize(dev)
-    return elapsed
+    return statistics.median(samples)
 
 
 def kernel_breakdown(fn: Callable[[], Any], dev: torch.device, calls: int = 5, top: int = 8) -> dict[str, float]:
@@ -222,13 +224,20 @@ def bench_one(
     ids, wts = ids.to(dev, torch.int32), (torch.rand(tokens, cfg.top_k, generator=gen) + 0.1).to(dev)
     xd = x.to(dev, cfg.dtype)
     capturable = False
-    if backend.startswith("transformers:"):
-        # A peer: transformers' own experts function on the same float weights and routing.
-        from moehal.integrations.transformers import peer_callable
-
+    layer: moehal.MoELayer | None = None
+    if backend.startswith("transformers:") or backend == "sglang":
+        # A peer: another library's experts function on the same float weights and routing.
         if quant.is_quantized:
-            raise moehal.NotSupportedError("transformers peers take float weights only")
-        call = peer_callable(backend.split(":", 1)[1], cfg, w13, w2, dev)
+            raise moehal.NotSupportedError(f"the {backend} peer takes float (bf16) weights only")
+        if backend == "sglang":
+            from moehal.integrations import sglang
+
+            call = sglang.peer_callable(cfg, w13, w2, dev)
+            capturable = True  # SGLang captures its MoE into CUDA graphs when serving
+        else:
+            from moehal.integrations.transformers import peer_callable
+
+            call = peer_callable(backend.split(":", 1)[1], cfg, w13, w2, dev)
         fn: Callable[[], Any] = lambda: call(xd, ids, wts)
         pipeline = backend
     else:
@@ -242,22 +251,13 @@ def bench_one(
     timing = "eager"
     host = host_time(fn, dev)
     host_graph = float("nan")
-    if dev.type == "cuda" and capturable:
+    if dev.type == "cuda" and capturable and layer is not None:
         layer.cuda_graph_tokens = tokens  # eager calls replay a captured graph (moehal.graphs)
         host_graph = host_time(fn, dev)
         layer.cuda_graph_tokens = 0
     parts = kernel_breakdown(fn, dev) if breakdown else None
     if dev.type == "cuda" and capturable:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn, timing = graph.replay, "graph"
+        fn, timing = _graphed(fn), "graph"
     t = time_call(fn, dev, reps)
     touched = int(torch.unique(ids).numel())
     wbytes = int(_weight_bytes_per_expert(weights) * touched)
@@ -281,6 +281,20 @@ def bench_one(
         parts,
         host_graph * 1e6,
     )
+
+
+def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` captured into a CUDA graph (after two warm-up calls on a side stream): its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def plot(rows: list[Row], path: Path) -> Path | None:
@@ -323,6 +337,7 @@ def breakdown_table(rows: Sequence[Row]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from moehal.integrations.sglang import sglang_version
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -335,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--backends",
         default="auto",
-        help="comma list of backends (auto = best) or experts names (cuda.triton); 'peers' adds transformers' experts",
+        help="comma list of backends (auto = best) or experts names (cuda.triton); peers: 'sglang' "
+        "(SGLang's Triton fused MoE, when importable), 'transformers:NAME', or 'peers' for every transformers one",
     )
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
     p.add_argument("--device", default=None)
@@ -378,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ceilings": asdict(ceil),
             "torch": torch.__version__,
             "moehal": moehal.__version__,
+            "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "rows": [asdict(r) for r in rows],
         }

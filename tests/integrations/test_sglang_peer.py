@@ -1,0 +1,40 @@
+"""The SGLang benchmark peer declines honestly where it cannot run (the GPU run uses it)."""
+
+from __future__ import annotations
+
+import sys
+
+import moehal
+import pytest
+import torch
+from moehal.integrations import sglang
+
+CFG = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
+
+
+def _weights():
+    return torch.randn(4, 64, 64), torch.randn(4, 64, 32)
+
+
+def test_declines_off_cuda():
+    with pytest.raises(moehal.NotSupportedError, match="CUDA devices only"):
+        sglang.peer_callable(CFG, *_weights(), "cpu")
+
+
+def test_declines_other_activations():
+    with pytest.raises(moehal.NotSupportedError, match="SiLU-and-mul"):
+        sglang.peer_callable(CFG.with_(activation="gelu"), *_weights(), "cuda")
+
+
+def test_declines_with_the_import_error_when_sglang_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, sglang.ENTRY_MODULE, None)  # import raises ImportError
+    with pytest.raises(moehal.NotSupportedError, match="SGLang is not importable here: ModuleNotFoundError"):
+        sglang.peer_callable(CFG, *_weights(), "cuda")
+
+
+def test_bench_reports_the_peer_as_skipped_not_failed(capsys):
+    from moehal.bench import main
+
+    assert main(["--shapes", "tiny", "--tokens", "2", "--backends", "reference,sglang", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "sglang T=2: skipped" in out

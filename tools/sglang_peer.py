@@ -229,6 +229,15 @@ def _load():
     if site and site not in sys.path:
         sys.path.insert(0, site)
 
+    # A full SGLang install imports transformers, whose logging module adds
+    # `Logger.warning_once`; SGLang's MoE code calls it (e.g. when a tuned config enables TMA).
+    import functools
+    import logging
+
+    if not hasattr(logging.Logger, "warning_once"):
+        logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
+        _INFO["logger_warning_once"] = "added (transformers would)"
+
     missing = [n for n in _STUB_IF_MISSING if importlib.util.find_spec(n) is None]
     if missing:
         sys.meta_path.append(_StubFinder(missing))

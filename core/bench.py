@@ -283,6 +283,10 @@ def bench_one(
     )
 
 
+def _is_peer(backend: str) -> bool:
+    return backend == "sglang" or backend.startswith("transformers:")
+
+
 def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """`fn` captured into a CUDA graph (after two warm-up calls on a side stream): its replay."""
     s = torch.cuda.Stream()
@@ -431,6 +435,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     console.print(
                         f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False
                     )
+                except Exception as exc:  # noqa: BLE001
+                    if not _is_peer(backend):
+                        raise  # a moehal failure is a bug: loud
+                    # another library's failure must not cost the rest of the run
+                    console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
                 progress.advance(task)
         except KeyboardInterrupt:
             console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)

@@ -250,8 +250,10 @@ def masked_workspace_bytes(req: BuildRequest) -> int:
     c = req.config
     if c.max_tokens is None:
         raise ValueError("masked buffers are unbounded without MoEConfig.max_tokens")
+    from moehal.kernels.triton_permute import masked_rows
+
     act = 1 if req.quant.kind is QuantKind.FP8_BLOCK else c.dtype.itemsize
-    max_m = -(-c.max_tokens // MASKED_ROW_ALIGNMENT) * MASKED_ROW_ALIGNMENT
+    max_m = masked_rows(c.max_tokens, MASKED_ROW_ALIGNMENT)  # as the dispatcher sizes it
     per_row = c.hidden_size * act + c.w13_rows * c.dtype.itemsize + c.intermediate_size * act
     per_row += c.hidden_size * c.dtype.itemsize
     return c.num_local_experts * max_m * per_row

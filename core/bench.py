@@ -289,15 +289,9 @@ def _is_peer(backend: str) -> bool:
 
 def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """`fn` captured into a CUDA graph (after two warm-up calls on a side stream): its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from moehal.graphs import capture
+
+    graph, _ = capture(fn, warmup=2)
     return graph.replay
 
 

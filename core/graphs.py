@@ -63,18 +63,27 @@ class GraphCache:
 
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _Captured:
         static = tuple(t.clone() for t in inputs)
-        # Warm up on a side stream (JIT compiles, workspace allocation), as torch's docs ask.
-        side = torch.cuda.Stream(self._device)
-        side.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(side):
-            self._fn(*static)
-        torch.cuda.current_stream(self._device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self._fn(*static)
+        graph, output = capture(lambda: self._fn(*static), self._device, pool=self._pool)
         return _Captured(graph, static, output)
+
+
+def capture(
+    fn: Callable[[], torch.Tensor], device: torch.device | None = None, warmup: int = 1, pool: object | None = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `fn()` into a CUDA graph: `warmup` calls first on a side stream (JIT compiles,
+    workspace allocation), as torch's docs ask. Returns the graph and the captured output."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
 
 
 def should_replay(limit: int, hidden: torch.Tensor) -> bool:

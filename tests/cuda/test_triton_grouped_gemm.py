@@ -1,0 +1,129 @@
+"""The Triton masked grouped GEMM (`moehal.kernels.triton_grouped_gemm`) against torch, the
+tuned-table lookup of `moehal_cuda.gemm_choice`, and the tuner's host-side pieces. On CPU the
+kernel runs under the Triton interpreter (tests/cuda/conftest.py sets it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moehal.kernels.triton_grouped_gemm import GemmConfig, default_config, masked_grouped_gemm, num_m_tiles
+from moehal.quant import fp8
+from moehal_cuda.gemm_choice import GemmChooser, entry_key, nearest, table_path
+from moehal_cuda.tuning import candidate_configs, routing_counts
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _problem(e, max_m, n, k, counts, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(e, max_m, k, generator=g)
+    w = torch.randn(e, n, k, generator=g) / k**0.5
+    return a, w, torch.tensor(counts, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "counts,cfg",
+    [
+        ([3, 0, 64, 17, 1], GemmConfig(16, 32, 64, 1, 4, 1)),
+        ([0, 0, 0, 0, 0], GemmConfig(16, 32, 64, 1, 4, 1)),
+        ([64, 64, 64, 64, 64], GemmConfig(32, 64, 64, 2, 4, 1)),  # grouped order over M tiles
+        ([5, 40, 0, 2, 33], GemmConfig(16, 64, 128, 4, 4, 1)),
+    ],
+)
+def test_bf16_rows_match_torch_and_padding_is_untouched(counts, cfg):
+    e, max_m, n, k = 5, 64, 96, 128
+    a, w, mm = _problem(e, max_m, n, k, counts)
+    a, w = a.bfloat16().to(DEV), w.bfloat16().to(DEV)
+    out = torch.full((e, max_m, n), 7.0, dtype=torch.bfloat16, device=DEV)
+    masked_grouped_gemm(a, None, w, None, out, mm.to(DEV), sum(counts), cfg)
+    ref = torch.einsum("emk,enk->emn", a.float(), w.float()).bfloat16()
+    for i, c in enumerate(counts):
+        got, want = out[i, :c].float(), ref[i, :c].float()
+        assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), f"expert {i}"
+        assert (out[i, c:] == 7).all(), f"expert {i}: rows past masked_m were written"
+
+
+def test_fp8_block_matches_dequantized_torch():
+    e, max_m, n, k = 3, 64, 256, 256
+    counts = [9, 0, 30]
+    a, w, mm = _problem(e, max_m, n, k, counts, seed=3)
+    aq, a_s = fp8.quantize_group(a.reshape(-1, k))
+    aq, a_s = aq.reshape(e, max_m, k), a_s.reshape(e, max_m, -1)
+    wq, w_s = fp8.quantize_block(w)
+    # activation scales MN-major (the layout dispatchers produce for DeepGEMM)
+    a_s_mn = a_s.transpose(1, 2).contiguous().transpose(1, 2)
+    out = torch.zeros(e, max_m, n, dtype=torch.bfloat16, device=DEV)
+    masked_grouped_gemm(
+        aq.to(DEV), a_s_mn.to(DEV), wq.to(DEV), w_s.to(DEV), out, mm.to(DEV), sum(counts), GemmConfig(16, 64, 128)
+    )
+    ref = torch.einsum("emk,enk->emn", fp8.dequantize_group(aq, a_s), fp8.dequantize_block(wq, w_s))
+    for i, c in enumerate(counts):
+        torch.testing.assert_close(out[i, :c].float().cpu(), ref[i, :c], rtol=2e-2, atol=2e-2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=64), st.sampled_from([16, 32, 64, 128]))
+def test_tile_bound_covers_every_live_tile(counts, bm):
+    live = sum(-(-c // bm) for c in counts)
+    assert num_m_tiles(sum(counts), len(counts), bm) >= live
+
+
+def test_shape_errors_are_reported():
+    a = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        masked_grouped_gemm(a, None, w, None, torch.zeros(2, 64, 32), torch.zeros(2, dtype=torch.int32), 1)
+    w = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="K tiles must divide K"):
+        cfg = GemmConfig(16, 32, 256)
+        masked_grouped_gemm(a, None, w, None, torch.zeros(2, 64, 32), torch.zeros(2, dtype=torch.int32), 1, cfg)
+
+
+def test_config_fits_rules():
+    assert GemmConfig(16, 64, 128).fits(1536, 2048, fp8=True)
+    assert not GemmConfig(16, 64, 256).fits(1536, 2048, fp8=True)  # straddles two scale groups
+    assert not GemmConfig(16, 64, 256).fits(1536, 768 + 64, fp8=False)
+    assert GemmConfig.from_dict(GemmConfig(32, 64, 64, 8, 8, 4).as_dict()) == GemmConfig(32, 64, 64, 8, 8, 4)
+
+
+def test_chooser_reads_nearest_measured_token_count(tmp_path):
+    key = entry_key(128, 1536, 2048, "bf16")
+    cfg = GemmConfig(16, 64, 128, 1, 4, 4).as_dict()
+    table = {
+        "meta": {"device": "Test GPU"},
+        "entries": {
+            key: {
+                "1": {"use": "triton", "config": cfg, "us": {"deepgemm": 30.0, "triton": 20.0}},
+                "64": {"use": "deepgemm", "config": cfg, "us": {"deepgemm": 30.0, "triton": 40.0}},
+            }
+        },
+    }
+    path = table_path("Test GPU", tmp_path)
+    path.write_text(json.dumps(table))
+    ch = GemmChooser("Test GPU", tmp_path)
+    assert ch.has_table
+    first = ch.choose(128, 1536, 2048, "bf16", 4)
+    assert first.triton and first.config == GemmConfig.from_dict(cfg) and first.tuned_tokens == 1
+    assert ch.choose(128, 1536, 2048, "bf16", 40).use == "deepgemm"
+    assert ch.choose(128, 2048, 768, "bf16", 4).use == "deepgemm"  # no entry for this GEMM
+    assert not GemmChooser("Other GPU", tmp_path).has_table
+    assert nearest([1, 16, 128], 3) == 1 and nearest([1, 16, 128], 5) == 16 and nearest([1, 16], 4) == 1
+
+
+def test_tuner_candidates_fit_and_routing_counts_sum():
+    for rows in (0.06, 1.0, 16.0, 64.0, 256.0):
+        for n, k, q in ((1536, 2048, False), (2048, 768, False), (4096, 7168, True)):
+            cands = candidate_configs(rows, n, k, q)
+            assert cands and all(c.fits(n, k, q) for c in cands)
+    counts = routing_counts(16, 128, 8, 3)
+    assert len(counts) == 3 and all(int(c.sum()) == 128 and int(c.max()) <= 16 for c in counts)
+
+
+def test_default_config_always_fits():
+    for n, k in ((96, 128), (1536, 2048), (2048, 768), (7168, 2048)):
+        for rows in (1, 30, 500):
+            assert default_config(rows, n, k, False).fits(n, k, False)

@@ -94,7 +94,7 @@ class PermuteRunner(DispatchRunner):
         handle = PermuteHandle(p.slot_row, None if self.on_input else weights, t)
         if masked:
             expected_m = max(1, (t * self.k + self.e - 1) // self.e)
-            return MaskedInput(p.hidden, p.scales, p.counts, expected_m), handle
+            return MaskedInput(p.hidden, p.scales, p.counts, expected_m, t * self.k), handle
         assert p.row_expert is not None and p.segment_start is not None
         return ContiguousInput(p.hidden, p.scales, p.row_expert, p.counts, p.segment_start), handle
 

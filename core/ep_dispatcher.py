@@ -208,7 +208,7 @@ class TorchDistributedDispatchRunner(DispatchRunner):
             per_row = max(1, -(-k // w))  # hint: local slots per received token, roughly
             expected_m = max(1, -(-r * per_row // self.num_local))
             handle = _Handle(t, send_splits, recv_splits, combine_map, recv_w, idx, None)
-            return MaskedInput(hq, hs, masked_m, expected_m), handle
+            return MaskedInput(hq, hs, masked_m, expected_m, r * k), handle
         xc, row_expert, seg_start, slot_row = permute.to_contiguous(payload, idx, self.fmt.row_alignment)
         hq, hs = self._unpack(xc)
         handle = _Handle(t, send_splits, recv_splits, combine_map, recv_w, idx, slot_row)

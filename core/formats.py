@@ -113,13 +113,22 @@ class ContiguousInput:
 class MaskedInput:
     """Per-expert batches. hidden `[E_local, max_m, H]`; scales `[E_local, max_m, H/128]`
     or `[E_local, max_m]`; masked_m int32 `[E_local]` valid rows of each expert;
-    expected_m: host int, a tuning hint only (average rows per expert). Rows past
+    expected_m: host int, a tuning hint only (average rows per expert);
+    max_total_rows: host int >= sum(masked_m) when the dispatcher knows one (T * top_k on one
+    GPU), else None; lets experts size grids by the call rather than by the buffer. Rows past
     masked_m are padding: zeros in, and experts must leave zeros out."""
 
     hidden: torch.Tensor
     scales: torch.Tensor | None
     masked_m: torch.Tensor
     expected_m: int
+    max_total_rows: int | None = None
+
+    @property
+    def total_rows_bound(self) -> int:
+        """A host-side bound on sum(masked_m): `max_total_rows`, or the whole buffer."""
+        e, m = self.hidden.shape[0], self.hidden.shape[1]
+        return e * m if self.max_total_rows is None else min(self.max_total_rows, e * m)
 
 
 DispatchOutput = StandardInput | ContiguousInput | MaskedInput | Any

@@ -57,7 +57,7 @@ class LocalDispatchRunner(DispatchRunner):
             x, masked_m = permute.to_masked(hidden, idx, max_m)
             q, s = quantize_activation(x, self.fmt.scales)
             expected_m = max(1, (hidden.shape[0] * self.top_k + self.num_local - 1) // self.num_local)
-            return MaskedInput(q, s, masked_m, expected_m), _Handle(idx, weights)
+            return MaskedInput(q, s, masked_m, expected_m, hidden.shape[0] * self.top_k), _Handle(idx, weights)
         x, row_expert, seg_start, slot_row = permute.to_contiguous(hidden, idx, self.fmt.row_alignment)
         q, s = quantize_activation(x, self.fmt.scales)
         return ContiguousInput(q, s, row_expert, idx.counts, seg_start), _Handle(idx, weights, slot_row)

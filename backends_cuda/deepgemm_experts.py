@@ -17,7 +17,7 @@ are; SM100 takes UE8M0 scales packed into int32, which the weight processor prep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +35,7 @@ from moehal.formats import (
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
+from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser
 from moehal_cuda.support import deep_gemm_decision, dg_fn, import_deep_gemm, sm_decision, triton_decision
 
 LAYOUT = "deepgemm"
@@ -174,15 +175,52 @@ class TorchGemmOps:
                 d[rows] = (af[rows] @ wf[e].t()).to(d.dtype)
 
 
+MaskedGemm = Callable[[torch.Tensor, Any, torch.Tensor, Any, torch.Tensor, torch.Tensor, int], None]
+
+
+def triton_masked_gemm(choice: GemmChoice, total_rows: int) -> MaskedGemm:
+    """The Triton masked grouped GEMM with DeepGEMM's masked call signature."""
+    from moehal.kernels.triton_grouped_gemm import masked_grouped_gemm
+
+    def run(a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int) -> None:
+        masked_grouped_gemm(a, sa, w, sw, d, mm, total_rows, choice.config)
+
+    return run
+
+
 # --- runner ---------------------------------------------------------------------------------------
 
 
 class DeepGemmExpertsRunner(ExpertsRunner):
-    def __init__(self, req: BuildRequest, fmt: ActivationFormat, ops: Any) -> None:
+    """chooser: per-shape, per-token-count choice between DeepGEMM's masked GEMM and the tuned
+    Triton one (`moehal_cuda.gemm_choice`); None = DeepGEMM always."""
+
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat, ops: Any, chooser: GemmChooser | None = None) -> None:
         self.fmt, self.req, self.config, self.ops = fmt, req, req.config, ops
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
+        self.chooser = chooser
+        # total-rows bound -> (GEMM1, GEMM2) callables and the choices behind them; filled on
+        # first sight of a batch size, so a forward does one dict lookup.
+        self._masked: dict[int, tuple[MaskedGemm, MaskedGemm]] = {}
+        self.masked_choices: dict[int, tuple[GemmChoice, GemmChoice]] = {}
+
+    def _masked_gemms(self, inp: MaskedInput) -> tuple[MaskedGemm, MaskedGemm]:
+        bound = inp.total_rows_bound
+        gemms = self._masked.get(bound)
+        if gemms is None:
+            c, e = self.config, inp.hidden.shape[0]
+            tokens = max(1, -(-bound // c.top_k))
+            dtype = "fp8_block" if self.fp8 else "bf16"
+            shapes = ((c.w13_rows, c.hidden_size), (c.hidden_size, c.intermediate_size))
+            choices = tuple(
+                self.chooser.choose(e, n, k, dtype, tokens) if self.chooser is not None else DEEPGEMM for n, k in shapes
+            )
+            self.masked_choices[bound] = choices  # type: ignore[assignment]
+            gemms = tuple(triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
+            self._masked[bound] = gemms  # type: ignore[assignment]
+        return gemms  # type: ignore[return-value]
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
@@ -199,7 +237,11 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         tag = f"{n13}:{i}:{h}"
         hbuf = workspace(f"dg.h:{tag}", lead, n13, c.dtype, device, False)
         abuf = workspace(f"dg.act:{tag}", lead, i, act_dt, device, self.fp8, activation_chunks(i))
-        ybuf = workspace(f"dg.y:{tag}", lead, h, c.dtype, device, False)
+        # The activation buffer's written-rows bitmap also decides which stale rows of y get
+        # zeroed, so y must pair with exactly one activation buffer: key it by the act dtype too
+        # (a bf16 and an fp8 layer of one shape, e.g. MTP draft and main layers, would otherwise
+        # share y but not the bitmap, and stale rows one wrote would survive the other's calls).
+        ybuf = workspace(f"dg.y:{tag}:{act_dt}", lead, h, c.dtype, device, False)
         return hbuf, abuf, ybuf
 
     def _empty_output(self, inp: Any) -> Any:
@@ -221,11 +263,12 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             check_masked_rows(m)
             hb, ab, yb = self._buffers((e, m), inp.hidden.device)
             rows = RowIndex(e * m, m, masked_m=inp.masked_m)
-            self.ops.masked(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
+            gemm1, gemm2 = self._masked_gemms(inp)
+            gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
             activation(
                 hb.hidden, ab.hidden, ab.scales, yb.hidden, ab.written, rows, self.config, w.w13_bias, self.ue8m0
             )
-            self.ops.masked(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
+            gemm2(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
             if w.w2_bias is not None:
                 add_bias(yb.hidden, w.w2_bias, rows)
             return MaskedOutput(yb.hidden)
@@ -324,4 +367,7 @@ class DeepGemmExperts(Experts):
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
         fp8 = req.quant.kind is QuantKind.FP8_BLOCK
-        return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, _is_sm100(req)))
+        sm100 = _is_sm100(req)
+        # SM100 FP8 weight scales are packed UE8M0, which only DeepGEMM reads.
+        chooser = None if (fp8 and sm100) else GemmChooser(req.hardware.name)
+        return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, sm100), chooser)

@@ -11,6 +11,7 @@ from moehal.config import MoEConfig
 from moehal.formats import ActivationFormat, Layout, ScaleKind
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
+from moehal.kernels.triton_grouped_gemm import default_config
 from moehal.quant import QuantScheme, ScaleFormat
 from moehal.reference.dispatcher import ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts
@@ -18,6 +19,7 @@ from moehal.routing import TopK
 from moehal.weights import quantize_weights
 from moehal_cuda.deepgemm_experts import DeepGemmExpertsRunner, TorchGemmOps
 from moehal_cuda.dispatch import CudaPermuteDispatcher
+from moehal_cuda.gemm_choice import GemmChoice
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -40,10 +42,31 @@ def _fmt(quant: QuantScheme, layout: Layout) -> ActivationFormat:
     return ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, 8 if layout is Layout.CONTIGUOUS else 1)
 
 
+class AlwaysTriton:
+    """A chooser that picks the Triton masked GEMM for every shape and batch (as a tuned table
+    that found it faster everywhere would)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def choose(self, e, n, k, dtype, tokens):
+        self.asked.append((e, n, k, dtype, tokens))
+        return GemmChoice("triton", default_config(tokens, n, k, dtype == "fp8_block"), tokens)
+
+
+# The masked cases again, with the Triton masked GEMM in place of DeepGEMM's (per-shape choice).
+TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if lay is Layout.MASKED]
+
+
 @pytest.mark.parametrize(
-    "quant_name,layout,extra", CASES, ids=[f"{q}-{lay.value}-{i}" for i, (q, lay, _) in enumerate(CASES)]
+    "quant_name,layout,extra",
+    CASES + TRITON_GEMM_CASES,
+    ids=[f"{q}-{lay.value}-{i}" for i, (q, lay, _) in enumerate(CASES)]
+    + [f"{q}-{lay.value}-triton-gemm-{i}" for i, (q, lay, _) in enumerate(TRITON_GEMM_CASES)],
 )
 def test_layer_matches_reference(quant_name, layout, extra):
+    extra = dict(extra)
+    chooser = AlwaysTriton() if extra.pop("gemm", None) == "triton" else None
     kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=12)
     cfg = MoEConfig(**{**kw, **extra})
     quant = QuantScheme.parse(quant_name)
@@ -58,7 +81,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
     fmt = _fmt(quant, layout)
     fp8 = fmt.is_quantized
     disp = CudaPermuteDispatcher().build(req, fmt)
-    ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8))
+    ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8), chooser)
     ex.load(weights)
     rdisp = ReferenceDispatcher().build(req, fmt)
     rex = ReferenceExperts().build(req, fmt)
@@ -89,6 +112,10 @@ def test_layer_matches_reference(quant_name, layout, extra):
         ref_rows = rex.apply(inp).hidden
         rs = ref_rows.float().abs().max().clamp_min(1e-3)
         assert ((out.hidden[live].float() - ref_rows[live].float()).abs().max() / rs).item() < tol
+    if chooser is not None:  # both GEMMs were chosen per call size: (E, N, K) of w13 and w2
+        shapes = {(n, k) for _, n, k, _, _ in chooser.asked}
+        assert shapes == {(cfg.w13_rows, 256), (256, cfg.intermediate_size)}
+        assert all(isinstance(c, tuple) and all(x.triton for x in c) for c in ex.masked_choices.values())
 
 
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])

@@ -187,6 +187,7 @@ def tune(
     workers: int,
     budget_s: float,
     log: Callable[[str], None] = print,
+    update: bool = False,
 ) -> dict[str, Any]:
     from moehal.bench import SHAPES
     from moehal_cuda.deepgemm_experts import DeepGemmOps
@@ -195,6 +196,11 @@ def tune(
     name = torch.cuda.get_device_name(dev)
     t_start = time.monotonic()
     table: dict[str, Any] = {"meta": _meta(name), "entries": {}}
+    if update and os.path.exists(out_path):  # keep what an earlier run measured (e.g. bf16 beside fp8)
+        with open(out_path) as f:
+            old = json.load(f)
+        table["entries"].update(old.get("entries", {}))
+        table["meta"]["earlier_runs"] = [*old.get("meta", {}).get("earlier_runs", []), old.get("meta", {})]
     problems = []
     for shape in shapes:
         s = SHAPES[shape]
@@ -287,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,4,16,32,64,128,256,512,1024,2048,4096")
     ap.add_argument("--quant", default="bf16", help="bf16,fp8_block")
     ap.add_argument("--out", required=True, help="JSON path (written after every GEMM shape)")
+    ap.add_argument("--update", action="store_true", help="keep the entries already in --out (re-tuned keys replaced)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop timing after this many seconds")
     args = ap.parse_args(argv)
@@ -299,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
         return 2
     tokens = [int(t) for t in args.tokens.split(",")]
-    tune(shapes, tokens, args.quant.split(","), args.out, args.workers, args.budget_s)
+    tune(shapes, tokens, args.quant.split(","), args.out, args.workers, args.budget_s, update=args.update)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,7 +1,9 @@
 """DeepGEMM grouped-GEMM experts (SM90 / SM100): BF16 and FP8 block-scale, masked and
 contiguous layouts, with the Triton glue of `moehal_cuda.triton_glue` between the GEMMs.
 
-    GEMM1  h = x @ w13^T            m_grouped_{bf16,fp8_fp4}_gemm_nt_{masked,contiguous}
+    GEMM1  h = x @ w13^T            m_grouped_{bf16,fp8_fp4}_gemm_nt_{masked,contiguous}, or for
+                                    masked input the Triton masked GEMM where this device's
+                                    tuned table measured it faster (`moehal_cuda.gemm_choice`)
     glue   a = act(h + b13) -> (FP8 1x128 quant)      one Triton pass, zeroes stale rows
     GEMM2  y = a @ w2^T             same GEMM family
     glue   y += b2 (live rows only, when the layer has w2 biases)
@@ -307,7 +309,10 @@ class DeepGemmExperts(Experts):
 
     name = "deepgemm"
     priority = 20
-    description = "DeepGEMM m-grouped GEMMs (masked/contiguous), BF16 and FP8 block-scale, Triton glue"
+    description = (
+        "DeepGEMM m-grouped GEMMs (masked/contiguous; a tuned Triton masked GEMM where measured faster), "
+        "BF16 and FP8 block-scale, Triton glue"
+    )
     devices = frozenset({"cuda"})
     quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0})
     supports_non_gated = True

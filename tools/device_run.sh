@@ -4,13 +4,8 @@
 # under $OUT; each step is time-boxed so one slow step cannot take the rest down.
 #   usage (from the repo root): OUT=/tmp/out bash tools/device_run.sh
 set -u
-OUT=${OUT:-/tmp/moehal-device-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-repo=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+source tools/device_setup.sh
+export PATH=/tmp/site/bin:$PATH
 cd /tmp
 {
   date -u

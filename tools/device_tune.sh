@@ -4,12 +4,7 @@
 # into the installed package, then benchmark the bf16 layer with it. Everything lands in $OUT.
 #   usage (from the repo root): OUT=/tmp/out bash tools/device_tune.sh
 set -u
-OUT=${OUT:-/tmp/moehal-device-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site
+source tools/device_setup.sh
 cd /tmp
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv > "$OUT/env.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt" 2>&1

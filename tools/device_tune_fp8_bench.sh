@@ -3,13 +3,7 @@
 # benchmark bf16 and fp8_block with the SGLang peer beside moehal. Results in $OUT.
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_tune_fp8_bench.sh
 set -u
-OUT=${OUT:-/tmp/moehal-device-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-repo=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site
+source tools/device_setup.sh
 cd /tmp
 slug=$(python3 -c "import torch; from moehal_cuda.gemm_choice import device_slug; print(device_slug(torch.cuda.get_device_name()))")
 table=/tmp/site/moehal_cuda/tuned/masked_gemm.$slug.json

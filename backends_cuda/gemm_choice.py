@@ -27,9 +27,10 @@ import math
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from moehal.kernels.triton_grouped_gemm import GemmConfig
+if TYPE_CHECKING:  # the kernel module imports triton; declaring the CUDA plugin must not
+    from moehal.kernels.triton_grouped_gemm import GemmConfig
 
 TUNED_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 # Triton replaces DeepGEMM only when it measured at least this much faster: two H100 runs of
@@ -102,6 +103,8 @@ class GemmChooser:
         us = row.get("us", {})
         faster = "triton" in us and "deepgemm" in us and us["triton"] <= (1.0 - MIN_GAIN) * us["deepgemm"]
         if row.get("use") == "triton" and row.get("config") and faster:
+            from moehal.kernels.triton_grouped_gemm import GemmConfig
+
             cfg = GemmConfig.from_dict(row["config"])
             if cfg.fits(n, k, dtype == "fp8_block"):
                 return GemmChoice("triton", cfg, at)

@@ -25,9 +25,10 @@ import functools
 import json
 import math
 import pathlib
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from moehal.hardware import device_slug
 
 if TYPE_CHECKING:  # the kernel module imports triton; declaring the CUDA plugin must not
     from moehal.kernels.triton_grouped_gemm import GemmConfig
@@ -37,10 +38,6 @@ TUNED_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 # one build differ by a few percent, and a choice inside that noise is no choice (it flipped
 # Mixtral's w13 GEMM at 4096 tokens on a 1% margin, and the layer then measured 4% slower).
 MIN_GAIN = 0.03
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def entry_key(e: int, n: int, k: int, dtype: str) -> str:

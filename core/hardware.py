@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+import re
 from dataclasses import dataclass
 
 import torch
@@ -80,3 +81,8 @@ def package_version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+def device_slug(name: str) -> str:
+    """A device name as a file-name part: lower case, [a-z0-9] and '_' (tuned-table files)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")

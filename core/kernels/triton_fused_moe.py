@@ -45,13 +45,13 @@ import functools
 import json
 import os
 import pathlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from moehal.hardware import device_slug
 
 # ----------------------------------------------------------------------------------------------
 # Environment and capabilities
@@ -122,10 +122,6 @@ class KernelConfig:
 # `register_tuned_configs` take precedence over files.
 _TUNED_DIR = pathlib.Path(__file__).resolve().parent
 _RUNTIME_TABLES: dict[str, dict[str, dict[str, Any]]] = {}
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def table_key(e: int, h: int, i: int, dtype: str) -> str:

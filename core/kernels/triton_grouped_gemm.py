@@ -27,18 +27,14 @@ fp32 (UPCAST); compiled kernels never upcast.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from moehal.kernels.triton_experts import interpreting
 
 GROUP = 128  # fp8 block size
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         tag = f"{n13}:{i}:{h}"
         hbuf = workspace(f"dg.h:{tag}", lead, n13, c.dtype, device, False)
         abuf = workspace(f"dg.act:{tag}", lead, i, act_dt, device, self.fp8, activation_chunks(i))
-        # The activation buffer's written-rows bitmap also decides which stale rows of y get
+        # The activation buffer's record of written rows also decides which stale rows of y get
         # zeroed, so y must pair with exactly one activation buffer: key it by the act dtype too
         # (a bf16 and an fp8 layer of one shape, e.g. MTP draft and main layers, would otherwise
         # share y but not the bitmap, and stale rows one wrote would survive the other's calls).
@@ -264,12 +264,10 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             e, m, _ = inp.hidden.shape
             check_masked_rows(m)
             hb, ab, yb = self._buffers((e, m), inp.hidden.device)
-            rows = RowIndex(e * m, m, masked_m=inp.masked_m)
+            rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
             gemm1, gemm2 = self._masked_gemms(inp)
             gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
-            activation(
-                hb.hidden, ab.hidden, ab.scales, yb.hidden, ab.written, rows, self.config, w.w13_bias, self.ue8m0
-            )
+            activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
             gemm2(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
             if w.w2_bias is not None:
                 add_bias(yb.hidden, w.w2_bias, rows)
@@ -279,9 +277,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             hb, ab, yb = self._buffers((m,), inp.hidden.device)
             rows = RowIndex(m, 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
             self.ops.contiguous(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.row_expert)
-            activation(
-                hb.hidden, ab.hidden, ab.scales, yb.hidden, ab.written, rows, self.config, w.w13_bias, self.ue8m0
-            )
+            activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
             self.ops.contiguous(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.row_expert)
             if w.w2_bias is not None:
                 add_bias(yb.hidden, w.w2_bias, rows)

@@ -88,7 +88,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
             e, m, h = inp.hidden.shape
             check_masked_rows(m)
             lead: tuple[int, ...] = (e, m)
-            rows = RowIndex(e * m, m, masked_m=inp.masked_m)
+            rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
         elif isinstance(inp, ContiguousInput):
             lead = (inp.hidden.shape[0],)
             h = inp.hidden.shape[1]
@@ -102,7 +102,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
             self.ops.masked(xq, None, w.w13, None, hb.hidden, inp.masked_m, inp.expected_m)
         else:
             self.ops.contiguous(xq, None, w.w13, None, hb.hidden, inp.row_expert)
-        activation(hb.hidden, ab.hidden, None, yb.hidden, ab.written, rows, c, w.w13_bias, False, w.a2_global_scale)
+        activation(hb.hidden, ab, yb.hidden, rows, c, w.w13_bias, False, w.a2_global_scale)
         if isinstance(inp, MaskedInput):
             self.ops.masked(ab.hidden, None, w.w2, None, yb.hidden, inp.masked_m, inp.expected_m)
         else:

@@ -7,11 +7,14 @@ Rows are addressed in either layout:
 - contiguous `[M, N]`: row r is live iff row_expert[r] >= 0 and
   r - segment_start[row_expert[r]] < counts[row_expert[r]].
 
-Dead rows are never computed. Rows that were live in the previous call on the same buffers
-and are dead now (a per-row bitmap records what was written) are zeroed in the activation
-buffer and in the GEMM2 output buffer, so padding rows are exactly zero after GEMM2 without
-clearing the whole (worst-case sized) buffers on every call: padding rows inside a GEMM tile
-compute 0 @ W = 0, and only live rows get biases.
+Dead rows are never computed: masked grids walk a tile table of the live rows built on the
+device from masked_m (`masked_row_tile`), sized by the host's bound on the routed rows, so a
+decode step does not launch a program per row block of the worst-case buffer. Rows that were
+live in the previous call on the same buffers and are dead now are zeroed in the activation
+buffer and in the GEMM2 output buffer (masked: per-expert row counts, `zero_stale_rows`;
+contiguous: a per-row bitmap), so padding rows are exactly zero after GEMM2 without clearing
+the whole (worst-case sized) buffers on every call: padding rows inside a GEMM tile compute
+0 @ W = 0, and only live rows get biases.
 
 Numerics follow `moehal.reference.math.expert_mlp`: GEMM1 output (+ bias) rounded to the layer
 dtype, activation in float32 rounded to the layer dtype, then quantized for GEMM2.
@@ -23,40 +26,51 @@ import torch
 import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
-from moehal.kernels.triton_permute import QUANT_GROUP, interpreting, round_to_bf16_grid, round_to_e4m3_grid
+from moehal.kernels.triton_grouped_gemm import num_m_tiles
+from moehal.kernels.triton_permute import (
+    QUANT_GROUP,
+    PaddedBuffer,
+    interpreting,
+    masked_row_tile,
+    publish_rows,
+    round_to_bf16_grid,
+    round_to_e4m3_grid,
+    stale_splits,
+    zero_stale_rows,
+)
 
 ACT_IDS = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
 
 
 @triton.jit
-def _row_state(
-    r,
-    rin,
-    max_m,
+def _program_rows(
+    pid,
+    num_rows,
     masked_m_ptr,
     row_expert_ptr,
     seg_start_ptr,
     counts_ptr,
     MASKED: tl.constexpr,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    """(expert, row-in-expert address, live) for flattened rows r."""
+    """The rows of program `pid`: (expert, expert address, row address, live, in range).
+    Masked: tile `pid` of the live rows' tile table. Contiguous: rows [pid*BLOCK_R, +BLOCK_R)."""
     if MASKED:
-        e = r // max_m
-        m = r % max_m
-        cnt = tl.load(masked_m_ptr + e, mask=rin, other=0)
-        live = rin & (m < cnt)
-        e_addr = e
+        e, m, live = masked_row_tile(pid, masked_m_ptr, E, E_P, BLOCK_R)
+        ev = tl.zeros_like(m) + e
+        return ev, ev, m, live, live
     else:
+        r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rin = r < num_rows
         e = tl.load(row_expert_ptr + r, mask=rin, other=-1)
         has = rin & (e >= 0)
         ec = tl.where(has, e, 0)
         start = tl.load(seg_start_ptr + ec, mask=has, other=0)
         cnt = tl.load(counts_ptr + ec, mask=has, other=0)
         live = has & (r - start < cnt)
-        e = ec
-        m = r
-        e_addr = tl.zeros_like(r)
-    return e, e_addr, m, live
+        return ec, tl.zeros_like(r), r, live, rin
 
 
 @triton.jit
@@ -98,16 +112,17 @@ def _qdq_rows(
     seg_start_ptr,
     counts_ptr,
     num_rows,
-    max_m,
     H,
     MASKED: tl.constexpr,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rin = r < num_rows
-    e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
+    e, e_addr, m, live, _ = _program_rows(
+        tl.program_id(0), num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
+    )
     if tl.max(live.to(tl.int32), axis=0) > 0:
         gs = tl.load(gs_ptr).to(tl.float32)
         e64 = e_addr[:, None].to(tl.int64)
@@ -144,8 +159,9 @@ def _act_rows(
     seg_start_ptr,
     counts_ptr,
     written_ptr,
+    state_ptr,
     num_rows,
-    max_m,
+    n_tiles,
     I_SIZE,
     H,
     alpha,
@@ -155,6 +171,10 @@ def _act_rows(
     I_SPAN,
     H_SPAN,
     MASKED: tl.constexpr,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    ARRIVALS: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -166,20 +186,32 @@ def _act_rows(
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # program = (block of BLOCK_R rows) x (column chunk): chunk c owns columns
-    # [c*I_SPAN, (c+1)*I_SPAN) of the output and [c*H_SPAN, (c+1)*H_SPAN) of y, and its own
-    # bitmap cell per row, so no program reads what another one writes.
+    # program = (row tile) x (column chunk): chunk c owns columns [c*I_SPAN, (c+1)*I_SPAN) of
+    # the output and [c*H_SPAN, (c+1)*H_SPAN) of y, so no program reads what another writes.
+    # Masked grids append E x N_SPLIT programs per chunk that zero stale rows (see module doc).
     chunk = tl.program_id(1)
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rin = r < num_rows
-    e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
-    bit = written_ptr + r.to(tl.int64) * n_chunks + chunk
-    prev = tl.load(bit, mask=rin, other=0)
-    stale = rin & (prev != 0) & (~live)
-    e64 = e_addr.to(tl.int64)
-    m64 = m.to(tl.int64)
+    pid = tl.program_id(0)
     i_lo = chunk * I_SPAN
     i_hi = tl.minimum(i_lo + I_SPAN, I_SIZE)
+    h_lo = chunk * H_SPAN
+    h_hi = tl.minimum(h_lo + H_SPAN, H)
+    if pid >= n_tiles:
+        if MASKED:
+            sp = pid - n_tiles
+            ex = sp // N_SPLIT
+            cnt = tl.load(masked_m_ptr + ex)
+            before = tl.load(state_ptr + ex)
+            e_off = ex.to(tl.int64)
+            part = sp % N_SPLIT
+            zero_stale_rows(out_ptr + e_off * s_oe, s_om, i_lo, i_hi, cnt, before, part, N_SPLIT, BLOCK_R, BLOCK_I)
+            zero_stale_rows(y_ptr + e_off * s_ye, s_ym, h_lo, h_hi, cnt, before, part, N_SPLIT, BLOCK_R, BLOCK_H)
+            publish_rows(state_ptr, ex, cnt, E, ARRIVALS)
+        return
+    e, e_addr, m, live, rin = _program_rows(
+        pid, num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
+    )
+    e64 = e_addr.to(tl.int64)
+    m64 = m.to(tl.int64)
     if tl.max(live.to(tl.int32), axis=0) > 0:
         hrow = h_ptr + e64[:, None] * s_he + m64[:, None] * s_hm
         orow = out_ptr + e64[:, None] * s_oe + m64[:, None] * s_om
@@ -234,26 +266,27 @@ def _act_rows(
                 tl.store(sc_ptr + e64 * s_se + m64 * s_sm + grp * s_sg, sc, mask=live)
             else:
                 tl.store(orow + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mk)
-    if tl.max(stale.to(tl.int32), axis=0) > 0:
-        orow = out_ptr + e64[:, None] * s_oe + m64[:, None] * s_om
-        for c0 in range(i_lo, i_hi, BLOCK_I):
-            cols = c0 + tl.arange(0, BLOCK_I)
-            tl.store(
-                orow + cols[None, :],
-                tl.zeros((BLOCK_R, BLOCK_I), dtype=out_ptr.dtype.element_ty),
-                mask=stale[:, None] & (cols[None, :] < i_hi),
-            )
-        h_lo = chunk * H_SPAN
-        h_hi = tl.minimum(h_lo + H_SPAN, H)
-        yrow = y_ptr + e64[:, None] * s_ye + m64[:, None] * s_ym
-        for c0 in range(h_lo, h_hi, BLOCK_H):
-            cols = c0 + tl.arange(0, BLOCK_H)
-            tl.store(
-                yrow + cols[None, :],
-                tl.zeros((BLOCK_R, BLOCK_H), dtype=y_ptr.dtype.element_ty),
-                mask=stale[:, None] & (cols[None, :] < h_hi),
-            )
-    tl.store(bit, live.to(tl.int8), mask=rin)
+    if not MASKED:  # contiguous: per-row bitmap, one cell per (row, column chunk)
+        bit = written_ptr + m64 * n_chunks + chunk
+        stale = rin & (tl.load(bit, mask=rin, other=0) != 0) & (~live)
+        if tl.max(stale.to(tl.int32), axis=0) > 0:
+            orow = out_ptr + m64[:, None] * s_om
+            for c0 in range(i_lo, i_hi, BLOCK_I):
+                cols = c0 + tl.arange(0, BLOCK_I)
+                tl.store(
+                    orow + cols[None, :],
+                    tl.zeros((BLOCK_R, BLOCK_I), dtype=out_ptr.dtype.element_ty),
+                    mask=stale[:, None] & (cols[None, :] < i_hi),
+                )
+            yrow = y_ptr + m64[:, None] * s_ym
+            for c0 in range(h_lo, h_hi, BLOCK_H):
+                cols = c0 + tl.arange(0, BLOCK_H)
+                tl.store(
+                    yrow + cols[None, :],
+                    tl.zeros((BLOCK_R, BLOCK_H), dtype=y_ptr.dtype.element_ty),
+                    mask=stale[:, None] & (cols[None, :] < h_hi),
+                )
+        tl.store(bit, live.to(tl.int8), mask=rin)
 
 
 @triton.jit
@@ -268,16 +301,17 @@ def _bias_rows(
     seg_start_ptr,
     counts_ptr,
     num_rows,
-    max_m,
     H,
     MASKED: tl.constexpr,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rin = r < num_rows
-    e, e_addr, m, live = _row_state(r, rin, max_m, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED)
+    e, e_addr, m, live, _ = _program_rows(
+        tl.program_id(0), num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
+    )
     if tl.max(live.to(tl.int32), axis=0) > 0:
         yrow = y_ptr + e_addr[:, None].to(tl.int64) * s_ye + m[:, None].to(tl.int64) * s_ym
         brow = b_ptr + e[:, None].to(tl.int64) * s_be
@@ -296,7 +330,11 @@ def _bias_rows(
 
 class RowIndex:
     """Which rows are live: masked (`masked_m`) or contiguous (`row_expert`, `segment_start`,
-    `counts`). Built from a MaskedInput / ContiguousInput without reading anything back."""
+    `counts`). Built from a MaskedInput / ContiguousInput without reading anything back.
+
+    total_rows (masked): a host-side bound on sum(masked_m) (`MaskedInput.total_rows_bound`);
+    it sizes the grids, so a decode step's kernels launch programs for its routed rows only.
+    """
 
     def __init__(
         self,
@@ -306,6 +344,7 @@ class RowIndex:
         row_expert: torch.Tensor | None = None,
         segment_start: torch.Tensor | None = None,
         counts: torch.Tensor | None = None,
+        total_rows: int | None = None,
     ) -> None:
         self.num_rows, self.max_m, self.masked = num_rows, max_m, masked_m is not None
         any_t = masked_m if masked_m is not None else row_expert
@@ -314,6 +353,18 @@ class RowIndex:
         self.row_expert = row_expert if row_expert is not None else any_t
         self.segment_start = segment_start if segment_start is not None else any_t
         self.counts = counts if counts is not None else any_t
+        self.num_experts = masked_m.shape[0] if masked_m is not None else 1
+        self.total_rows = num_rows if total_rows is None else min(int(total_rows), num_rows)
+
+    def tiles(self, block_r: int) -> int:
+        """Programs that cover every live row in blocks of block_r (see `_program_rows`)."""
+        if self.masked:
+            return num_m_tiles(self.total_rows, self.num_experts, block_r)
+        return triton.cdiv(self.num_rows, block_r)
+
+    def expert_consts(self) -> dict[str, int]:
+        e = self.num_experts
+        return {"E": e, "E_P": max(16, triton.next_power_of_2(e))}
 
 
 def _strides2(t: torch.Tensor, masked: bool) -> tuple[int, int]:
@@ -332,47 +383,57 @@ def activation_chunks(intermediate_size: int) -> int:
 
 def activation(
     h: torch.Tensor,
-    out: torch.Tensor,
-    out_scales: torch.Tensor | None,
+    out: PaddedBuffer,
     y: torch.Tensor,
-    written: torch.Tensor,
     rows: RowIndex,
     config: MoEConfig,
     bias: torch.Tensor | None = None,
     ue8m0: bool = False,
     nvfp4_global_scale: torch.Tensor | None = None,
 ) -> None:
-    """GEMM1 output `h [.., N13]` -> `out [.., I]` (+ scales when FP8), in place; zeroes rows
-    of `out` and `y` that went stale. Layout per `rows` (masked: 3-D tensors). `written` is
-    int8 with `activation_chunks(I)` cells per row (see `workspace(..., bitmap_cols=)`)."""
+    """GEMM1 output `h [.., N13]` -> `out.hidden [.., I]` (+ `out.scales` when FP8), in place;
+    zeroes rows of `out` and `y` that went stale since the previous call on `out`. Layout per
+    `rows` (masked: 3-D tensors). `out` comes from `workspace(..., bitmap_cols=activation_chunks(I))`
+    and must be the only activation buffer used with `y` (its record covers y's rows too)."""
     i_size, h_size = config.intermediate_size, y.shape[-1]
     n_chunks = activation_chunks(i_size)
-    if written.numel() != rows.num_rows * n_chunks:
-        raise ValueError(
-            f"activation bitmap has {written.numel()} cells; {rows.num_rows} rows x {n_chunks} column chunks needed"
-        )
-    quant = out_scales is not None
     m = rows.masked
+    if m:
+        if out.expert_rows is None or out.expert_rows.shape[1] != rows.num_experts:
+            raise ValueError(f"masked activation buffer needs per-expert row counts for {rows.num_experts} experts")
+        state = out.expert_rows
+    else:
+        if out.written.numel() != rows.num_rows * n_chunks:
+            raise ValueError(
+                f"activation bitmap has {out.written.numel()} cells; "
+                f"{rows.num_rows} rows x {n_chunks} column chunks needed"
+            )
+        state = out.written
+    quant = out.scales is not None
     s_he, s_hm = _strides2(h, m)
-    s_oe, s_om = _strides2(out, m)
+    s_oe, s_om = _strides2(out.hidden, m)
     s_ye, s_ym = _strides2(y, m)
     if quant:
+        out_scales = out.scales
         assert out_scales is not None
         s_se, s_sm = _strides2(out_scales, m)
         s_sg = out_scales.stride(-1)
         block_i = QUANT_GROUP
     else:
-        out_scales = out
+        out_scales = out.hidden
         s_se = s_sm = s_sg = 0
         block_i = min(128, triton.next_power_of_2(i_size))
     block_r = 16
     block_h = min(256, triton.next_power_of_2(h_size))
+    n_tiles = rows.tiles(block_r)
+    n_split = stale_splits(rows.max_m, block_r, rows.num_experts) if m else 1
+    stale_programs = rows.num_experts * n_split if m else 0
     b = bias if bias is not None else h
-    _act_rows[(triton.cdiv(rows.num_rows, block_r), n_chunks)](
+    _act_rows[(n_tiles + stale_programs, n_chunks)](
         h,
         s_he,
         s_hm,
-        out,
+        out.hidden,
         s_oe,
         s_om,
         out_scales,
@@ -388,9 +449,10 @@ def activation(
         rows.row_expert,
         rows.segment_start,
         rows.counts,
-        written,
+        out.written if not m else state,
+        state,
         rows.num_rows,
-        max(rows.max_m, 1),
+        n_tiles,
         i_size,
         h_size,
         float(config.swiglu_alpha),
@@ -400,6 +462,9 @@ def activation(
         ACT_COL_SPAN,
         triton.cdiv(triton.cdiv(h_size, n_chunks), block_h) * block_h,
         MASKED=m,
+        **rows.expert_consts(),
+        N_SPLIT=n_split,
+        ARRIVALS=n_split * n_chunks,
         GATED=config.gated,
         ACT=ACT_IDS[config.activation],
         HAS_BIAS=bias is not None,
@@ -418,7 +483,7 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
     m = rows.masked
     s_ye, s_ym = _strides2(y, m)
     block_r = 16
-    _bias_rows[(triton.cdiv(rows.num_rows, block_r),)](
+    _bias_rows[(rows.tiles(block_r),)](
         y,
         s_ye,
         s_ym,
@@ -429,9 +494,9 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
         rows.segment_start,
         rows.counts,
         rows.num_rows,
-        max(rows.max_m, 1),
         y.shape[-1],
         MASKED=m,
+        **rows.expert_consts(),
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(256, triton.next_power_of_2(y.shape[-1])),
@@ -444,7 +509,7 @@ def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tenso
     s_xe, s_xm = _strides2(x, m)
     s_oe, s_om = _strides2(out, m)
     block_r = 16
-    _qdq_rows[(triton.cdiv(rows.num_rows, block_r),)](
+    _qdq_rows[(rows.tiles(block_r),)](
         x,
         s_xe,
         s_xm,
@@ -457,9 +522,9 @@ def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tenso
         rows.segment_start,
         rows.counts,
         rows.num_rows,
-        max(rows.max_m, 1),
         x.shape[-1],
         MASKED=m,
+        **rows.expert_consts(),
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(128, triton.next_power_of_2(x.shape[-1])),

@@ -6,10 +6,13 @@ Semantics follow `moehal.permute` exactly (slots are (token, k) pairs flattened 
 within an expert, slots keep their order; contiguous segments start at multiples of the
 alignment; rows past an expert's count are padding) and are tested against it.
 
-Three launches per dispatch/combine round trip, none of which reads anything back to the host:
+Three launches per dispatch/combine round trip (two for masked decode-sized batches), none of
+which reads anything back to the host:
 
 1. `_expert_positions`: one program per local expert scans the top-k ids and writes, for
    each of its slots, the slot's position among the expert's slots (stable), and the count.
+   Masked dispatches of at most FUSED_POSITIONS_MAX_SLOTS slots skip it: the scatter kernel's
+   programs compare all slot ids themselves.
 2. `_scatter_rows`: programs [0, n_slot_programs) copy (and quantize) each slot's token row
    to its destination row and record it in `slot_row`; the remaining programs walk the
    destination rows, write the contiguous layout's per-row expert ids / segment starts, and
@@ -18,9 +21,15 @@ Three launches per dispatch/combine round trip, none of which reads anything bac
    scaling factor, in float32, stored in the layer dtype.
 
 Zero padding without clearing whole buffers: destination buffers are persistent (one per
-shape, see `PaddedBuffer`) and carry a per-row "written" bitmap. Each dispatch zeroes only
-rows that held data in the previous call and are padding now, so the cost is proportional
-to the routed rows, not to the worst-case buffer (E_local x max_m rows for masked).
+shape, see `PaddedBuffer`) and remember which rows the previous call wrote. Each dispatch
+zeroes only rows that held data then and are padding now, so the cost is proportional to the
+routed rows, not to the worst-case buffer (E_local x max_m rows for masked):
+- masked: an expert's live rows are always a prefix, so one count per expert is the whole
+  record (`expert_rows`). E x N_SPLIT small programs zero rows [count now, count before) of
+  their expert, and the last of them to finish records the new count (`zero_stale_rows`,
+  `publish_rows`). A decode step thus launches a few hundred programs, not one per row
+  block of the worst-case buffer (that was 5 us of a 56 us Qwen3-30B-A3B step on an H100).
+- contiguous: a per-row "written" bitmap (the buffer is only as large as the routed rows).
 
 Portable: no vendor-specific instruction; the FP8 dtype is the destination tensor's.
 """
@@ -73,6 +82,65 @@ def round_to_bf16_grid(v):
 
 
 @triton.jit
+def zero_stale_rows(
+    base_ptr,
+    stride_m,
+    c_lo,
+    c_hi,
+    cnt,
+    prev,
+    split,
+    N_SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Zero rows [cnt, prev) x columns [c_lo, c_hi) of one expert's rows (row m at
+    base_ptr + m * stride_m). This program takes row blocks split, split + N_SPLIT, ... so
+    that a large shrink (prefill, then decode) is spread over N_SPLIT programs."""
+    for r0 in range(cnt + split * BLOCK_R, prev, N_SPLIT * BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ptrs = base_ptr + rows[:, None].to(tl.int64) * stride_m
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            tl.store(
+                ptrs + cols[None, :],
+                tl.zeros((BLOCK_R, BLOCK_C), dtype=base_ptr.dtype.element_ty),
+                mask=(rows[:, None] < prev) & (cols[None, :] < c_hi),
+            )
+
+
+@triton.jit
+def publish_rows(state_ptr, e, cnt, E, ARRIVALS: tl.constexpr):
+    """Record `cnt` as expert e's live rows once all ARRIVALS programs that read the previous
+    count in this launch are done with it: the last one to arrive (acq_rel atomic, so every
+    other program's read happened before) writes the count and resets the arrival counter.
+    `state_ptr`: int32 [2, E] (counts, arrivals)."""
+    if ARRIVALS == 1:
+        tl.store(state_ptr + e, cnt)
+    else:
+        arrived = tl.atomic_add(state_ptr + E + e, 1)
+        if arrived == ARRIVALS - 1:
+            tl.store(state_ptr + e, cnt)
+            tl.store(state_ptr + E + e, 0)
+
+
+@triton.jit
+def masked_row_tile(t, masked_m_ptr, E: tl.constexpr, E_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tile t of the masked layout's live rows, computed from masked_m on the device (expert e
+    owns ceil(masked_m[e] / BLOCK_R) consecutive tiles): (expert, rows, live mask). Tiles past
+    the last live one have no live rows. Grids sized by `live_row_tiles` cover every tile."""
+    j = tl.arange(0, E_P)
+    cnt = tl.load(masked_m_ptr + j, mask=j < E, other=0)
+    tiles = (cnt + BLOCK_R - 1) // BLOCK_R
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= t).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(j < e, tiles, 0), axis=0)
+    rows = tl.sum(tl.where(j == e, cnt, 0), axis=0)
+    m = (t - first) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return tl.minimum(e, E - 1), m, m < rows  # past the last tile, rows == 0 (e >= E)
+
+
+@triton.jit
 def _expert_positions(
     ids_ptr,
     slot_pos_ptr,
@@ -114,6 +182,7 @@ def _scatter_rows(
     row_expert_ptr,
     seg_start_ptr,
     written_ptr,
+    state_ptr,
     num_slots,
     num_rows,
     max_m,
@@ -126,6 +195,9 @@ def _scatter_rows(
     E_P: tl.constexpr,
     ALIGN: tl.constexpr,
     MASKED: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    FUSED_POS: tl.constexpr,
+    S_P: tl.constexpr,
     QUANT: tl.constexpr,
     UE8M0: tl.constexpr,
     WEIGHT_ON_INPUT: tl.constexpr,
@@ -135,11 +207,17 @@ def _scatter_rows(
     BLOCK_H: tl.constexpr,
     H_SPAN: tl.constexpr,
 ):
+    # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
+    # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
     pid = tl.program_id(0)
     j = tl.arange(0, E_P)
-    counts = tl.load(counts_ptr + j, mask=j < E, other=0)
-    aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
-    seg_end = tl.cumsum(aligned, axis=0)
+    if not MASKED:
+        counts = tl.load(counts_ptr + j, mask=j < E, other=0)
+        aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
+        seg_end = tl.cumsum(aligned, axis=0)
+    if FUSED_POS:
+        every = tl.arange(0, S_P)
+        all_ids = tl.load(ids_ptr + every, mask=every < num_slots, other=-1).to(tl.int32) - expert_start
     if pid < n_slot_programs:
         # ---- slots -> rows ----
         # program = (block of BLOCK_S slots) x (H_SPAN columns): parallel over H for small batches
@@ -148,7 +226,11 @@ def _scatter_rows(
         sin = s < num_slots
         local = tl.load(ids_ptr + s, mask=sin, other=-1).to(tl.int32) - expert_start
         valid = sin & (local >= 0) & (local < E)
-        pos = tl.load(slot_pos_ptr + s, mask=valid, other=0)
+        if FUSED_POS:  # position = earlier slots of the same expert (slots keep their order)
+            earlier = (all_ids[None, :] == local[:, None]) & (every[None, :] < s[:, None])
+            pos = tl.sum(earlier.to(tl.int32), axis=1)
+        else:
+            pos = tl.load(slot_pos_ptr + s, mask=valid, other=0)
         if MASKED:
             dest_e = tl.where(valid, local, 0)
             dest_m = pos
@@ -191,31 +273,37 @@ def _scatter_rows(
                 tl.store(sdst, sc, mask=valid)
             else:
                 tl.store(dst + cols[None, :], v, mask=m2)
+    elif MASKED:
+        # ---- stale rows: program (expert, split) zeroes its share of [count now, before) ----
+        rp = pid - n_slot_programs
+        e = rp // N_SPLIT
+        if FUSED_POS:
+            cnt = tl.sum((all_ids == e).to(tl.int32), axis=0)
+            if rp % N_SPLIT == 0:
+                tl.store(counts_ptr + e, cnt)  # masked_m for the experts' kernels
+        else:
+            cnt = tl.load(counts_ptr + e)
+        prev = tl.load(state_ptr + e)
+        base = out_ptr + e.to(tl.int64) * stride_oe
+        zero_stale_rows(base, stride_om, 0, H, cnt, prev, rp % N_SPLIT, N_SPLIT, BLOCK_R, BLOCK_H)
+        publish_rows(state_ptr, e, cnt, E, N_SPLIT)
     else:
-        # ---- row bookkeeping: row expert ids, segment starts, stale padding rows ----
+        # ---- contiguous row bookkeeping: row expert ids, segment starts, stale padding rows ----
         rp = pid - n_slot_programs
         r = rp * BLOCK_R + tl.arange(0, BLOCK_R)
         rin = r < num_rows
-        if MASKED:
-            re = r // max_m
-            rm = r % max_m
-            cnt = tl.load(counts_ptr + re, mask=rin, other=0)
-            new_valid = rin & (rm < cnt)
-        else:
-            seg = tl.sum((seg_end[None, :] <= r[:, None]).to(tl.int32), axis=1)
-            has = rin & (seg < E)
-            seg_start_r = tl.sum(tl.where(j[None, :] < seg[:, None], aligned[None, :], 0), axis=1)
-            cnt_r = tl.sum(tl.where(j[None, :] == seg[:, None], counts[None, :], 0), axis=1)
-            new_valid = has & (r - seg_start_r < cnt_r)
-            tl.store(row_expert_ptr + r, tl.where(has, seg, -1), mask=rin)
-            if rp == 0:
-                tl.store(seg_start_ptr + j, seg_end - aligned, mask=j < E)
-            re = tl.zeros_like(r)
-            rm = r
+        seg = tl.sum((seg_end[None, :] <= r[:, None]).to(tl.int32), axis=1)
+        has = rin & (seg < E)
+        seg_start_r = tl.sum(tl.where(j[None, :] < seg[:, None], aligned[None, :], 0), axis=1)
+        cnt_r = tl.sum(tl.where(j[None, :] == seg[:, None], counts[None, :], 0), axis=1)
+        new_valid = has & (r - seg_start_r < cnt_r)
+        tl.store(row_expert_ptr + r, tl.where(has, seg, -1), mask=rin)
+        if rp == 0:
+            tl.store(seg_start_ptr + j, seg_end - aligned, mask=j < E)
         prev = tl.load(written_ptr + r, mask=rin, other=0)
         stale = rin & (prev != 0) & (~new_valid)
         if tl.max(stale.to(tl.int32), axis=0) > 0:
-            base = out_ptr + re[:, None].to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om
+            base = out_ptr + r[:, None].to(tl.int64) * stride_om
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
                 zero = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
@@ -236,27 +324,31 @@ def _combine_rows(
     H,
     scaling,
     TOP_K: tl.constexpr,
+    K_P: tl.constexpr,
     MASKED: tl.constexpr,
     USE_WEIGHTS: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    # All top-k rows of a token are loaded as one [K_P, BLOCK_H] tile: one round of memory
+    # latency per token instead of top_k dependent ones (decode steps are latency-bound).
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cm = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        row = tl.load(slot_row_ptr + t * TOP_K + k)
-        if row >= 0:
-            if MASKED:
-                base = y_ptr + (row // max_m).to(tl.int64) * stride_ye + (row % max_m).to(tl.int64) * stride_ym
-            else:
-                base = y_ptr + row.to(tl.int64) * stride_ym
-            v = tl.load(base + cols, mask=cm, other=0.0).to(tl.float32)
-            if USE_WEIGHTS:
-                v = v * tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
-            acc += v
-    acc = acc * scaling
+    kk = tl.arange(0, K_P)
+    km = kk < TOP_K
+    slot = t.to(tl.int64) * TOP_K + kk
+    row = tl.load(slot_row_ptr + slot, mask=km, other=-1)
+    ok = row >= 0
+    row = tl.where(ok, row, 0)
+    if MASKED:
+        base = y_ptr + (row // max_m).to(tl.int64) * stride_ye + (row % max_m).to(tl.int64) * stride_ym
+    else:
+        base = y_ptr + row.to(tl.int64) * stride_ym
+    v = tl.load(base[:, None] + cols[None, :], mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    if USE_WEIGHTS:
+        v = v * tl.load(w_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
+    acc = tl.sum(v, axis=0) * scaling
     if EXACT_ROUND:
         acc = round_to_bf16_grid(acc)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
@@ -285,7 +377,8 @@ def masked_rows(max_tokens: int, alignment: int = 64) -> int:
 
 @dataclass
 class PaddedBuffer:
-    """A persistent destination (hidden rows, optional scales) with its written-rows bitmap.
+    """A persistent destination (hidden rows, optional scales) and its record of the rows the
+    previous call wrote: per expert for masked buffers, per row for contiguous ones.
 
     scales are stored MN-major (the last two dims swapped in memory), the layout DeepGEMM's
     TMA loads want for per-token-group scale factors, so no transform runs per call.
@@ -293,7 +386,12 @@ class PaddedBuffer:
 
     hidden: torch.Tensor  # [E, M, H] (masked) or [M, H] (contiguous)
     scales: torch.Tensor | None  # [E, M, H/128] or [M, H/128] view, MN-major
-    written: torch.Tensor  # int8 [E*M] or [M]
+    written: torch.Tensor  # contiguous: int8 [M * bitmap_cols] written-rows bitmap; masked: empty
+    expert_rows: torch.Tensor | None = None  # masked: int32 [2, E] (live rows per expert, arrivals)
+
+    @property
+    def masked(self) -> bool:
+        return self.hidden.dim() == 3
 
 
 def alloc_padded(
@@ -306,10 +404,17 @@ def alloc_padded(
         m = lead[-1]
         raw = torch.zeros(*lead[:-1], g, round_up(m, 4), dtype=torch.float32, device=device)
         scales = raw.transpose(-1, -2)[..., :m, :]
-    n = 1
-    for d in lead:
-        n *= d
-    return PaddedBuffer(hidden, scales, torch.zeros(n * bitmap_cols, dtype=torch.int8, device=device))
+    if len(lead) == 2:  # masked: live rows are a prefix per expert, one count each suffices
+        state = torch.zeros(2, lead[0], dtype=torch.int32, device=device)
+        return PaddedBuffer(hidden, scales, torch.zeros(0, dtype=torch.int8, device=device), state)
+    return PaddedBuffer(hidden, scales, torch.zeros(lead[0] * bitmap_cols, dtype=torch.int8, device=device))
+
+
+def stale_splits(max_m: int, block_r: int, num_experts: int) -> int:
+    """Programs per expert that zero stale rows: enough that a prefill-to-decode shrink (up to
+    max_m rows per expert) spreads over a few hundred programs, few enough that a decode step
+    does not launch many idle ones (many experts need fewer splits each)."""
+    return max(1, min(4, triton.cdiv(256, max(num_experts, 1)), triton.cdiv(max_m, 8 * block_r)))
 
 
 _WORKSPACE: dict[tuple, PaddedBuffer] = {}
@@ -327,7 +432,8 @@ def workspace(
     """A process-wide persistent buffer per (role, shape, dtype, device): MoE layers run one
     after another on a stream, so layers of equal shape share one (memory stays O(1) in the
     number of layers). Not for concurrent use from two streams. `bitmap_cols`: cells per row
-    of the written-rows bitmap (kernels that split rows over column chunks keep one each)."""
+    of a contiguous buffer's written-rows bitmap (kernels that split rows over column chunks
+    keep one each)."""
     key = (role, lead, cols, dtype, torch.device(device), quant, bitmap_cols)
     buf = _WORKSPACE.get(key)
     if buf is None:
@@ -346,6 +452,11 @@ class Permuted:
     slot_row: torch.Tensor
     row_expert: torch.Tensor | None = None  # contiguous only
     segment_start: torch.Tensor | None = None  # contiguous only
+
+
+# Masked dispatches of up to this many (token, expert) slots compute positions and counts
+# inside the scatter kernel (one launch instead of two: a decode step is latency-bound).
+FUSED_POSITIONS_MAX_SLOTS = 256
 
 
 def _e_pad(e: int) -> int:
@@ -381,10 +492,12 @@ def permute(
     counts = torch.empty(e, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
-    # one program per expert scans every slot: fewer, wider scan steps for big batches
-    _expert_positions[(e,)](
-        ids, slot_pos, counts, s, expert_start, BLOCK=min(4096, max(256, triton.next_power_of_2(s)))
-    )
+    fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
+    if not fused_pos:
+        # one program per expert scans every slot: fewer, wider scan steps for big batches
+        _expert_positions[(e,)](
+            ids, slot_pos, counts, s, expert_start, BLOCK=min(4096, max(256, triton.next_power_of_2(s)))
+        )
     out = dest.hidden
     if masked:
         max_m = out.shape[1]
@@ -416,7 +529,16 @@ def permute(
     h_span = min(8 * block_h, triton.cdiv(h, block_h) * block_h)
     n_hc = triton.cdiv(h, h_span)
     n_slot = triton.cdiv(s, block_s) * n_hc
-    n_row = triton.cdiv(num_rows, block_r)
+    if masked:
+        if dest.expert_rows is None or dest.expert_rows.shape[1] != e:
+            raise ValueError(f"masked destination needs per-expert row counts for {e} experts (alloc_padded)")
+        n_split = stale_splits(max_m, block_r, e)
+        n_row = e * n_split
+        state = dest.expert_rows
+    else:
+        n_split = 1
+        n_row = triton.cdiv(num_rows, block_r)
+        state = counts  # unused
     w = topk_weights.reshape(-1) if topk_weights is not None else ids
     if n_slot + n_row > 0:
         _scatter_rows[(n_slot + n_row,)](
@@ -437,6 +559,7 @@ def permute(
             re_arg,
             se_arg,
             dest.written,
+            state,
             s,
             num_rows,
             max_m,
@@ -449,6 +572,9 @@ def permute(
             E_P=_e_pad(e),
             ALIGN=max(alignment, 1),
             MASKED=masked,
+            N_SPLIT=n_split,
+            FUSED_POS=fused_pos,
+            S_P=max(16, triton.next_power_of_2(s)) if fused_pos else 16,
             QUANT=quant,
             UE8M0=ue8m0,
             WEIGHT_ON_INPUT=weight_on_input,
@@ -482,7 +608,8 @@ def combine(
         return out
     if y.stride(-1) != 1:
         y = y.contiguous()
-    block_h = min(1024, triton.next_power_of_2(h))
+    # small batches: narrower column blocks, so a decode step still spreads over many SMs
+    block_h = min(1024 if num_tokens >= 64 else 256, triton.next_power_of_2(h))
     if masked:
         sy_e, sy_m, max_m = y.stride(0), y.stride(1), y.shape[1]
     else:
@@ -500,6 +627,7 @@ def combine(
         h,
         float(scaling),
         TOP_K=top_k,
+        K_P=max(2, triton.next_power_of_2(top_k)),
         MASKED=masked,
         USE_WEIGHTS=topk_weights is not None,
         EXACT_ROUND=interpreting() and out.dtype == torch.bfloat16,

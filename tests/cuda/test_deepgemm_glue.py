@@ -67,7 +67,8 @@ TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if
 def test_layer_matches_reference(quant_name, layout, extra):
     extra = dict(extra)
     chooser = AlwaysTriton() if extra.pop("gemm", None) == "triton" else None
-    kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=12)
+    steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
+    kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=max(steps))
     cfg = MoEConfig(**{**kw, **extra})
     quant = QuantScheme.parse(quant_name)
     g = torch.Generator().manual_seed(1)
@@ -86,7 +87,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
     rdisp = ReferenceDispatcher().build(req, fmt)
     rex = ReferenceExperts().build(req, fmt)
     rex.load(weights)
-    for step, t in enumerate((12, 3, 7)):  # later calls reuse buffers holding stale rows
+    for step, t in enumerate(steps):
         x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(t)]).int().to(DEV)
         topk = TopK(ids, (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(DEV))
@@ -127,6 +128,21 @@ def test_activation_split_over_column_chunks(monkeypatch, quant_name, layout):
     monkeypatch.setattr(glue, "ACT_COL_SPAN", 128)
     assert glue.activation_chunks(384) == 3
     test_layer_matches_reference(quant_name, layout, dict(intermediate_size=384, has_w2_bias=True))
+
+
+@pytest.mark.parametrize("gemm", ["deepgemm", "triton"])
+def test_masked_shrink_after_a_large_batch(monkeypatch, gemm):
+    """A prefill-sized call, then decode-sized ones: the stale rows of the activation and GEMM2
+    output buffers are zeroed by several programs per expert and column chunk (the last to
+    finish records the new counts), and the grids cover only the routed rows."""
+    import moehal_cuda.triton_glue as glue
+    from moehal.kernels.triton_permute import stale_splits
+
+    monkeypatch.setattr(glue, "ACT_COL_SPAN", 128)
+    assert stale_splits(256, 16, 8) > 1
+    test_layer_matches_reference(
+        "bf16", Layout.MASKED, dict(intermediate_size=384, has_w2_bias=True, steps=(200, 2, 40, 1), gemm=gemm)
+    )
 
 
 def test_nvfp4_qdq_kernel_matches_reference_exactly():

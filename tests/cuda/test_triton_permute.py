@@ -126,3 +126,24 @@ def test_weight_on_input_scales_rows():
     scaled = (x.cpu().float() * w.cpu()).bfloat16()
     ref, _ = P.to_masked(scaled, idx, buf.hidden.shape[1])
     assert torch.equal(r.hidden.cpu(), ref)
+
+
+def test_masked_shrink_spread_over_programs_zeroes_every_stale_row():
+    """A prefill-sized call, then a decode-sized one: each expert's stale rows are zeroed by
+    several programs (stale_splits > 1), and the last of them records the new counts."""
+    e, k, max_t = 3, 2, 1500
+    max_m = TP.masked_rows(max_t, 64)
+    assert TP.stale_splits(max_m, 64, e) > 1
+    buf = TP.alloc_padded((e, max_m), 128, torch.bfloat16, DEV, False)
+    g = torch.Generator().manual_seed(11)
+    for t in (max_t, 2, 700, 0, 5):
+        x = torch.randn(t, 128, generator=g).bfloat16().to(DEV)
+        ids = torch.argsort(torch.rand(t, e, generator=g), dim=1)[:, :k].int().to(DEV)
+        w = torch.ones(t, k, device=DEV)
+        r = TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=True)
+        counts = torch.bincount(ids.reshape(-1).long().cpu(), minlength=e)
+        assert torch.equal(r.counts.cpu().long(), counts)
+        live = torch.arange(max_m)[None, :] < counts[:, None]
+        assert (buf.hidden.cpu()[~live] == 0).all(), f"stale rows survived after {t} tokens"
+        assert torch.equal(buf.expert_rows[0].cpu().long(), counts), "counts recorded for the next call"
+        assert (buf.expert_rows[1] == 0).all(), "arrival counters reset"

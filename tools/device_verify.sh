@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU call: correctness first. GPU tests, conformance of the CUDA backend (quick), and a
+# per-kernel breakdown of the decode shapes that are furthest from their goals. At most 8 files
+# land in $OUT (the device tool returns no more).
+#   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_verify.sh
+set -u
+source tools/device_setup.sh
+export PATH=/tmp/site/bin:$PATH
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} > "$OUT/env.txt" 2>&1
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  timeout -s TERM "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+}
+step pytest-gpu "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+  tests/cuda tests/integrations/test_custom_op.py
+cd /tmp
+step conformance "${CONF_LIMIT:-220}" python3 -m moehal.cli.main conformance --backend cuda --quick --report "$OUT/conformance-cuda"
+step breakdown "${BREAKDOWN_LIMIT:-120}" python3 -m moehal.cli.main bench --shapes qwen3_30b_a3b,deepseek_v3_ep8 \
+  --tokens 1,4 --quant bf16 --backends cuda --reps 20 --breakdown --out "$OUT/breakdown"
+rm -f "$OUT"/breakdown.png
+tail -n 3 "$OUT/pytest-gpu.log" "$OUT/conformance.log"
+tail -n 30 "$OUT/breakdown.log"
+cat "$OUT/steps.txt"

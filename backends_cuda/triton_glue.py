@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
+from moehal.kernels.launch import pdl_args, wait_for_previous_kernel
 from moehal.kernels.triton_grouped_gemm import num_m_tiles
 from moehal.kernels.triton_permute import (
     QUANT_GROUP,
@@ -119,7 +120,9 @@ def _qdq_rows(
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     e, e_addr, m, live, _ = _program_rows(
         tl.program_id(0), num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
     )
@@ -174,7 +177,6 @@ def _act_rows(
     E: tl.constexpr,
     E_P: tl.constexpr,
     N_SPLIT: tl.constexpr,
-    ARRIVALS: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -185,28 +187,31 @@ def _act_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # program = (row tile) x (column chunk): chunk c owns columns [c*I_SPAN, (c+1)*I_SPAN) of
-    # the output and [c*H_SPAN, (c+1)*H_SPAN) of y, so no program reads what another writes.
-    # Masked grids append E x N_SPLIT programs per chunk that zero stale rows (see module doc).
-    chunk = tl.program_id(1)
+    wait_for_previous_kernel(USE_PDL)
+    # program = (row tile, column chunk): chunk c owns columns [c*I_SPAN, (c+1)*I_SPAN) of the
+    # output and [c*H_SPAN, (c+1)*H_SPAN) of y, so no program reads what another writes.
+    # Masked grids append E x N_SPLIT programs that zero stale rows over all columns.
     pid = tl.program_id(0)
-    i_lo = chunk * I_SPAN
-    i_hi = tl.minimum(i_lo + I_SPAN, I_SIZE)
-    h_lo = chunk * H_SPAN
-    h_hi = tl.minimum(h_lo + H_SPAN, H)
-    if pid >= n_tiles:
+    if pid >= n_tiles * n_chunks:
         if MASKED:
-            sp = pid - n_tiles
+            sp = pid - n_tiles * n_chunks
             ex = sp // N_SPLIT
             cnt = tl.load(masked_m_ptr + ex)
             before = tl.load(state_ptr + ex)
             e_off = ex.to(tl.int64)
             part = sp % N_SPLIT
-            zero_stale_rows(out_ptr + e_off * s_oe, s_om, i_lo, i_hi, cnt, before, part, N_SPLIT, BLOCK_R, BLOCK_I)
-            zero_stale_rows(y_ptr + e_off * s_ye, s_ym, h_lo, h_hi, cnt, before, part, N_SPLIT, BLOCK_R, BLOCK_H)
-            publish_rows(state_ptr, ex, cnt, E, ARRIVALS)
+            zero_stale_rows(out_ptr + e_off * s_oe, s_om, 0, I_SIZE, cnt, before, part, N_SPLIT, BLOCK_R, BLOCK_I)
+            zero_stale_rows(y_ptr + e_off * s_ye, s_ym, 0, H, cnt, before, part, N_SPLIT, BLOCK_R, BLOCK_H)
+            publish_rows(state_ptr, ex, cnt, E, N_SPLIT)
         return
+    chunk = pid % n_chunks
+    pid = pid // n_chunks
+    i_lo = chunk * I_SPAN
+    i_hi = tl.minimum(i_lo + I_SPAN, I_SIZE)
+    h_lo = chunk * H_SPAN
+    h_hi = tl.minimum(h_lo + H_SPAN, H)
     e, e_addr, m, live, rin = _program_rows(
         pid, num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
     )
@@ -308,7 +313,9 @@ def _bias_rows(
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     e, e_addr, m, live, _ = _program_rows(
         tl.program_id(0), num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
     )
@@ -396,13 +403,13 @@ def activation(
     `rows` (masked: 3-D tensors). `out` comes from `workspace(..., bitmap_cols=activation_chunks(I))`
     and must be the only activation buffer used with `y` (its record covers y's rows too)."""
     i_size, h_size = config.intermediate_size, y.shape[-1]
-    n_chunks = activation_chunks(i_size)
     m = rows.masked
     if m:
         if out.expert_rows is None or out.expert_rows.shape[1] != rows.num_experts:
             raise ValueError(f"masked activation buffer needs per-expert row counts for {rows.num_experts} experts")
         state = out.expert_rows
     else:
+        n_chunks = activation_chunks(i_size)
         if out.written.numel() != rows.num_rows * n_chunks:
             raise ValueError(
                 f"activation bitmap has {out.written.numel()} cells; "
@@ -426,10 +433,16 @@ def activation(
     block_r = 16
     block_h = min(256, triton.next_power_of_2(h_size))
     n_tiles = rows.tiles(block_r)
+    col_span = ACT_COL_SPAN
+    if m:
+        # masked buffers keep no per-chunk bitmap, so the split may follow the batch: few row
+        # tiles (decode) get one column block per program, a single round of memory latency
+        col_span = block_i if n_tiles < 64 else ACT_COL_SPAN
+        n_chunks = triton.cdiv(i_size, col_span)
     n_split = stale_splits(rows.max_m, block_r, rows.num_experts) if m else 1
     stale_programs = rows.num_experts * n_split if m else 0
     b = bias if bias is not None else h
-    _act_rows[(n_tiles + stale_programs, n_chunks)](
+    _act_rows[(n_tiles * n_chunks + stale_programs,)](
         h,
         s_he,
         s_hm,
@@ -459,12 +472,11 @@ def activation(
         float(config.swiglu_limit),
         nvfp4_global_scale if nvfp4_global_scale is not None else h,
         n_chunks,
-        ACT_COL_SPAN,
+        col_span,
         triton.cdiv(triton.cdiv(h_size, n_chunks), block_h) * block_h,
         MASKED=m,
         **rows.expert_consts(),
         N_SPLIT=n_split,
-        ARRIVALS=n_split * n_chunks,
         GATED=config.gated,
         ACT=ACT_IDS[config.activation],
         HAS_BIAS=bias is not None,
@@ -475,6 +487,7 @@ def activation(
         BLOCK_R=block_r,
         BLOCK_I=block_i,
         BLOCK_H=block_h,
+        **pdl_args(h.device),
     )
 
 
@@ -500,6 +513,7 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(256, triton.next_power_of_2(y.shape[-1])),
+        **pdl_args(y.device),
     )
 
 
@@ -528,4 +542,5 @@ def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tenso
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(128, triton.next_power_of_2(x.shape[-1])),
+        **pdl_args(x.device),
     )

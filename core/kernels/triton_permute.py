@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from moehal.kernels.launch import pdl_args, wait_for_previous_kernel
 
 QUANT_GROUP = 128
 
@@ -148,7 +149,9 @@ def _expert_positions(
     num_slots,
     expert_start,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     e = tl.program_id(0)
     running = tl.zeros((), dtype=tl.int32)
     for off in range(0, num_slots, BLOCK):
@@ -206,7 +209,9 @@ def _scatter_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     H_SPAN: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
     # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
     pid = tl.program_id(0)
@@ -329,7 +334,9 @@ def _combine_rows(
     USE_WEIGHTS: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     # All top-k rows of a token are loaded as one [K_P, BLOCK_H] tile: one round of memory
     # latency per token instead of top_k dependent ones (decode steps are latency-bound).
     t = tl.program_id(0)
@@ -496,7 +503,13 @@ def permute(
     if not fused_pos:
         # one program per expert scans every slot: fewer, wider scan steps for big batches
         _expert_positions[(e,)](
-            ids, slot_pos, counts, s, expert_start, BLOCK=min(4096, max(256, triton.next_power_of_2(s)))
+            ids,
+            slot_pos,
+            counts,
+            s,
+            expert_start,
+            BLOCK=min(4096, max(256, triton.next_power_of_2(s))),
+            **pdl_args(dev),
         )
     out = dest.hidden
     if masked:
@@ -526,7 +539,9 @@ def permute(
         block_h = min(256, triton.next_power_of_2(h))
     block_s = 16 if s >= 4096 else 4
     block_r = 64
-    h_span = min(8 * block_h, triton.cdiv(h, block_h) * block_h)
+    # a program copies H_SPAN columns of BLOCK_S slots; small batches take one column block per
+    # program, so each program is a single round of memory latency (decode is latency-bound)
+    h_span = block_h if triton.cdiv(s, block_s) < 64 else min(8 * block_h, triton.cdiv(h, block_h) * block_h)
     n_hc = triton.cdiv(h, h_span)
     n_slot = triton.cdiv(s, block_s) * n_hc
     if masked:
@@ -583,6 +598,7 @@ def permute(
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             H_SPAN=h_span,
+            **pdl_args(dev),
         )
     return Permuted(out, dest.scales, counts, slot_row[:s], row_expert, seg_start)
 
@@ -632,5 +648,6 @@ def combine(
         USE_WEIGHTS=topk_weights is not None,
         EXACT_ROUND=interpreting() and out.dtype == torch.bfloat16,
         BLOCK_H=block_h,
+        **pdl_args(y.device),
     )
     return out

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
-from moehal.kernels.launch import pdl_args, wait_for_previous_kernel
 from moehal.kernels.triton_grouped_gemm import num_m_tiles
 from moehal.kernels.triton_permute import (
     QUANT_GROUP,
@@ -120,9 +119,7 @@ def _qdq_rows(
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     e, e_addr, m, live, _ = _program_rows(
         tl.program_id(0), num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
     )
@@ -187,9 +184,7 @@ def _act_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     # program = (row tile, column chunk): chunk c owns columns [c*I_SPAN, (c+1)*I_SPAN) of the
     # output and [c*H_SPAN, (c+1)*H_SPAN) of y, so no program reads what another writes.
     # Masked grids append E x N_SPLIT programs that zero stale rows over all columns.
@@ -313,9 +308,7 @@ def _bias_rows(
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     e, e_addr, m, live, _ = _program_rows(
         tl.program_id(0), num_rows, masked_m_ptr, row_expert_ptr, seg_start_ptr, counts_ptr, MASKED, E, E_P, BLOCK_R
     )
@@ -487,7 +480,6 @@ def activation(
         BLOCK_R=block_r,
         BLOCK_I=block_i,
         BLOCK_H=block_h,
-        **pdl_args(h.device),
     )
 
 
@@ -513,7 +505,6 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(256, triton.next_power_of_2(y.shape[-1])),
-        **pdl_args(y.device),
     )
 
 
@@ -542,5 +533,4 @@ def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tenso
         EXACT_ROUND=interpreting(),
         BLOCK_R=block_r,
         BLOCK_H=min(128, triton.next_power_of_2(x.shape[-1])),
-        **pdl_args(x.device),
     )

@@ -359,16 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--breakdown", action="store_true", help="also profile each row: device time per kernel (CPU: per operator)"
     )
-    p.add_argument(
-        "--no-pdl",
-        action="store_true",
-        help="launch kernels without programmatic dependent launch (SM90+), to measure what it saves",
-    )
     args = p.parse_args(argv)
-    if args.no_pdl:
-        from moehal.kernels import launch
-
-        launch.set_enabled(False)
     console = Console()
     dev = detect(args.device).device
     registry = moehal.discover()

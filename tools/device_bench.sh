@@ -8,7 +8,7 @@ cd /tmp
 date -u > "$OUT/date.txt"
 t0=$SECONDS
 timeout "${BENCH_LIMIT:-540}" python3 "$repo/tools/sglang_peer.py" bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
-  --tokens "${TOKENS:-1,4,16,128,1024,4096}" --quant bf16,fp8_block --backends cuda,sglang --reps 20 \
+  --tokens "${TOKENS:-1,4,16,128,1024,4096}" --quant bf16,fp8_block --backends cuda,sglang --reps 20 --breakdown \
   --out "$OUT/bench" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? $((SECONDS - t0))s"
 tail -60 "$OUT/bench.log"

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call: correctness first. GPU tests, conformance of the CUDA backend (quick), and a
-# per-kernel breakdown of the decode shapes that are furthest from their goals, and the same
-# rows without programmatic dependent launch (--no-pdl). At most 8 files
+# per-kernel breakdown of the decode shapes that are furthest from their goals. At most 8 files
 # land in $OUT (the device tool returns no more).
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_verify.sh
 set -u
@@ -25,11 +24,8 @@ cd /tmp
 step conformance "${CONF_LIMIT:-220}" python3 -m moehal.cli.main conformance --backend cuda --quick --report "$OUT/conformance-cuda"
 step breakdown "${BREAKDOWN_LIMIT:-120}" python3 -m moehal.cli.main bench --shapes qwen3_30b_a3b,deepseek_v3_ep8 \
   --tokens 1,4 --quant bf16 --backends cuda --reps 20 --breakdown --out "$OUT/breakdown"
-step no-pdl "${BREAKDOWN_LIMIT:-120}" python3 -m moehal.cli.main bench --shapes qwen3_30b_a3b,deepseek_v3_ep8 \
-  --tokens 1,4 --quant bf16 --backends cuda --reps 20 --no-pdl --out "$OUT/no-pdl"
-rm -f "$OUT"/breakdown.png "$OUT"/no-pdl.png "$OUT"/no-pdl.json
+rm -f "$OUT"/breakdown.png
 tail -n 3 "$OUT/pytest-gpu.log" "$OUT/conformance.log"
 tail -n 30 "$OUT/breakdown.log"
-grep -A12 "moehal bench" "$OUT/no-pdl.log"
 cat "$OUT/steps.txt"
 rm -f "$OUT/conformance.log"  # its table is in conformance-cuda.md; the tool returns at most 8 files

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.launch import pdl_args, wait_for_previous_kernel
 from moehal.kernels.triton_experts import interpreting
 
 GROUP = 128  # fp8 block size
@@ -125,9 +124,7 @@ def _masked_gemm_kernel(
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # Grouped order over (M tile, N tile): GROUP_M M tiles share each weight tile in L2.
@@ -258,6 +255,5 @@ def masked_grouped_gemm(
         UPCAST=interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_args(a.device),
     )
     return out

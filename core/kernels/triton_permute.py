@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.launch import pdl_args, wait_for_previous_kernel
 
 QUANT_GROUP = 128
 
@@ -149,9 +148,7 @@ def _expert_positions(
     num_slots,
     expert_start,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     e = tl.program_id(0)
     running = tl.zeros((), dtype=tl.int32)
     for off in range(0, num_slots, BLOCK):
@@ -209,9 +206,7 @@ def _scatter_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     H_SPAN: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
     # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
     pid = tl.program_id(0)
@@ -334,9 +329,7 @@ def _combine_rows(
     USE_WEIGHTS: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     # All top-k rows of a token are loaded as one [K_P, BLOCK_H] tile: one round of memory
     # latency per token instead of top_k dependent ones (decode steps are latency-bound).
     t = tl.program_id(0)
@@ -509,7 +502,6 @@ def permute(
             s,
             expert_start,
             BLOCK=min(4096, max(256, triton.next_power_of_2(s))),
-            **pdl_args(dev),
         )
     out = dest.hidden
     if masked:
@@ -598,7 +590,6 @@ def permute(
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             H_SPAN=h_span,
-            **pdl_args(dev),
         )
     return Permuted(out, dest.scales, counts, slot_row[:s], row_expert, seg_start)
 
@@ -648,6 +639,5 @@ def combine(
         USE_WEIGHTS=topk_weights is not None,
         EXACT_ROUND=interpreting() and out.dtype == torch.bfloat16,
         BLOCK_H=block_h,
-        **pdl_args(y.device),
     )
     return out

@@ -71,11 +71,20 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def time_call(fn: Callable[[], Any], dev: torch.device, reps: int, warmup: int = 3) -> float:
-    """Median seconds per call."""
+def time_call(fn: Callable[[], Any], dev: torch.device, reps: int, warmup: int = 3, warmup_s: float = 0.05) -> float:
+    """Median seconds per call. Warm-up: `warmup` calls, and on CUDA back-to-back calls for at
+    least `warmup_s`, so that a row measured after an idle stretch (compiling, capturing) does
+    not start at idle clocks: without it, a decode-sized row (tens of microseconds per call)
+    of the same code measured 45 us in one H100 run and 54 us in the next."""
     for _ in range(warmup):
         fn()
     _sync(dev)
+    if dev.type == "cuda":
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warmup_s:
+            for _ in range(10):
+                fn()
+            _sync(dev)
     samples = []
     if dev.type == "cuda":
         for _ in range(reps):

@@ -9,8 +9,9 @@ alignment; rows past an expert's count are padding) and are tested against it.
 Three launches per dispatch/combine round trip (two for masked decode-sized batches), none of
 which reads anything back to the host:
 
-1. `_expert_positions`: one program per local expert scans the top-k ids and writes, for
-   each of its slots, the slot's position among the expert's slots (stable), and the count.
+1. `_expert_positions`: program (local expert, chunk of slots) writes, for each of the
+   expert's slots in its chunk, the slot's position among the expert's slots (stable), and
+   the expert's count; batches of several chunks run `_expert_chunk_counts` first.
    Masked dispatches of at most FUSED_POSITIONS_MAX_SLOTS slots skip it: the scatter kernel's
    programs compare all slot ids themselves.
 2. `_scatter_rows`: programs [0, n_slot_programs) copy (and quantize) each slot's token row
@@ -141,26 +142,47 @@ def masked_row_tile(t, masked_m_ptr, E: tl.constexpr, E_P: tl.constexpr, BLOCK_R
 
 
 @triton.jit
+def _expert_chunk_counts(ids_ptr, chunk_counts_ptr, num_slots, expert_start, n_chunks, CHUNK: tl.constexpr):
+    """chunk_counts[e, c] = slots of local expert e among slots [c*CHUNK, (c+1)*CHUNK)."""
+    e = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32) - expert_start
+    tl.store(chunk_counts_ptr + e * n_chunks + c, tl.sum((ids == e).to(tl.int32), axis=0))
+
+
+@triton.jit
 def _expert_positions(
     ids_ptr,
     slot_pos_ptr,
     counts_ptr,
+    chunk_counts_ptr,
     num_slots,
     expert_start,
-    BLOCK: tl.constexpr,
+    n_chunks,
+    CHUNK: tl.constexpr,
+    C_P: tl.constexpr,
 ):
+    """Program (e, c): positions of expert e's slots in chunk c (the expert's slots in earlier
+    chunks, from `_expert_chunk_counts`, plus the rank within the chunk); program (e, 0) also
+    writes the expert's count. One chunk: no counts pass, the chunk's own sum is the count."""
     e = tl.program_id(0)
-    running = tl.zeros((), dtype=tl.int32)
-    for off in range(0, num_slots, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        inb = offs < num_slots
-        ids = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32)
-        hit = ((ids - expert_start) == e) & inb
-        hit_i = hit.to(tl.int32)
-        pos = running + tl.cumsum(hit_i, axis=0) - 1
-        tl.store(slot_pos_ptr + offs, pos, mask=hit)
-        running += tl.sum(hit_i, axis=0)
-    tl.store(counts_ptr + e, running)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    inb = offs < num_slots
+    ids = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32) - expert_start
+    hit = ((ids == e) & inb).to(tl.int32)
+    if C_P > 1:
+        cc = tl.arange(0, C_P)
+        per_chunk = tl.load(chunk_counts_ptr + e * n_chunks + cc, mask=cc < n_chunks, other=0)
+        base = tl.sum(tl.where(cc < c, per_chunk, 0), axis=0)
+        total = tl.sum(per_chunk, axis=0)
+    else:
+        base = 0
+        total = tl.sum(hit, axis=0)
+    tl.store(slot_pos_ptr + offs, base + tl.cumsum(hit, axis=0) - 1, mask=hit != 0)
+    if c == 0:
+        tl.store(counts_ptr + e, total)
 
 
 @triton.jit
@@ -457,6 +479,8 @@ class Permuted:
 # Masked dispatches of up to this many (token, expert) slots compute positions and counts
 # inside the scatter kernel (one launch instead of two: a decode step is latency-bound).
 FUSED_POSITIONS_MAX_SLOTS = 256
+# Slots per program of the positions pass (larger batches run several chunks per expert).
+POSITION_CHUNK = 2048
 
 
 def _e_pad(e: int) -> int:
@@ -494,14 +518,25 @@ def permute(
     slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
     if not fused_pos:
-        # one program per expert scans every slot: fewer, wider scan steps for big batches
-        _expert_positions[(e,)](
+        # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
+        # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
+        # scan steps per expert)
+        chunk = min(POSITION_CHUNK, max(256, triton.next_power_of_2(s)))
+        n_chunks = triton.cdiv(s, chunk)
+        chunk_counts = counts
+        if n_chunks > 1:
+            chunk_counts = torch.empty(e * n_chunks, dtype=torch.int32, device=dev)
+            _expert_chunk_counts[(e, n_chunks)](ids, chunk_counts, s, expert_start, n_chunks, CHUNK=chunk)
+        _expert_positions[(e, n_chunks)](
             ids,
             slot_pos,
             counts,
+            chunk_counts,
             s,
             expert_start,
-            BLOCK=min(4096, max(256, triton.next_power_of_2(s))),
+            n_chunks,
+            CHUNK=chunk,
+            C_P=triton.next_power_of_2(n_chunks) if n_chunks > 1 else 1,
         )
     out = dest.hidden
     if masked:

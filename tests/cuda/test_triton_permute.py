@@ -147,3 +147,27 @@ def test_masked_shrink_spread_over_programs_zeroes_every_stale_row():
         assert (buf.hidden.cpu()[~live] == 0).all(), f"stale rows survived after {t} tokens"
         assert torch.equal(buf.expert_rows[0].cpu().long(), counts), "counts recorded for the next call"
         assert (buf.expert_rows[1] == 0).all(), "arrival counters reset"
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_positions_over_several_chunks(monkeypatch, masked):
+    """Batches larger than one positions chunk: positions count the expert's slots in earlier
+    chunks (a counts pass first), and match moehal.permute exactly."""
+    monkeypatch.setattr(TP, "POSITION_CHUNK", 256)
+    monkeypatch.setattr(TP, "FUSED_POSITIONS_MAX_SLOTS", 0)
+    start, e, e_glob, k, t = 2, 5, 9, 3, 300  # 900 slots: 4 chunks of 256
+    ids, w = _routing(t, e_glob, k, 21)
+    x = _x(t, 21)
+    if masked:
+        buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
+    else:
+        buf = TP.alloc_padded((TP.contiguous_rows(t * k, e, 4),), H, torch.bfloat16, DEV, False)
+    r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=masked, alignment=4)
+    idx = P.index_slots(ids.cpu(), start, e)
+    v = idx.valid
+    assert torch.equal(r.counts.cpu().long(), torch.bincount(idx.slot_expert[v], minlength=e))
+    if masked:
+        want = idx.slot_expert[v] * buf.hidden.shape[1] + idx.slot_pos[v]
+    else:
+        want = P.to_contiguous(x.cpu(), idx, 4)[3][v]
+    assert torch.equal(r.slot_row.cpu().long()[v], want)

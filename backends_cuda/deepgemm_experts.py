@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 from moehal.capability import Decision, accept, decline
+from moehal.config import MoEConfig
 from moehal.formats import (
     ActivationFormat,
     ContiguousInput,
@@ -180,6 +181,39 @@ class TorchGemmOps:
 MaskedGemm = Callable[[torch.Tensor, Any, torch.Tensor, Any, torch.Tensor, torch.Tensor, int], None]
 
 
+# GEMM1 fused with the activation: (x, w13, w13_bias, activation buffer, y, masked_m) -> None
+FusedGemm1 = Callable[[torch.Tensor, torch.Tensor, Any, Any, torch.Tensor, torch.Tensor], None]
+
+
+def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfig) -> FusedGemm1:
+    """GEMM1 and the activation in one Triton kernel (bf16 layers whose GEMM1 runs on Triton):
+    the GEMM1 output never goes through memory, and a decode step has one launch fewer."""
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_grouped_gemm import masked_gemm_act
+
+    assert choice.config is not None
+    act = _ACTS[config.activation.value]
+
+    def run(x: torch.Tensor, w13: torch.Tensor, b13: Any, act_buf: Any, y: torch.Tensor, mm: torch.Tensor) -> None:
+        masked_gemm_act(
+            x,
+            w13,
+            b13,
+            act_buf.hidden,
+            act_buf.expert_rows,
+            y,
+            mm,
+            total_rows,
+            choice.config,
+            activation=act,
+            gated=config.gated,
+            alpha=config.swiglu_alpha,
+            limit=config.swiglu_limit,
+        )
+
+    return run
+
+
 def triton_masked_gemm(choice: GemmChoice, total_rows: int) -> MaskedGemm:
     """The Triton masked grouped GEMM with DeepGEMM's masked call signature."""
     from moehal.kernels.triton_grouped_gemm import masked_grouped_gemm
@@ -197,18 +231,22 @@ class DeepGemmExpertsRunner(ExpertsRunner):
     """chooser: per-shape, per-token-count choice between DeepGEMM's masked GEMM and the tuned
     Triton one (`moehal_cuda.gemm_choice`); None = DeepGEMM always."""
 
+    # bf16 layers whose GEMM1 runs on Triton run it fused with the activation (class-level so a
+    # benchmark can compare both; the unfused path is what DeepGEMM GEMM1s always take)
+    fuse_gemm1_activation: ClassVar[bool] = True
+
     def __init__(self, req: BuildRequest, fmt: ActivationFormat, ops: Any, chooser: GemmChooser | None = None) -> None:
         self.fmt, self.req, self.config, self.ops = fmt, req, req.config, ops
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
         self.chooser = chooser
-        # total-rows bound -> (GEMM1, GEMM2) callables and the choices behind them; filled on
-        # first sight of a batch size, so a forward does one dict lookup.
-        self._masked: dict[int, tuple[MaskedGemm, MaskedGemm]] = {}
+        # total-rows bound -> (GEMM1, GEMM2, fused GEMM1 + activation or None) callables and the
+        # choices behind them; filled on first sight of a batch size: one dict lookup a forward.
+        self._masked: dict[int, tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]] = {}
         self.masked_choices: dict[int, tuple[GemmChoice, GemmChoice]] = {}
 
-    def _masked_gemms(self, inp: MaskedInput) -> tuple[MaskedGemm, MaskedGemm]:
+    def _masked_gemms(self, inp: MaskedInput) -> tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]:
         bound = inp.total_rows_bound
         gemms = self._masked.get(bound)
         if gemms is None:
@@ -220,9 +258,12 @@ class DeepGemmExpertsRunner(ExpertsRunner):
                 self.chooser.choose(e, n, k, dtype, tokens) if self.chooser is not None else DEEPGEMM for n, k in shapes
             )
             self.masked_choices[bound] = choices  # type: ignore[assignment]
-            gemms = tuple(triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
-            self._masked[bound] = gemms  # type: ignore[assignment]
-        return gemms  # type: ignore[return-value]
+            g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
+            fused = None
+            if choices[0].triton and not self.fp8 and self.fuse_gemm1_activation:
+                fused = triton_masked_gemm_act(choices[0], bound, c)
+            gemms = self._masked[bound] = (g1, g2, fused)
+        return gemms
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
@@ -265,9 +306,12 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             check_masked_rows(m)
             hb, ab, yb = self._buffers((e, m), inp.hidden.device)
             rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
-            gemm1, gemm2 = self._masked_gemms(inp)
-            gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
-            activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
+            gemm1, gemm2, gemm1_act = self._masked_gemms(inp)
+            if gemm1_act is not None:
+                gemm1_act(inp.hidden, w.w13, w.w13_bias, ab, yb.hidden, inp.masked_m)
+            else:
+                gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
+                activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
             gemm2(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
             if w.w2_bias is not None:
                 add_bias(yb.hidden, w.w2_bias, rows)

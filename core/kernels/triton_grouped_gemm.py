@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 from moehal.kernels.triton_experts import interpreting
+from moehal.kernels.triton_fused_moe import _activation, _to
+from moehal.kernels.triton_permute import publish_rows, stale_splits, zero_stale_rows
 
 GROUP = 128  # fp8 block size
 
@@ -90,6 +92,106 @@ def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> GemmConfi
     return GemmConfig(128, 128, 64 if not fp8 else 128, 8, 8, 3)
 
 
+@triton.jit
+def _expert_tile(
+    pid,
+    masked_m_ptr,
+    num_m_tiles,
+    N,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Program pid -> (expert, rows offs_m, row mask, N tile). The expert is >= E past the last
+    live tile (the grid is a bound): such programs have nothing to do."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order over (M tile, N tile): GROUP_M M tiles share each weight tile in L2.
+    in_group = GROUP_M * num_pid_n
+    group_id = pid // in_group
+    first_m = group_id * GROUP_M
+    group_size = min(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + ((pid % in_group) % group_size)
+    pid_n = (pid % in_group) // group_size
+    # The tile table, from masked_m: expert e owns tiles [ends[e] - tiles[e], ends[e]).
+    j = tl.arange(0, E_P)
+    cnt = tl.load(masked_m_ptr + j, mask=j < E, other=0)
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(j < e, tiles, 0), axis=0)
+    rows = tl.sum(tl.where(j == e, cnt, 0), axis=0)
+    offs_m = (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, offs_m, offs_m < rows, pid_n
+
+
+@triton.jit
+def _dot_k(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    e64,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    n_second,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_ase,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DUAL: tl.constexpr,
+):
+    """fp32 a[e, offs_m, :] @ w[e, offs_n, :]^T, and with DUAL the same for weight rows
+    offs_n + n_second (a gated layer's up half) in the same K loop, sharing the A tile."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + e64 * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        as_ptrs = a_scale_ptr + e64 * stride_ase + offs_m * stride_asm
+        bs_ptrs = b_scale_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+    for kb in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        if DUAL:
+            b2 = tl.load(b_ptrs + n_second * stride_bn, mask=n_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+            if DUAL:
+                b2 = b2.to(tl.float32)
+        if FP8:
+            kg = (kb * BLOCK_K) // 128
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=m_mask, other=0.0)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, b)
+            if DUAL:
+                acc2 += tl.dot(a, b2)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, acc2
+
+
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _masked_gemm_kernel(
     a_ptr,
@@ -125,56 +227,100 @@ def _masked_gemm_kernel(
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order over (M tile, N tile): GROUP_M M tiles share each weight tile in L2.
-    in_group = GROUP_M * num_pid_n
-    group_id = pid // in_group
-    first_m = group_id * GROUP_M
-    group_size = min(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % group_size)
-    pid_n = (pid % in_group) // group_size
-
-    # The tile table, from masked_m: expert e owns tiles [ends[e] - tiles[e], ends[e]).
-    j = tl.arange(0, E_P)
-    cnt = tl.load(masked_m_ptr + j, mask=j < E, other=0)
-    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(tiles, axis=0)
-    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    e, offs_m, m_mask, pid_n = _expert_tile(
+        tl.program_id(0), masked_m_ptr, num_m_tiles, N, E, E_P, BLOCK_M, BLOCK_N, GROUP_M
+    )
     if e >= E:
         return
-    first_tile = tl.sum(tl.where(j < e, tiles, 0), axis=0)
-    rows = tl.sum(tl.where(j == e, cnt, 0), axis=0)
     e64 = e.to(tl.int64)
-
-    offs_m = (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + e64 * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8:
-        as_ptrs = a_scale_ptr + e64 * stride_ase + offs_m * stride_asm
-        bs_ptrs = b_scale_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
-    for kb in range(0, K // BLOCK_K):
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if FP8:
-            kg = (kb * BLOCK_K) // 128
-            a_s = tl.load(as_ptrs + kg * stride_ask, mask=m_mask, other=0.0)
-            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        else:
-            acc += tl.dot(a, b)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc, _ = _dot_k(
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, e64, offs_m, m_mask, offs_n, n_mask, 0,
+        stride_ae, stride_am, stride_ak, stride_ase, stride_asm, stride_ask,
+        stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, False,
+    )  # fmt: skip
     c_ptrs = c_ptr + e64 * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_m_tiles"])
+def _masked_gemm_act_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    stride_bias_e,
+    out_ptr,
+    y_ptr,
+    masked_m_ptr,
+    state_ptr,
+    num_m_tiles,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_oe,
+    stride_om,
+    stride_ye,
+    stride_ym,
+    alpha,
+    limit,
+    H,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    I_SIZE: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_gemm = num_m_tiles * tl.cdiv(I_SIZE, BLOCK_N)
+    if pid >= n_gemm:
+        # stale rows of the activation and GEMM2 output buffers: [count now, count before)
+        sp = pid - n_gemm
+        ex = sp // N_SPLIT
+        cnt = tl.load(masked_m_ptr + ex)
+        before = tl.load(state_ptr + ex)
+        e_off = ex.to(tl.int64)
+        part = sp % N_SPLIT
+        zero_stale_rows(out_ptr + e_off * stride_oe, stride_om, 0, I_SIZE, cnt, before, part, N_SPLIT, 16, 128)
+        zero_stale_rows(y_ptr + e_off * stride_ye, stride_ym, 0, H, cnt, before, part, N_SPLIT, 16, 256)
+        publish_rows(state_ptr, ex, cnt, E, N_SPLIT)
+        return
+    e, offs_m, m_mask, pid_n = _expert_tile(pid, masked_m_ptr, num_m_tiles, I_SIZE, E, E_P, BLOCK_M, BLOCK_N, GROUP_M)
+    if e >= E:
+        return
+    e64 = e.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I_SIZE
+    g, u = _dot_k(
+        a_ptr, a_ptr, b_ptr, b_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
+        stride_ae, stride_am, stride_ak, 0, 0, 0,
+        stride_be, stride_bn, stride_bk, 0, 0, 0,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
+    )  # fmt: skip
+    if HAS_BIAS:
+        brow = bias_ptr + e64 * stride_bias_e
+        g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    # as the unfused path: GEMM1 output (+ bias) in the layer dtype, activation in fp32
+    g = _to(g, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
+    u = _to(u, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
+    a = _activation(g, u, alpha, limit, ACT, GATED)
+    o_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def num_m_tiles(total_rows: int, num_experts: int, block_m: int) -> int:
@@ -255,5 +401,92 @@ def masked_grouped_gemm(
         UPCAST=interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def masked_gemm_act(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    y: torch.Tensor,
+    masked_m: torch.Tensor,
+    total_rows: int,
+    config: GemmConfig,
+    *,
+    activation: int,
+    gated: bool,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> torch.Tensor:
+    """GEMM1 and the activation in one kernel (the masked layout, bf16/fp16, no quantization):
+
+        out[e, m, :] = act(a[e, m] @ w13[e]^T + bias[e])      for m < masked_m[e]
+
+    a `[E, max_m, K]`; w13 `[E, N13, K]` with N13 = 2 * I ([gate; up]) when gated, else I;
+    bias `[E, N13]` or None; out `[E, max_m, I]` in a's dtype. `activation`: the
+    `moehal.kernels.triton_fused_moe` ids (1 silu, 2 gelu, 3 swiglu_oai with alpha/limit).
+
+    Like `moehal_cuda.triton_glue.activation`, it keeps the padding of `out` and of the GEMM2
+    output `y [E, max_m, H]` zero: rows live in the previous call and not now are zeroed, from
+    `out_rows` (int32 [2, E], the per-expert record of `moehal.kernels.triton_permute`). No
+    host synchronization; total_rows is a host bound on sum(masked_m) that sizes the grid.
+    """
+    e, max_m, k = a.shape
+    i = out.shape[-1]
+    n13 = w13.shape[1]
+    if n13 != (2 * i if gated else i) or w13.shape[0] != e or w13.shape[2] != k or tuple(out.shape[:2]) != (e, max_m):
+        raise ValueError(f"shapes do not match: a {tuple(a.shape)}, w13 {tuple(w13.shape)}, out {tuple(out.shape)}")
+    if a.dtype != w13.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the fused GEMM1 takes bf16/fp16 operands of one dtype, got {a.dtype} and {w13.dtype}")
+    if out.stride(-1) != 1 or tuple(out_rows.shape) != (2, e):
+        raise ValueError("out must be row-contiguous and out_rows int32 [2, E]")
+    if not config.fits(i, k, False):
+        raise ValueError(f"tile {config} does not fit N={i}, K={k}")
+    tiles_m = num_m_tiles(min(total_rows, e * max_m), e, config.block_m)
+    n_split = stale_splits(max_m, 16, e)
+    grid = (tiles_m * triton.cdiv(i, config.block_n) + e * n_split,)
+    b = bias if bias is not None else w13
+    _masked_gemm_act_kernel[grid](
+        a,
+        w13,
+        b,
+        b.stride(0) if bias is not None else 0,
+        out,
+        y,
+        masked_m,
+        out_rows,
+        tiles_m,
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        out.stride(0),
+        out.stride(1),
+        y.stride(0),
+        y.stride(1),
+        float(alpha),
+        float(limit),
+        y.shape[-1],
+        E=e,
+        E_P=max(16, triton.next_power_of_2(e)),
+        I_SIZE=i,
+        K=k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        ACT=activation,
+        GATED=gated,
+        HAS_BIAS=bias is not None,
+        N_SPLIT=n_split,
+        UPCAST=interpreting(),
+        EXACT_ROUND=interpreting(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

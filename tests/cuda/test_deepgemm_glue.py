@@ -27,6 +27,7 @@ CASES = [
     ("bf16", Layout.MASKED, dict()),
     ("bf16", Layout.CONTIGUOUS, dict(has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5)),
     ("bf16", Layout.MASKED, dict(activation="gelu", gated=False, has_w2_bias=True)),
+    ("bf16", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True)),
     ("fp8_block", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)),
     ("fp8_block:ue8m0", Layout.CONTIGUOUS, dict(activation="gelu", ep_rank=1, ep_size=2)),
     ("fp8_block", Layout.CONTIGUOUS, dict(top_k=1, apply_router_weight_on_input=True)),
@@ -54,6 +55,17 @@ class AlwaysTriton:
         return GemmChoice("triton", default_config(tokens, n, k, dtype == "fp8_block"), tokens)
 
 
+class TritonForSmallBatches(AlwaysTriton):
+    """Triton (so, for bf16, GEMM1 fused with the activation) up to 16 tokens, DeepGEMM above:
+    one layer switches between the fused and the unfused path on the same buffers."""
+
+    def choose(self, e, n, k, dtype, tokens):
+        self.asked.append((e, n, k, dtype, tokens))
+        if tokens > 16:
+            return GemmChoice("deepgemm", None, tokens)
+        return GemmChoice("triton", default_config(tokens, n, k, dtype == "fp8_block"), tokens)
+
+
 # The masked cases again, with the Triton masked GEMM in place of DeepGEMM's (per-shape choice).
 TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if lay is Layout.MASKED]
 
@@ -66,7 +78,7 @@ TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if
 )
 def test_layer_matches_reference(quant_name, layout, extra):
     extra = dict(extra)
-    chooser = AlwaysTriton() if extra.pop("gemm", None) == "triton" else None
+    chooser = {"triton": AlwaysTriton, "mixed": TritonForSmallBatches}.get(extra.pop("gemm", None), lambda: None)()
     steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
     kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=max(steps))
     cfg = MoEConfig(**{**kw, **extra})
@@ -116,7 +128,13 @@ def test_layer_matches_reference(quant_name, layout, extra):
     if chooser is not None:  # both GEMMs were chosen per call size: (E, N, K) of w13 and w2
         shapes = {(n, k) for _, n, k, _, _ in chooser.asked}
         assert shapes == {(cfg.w13_rows, 256), (256, cfg.intermediate_size)}
-        assert all(isinstance(c, tuple) and all(x.triton for x in c) for c in ex.masked_choices.values())
+        for bound, (_, _, fused) in ex._masked.items():
+            # bf16 layers run GEMM1 fused with the activation whenever GEMM1 is Triton's
+            assert (fused is not None) == (ex.masked_choices[bound][0].triton and not fp8)
+        if isinstance(chooser, TritonForSmallBatches):
+            assert {c[0].triton for c in ex.masked_choices.values()} == {True, False}
+        else:
+            assert all(all(x.triton for x in c) for c in ex.masked_choices.values())
 
 
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])
@@ -130,7 +148,7 @@ def test_activation_split_over_column_chunks(monkeypatch, quant_name, layout):
     test_layer_matches_reference(quant_name, layout, dict(intermediate_size=384, has_w2_bias=True))
 
 
-@pytest.mark.parametrize("gemm", ["deepgemm", "triton"])
+@pytest.mark.parametrize("gemm", ["deepgemm", "triton", "mixed"])
 def test_masked_shrink_after_a_large_batch(monkeypatch, gemm):
     """A prefill-sized call, then decode-sized ones: the stale rows of the activation and GEMM2
     output buffers are zeroed by several programs per expert and column chunk (the last to

@@ -185,6 +185,16 @@ MaskedGemm = Callable[[torch.Tensor, Any, torch.Tensor, Any, torch.Tensor, torch
 FusedGemm1 = Callable[[torch.Tensor, torch.Tensor, Any, Any, torch.Tensor, torch.Tensor], None]
 
 
+def _fusable(choice: GemmChoice, config: MoEConfig) -> bool:
+    """Fuse only where the tuned GEMM1 tile keeps its pipeline depth once it holds the up tile
+    too (`fused_act_config` may shorten its K tile, not its stages): elsewhere the fused kernel
+    would run an untuned, shallower pipeline, and the unfused path is the measured one."""
+    from moehal.kernels.triton_grouped_gemm import fused_act_config
+
+    cfg = choice.config
+    return cfg is not None and fused_act_config(cfg, config.hidden_size).num_stages == cfg.num_stages
+
+
 def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfig) -> FusedGemm1:
     """GEMM1 and the activation in one Triton kernel (bf16 layers whose GEMM1 runs on Triton):
     the GEMM1 output never goes through memory, and a decode step has one launch fewer."""
@@ -260,7 +270,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             self.masked_choices[bound] = choices  # type: ignore[assignment]
             g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
             fused = None
-            if choices[0].triton and not self.fp8 and self.fuse_gemm1_activation:
+            if choices[0].triton and not self.fp8 and self.fuse_gemm1_activation and _fusable(choices[0], c):
                 fused = triton_masked_gemm_act(choices[0], bound, c)
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms

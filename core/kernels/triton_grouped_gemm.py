@@ -27,7 +27,7 @@ fp32 (UPCAST); compiled kernels never upcast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -405,6 +405,29 @@ def masked_grouped_gemm(
     return out
 
 
+# Shared memory a pipelined tile may use (H100/H200 allow 227 KiB per block; leave headroom
+# for the epilogue's scratch).
+SMEM_BUDGET = 200 * 1024
+
+
+def smem_bytes(config: GemmConfig, elem_bytes: int, b_tiles: int = 1) -> int:
+    """Shared memory of the K pipeline: num_stages buffers of the A tile and `b_tiles` B tiles."""
+    return config.num_stages * (config.block_m + b_tiles * config.block_n) * config.block_k * elem_bytes
+
+
+def fused_act_config(config: GemmConfig, k: int, elem_bytes: int = 2) -> GemmConfig:
+    """A GEMM1 tile tuned for the plain kernel, adapted to the fused one, which keeps a gate and
+    an up B tile per stage: a shorter K tile first (down to 64; the stages, so the bytes in
+    flight, stay), then fewer stages, until the pipeline fits `SMEM_BUDGET` (a tuned 16x64x256,
+    5-stage tile needs 368 KiB fused and failed to launch on an H100)."""
+    c = config
+    while smem_bytes(c, elem_bytes, 2) > SMEM_BUDGET and c.block_k > 64 and k % (c.block_k // 2) == 0:
+        c = replace(c, block_k=c.block_k // 2)
+    while smem_bytes(c, elem_bytes, 2) > SMEM_BUDGET and c.num_stages > 1:
+        c = replace(c, num_stages=c.num_stages - 1)
+    return c
+
+
 def masked_gemm_act(
     a: torch.Tensor,
     w13: torch.Tensor,
@@ -443,6 +466,7 @@ def masked_gemm_act(
         raise ValueError(f"the fused GEMM1 takes bf16/fp16 operands of one dtype, got {a.dtype} and {w13.dtype}")
     if out.stride(-1) != 1 or tuple(out_rows.shape) != (2, e):
         raise ValueError("out must be row-contiguous and out_rows int32 [2, E]")
+    config = fused_act_config(config, k, a.element_size())
     if not config.fits(i, k, False):
         raise ValueError(f"tile {config} does not fit N={i}, K={k}")
     tiles_m = num_m_tiles(min(total_rows, e * max_m), e, config.block_m)

@@ -129,3 +129,16 @@ def test_default_config_always_fits():
     for n, k in ((96, 128), (1536, 2048), (2048, 768), (7168, 2048)):
         for rows in (1, 30, 500):
             assert default_config(rows, n, k, False).fits(n, k, False)
+
+
+def test_fused_act_tiles_fit_shared_memory():
+    """The fused GEMM1 keeps two B tiles per stage: tuned plain tiles are shrunk to fit."""
+    from moehal.kernels.triton_grouped_gemm import SMEM_BUDGET, GemmConfig, fused_act_config, smem_bytes
+
+    big = GemmConfig(16, 64, 256, 1, 4, 5)  # tuned for Qwen3-30B-A3B w13 at 16 tokens on an H100
+    assert smem_bytes(big, 2) <= SMEM_BUDGET < smem_bytes(big, 2, b_tiles=2)
+    fused = fused_act_config(big, 2048)
+    assert smem_bytes(fused, 2, b_tiles=2) <= SMEM_BUDGET
+    assert (fused.block_m, fused.block_n, fused.block_k, fused.num_stages) == (16, 64, 128, 5)
+    small = GemmConfig(16, 32, 128, 1, 4, 4)  # fits as it is
+    assert fused_act_config(small, 2048) == small

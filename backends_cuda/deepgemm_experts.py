@@ -185,6 +185,14 @@ MaskedGemm = Callable[[torch.Tensor, Any, torch.Tensor, Any, torch.Tensor, torch
 FusedGemm1 = Callable[[torch.Tensor, torch.Tensor, Any, Any, torch.Tensor, torch.Tensor], None]
 
 
+# Fuse GEMM1 with the activation only for batches of at most this many rows per local expert
+# (decode). Measured on an H100, same run, fused vs unfused (docs/device-runs/2026-11-22-session4):
+# Qwen3-30B-A3B 47.5 vs 55.8 us at 1 token, 108.9 vs 119.7 at 4, 289.0 vs 298.6 at 16 (<= 1 row
+# per expert), but 464.0 vs 447.2 at 128 tokens (8 rows per expert: the tile tuned for the plain
+# GEMM runs worse with a second B tile); DeepSeek-V3 and Mixtral at 1-16 tokens within 1%.
+FUSE_MAX_ROWS_PER_EXPERT = 2
+
+
 def _fusable(choice: GemmChoice, config: MoEConfig) -> bool:
     """Fuse only where the tuned GEMM1 tile keeps its pipeline depth once it holds the up tile
     too (`fused_act_config` may shorten its K tile, not its stages): elsewhere the fused kernel
@@ -270,8 +278,9 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             self.masked_choices[bound] = choices  # type: ignore[assignment]
             g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
             fused = None
-            if choices[0].triton and not self.fp8 and self.fuse_gemm1_activation and _fusable(choices[0], c):
-                fused = triton_masked_gemm_act(choices[0], bound, c)
+            few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
+            if choices[0].triton and not self.fp8 and self.fuse_gemm1_activation and few_rows:
+                fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
 

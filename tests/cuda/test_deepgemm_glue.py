@@ -128,9 +128,15 @@ def test_layer_matches_reference(quant_name, layout, extra):
     if chooser is not None:  # both GEMMs were chosen per call size: (E, N, K) of w13 and w2
         shapes = {(n, k) for _, n, k, _, _ in chooser.asked}
         assert shapes == {(cfg.w13_rows, 256), (256, cfg.intermediate_size)}
+        from moehal_cuda.deepgemm_experts import FUSE_MAX_ROWS_PER_EXPERT
+
         for bound, (_, _, fused) in ex._masked.items():
-            # bf16 layers run GEMM1 fused with the activation whenever GEMM1 is Triton's
-            assert (fused is not None) == (ex.masked_choices[bound][0].triton and not fp8)
+            # bf16 layers fuse GEMM1 with the activation when GEMM1 is Triton's and the batch is
+            # decode-sized (at most FUSE_MAX_ROWS_PER_EXPERT rows per expert)
+            few = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
+            assert (fused is not None) == (ex.masked_choices[bound][0].triton and not fp8 and few)
+        # the fused and the unfused path both ran on these buffers (bf16)
+        assert fp8 or {f is not None for _, _, f in ex._masked.values()} == {True, False}
         if isinstance(chooser, TritonForSmallBatches):
             assert {c[0].triton for c in ex.masked_choices.values()} == {True, False}
         else:

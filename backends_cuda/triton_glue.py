@@ -59,7 +59,7 @@ def _program_rows(
     Masked: tile `pid` of the live rows' tile table. Contiguous: rows [pid*BLOCK_R, +BLOCK_R)."""
     if MASKED:
         e, m, live = masked_row_tile(pid, masked_m_ptr, E, E_P, BLOCK_R)
-        ev = tl.zeros_like(m) + e
+        ev = tl.zeros_like(m) + tl.minimum(e, E - 1)
         return ev, ev, m, live, live
     else:
         r = pid * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -6,19 +6,7 @@
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_final.sh
 set -u
 source tools/device_setup.sh
-export PATH=/tmp/site/bin:$PATH
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} > "$OUT/env.txt" 2>&1
-step() {
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  timeout -s TERM "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
-}
+record_env
 cd /tmp
 step bench 210 python3 "$repo/tools/sglang_peer.py" bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
   --tokens 1,4,16,128,1024,4096 --quant bf16,fp8_block --backends cuda,sglang --reps 20 --breakdown --out "$OUT/bench"

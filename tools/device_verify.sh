@@ -5,19 +5,7 @@
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_verify.sh
 set -u
 source tools/device_setup.sh
-export PATH=/tmp/site/bin:$PATH
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} > "$OUT/env.txt" 2>&1
-step() {
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  timeout -s TERM "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
-}
+record_env
 step pytest-gpu "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
   tests/cuda tests/integrations/test_custom_op.py
 cd /tmp

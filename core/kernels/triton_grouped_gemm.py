@@ -27,6 +27,7 @@ fp32 (UPCAST); compiled kernels never upcast.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 from moehal.kernels.triton_experts import interpreting
 from moehal.kernels.triton_fused_moe import _activation, _to
-from moehal.kernels.triton_permute import publish_rows, stale_splits, zero_stale_rows
+from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
 
 GROUP = 128  # fp8 block size
 
@@ -114,16 +115,8 @@ def _expert_tile(
     group_size = min(num_m_tiles - first_m, GROUP_M)
     pid_m = first_m + ((pid % in_group) % group_size)
     pid_n = (pid % in_group) // group_size
-    # The tile table, from masked_m: expert e owns tiles [ends[e] - tiles[e], ends[e]).
-    j = tl.arange(0, E_P)
-    cnt = tl.load(masked_m_ptr + j, mask=j < E, other=0)
-    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(tiles, axis=0)
-    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-    first_tile = tl.sum(tl.where(j < e, tiles, 0), axis=0)
-    rows = tl.sum(tl.where(j == e, cnt, 0), axis=0)
-    offs_m = (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    return e, offs_m, offs_m < rows, pid_n
+    e, offs_m, m_mask = masked_row_tile(pid_m, masked_m_ptr, E, E_P, BLOCK_M)
+    return e, offs_m, m_mask, pid_n
 
 
 @triton.jit
@@ -415,6 +408,7 @@ def smem_bytes(config: GemmConfig, elem_bytes: int, b_tiles: int = 1) -> int:
     return config.num_stages * (config.block_m + b_tiles * config.block_n) * config.block_k * elem_bytes
 
 
+@functools.cache  # called on every fused forward: the answer per (tile, K) never changes
 def fused_act_config(config: GemmConfig, k: int, elem_bytes: int = 2) -> GemmConfig:
     """A GEMM1 tile tuned for the plain kernel, adapted to the fused one, which keeps a gate and
     an up B tile per stage: a shorter K tile first (down to 64; the stages, so the bytes in

@@ -128,8 +128,9 @@ def publish_rows(state_ptr, e, cnt, E, ARRIVALS: tl.constexpr):
 @triton.jit
 def masked_row_tile(t, masked_m_ptr, E: tl.constexpr, E_P: tl.constexpr, BLOCK_R: tl.constexpr):
     """Tile t of the masked layout's live rows, computed from masked_m on the device (expert e
-    owns ceil(masked_m[e] / BLOCK_R) consecutive tiles): (expert, rows, live mask). Tiles past
-    the last live one have no live rows. Grids sized by `live_row_tiles` cover every tile."""
+    owns ceil(masked_m[e] / BLOCK_R) consecutive tiles): (expert, rows, live mask). Past the
+    last live tile the expert is >= E and no row is live (clamp before addressing). Grids sized
+    by `moehal.kernels.triton_grouped_gemm.num_m_tiles` cover every tile."""
     j = tl.arange(0, E_P)
     cnt = tl.load(masked_m_ptr + j, mask=j < E, other=0)
     tiles = (cnt + BLOCK_R - 1) // BLOCK_R
@@ -138,7 +139,7 @@ def masked_row_tile(t, masked_m_ptr, E: tl.constexpr, E_P: tl.constexpr, BLOCK_R
     first = tl.sum(tl.where(j < e, tiles, 0), axis=0)
     rows = tl.sum(tl.where(j == e, cnt, 0), axis=0)
     m = (t - first) * BLOCK_R + tl.arange(0, BLOCK_R)
-    return tl.minimum(e, E - 1), m, m < rows  # past the last tile, rows == 0 (e >= E)
+    return e, m, m < rows  # past the last tile, rows == 0 (e >= E)
 
 
 @triton.jit

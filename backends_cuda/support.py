@@ -3,12 +3,12 @@ library at module import."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from moehal.capability import Decision, accept, decline
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest
+from moehal.kernels.host import interpreting
 
 # sgl-deep-gemm builds are tied to a torch release; 0.1.4.post1 (+ apache-tvm-ffi 0.1.11) is the
 # one verified with torch 2.11 + CUDA 13.0 (see docs/backends/cuda.md).
@@ -31,10 +31,6 @@ def parse_version(text: str | None) -> tuple[int, ...]:
         if not part.isdigit():
             break
     return tuple(out)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def interpreted_mode(req: BuildRequest) -> str:

@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
+from moehal.kernels.host import cdiv, next_power_of_2
 from moehal.kernels.triton_grouped_gemm import num_m_tiles
 from moehal.kernels.triton_permute import (
+    INTERPRETED,
     QUANT_GROUP,
     PaddedBuffer,
-    interpreting,
     masked_row_tile,
     publish_rows,
     round_to_bf16_grid,
@@ -360,11 +361,11 @@ class RowIndex:
         """Programs that cover every live row in blocks of block_r (see `_program_rows`)."""
         if self.masked:
             return num_m_tiles(self.total_rows, self.num_experts, block_r)
-        return triton.cdiv(self.num_rows, block_r)
+        return cdiv(self.num_rows, block_r)
 
     def expert_consts(self) -> dict[str, int]:
         e = self.num_experts
-        return {"E": e, "E_P": max(16, triton.next_power_of_2(e))}
+        return {"E": e, "E_P": max(16, next_power_of_2(e))}
 
 
 def _strides2(t: torch.Tensor, masked: bool) -> tuple[int, int]:
@@ -378,7 +379,7 @@ ACT_COL_SPAN = 512
 
 def activation_chunks(intermediate_size: int) -> int:
     """Column chunks of the activation grid; its written-rows bitmap has this many cells per row."""
-    return triton.cdiv(intermediate_size, ACT_COL_SPAN)
+    return cdiv(intermediate_size, ACT_COL_SPAN)
 
 
 def activation(
@@ -422,16 +423,16 @@ def activation(
     else:
         out_scales = out.hidden
         s_se = s_sm = s_sg = 0
-        block_i = min(128, triton.next_power_of_2(i_size))
+        block_i = min(128, next_power_of_2(i_size))
     block_r = 16
-    block_h = min(256, triton.next_power_of_2(h_size))
+    block_h = min(256, next_power_of_2(h_size))
     n_tiles = rows.tiles(block_r)
     col_span = ACT_COL_SPAN
     if m:
         # masked buffers keep no per-chunk bitmap, so the split may follow the batch: few row
         # tiles (decode) get one column block per program, a single round of memory latency
         col_span = block_i if n_tiles < 64 else ACT_COL_SPAN
-        n_chunks = triton.cdiv(i_size, col_span)
+        n_chunks = cdiv(i_size, col_span)
     n_split = stale_splits(rows.max_m, block_r, rows.num_experts) if m else 1
     stale_programs = rows.num_experts * n_split if m else 0
     b = bias if bias is not None else h
@@ -466,7 +467,7 @@ def activation(
         nvfp4_global_scale if nvfp4_global_scale is not None else h,
         n_chunks,
         col_span,
-        triton.cdiv(triton.cdiv(h_size, n_chunks), block_h) * block_h,
+        cdiv(cdiv(h_size, n_chunks), block_h) * block_h,
         MASKED=m,
         **rows.expert_consts(),
         N_SPLIT=n_split,
@@ -476,7 +477,7 @@ def activation(
         QUANT=quant,
         UE8M0=ue8m0,
         NVFP4=nvfp4_global_scale is not None,
-        EXACT_ROUND=interpreting(),
+        EXACT_ROUND=INTERPRETED,
         BLOCK_R=block_r,
         BLOCK_I=block_i,
         BLOCK_H=block_h,
@@ -502,9 +503,9 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
         y.shape[-1],
         MASKED=m,
         **rows.expert_consts(),
-        EXACT_ROUND=interpreting(),
+        EXACT_ROUND=INTERPRETED,
         BLOCK_R=block_r,
-        BLOCK_H=min(256, triton.next_power_of_2(y.shape[-1])),
+        BLOCK_H=min(256, next_power_of_2(y.shape[-1])),
     )
 
 
@@ -530,7 +531,7 @@ def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tenso
         x.shape[-1],
         MASKED=m,
         **rows.expert_consts(),
-        EXACT_ROUND=interpreting(),
+        EXACT_ROUND=INTERPRETED,
         BLOCK_R=block_r,
-        BLOCK_H=min(128, triton.next_power_of_2(x.shape[-1])),
+        BLOCK_H=min(128, next_power_of_2(x.shape[-1])),
     )

@@ -13,7 +13,6 @@ imports triton.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -23,16 +22,12 @@ from moehal.config import Activation
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput, StandardOutput
 from moehal.hardware import HardwareInfo, module_available
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
+from moehal.kernels.host import interpreting
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 
 TRITON_LAYOUT = "triton_fused_moe"
 _KERNEL_QUANT = {QuantKind.BF16: "none", QuantKind.FP8_BLOCK: "fp8_block", QuantKind.W8A8_INT8: "int8"}
-
-
-def interpreting() -> bool:
-    """Triton kernels run in the interpreter (TRITON_INTERPRET=1): CPU tensors, slow, exact."""
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def triton_available() -> bool:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 from moehal.hardware import device_slug
+from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 
 # ----------------------------------------------------------------------------------------------
 # Environment and capabilities
@@ -62,11 +62,6 @@ FP8_E4M3FN_MAX = 448.0
 FP8_E4M3FNUZ_QMAX = 224.0
 INT8_MAX = 127.0
 GROUP = 128  # fp8 block size: weights 128x128, activations 1x128
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def fp8_dtype_for(arch: str | None, is_rocm: bool) -> torch.dtype:
@@ -144,14 +139,10 @@ def _file_table(slug: str) -> dict[str, dict[str, Any]]:
     return table
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def _fit(cfg: KernelConfig, n: int, k: int, quant: str) -> KernelConfig:
     """Clamp block sizes to the problem and to the kernel's constraints."""
-    bn = max(16, min(cfg.block_n, _next_pow2(n)))
-    bk = max(16, min(cfg.block_k, _next_pow2(k)))
+    bn = max(16, min(cfg.block_n, next_power_of_2(n)))
+    bk = max(16, min(cfg.block_k, next_power_of_2(k)))
     if quant == "fp8_block":
         bk = min(bk, GROUP)  # a K tile must not straddle two 128-wide scale groups
     return KernelConfig(cfg.block_m, bn, bk, cfg.group_m, cfg.num_warps, cfg.num_stages)
@@ -225,7 +216,7 @@ def select_configs(
 def align_sizes(num_slots: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """Static (sorted length, number of M blocks)."""
     length = num_slots + num_experts * (block_m - 1)
-    return length, triton.cdiv(length, block_m) if length else 0
+    return length, cdiv(length, block_m) if length else 0
 
 
 def moe_align_block_size(
@@ -585,7 +576,7 @@ def per_token_group_quant_fp8(
     row_ids int32 `[M]`: rows with a negative id are skipped (their outputs stay unset)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
-    ng = triton.cdiv(k, GROUP)
+    ng = cdiv(k, GROUP)
     s = torch.empty((m, ng), dtype=torch.float32, device=x.device)
     if m and k:
         _group_quant_fp8_kernel[(m, ng)](
@@ -600,7 +591,7 @@ def per_token_group_quant_fp8(
             UE8M0=ue8m0,
             GROUP_SIZE=GROUP,
             MIN_NORMAL=2.0**-7 if fp8_dtype == torch.float8_e4m3fnuz else 2.0**-6,
-            ROUND_IN_FP32=interpreting(),
+            ROUND_IN_FP32=INTERPRETED,
             row_ids_ptr=row_ids if row_ids is not None else s,
             HAS_ROW_IDS=row_ids is not None,
         )
@@ -614,7 +605,7 @@ def per_token_quant_int8(x: torch.Tensor, row_ids: torch.Tensor | None = None) -
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m and k:
-        block = _next_pow2(k)
+        block = next_power_of_2(k)
         _token_quant_int8_kernel[(m,)](
             x,
             q,
@@ -676,7 +667,7 @@ def _launch_gemm(
 ) -> None:
     k = a.shape[1]
     em = sorted_ids.shape[0]
-    grid = (triton.cdiv(em, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (cdiv(em, cfg.block_m) * cdiv(n, cfg.block_n),)
     dummy = c  # any tensor: pointers of disabled features are never read
     a_s = a_scale if a_scale is not None else dummy
     b_s = b_scale if b_scale is not None else dummy
@@ -732,9 +723,9 @@ def _launch_gemm(
         ACT=act,
         QUANT=quant,
         HAS_BIAS=bias is not None,
-        UPCAST=interpreting(),
+        UPCAST=INTERPRETED,
         IEEE=a.dtype == torch.float32,
-        FIX_BF16=interpreting(),
+        FIX_BF16=INTERPRETED,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -813,9 +804,9 @@ def fused_moe(
         top_k=1, gated=False, act=ACT_NONE, quant=qcode, alpha=0.0, limit=0.0,
     )  # fmt: skip
     if not direct:
-        block_t = min(64, _next_pow2(t)) if interpreting() else 1
-        block_h = min(4096 if interpreting() else 1024, _next_pow2(h))
-        grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_h))
+        block_t = min(64, next_power_of_2(t)) if INTERPRETED else 1
+        block_h = min(4096 if INTERPRETED else 1024, next_power_of_2(h))
+        grid = (cdiv(t, block_t), cdiv(h, block_h))
         _moe_sum_kernel[grid](
             y,
             ids,
@@ -827,6 +818,6 @@ def fused_moe(
             TOP_K=top_k,
             BLOCK_T=block_t,
             BLOCK_H=block_h,
-            FIX_BF16=interpreting(),
+            FIX_BF16=INTERPRETED,
         )
     return out

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.triton_experts import interpreting
+from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 from moehal.kernels.triton_fused_moe import _activation, _to
 from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
 
@@ -77,7 +77,7 @@ class GemmConfig:
         (the K loop has no tail), and an FP8 K tile must not straddle two scale groups."""
         if k % self.block_k or (fp8 and GROUP % self.block_k):
             return False
-        return self.block_n <= max(16, triton.next_power_of_2(n))
+        return self.block_n <= max(16, next_power_of_2(n))
 
 
 def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> GemmConfig:
@@ -320,7 +320,7 @@ def num_m_tiles(total_rows: int, num_experts: int, block_m: int) -> int:
     """Static bound on the live M tiles: each non-empty expert wastes at most one partial tile,
     and at most min(E, S) experts are non-empty."""
     s = max(int(total_rows), 0)
-    return triton.cdiv(s, block_m) + min(num_experts, s)
+    return cdiv(s, block_m) + min(num_experts, s)
 
 
 def masked_grouped_gemm(
@@ -354,7 +354,7 @@ def masked_grouped_gemm(
     tiles_m = num_m_tiles(min(total_rows, e * max_m), e, cfg.block_m)
     if tiles_m == 0 or n == 0:
         return out
-    grid = (tiles_m * triton.cdiv(n, cfg.block_n),)
+    grid = (tiles_m * cdiv(n, cfg.block_n),)
     sa = a_scale if a_scale is not None else out
     sw = w_scale if w_scale is not None else out
     ase, asm, ask = (sa.stride(0), sa.stride(1), sa.stride(2)) if fp8 else (0, 0, 0)
@@ -383,7 +383,7 @@ def masked_grouped_gemm(
         out.stride(1),
         out.stride(2),
         E=e,
-        E_P=max(16, triton.next_power_of_2(e)),
+        E_P=max(16, next_power_of_2(e)),
         N=n,
         K=k,
         BLOCK_M=cfg.block_m,
@@ -391,7 +391,7 @@ def masked_grouped_gemm(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         FP8=fp8,
-        UPCAST=interpreting(),
+        UPCAST=INTERPRETED,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -465,7 +465,7 @@ def masked_gemm_act(
         raise ValueError(f"tile {config} does not fit N={i}, K={k}")
     tiles_m = num_m_tiles(min(total_rows, e * max_m), e, config.block_m)
     n_split = stale_splits(max_m, 16, e)
-    grid = (tiles_m * triton.cdiv(i, config.block_n) + e * n_split,)
+    grid = (tiles_m * cdiv(i, config.block_n) + e * n_split,)
     b = bias if bias is not None else w13
     _masked_gemm_act_kernel[grid](
         a,
@@ -491,7 +491,7 @@ def masked_gemm_act(
         float(limit),
         y.shape[-1],
         E=e,
-        E_P=max(16, triton.next_power_of_2(e)),
+        E_P=max(16, next_power_of_2(e)),
         I_SIZE=i,
         K=k,
         BLOCK_M=config.block_m,
@@ -502,8 +502,8 @@ def masked_gemm_act(
         GATED=gated,
         HAS_BIAS=bias is not None,
         N_SPLIT=n_split,
-        UPCAST=interpreting(),
-        EXACT_ROUND=interpreting(),
+        UPCAST=INTERPRETED,
+        EXACT_ROUND=INTERPRETED,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

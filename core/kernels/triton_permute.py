@@ -37,22 +37,17 @@ Portable: no vendor-specific instruction; the FP8 dtype is the destination tenso
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
 
 QUANT_GROUP = 128
 
 
 # --- kernels ----------------------------------------------------------------------------------
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -423,7 +418,7 @@ def alloc_padded(
     hidden = torch.zeros(*lead, cols, dtype=dtype, device=device)
     scales = None
     if quant:
-        g = triton.cdiv(cols, QUANT_GROUP)
+        g = cdiv(cols, QUANT_GROUP)
         m = lead[-1]
         raw = torch.zeros(*lead[:-1], g, round_up(m, 4), dtype=torch.float32, device=device)
         scales = raw.transpose(-1, -2)[..., :m, :]
@@ -437,7 +432,7 @@ def stale_splits(max_m: int, block_r: int, num_experts: int) -> int:
     """Programs per expert that zero stale rows: enough that a prefill-to-decode shrink (up to
     max_m rows per expert) spreads over a few hundred programs, few enough that a decode step
     does not launch many idle ones (many experts need fewer splits each)."""
-    return max(1, min(4, triton.cdiv(256, max(num_experts, 1)), triton.cdiv(max_m, 8 * block_r)))
+    return max(1, min(4, cdiv(256, max(num_experts, 1)), cdiv(max_m, 8 * block_r)))
 
 
 _WORKSPACE: dict[tuple, PaddedBuffer] = {}
@@ -485,7 +480,7 @@ POSITION_CHUNK = 2048
 
 
 def _e_pad(e: int) -> int:
-    return max(16, triton.next_power_of_2(e))
+    return max(16, next_power_of_2(e))
 
 
 def permute(
@@ -522,8 +517,8 @@ def permute(
         # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
         # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
         # scan steps per expert)
-        chunk = min(POSITION_CHUNK, max(256, triton.next_power_of_2(s)))
-        n_chunks = triton.cdiv(s, chunk)
+        chunk = min(POSITION_CHUNK, max(256, next_power_of_2(s)))
+        n_chunks = cdiv(s, chunk)
         chunk_counts = counts
         if n_chunks > 1:
             chunk_counts = torch.empty(e * n_chunks, dtype=torch.int32, device=dev)
@@ -537,7 +532,7 @@ def permute(
             expert_start,
             n_chunks,
             CHUNK=chunk,
-            C_P=triton.next_power_of_2(n_chunks) if n_chunks > 1 else 1,
+            C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1,
         )
     out = dest.hidden
     if masked:
@@ -564,14 +559,14 @@ def permute(
     else:
         sc = out
         ss_e = ss_m = ss_g = 0
-        block_h = min(256, triton.next_power_of_2(h))
+        block_h = min(256, next_power_of_2(h))
     block_s = 16 if s >= 4096 else 4
     block_r = 64
     # a program copies H_SPAN columns of BLOCK_S slots; small batches take one column block per
     # program, so each program is a single round of memory latency (decode is latency-bound)
-    h_span = block_h if triton.cdiv(s, block_s) < 64 else min(8 * block_h, triton.cdiv(h, block_h) * block_h)
-    n_hc = triton.cdiv(h, h_span)
-    n_slot = triton.cdiv(s, block_s) * n_hc
+    h_span = block_h if cdiv(s, block_s) < 64 else min(8 * block_h, cdiv(h, block_h) * block_h)
+    n_hc = cdiv(h, h_span)
+    n_slot = cdiv(s, block_s) * n_hc
     if masked:
         if dest.expert_rows is None or dest.expert_rows.shape[1] != e:
             raise ValueError(f"masked destination needs per-expert row counts for {e} experts (alloc_padded)")
@@ -580,7 +575,7 @@ def permute(
         state = dest.expert_rows
     else:
         n_split = 1
-        n_row = triton.cdiv(num_rows, block_r)
+        n_row = cdiv(num_rows, block_r)
         state = counts  # unused
     w = topk_weights.reshape(-1) if topk_weights is not None else ids
     if n_slot + n_row > 0:
@@ -617,11 +612,11 @@ def permute(
             MASKED=masked,
             N_SPLIT=n_split,
             FUSED_POS=fused_pos,
-            S_P=max(16, triton.next_power_of_2(s)) if fused_pos else 16,
+            S_P=max(16, next_power_of_2(s)) if fused_pos else 16,
             QUANT=quant,
             UE8M0=ue8m0,
             WEIGHT_ON_INPUT=weight_on_input,
-            EXACT_ROUND=interpreting(),
+            EXACT_ROUND=INTERPRETED,
             BLOCK_S=block_s,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
@@ -652,13 +647,13 @@ def combine(
     if y.stride(-1) != 1:
         y = y.contiguous()
     # small batches: narrower column blocks, so a decode step still spreads over many SMs
-    block_h = min(1024 if num_tokens >= 64 else 256, triton.next_power_of_2(h))
+    block_h = min(1024 if num_tokens >= 64 else 256, next_power_of_2(h))
     if masked:
         sy_e, sy_m, max_m = y.stride(0), y.stride(1), y.shape[1]
     else:
         sy_e, sy_m, max_m = 0, y.stride(0), 0
     w = topk_weights.reshape(-1) if topk_weights is not None else slot_row
-    _combine_rows[(num_tokens, triton.cdiv(h, block_h))](
+    _combine_rows[(num_tokens, cdiv(h, block_h))](
         y,
         sy_e,
         sy_m,
@@ -670,10 +665,10 @@ def combine(
         h,
         float(scaling),
         TOP_K=top_k,
-        K_P=max(2, triton.next_power_of_2(top_k)),
+        K_P=max(2, next_power_of_2(top_k)),
         MASKED=masked,
         USE_WEIGHTS=topk_weights is not None,
-        EXACT_ROUND=interpreting() and out.dtype == torch.bfloat16,
+        EXACT_ROUND=INTERPRETED and out.dtype == torch.bfloat16,
         BLOCK_H=block_h,
     )
     return out

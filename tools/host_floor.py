@@ -1,0 +1,165 @@
+# ruff: noqa: ANN001, ANN202  (Triton JIT kernels: arguments are untyped by design)
+"""What one host-side call costs on this machine, beside what one MoE forward costs (a diagnostic
+for #4's "host overhead under 20 us per forward outside graphs").
+
+Each number is the median host time of one call, timed from an idle GPU until the call returns
+(its kernels queued, not finished), as `moehal.bench.host_time` does. The floor rows show what
+any forward on this host pays per torch op, per CUDA-graph replay and per Triton launch, so the
+forward's own numbers can be read against them.
+
+    python tools/host_floor.py [--shape qwen3_30b_a3b] [--tokens 1] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
+
+
+@triton.jit
+def _add_one(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+@triton.jit
+def _add_one_wide(x_ptr, a1, a2, a3, a4, a5, a6, a7, n, s1, s2, s3, s4, s5, s6, s7, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def floor(report: Callable[[str, float], None]) -> None:
+    dev = torch.device("cuda")
+    a, b = torch.zeros(64, device=dev), torch.ones(64, device=dev)
+    c, d = torch.zeros(8, device=dev, dtype=torch.int32), torch.ones(8, device=dev, dtype=torch.int32)
+    report("python call (a no-op lambda)", host_us(lambda: None))
+    report("torch.empty(64) on cuda", host_us(lambda: torch.empty(64, device=dev)))
+    report("a.copy_(b) (64 floats)", host_us(lambda: a.copy_(b)))
+    report("torch._foreach_copy_ of 2 tensors", host_us(lambda: torch._foreach_copy_([a, c], [b, d])))
+    report("a.clone()", host_us(lambda: a.clone()))
+    report("torch.cuda.is_current_stream_capturing()", host_us(torch.cuda.is_current_stream_capturing))
+    for nk in (1, 4):
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            a.add_(1)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            for _ in range(nk):
+                a.add_(1)
+        g.replay()
+        report(f"CUDAGraph.replay(), {nk} kernel(s)", host_us(g.replay))
+    n = a.numel()
+    report("Triton launch, 2 args (JIT path)", host_us(lambda: _add_one[(1,)](a, n, BLOCK=64)))
+    args = (a, a, a, a, a, a, a, a, n, 1, 2, 3, 4, 5, 6, 7)
+    report("Triton launch, 16 args (JIT path)", host_us(lambda: _add_one_wide[(1,)](*args, BLOCK=64)))
+    try:  # the compiled kernel's own launcher, skipping binding and the cache lookup
+        ck = _add_one_wide[(1,)](*args, BLOCK=64)
+        from triton.runtime import driver
+
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        full = (*args, 64)
+
+        def direct() -> None:
+            ck.run(1, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *full)
+
+        direct()
+        torch.cuda.synchronize()
+        report("Triton launch, 16 args (CompiledKernel.run)", host_us(direct))
+    except Exception as exc:  # the launcher's signature differs across Triton releases
+        print(f"direct launch failed: {type(exc).__name__}: {exc}")
+
+
+def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float], None], profile: bool) -> None:
+    import moehal
+    from moehal.bench import SHAPES
+    from moehal.routing import TopK
+
+    dev = torch.device("cuda")
+    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, 256))
+    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, device=dev) / cfg.hidden_size**0.5
+    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, device=dev) / cfg.intermediate_size**0.5
+    layer = moehal.MoELayer(cfg, quant, device=dev, validate=False)
+    layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13, w2))
+    x = torch.randn(tokens, cfg.hidden_size, device=dev, dtype=cfg.dtype)
+    ids = torch.rand(tokens, cfg.num_experts, device=dev).argsort(dim=1)[:, : cfg.top_k].int()
+    wts = torch.rand(tokens, cfg.top_k, device=dev)
+    tag = f"{shape} T={tokens} {quant}"
+    print(f"layer: {layer.plan.pipeline.name}")
+    report(f"{tag}: eager forward", host_us(lambda: layer(x, ids, wts)))
+    disp, exp = layer._dispatch, layer._experts
+    if disp is not None and exp is not None:
+        topk = TopK(ids, wts)
+        d, hd = disp.dispatch(x, topk)
+        y = exp.apply(d)
+        report(f"{tag}: dispatch", host_us(lambda: disp.dispatch(x, topk)))
+        report(f"{tag}: experts.apply", host_us(lambda: exp.apply(d)))
+        report(f"{tag}: combine", host_us(lambda: disp.combine(y, hd)))
+    if profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            layer(x, ids, wts)
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        print(s.getvalue())
+    layer.cuda_graph_tokens = tokens
+    report(f"{tag}: eager forward replaying a graph", host_us(lambda: layer(x, ids, wts)))
+    if profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            layer(x, ids, wts)
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(20)
+        print(s.getvalue())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3_ep8")
+    p.add_argument("--tokens", default="1,16")
+    p.add_argument("--quant", default="bf16")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+
+    def report(what: str, us: float) -> None:
+        print(f"{us:9.1f} us  {what}", flush=True)
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    floor(report)
+    for shape in a.shapes.split(","):
+        for t in a.tokens.split(","):
+            layer_rows(shape, int(t), a.quant, report, a.profile and t == a.tokens.split(",")[0])
+
+
+if __name__ == "__main__":
+    main()

@@ -8,9 +8,10 @@ setting `layer.cuda_graph_tokens`) captures, on the first eager call with T <= N
 forward for that T and replays it on every later call with T tokens.
 
 What a replay costs and assumes:
-- The inputs are copied into the graph's static inputs and the output is copied out (three or
-  four small copies): the caller's tensors are never captured, and the returned tensor is the
-  caller's to keep, as in an ordinary eager call.
+- The inputs are copied into the graph's static inputs (one `torch._foreach_copy_`) and the
+  output is cloned: the caller's tensors are never captured, and the returned tensor is the
+  caller's to keep, as in an ordinary eager call. Measured host cost of one such call on an
+  H100 host: docs/device-runs/2026-11-23-session5.
 - One capture per distinct token count, sharing one memory pool per layer; engines bucket
   their batch sizes, so the set stays small. Larger batches run eagerly: their GPU time
   dwarfs the launch overhead.
@@ -52,14 +53,20 @@ class GraphCache:
         self._pool = None
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        key = (inputs[0].shape[0],) + tuple((t.dtype, tuple(t.shape)) for t in inputs)
+        key = self.key(inputs)
         cap = self._graphs.get(key)
         if cap is None:
             cap = self._graphs[key] = self._capture(inputs)
-        for static, new in zip(cap.inputs, inputs):
-            static.copy_(new)
+        torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
         cap.graph.replay()
         return cap.output.clone()
+
+    @staticmethod
+    def key(inputs: tuple[torch.Tensor, ...]) -> tuple:
+        """One graph per token count and input dtypes: the caller (`MoELayer.forward`) checked
+        the shapes against the layer's config, so these decide them (a cheaper key than every
+        shape, on the hot path)."""
+        return (inputs[0].shape[0], *[t.dtype for t in inputs])
 
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _Captured:
         static = tuple(t.clone() for t in inputs)

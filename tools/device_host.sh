@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# One GPU call of diagnostics: the host's floor costs beside one forward's host time
-# (tools/host_floor.py), and DeepGEMM's expected_m hint at prefill sizes (tools/expected_m_sweep.py).
+# One GPU call for the host-overhead work: the host's floor costs beside one forward's host time
+# (tools/host_floor.py), GPU tests of the kernels and of graph replay, and optionally DeepGEMM's
+# expected_m hint at prefill sizes (tools/expected_m_sweep.py, SWEEP=1).
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_host.sh
 set -u
 source tools/device_setup.sh
 record_env
 step host-floor "${HOST_LIMIT:-150}" python3 tools/host_floor.py ${HOST_ARGS:---profile}
-step expected-m "${SWEEP_LIMIT:-200}" python3 tools/expected_m_sweep.py ${SWEEP_ARGS:-}
+step pytest-gpu "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+  tests/cuda tests/integrations/test_custom_op.py
+if [ "${SWEEP:-0}" = 1 ]; then
+  step expected-m "${SWEEP_LIMIT:-200}" python3 tools/expected_m_sweep.py ${SWEEP_ARGS:-}
+fi
 cat "$OUT/steps.txt"
-grep -v "^ " "$OUT/host-floor.log" | head -40
-cat "$OUT/expected-m.log"
+grep -v "^ " "$OUT/host-floor.log" | grep -v "^$" | head -60
+tail -n 5 "$OUT/pytest-gpu.log"
+[ -f "$OUT/expected-m.log" ] && cat "$OUT/expected-m.log"
+exit 0

@@ -112,8 +112,8 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     print(f"layer: {layer.plan.pipeline.name}")
     report(f"{tag}: eager forward", host_us(lambda: layer(x, ids, wts)))
     disp, exp = layer._dispatch, layer._experts
+    topk = TopK(ids, wts)
     if disp is not None and exp is not None:
-        topk = TopK(ids, wts)
         d, hd = disp.dispatch(x, topk)
         y = exp.apply(d)
         report(f"{tag}: dispatch", host_us(lambda: disp.dispatch(x, topk)))
@@ -131,6 +131,12 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         print(s.getvalue())
     layer.cuda_graph_tokens = tokens
     report(f"{tag}: eager forward replaying a graph", host_us(lambda: layer(x, ids, wts)))
+    cache = layer._graphs_topk
+    cap = cache._graphs[cache.key((x, ids, wts))]
+    report(f"{tag}:   of which the input checks", host_us(lambda: (layer._check_hidden(x), layer._check_topk(topk, x))))
+    report(f"{tag}:   of which copying the inputs in", host_us(lambda: torch._foreach_copy_(cap.inputs, (x, ids, wts))))
+    report(f"{tag}:   of which CUDAGraph.replay()", host_us(cap.graph.replay))
+    report(f"{tag}:   of which cloning the output", host_us(cap.output.clone))
     if profile:
         pr = cProfile.Profile()
         pr.enable()

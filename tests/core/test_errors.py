@@ -149,13 +149,15 @@ def test_graph_cache_replays_with_new_inputs_on_cpu_semantics():
 
     cache = graphs.GraphCache(fn, torch.device("cpu"))
     cache._capture = lambda inputs: graphs._Captured(  # type: ignore[method-assign]
-        FakeGraph(cache, (inputs[0].shape[0],) + tuple((t.dtype, tuple(t.shape)) for t in inputs)),
+        FakeGraph(cache, cache.key(inputs)),
         tuple(t.clone() for t in inputs),
         fn(*inputs),
     )
     a = cache(torch.ones(3), torch.zeros(3))
     b = cache(torch.full((3,), 5.0), torch.ones(3))
     c = cache(torch.ones(2), torch.ones(2))
+    d = cache(torch.ones(2, dtype=torch.float64), torch.ones(2))  # another dtype: another graph
+    assert d.dtype == torch.float64 and len(cache._graphs) == 3
     assert a.tolist() == [2.0] * 3, "an earlier output must not change when the graph replays again"
     assert b.tolist() == [11.0] * 3 and c.tolist() == [3.0] * 2
     assert cache.captured_token_counts == [2, 3]

@@ -8,9 +8,8 @@ setting `layer.cuda_graph_tokens`) captures, on the first eager call with T <= N
 forward for that T and replays it on every later call with T tokens.
 
 What a replay costs and assumes:
-- The inputs are copied into the graph's static inputs (one Triton kernel,
-  `moehal.kernels.staging`, or one `torch._foreach_copy_` without Triton) and the output is
-  cloned: the caller's tensors are never captured, and the returned tensor is the caller's to
+- The inputs are copied into the graph's static inputs (one `torch._foreach_copy_`) and the
+  output is cloned: the caller's tensors are never captured, and the returned tensor is the caller's to
   keep, as in an ordinary eager call. The host cost of each part, measured on an H100 host:
   docs/device-runs/2026-11-23-session5.
 - One capture per distinct token count, sharing one memory pool per layer; engines bucket
@@ -33,7 +32,6 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
     output: torch.Tensor
-    stage: Callable[[tuple[torch.Tensor, ...]], None] | None = None  # copies new inputs into `inputs`
 
 
 class GraphCache:
@@ -59,10 +57,7 @@ class GraphCache:
         cap = self._graphs.get(key)
         if cap is None:
             cap = self._graphs[key] = self._capture(inputs)
-        if cap.stage is not None:
-            cap.stage(inputs)  # one kernel for all inputs (moehal.kernels.staging)
-        else:
-            torch._foreach_copy_(cap.inputs, inputs)
+        torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
         cap.graph.replay()
         return cap.output.clone()
 
@@ -78,16 +73,7 @@ class GraphCache:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph, output = capture(lambda: self._fn(*static), self._device, pool=self._pool)
-        return _Captured(graph, static, output, _stager(static))
-
-
-def _stager(static: tuple[torch.Tensor, ...]) -> Callable[[tuple[torch.Tensor, ...]], None] | None:
-    """The one-kernel input copy where Triton is importable (the CUDA backends bring it)."""
-    try:
-        from moehal.kernels.staging import Stager
-    except ImportError:
-        return None
-    return Stager(static)
+        return _Captured(graph, static, output)
 
 
 def capture(

@@ -132,11 +132,17 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     layer.cuda_graph_tokens = tokens
     report(f"{tag}: eager forward replaying a graph", host_us(lambda: layer(x, ids, wts)))
     cache = layer._graphs_topk
+    if not hasattr(cache, "key"):  # an older moehal (A/B runs): no per-part timings
+        return
     cap = cache._graphs[cache.key((x, ids, wts))]
-    report(f"{tag}:   of which the input checks", host_us(lambda: (layer._check_hidden(x), layer._check_topk(topk, x))))
-    report(f"{tag}:   of which copying the inputs in", host_us(lambda: torch._foreach_copy_(cap.inputs, (x, ids, wts))))
-    report(f"{tag}:   of which CUDAGraph.replay()", host_us(cap.graph.replay))
-    report(f"{tag}:   of which cloning the output", host_us(cap.output.clone))
+    inp = (x, ids, wts)
+    report(f"{tag}:   the input checks", host_us(lambda: (layer._check_hidden(x), layer._check_topk(topk, x))))
+    report(f"{tag}:   copying the inputs in (foreach)", host_us(lambda: torch._foreach_copy_(cap.inputs, inp)))
+    report(f"{tag}:   CUDAGraph.replay()", host_us(cap.graph.replay))
+    report(f"{tag}:   cloning the output", host_us(cap.output.clone))
+    report(f"{tag}:   copy in + replay", host_us(lambda: (torch._foreach_copy_(cap.inputs, inp), cap.graph.replay())))
+    report(f"{tag}:   GraphCache call", host_us(lambda: cache(*inp)))
+    report(f"{tag}:   layer.forward (no Module.__call__)", host_us(lambda: layer.forward(*inp)))
     if profile:
         pr = cProfile.Profile()
         pr.enable()

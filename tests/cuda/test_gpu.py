@@ -110,8 +110,6 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
         outs.append((y, y.clone(), ref(x, ids, w)))
     torch.cuda.synchronize()
     assert layer._graphs_topk.captured_token_counts == [5, 17]  # 32 > 20 ran eagerly
-    five = layer._graphs_topk._graphs[layer._graphs_topk.key(_inputs(cfg, 5, 0))]
-    assert five.stage is not None and five.stage.direct_launches == 2  # inputs staged by one direct launch
     for y, y_then, yr in outs:
         assert torch.equal(y, y_then), "a later replay overwrote an earlier output"
         assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2

@@ -1,0 +1,437 @@
+"""DeepGEMM grouped-GEMM experts (SM90 / SM100): BF16 and FP8 block-scale, masked and
+contiguous layouts, with the Triton glue of `moehal_cuda.triton_glue` between the GEMMs.
+
+    GEMM1  h = x @ w13^T            m_grouped_{bf16,fp8_fp4}_gemm_nt_{masked,contiguous}, or for
+                                    masked input the Triton masked GEMM where this device's
+                                    tuned table measured it faster (`moehal_cuda.gemm_choice`)
+    glue   a = act(h + b13) -> (FP8 1x128 quant)      one Triton pass, zeroes stale rows
+    GEMM2  y = a @ w2^T             same GEMM family
+    glue   y += b2 (live rows only, when the layer has w2 biases)
+
+Nothing reads device memory back to the host; buffers are persistent per shape (see
+`moehal.kernels.triton_permute.workspace`), so forward is CUDA-graph capturable once the
+DeepGEMM JIT kernels are compiled (run one forward before capturing).
+
+Scale layouts: activation scales are produced MN-major and TMA-aligned by our kernels, the
+layout DeepGEMM consumes without a transform. SM90 takes FP32 128x128 weight scales as they
+are; SM100 takes UE8M0 scales packed into int32, which the weight processor prepares once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from moehal.capability import Decision, accept, decline
+from moehal.config import MoEConfig
+from moehal.formats import (
+    ActivationFormat,
+    ContiguousInput,
+    ContiguousOutput,
+    Layout,
+    MaskedInput,
+    MaskedOutput,
+    ScaleKind,
+)
+from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
+from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, QuantKind, QuantScheme, ScaleFormat
+from moehal.weights import ExpertWeights
+from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser
+from moehal_cuda.support import deep_gemm_decision, dg_fn, import_deep_gemm, sm_decision, triton_decision
+
+LAYOUT = "deepgemm"
+SUPPORTED_SM = (90, 100, 103)
+_BF16_FNS = ("m_grouped_bf16_gemm_nt_masked", "m_grouped_bf16_gemm_nt_contiguous")
+_FP8_FNS = (
+    "m_grouped_fp8_fp4_gemm_nt_masked|m_grouped_fp8_gemm_nt_masked|fp8_m_grouped_gemm_nt_masked",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous|m_grouped_fp8_gemm_nt_contiguous",
+)
+_LAYOUT_FNS = ("get_mk_alignment_for_contiguous_layout|get_m_alignment_for_contiguous_layout",)
+
+
+def _is_sm100(req: BuildRequest) -> bool:
+    return (req.hardware.sm or 0) >= 100
+
+
+@dataclass
+class DeepGemmWeights:
+    """Weights in DeepGEMM's layout: K-major `[E, N, K]`; FP8 scales FP32 `[E, N/128, K/128]`
+    (SM90) or packed UE8M0 int32 (SM100); biases fp32 `[E, N]`."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+
+
+def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg: Any | None) -> DeepGemmWeights:
+    """Canonical -> DeepGEMM layout (pure torch for SM90; SM100 packs scales with deep_gemm)."""
+    b13 = weights.w13_bias.float().contiguous() if weights.w13_bias is not None else None
+    b2 = weights.w2_bias.float().contiguous() if weights.w2_bias is not None else None
+    w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
+    if quant.kind is QuantKind.BF16:
+        return DeepGemmWeights(w13, w2, None, None, b13, b2)
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    s13, s2 = weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous()
+    if sm100:
+        assert dg is not None
+        e, n13, h = w13.shape
+        i = w2.shape[2]
+        tf = dg_fn(dg, "transform_sf_into_required_layout")
+        s13 = tf(s13, n13, h, (1, 128, 128), num_groups=e, is_sfa=False)
+        s2 = tf(s2, h, i, (1, 128, 128), num_groups=e, is_sfa=False)
+    return DeepGemmWeights(w13, w2, s13, s2, b13, b2)
+
+
+class DeepGemmWeightProcessor(WeightProcessor):
+    """Canonical weights -> `DeepGemmWeights` (contiguous K-major; SM100: UE8M0-packed scales)."""
+
+    name = "deepgemm_weights"
+    layout = LAYOUT
+    priority = 10
+    devices = frozenset({"cuda"})
+    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0})
+
+    def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
+        sm100 = _is_sm100(req)
+        return prepare_weights(weights, req.quant, sm100, import_deep_gemm() if sm100 else None)
+
+
+# --- GEMM back-ends -----------------------------------------------------------------------------
+
+
+class DeepGemmOps:
+    """The four DeepGEMM calls, resolved once by name (names differ across releases)."""
+
+    def __init__(self, fp8: bool, sm100: bool) -> None:
+        dg = import_deep_gemm()
+        self.fp8 = fp8
+        names = _FP8_FNS if fp8 else _BF16_FNS
+        self._masked = dg_fn(dg, names[0])
+        self._contig = dg_fn(dg, names[1])
+        self._kw: dict[str, Any] = {"recipe": (1, 1, 128)} if (fp8 and sm100) else {}
+
+    def masked(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int
+    ) -> None:
+        if self.fp8:
+            self._masked((a, sa), (w, sw), d, mm, em, **self._kw)
+        else:
+            self._masked(a, w, d, mm, em)
+
+    def contiguous(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor
+    ) -> None:
+        if self.fp8:
+            self._contig((a, sa), (w, sw), d, layout, **self._kw)
+        else:
+            self._contig(a, w, d, layout)
+
+
+# DeepGEMM's masked grouped GEMM computes and stores whole BLOCK_M tiles of each group: with
+# max_m not a multiple of the tile, a group's last tile spills into the next group's rows
+# (seen on 2 x H200, 2026-11-22: wrong outputs behind the EP dispatcher, max_m = 9). The
+# experts declare the alignment in their input format, so dispatchers size max_m for it.
+MASKED_ROW_ALIGNMENT = 64
+
+
+def check_masked_rows(max_m: int) -> None:
+    if max_m % MASKED_ROW_ALIGNMENT:
+        raise ValueError(
+            f"masked input has max_m={max_m}, not a multiple of {MASKED_ROW_ALIGNMENT}: the dispatcher ignored the "
+            "row_alignment these experts declared (DeepGEMM would write across experts)"
+        )
+
+
+class TorchGemmOps:
+    """A float32 torch stand-in with DeepGEMM's contract (tests of the glue on CPU only):
+    masked computes every row of every expert (as full tiles would); contiguous computes the
+    rows whose expert id is >= 0 and leaves -1 rows untouched."""
+
+    def __init__(self, fp8: bool) -> None:
+        self.fp8 = fp8
+
+    @staticmethod
+    def _deq(x: torch.Tensor, s: Any, block: bool) -> torch.Tensor:
+        from moehal.quant import fp8
+
+        if s is None:
+            return x.float()
+        return fp8.dequantize_block(x, s) if block else fp8.dequantize_group(x, s)
+
+    def masked(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int
+    ) -> None:
+        d.copy_(torch.einsum("emk,enk->emn", self._deq(a, sa, False), self._deq(w, sw, True)).to(d.dtype))
+
+    def contiguous(
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor
+    ) -> None:
+        af, wf = self._deq(a, sa, False), self._deq(w, sw, True)
+        for e in range(wf.shape[0]):
+            rows = torch.nonzero(layout == e).flatten()
+            if rows.numel():
+                d[rows] = (af[rows] @ wf[e].t()).to(d.dtype)
+
+
+MaskedGemm = Callable[[torch.Tensor, Any, torch.Tensor, Any, torch.Tensor, torch.Tensor, int], None]
+
+
+# GEMM1 fused with the activation: (x, w13, w13_bias, activation buffer, y, masked_m) -> None
+FusedGemm1 = Callable[[torch.Tensor, torch.Tensor, Any, Any, torch.Tensor, torch.Tensor], None]
+
+
+# Fuse GEMM1 with the activation only for batches of at most this many rows per local expert
+# (decode). Measured on an H100, same run, fused vs unfused (docs/device-runs/2026-11-22-session4):
+# Qwen3-30B-A3B 47.5 vs 55.8 us at 1 token, 108.9 vs 119.7 at 4, 289.0 vs 298.6 at 16 (<= 1 row
+# per expert), but 464.0 vs 447.2 at 128 tokens (8 rows per expert: the tile tuned for the plain
+# GEMM runs worse with a second B tile); DeepSeek-V3 and Mixtral at 1-16 tokens within 1%.
+FUSE_MAX_ROWS_PER_EXPERT = 2
+
+
+def _fusable(choice: GemmChoice, config: MoEConfig) -> bool:
+    """Fuse only where the tuned GEMM1 tile keeps its pipeline depth once it holds the up tile
+    too (`fused_act_config` may shorten its K tile, not its stages): elsewhere the fused kernel
+    would run an untuned, shallower pipeline, and the unfused path is the measured one."""
+    from moehal.kernels.triton_grouped_gemm import fused_act_config
+
+    cfg = choice.config
+    return cfg is not None and fused_act_config(cfg, config.hidden_size).num_stages == cfg.num_stages
+
+
+def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfig) -> FusedGemm1:
+    """GEMM1 and the activation in one Triton kernel (bf16 layers whose GEMM1 runs on Triton):
+    the GEMM1 output never goes through memory, and a decode step has one launch fewer."""
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_grouped_gemm import masked_gemm_act
+
+    assert choice.config is not None
+    act = _ACTS[config.activation.value]
+
+    def run(x: torch.Tensor, w13: torch.Tensor, b13: Any, act_buf: Any, y: torch.Tensor, mm: torch.Tensor) -> None:
+        masked_gemm_act(
+            x,
+            w13,
+            b13,
+            act_buf.hidden,
+            act_buf.expert_rows,
+            y,
+            mm,
+            total_rows,
+            choice.config,
+            activation=act,
+            gated=config.gated,
+            alpha=config.swiglu_alpha,
+            limit=config.swiglu_limit,
+        )
+
+    return run
+
+
+def triton_masked_gemm(choice: GemmChoice, total_rows: int) -> MaskedGemm:
+    """The Triton masked grouped GEMM with DeepGEMM's masked call signature."""
+    from moehal.kernels.triton_grouped_gemm import masked_grouped_gemm
+
+    def run(a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int) -> None:
+        masked_grouped_gemm(a, sa, w, sw, d, mm, total_rows, choice.config)
+
+    return run
+
+
+# --- runner ---------------------------------------------------------------------------------------
+
+
+class DeepGemmExpertsRunner(ExpertsRunner):
+    """chooser: per-shape, per-token-count choice between DeepGEMM's masked GEMM and the tuned
+    Triton one (`moehal_cuda.gemm_choice`); None = DeepGEMM always."""
+
+    # bf16 layers whose GEMM1 runs on Triton run it fused with the activation (class-level so a
+    # benchmark can compare both; the unfused path is what DeepGEMM GEMM1s always take)
+    fuse_gemm1_activation: ClassVar[bool] = True
+
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat, ops: Any, chooser: GemmChooser | None = None) -> None:
+        self.fmt, self.req, self.config, self.ops = fmt, req, req.config, ops
+        self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
+        self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
+        self.w: DeepGemmWeights | None = None
+        self.chooser = chooser
+        # total-rows bound -> (GEMM1, GEMM2, fused GEMM1 + activation or None) callables and the
+        # choices behind them; filled on first sight of a batch size: one dict lookup a forward.
+        self._masked: dict[int, tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]] = {}
+        self.masked_choices: dict[int, tuple[GemmChoice, GemmChoice]] = {}
+
+    def _masked_gemms(self, inp: MaskedInput) -> tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]:
+        bound = inp.total_rows_bound
+        gemms = self._masked.get(bound)
+        if gemms is None:
+            c, e = self.config, inp.hidden.shape[0]
+            tokens = max(1, -(-bound // c.top_k))
+            dtype = "fp8_block" if self.fp8 else "bf16"
+            shapes = ((c.w13_rows, c.hidden_size), (c.hidden_size, c.intermediate_size))
+            choices = tuple(
+                self.chooser.choose(e, n, k, dtype, tokens) if self.chooser is not None else DEEPGEMM for n, k in shapes
+            )
+            self.masked_choices[bound] = choices  # type: ignore[assignment]
+            g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
+            fused = None
+            few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
+            if choices[0].triton and not self.fp8 and self.fuse_gemm1_activation and few_rows:
+                fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
+            gemms = self._masked[bound] = (g1, g2, fused)
+        return gemms
+
+    def load(self, weights: Any) -> None:
+        if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
+            weights = prepare_weights(weights, self.req.quant, False, None)
+        self.w = weights
+
+    def _buffers(self, lead: tuple[int, ...], device: torch.device) -> tuple[Any, Any, Any]:
+        from moehal.kernels.triton_permute import workspace
+        from moehal_cuda.triton_glue import activation_chunks
+
+        c = self.config
+        i, h, n13 = c.intermediate_size, c.hidden_size, c.w13_rows
+        act_dt = torch.float8_e4m3fn if self.fp8 else c.dtype
+        tag = f"{n13}:{i}:{h}"
+        hbuf = workspace(f"dg.h:{tag}", lead, n13, c.dtype, device, False)
+        abuf = workspace(f"dg.act:{tag}", lead, i, act_dt, device, self.fp8, activation_chunks(i))
+        # The activation buffer's record of written rows also decides which stale rows of y get
+        # zeroed, so y must pair with exactly one activation buffer: key it by the act dtype too
+        # (a bf16 and an fp8 layer of one shape, e.g. MTP draft and main layers, would otherwise
+        # share y but not the bitmap, and stale rows one wrote would survive the other's calls).
+        ybuf = workspace(f"dg.y:{tag}:{act_dt}", lead, h, c.dtype, device, False)
+        return hbuf, abuf, ybuf
+
+    def _empty_output(self, inp: Any) -> Any:
+        """No rows (0 tokens, or an EP rank that received none): DeepGEMM rejects empty operands
+        (their strides), and there is nothing to compute."""
+        shape = (*inp.hidden.shape[:-1], self.config.hidden_size)
+        empty = torch.zeros(shape, dtype=self.config.dtype, device=inp.hidden.device)
+        return MaskedOutput(empty) if isinstance(inp, MaskedInput) else ContiguousOutput(empty)
+
+    def apply(self, inp: Any) -> Any:
+        from moehal_cuda.triton_glue import RowIndex, activation, add_bias
+
+        w = self.w
+        assert w is not None, "weights not loaded"
+        if inp.hidden.numel() == 0:
+            return self._empty_output(inp)
+        if isinstance(inp, MaskedInput):
+            e, m, _ = inp.hidden.shape
+            check_masked_rows(m)
+            hb, ab, yb = self._buffers((e, m), inp.hidden.device)
+            rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
+            gemm1, gemm2, gemm1_act = self._masked_gemms(inp)
+            if gemm1_act is not None:
+                gemm1_act(inp.hidden, w.w13, w.w13_bias, ab, yb.hidden, inp.masked_m)
+            else:
+                gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
+                activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
+            gemm2(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
+            if w.w2_bias is not None:
+                add_bias(yb.hidden, w.w2_bias, rows)
+            return MaskedOutput(yb.hidden)
+        if isinstance(inp, ContiguousInput):
+            m = inp.hidden.shape[0]
+            hb, ab, yb = self._buffers((m,), inp.hidden.device)
+            rows = RowIndex(m, 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
+            self.ops.contiguous(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.row_expert)
+            activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
+            self.ops.contiguous(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.row_expert)
+            if w.w2_bias is not None:
+                add_bias(yb.hidden, w.w2_bias, rows)
+            return ContiguousOutput(yb.hidden)
+        raise TypeError(f"DeepGEMM experts cannot take {type(inp).__name__}")
+
+
+def masked_workspace_bytes(req: BuildRequest) -> int:
+    """Bytes of the masked path's worst-case buffers at `max_tokens`: the dispatched input,
+    the GEMM1 output, the activation and the GEMM2 output, each `[E, max_m, cols]`."""
+    c = req.config
+    if c.max_tokens is None:
+        raise ValueError("masked buffers are unbounded without MoEConfig.max_tokens")
+    from moehal.kernels.triton_permute import masked_rows
+
+    act = 1 if req.quant.kind is QuantKind.FP8_BLOCK else c.dtype.itemsize
+    max_m = masked_rows(c.max_tokens, MASKED_ROW_ALIGNMENT)  # as the dispatcher sizes it
+    per_row = c.hidden_size * act + c.w13_rows * c.dtype.itemsize + c.intermediate_size * act
+    per_row += c.hidden_size * c.dtype.itemsize
+    return c.num_local_experts * max_m * per_row
+
+
+class DeepGemmExperts(Experts):
+    """DeepGEMM m-grouped GEMMs (masked and contiguous), BF16 and FP8 1x128/128x128 block scales."""
+
+    name = "deepgemm"
+    priority = 20
+    description = (
+        "DeepGEMM m-grouped GEMMs (masked/contiguous; a tuned Triton masked GEMM where measured faster), "
+        "BF16 and FP8 block-scale, Triton glue"
+    )
+    devices = frozenset({"cuda"})
+    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0})
+    supports_non_gated = True
+    supports_bias = True
+    graph_capturable = True
+    weight_layout: ClassVar[str] = LAYOUT
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, SUPPORTED_SM, "DeepGEMM")
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        d = triton_decision()
+        if not d.ok:
+            return d
+        fns = _LAYOUT_FNS + (_FP8_FNS if req.quant.kind is QuantKind.FP8_BLOCK else _BF16_FNS)
+        return deep_gemm_decision(fns)
+
+    def check_quant(self, req: BuildRequest) -> Decision:
+        d = super().check_quant(req)
+        if d.ok and _is_sm100(req) and req.quant == FP8_BLOCK:
+            return decline(
+                "DeepGEMM on SM100 consumes UE8M0 (power-of-two) scales; use quant fp8_block:ue8m0 "
+                "(requantize the checkpoint's scales) so results match the scheme",
+                "quant",
+            )
+        return d
+
+    def check_shape(self, req: BuildRequest) -> Decision:
+        c = req.config
+        if c.dtype != torch.bfloat16:
+            return decline(f"DeepGEMM writes bf16 outputs; the layer dtype is {c.dtype}", "shape")
+        mult = 128 if req.quant.kind is QuantKind.FP8_BLOCK else 64
+        for name, v in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size)):
+            if v % mult:
+                return decline(f"{name}={v} must be a multiple of {mult} (the GEMM K dimension)", "shape")
+        return accept(predicate="shape")
+
+    def _alignment(self) -> int:
+        dg = import_deep_gemm()
+        return int(dg_fn(dg, _LAYOUT_FNS[0])())
+
+    def input_formats(self, req: BuildRequest) -> Sequence[ActivationFormat]:
+        q = req.quant
+        if q.kind is QuantKind.FP8_BLOCK:
+            kind = ScaleKind.GROUP_128_UE8M0 if q.scale_format is ScaleFormat.UE8M0 else ScaleKind.GROUP_128
+            dtype = torch.float8_e4m3fn
+        else:
+            kind, dtype = ScaleKind.NONE, req.config.dtype
+        masked = ActivationFormat(Layout.MASKED, dtype, kind, MASKED_ROW_ALIGNMENT)
+        contig = ActivationFormat(Layout.CONTIGUOUS, dtype, kind, self._alignment())
+        # Masked is faster at every batch size measured on an H100 (docs/device-runs/: e.g. 930 vs
+        # 1057 us for Qwen3-30B-A3B at 4096 tokens), but its buffers are sized for the worst case
+        # (every token at one expert): prefer it while they fit the settings' budget.
+        mt = req.config.max_tokens
+        fits = mt is not None and masked_workspace_bytes(req) <= req.settings.masked_workspace_gib * 2**30
+        return [masked, contig] if fits else [contig, masked]
+
+    def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
+        fp8 = req.quant.kind is QuantKind.FP8_BLOCK
+        sm100 = _is_sm100(req)
+        # SM100 FP8 weight scales are packed UE8M0, which only DeepGEMM reads.
+        chooser = None if (fp8 and sm100) else GemmChooser(req.hardware.name)
+        return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, sm100), chooser)

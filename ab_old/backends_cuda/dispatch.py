@@ -1,0 +1,167 @@
+"""`cuda.permute`: single-GPU dispatch into the masked, contiguous or standard layout with the
+Triton kernels of `moehal.kernels.triton_permute` (no host sync, CUDA-graph capturable).
+
+Destination buffers are process-wide persistent workspaces (one per shape), so a dispatch
+output is valid until the next dispatch of the same shape: one micro-batch in flight per shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from moehal import permute as torch_permute
+from moehal.capability import Decision, accept, decline
+from moehal.formats import (
+    ActivationFormat,
+    ContiguousInput,
+    ContiguousOutput,
+    Layout,
+    MaskedInput,
+    MaskedOutput,
+    ScaleKind,
+    StandardInput,
+    StandardOutput,
+)
+from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
+from moehal.quant.activation import quantize_activation
+from moehal.routing import TopK
+from moehal_cuda.support import cuda_or_interpreter, interpreted_mode, triton_decision
+
+_QUANT_KINDS = (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0)
+
+
+@dataclass(frozen=True)
+class PermuteHandle:
+    slot_row: torch.Tensor | None  # int32 [T*K], -1 = not local (masked/contiguous)
+    weights: torch.Tensor | None  # fp32 [T, K], None = unweighted (router weight on input)
+    num_tokens: int
+
+
+class PermuteRunner(DispatchRunner):
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
+        c = req.config
+        self.fmt = fmt
+        self.config = c
+        self.e, self.k, self.start = c.num_local_experts, c.top_k, c.local_expert_start
+        self.quant = fmt.is_quantized
+        self.ue8m0 = fmt.scales is ScaleKind.GROUP_128_UE8M0
+        self.dtype = c.dtype
+        self.scale = float(c.routed_scaling_factor)
+        self.on_input = c.apply_router_weight_on_input
+
+    def _buffer(self, t: int, device: torch.device) -> Any:
+        from moehal.kernels import triton_permute as tp
+
+        c, dt = self.config, (self.fmt.dtype if self.quant else self.dtype)
+        rows_for = c.max_tokens if c.max_tokens is not None else t
+        if self.fmt.layout is Layout.MASKED:
+            lead: tuple[int, ...] = (self.e, tp.masked_rows(rows_for, math.lcm(64, self.fmt.row_alignment)))
+        else:
+            lead = (tp.contiguous_rows(rows_for * self.k, self.e, self.fmt.row_alignment),)
+        return tp.workspace(f"dispatch.{self.fmt.layout_name}", lead, c.hidden_size, dt, device, self.quant)
+
+    def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, PermuteHandle]:
+        from moehal.kernels import triton_permute as tp
+
+        t = hidden.shape[0]
+        weights = topk.weights.float() if topk.weights.dtype != torch.float32 else topk.weights
+        layout = self.fmt.layout
+        if layout is Layout.STANDARD:
+            x = hidden
+            if self.on_input:
+                x = (hidden.float() * weights).to(hidden.dtype)
+                weights = torch.ones_like(weights)
+            q, s = quantize_activation(x, self.fmt.scales)
+            ids = torch_permute.local_topk_ids(topk.ids, self.start, self.e)
+            return StandardInput(q, s, ids, weights), PermuteHandle(None, None, t)
+        masked = layout is Layout.MASKED
+        dest = self._buffer(t, hidden.device)
+        p = tp.permute(
+            hidden,
+            topk.ids,
+            weights,
+            dest,
+            expert_start=self.start,
+            num_local_experts=self.e,
+            masked=masked,
+            alignment=self.fmt.row_alignment,
+            ue8m0=self.ue8m0,
+            weight_on_input=self.on_input,
+        )
+        handle = PermuteHandle(p.slot_row, None if self.on_input else weights, t)
+        if masked:
+            expected_m = max(1, (t * self.k + self.e - 1) // self.e)
+            return MaskedInput(p.hidden, p.scales, p.counts, expected_m, t * self.k), handle
+        assert p.row_expert is not None and p.segment_start is not None
+        return ContiguousInput(p.hidden, p.scales, p.row_expert, p.counts, p.segment_start), handle
+
+    def combine(self, expert_out: Any, handle: PermuteHandle) -> torch.Tensor:
+        from moehal.kernels import triton_permute as tp
+
+        if isinstance(expert_out, StandardOutput):
+            out = expert_out.hidden
+            return (out.float() * self.scale).to(self.dtype) if self.scale != 1.0 else out.to(self.dtype)
+        if isinstance(expert_out, (MaskedOutput, ContiguousOutput)):
+            assert handle.slot_row is not None
+            return tp.combine(
+                expert_out.hidden,
+                handle.slot_row,
+                handle.weights,
+                handle.num_tokens,
+                self.k,
+                masked=isinstance(expert_out, MaskedOutput),
+                scaling=self.scale,
+                out_dtype=self.dtype,
+            )
+        raise TypeError(f"cuda.permute cannot combine {type(expert_out).__name__}")
+
+
+class CudaPermuteDispatcher(Dispatcher):
+    """Single-device permute into masked / contiguous / standard layouts with Triton kernels."""
+
+    name = "permute"
+    priority = 10
+    description = "single-GPU Triton permute (masked, contiguous, standard), fused FP8 1x128 quant"
+    devices = frozenset({"cuda", "cpu"})
+    graph_capturable = True
+
+    def execution_mode(self, req: BuildRequest) -> str:
+        return interpreted_mode(req)
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return cuda_or_interpreter(req)
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        return triton_decision()
+
+    def check_parallel(self, req: BuildRequest) -> Decision:
+        # One device: with a process group, tokens must cross ranks (an EP dispatcher's job);
+        # a local permute would silently compute a partial sum.
+        if req.config.ep_size > 1 and req.process_group is not None:
+            return decline(
+                "moves tokens on one GPU only; expert parallelism across processes needs an EP "
+                "dispatcher (DeepEP, or reference.torch_distributed)",
+                "parallel",
+            )
+        return accept(predicate="parallel")
+
+    def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
+        if not isinstance(fmt.layout, Layout):
+            return decline(f"layout {fmt.layout_name!r} is not a core layout", "format")
+        if fmt.scales is ScaleKind.NONE:
+            if fmt.dtype != req.config.dtype:
+                return decline(
+                    f"unquantized dispatch keeps the layer dtype {req.config.dtype}, not {fmt.dtype}", "format"
+                )
+            return accept(predicate="format")
+        if fmt.scales not in _QUANT_KINDS:
+            return decline(f"quantizes to fp8 1x128 groups only, not {fmt.scales.value}", "format")
+        if fmt.dtype != torch.float8_e4m3fn:
+            return decline(f"fp8 dispatch writes float8_e4m3fn, not {fmt.dtype}", "format")
+        return accept(predicate="format")
+
+    def build(self, req: BuildRequest, fmt: ActivationFormat) -> DispatchRunner:
+        return PermuteRunner(req, fmt)

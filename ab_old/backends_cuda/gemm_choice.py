@@ -1,0 +1,148 @@
+"""Which masked grouped GEMM runs for one GEMM shape and token count: DeepGEMM's, or the Triton
+one of `moehal.kernels.triton_grouped_gemm` with a tuned tile. Decided by measurement.
+
+The DeepGEMM experts call a masked grouped GEMM twice per forward (w13, then w2). Measured on
+an H100, DeepGEMM's kernel is the faster one for large problems, but not at every shape and
+batch: it under-fills the GPU when few experts are active and its short-K tiles (Qwen3's
+K = 768) lose to a Triton tile picked for the shape. `python -m moehal_cuda.tuning` measures
+both on a device and writes a table next to this module:
+
+    tuned/masked_gemm.<device-slug>.json
+    {"meta": {device, torch, triton, deep_gemm, date},
+     "entries": {"E=128,N=1536,K=2048,dtype=bf16":
+                    {"16": {"use": "triton" | "deepgemm", "config": {BLOCK_M, ...},
+                            "us": {"deepgemm": 21.0, "triton": 17.5}}, ...}}}
+
+keyed by token count (the nearest measured count on a log scale is used). No table, no entry,
+an entry saying "deepgemm", or a Triton win under `MIN_GAIN`: DeepGEMM runs, as before this
+module existed. A choice is
+looked up once per distinct token count and cached, so the hot path does a dict lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from moehal.hardware import device_slug
+
+if TYPE_CHECKING:  # the kernel module imports triton; declaring the CUDA plugin must not
+    from moehal.kernels.triton_grouped_gemm import GemmConfig
+
+TUNED_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
+# Triton replaces DeepGEMM only when it measured at least this much faster: two H100 runs of
+# one build differ by a few percent, and a choice inside that noise is no choice (it flipped
+# Mixtral's w13 GEMM at 4096 tokens on a 1% margin, and the layer then measured 4% slower).
+MIN_GAIN = 0.03
+
+
+def entry_key(e: int, n: int, k: int, dtype: str) -> str:
+    """dtype: 'bf16' or 'fp8_block'."""
+    return f"E={e},N={n},K={k},dtype={dtype}"
+
+
+def table_path(device_name: str, directory: pathlib.Path | None = None) -> pathlib.Path:
+    return (directory or TUNED_DIR) / f"masked_gemm.{device_slug(device_name)}.json"
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    use: str  # 'deepgemm' or 'triton'
+    config: GemmConfig | None = None
+    tuned_tokens: int | None = None  # the measured token count this choice comes from
+
+    @property
+    def triton(self) -> bool:
+        return self.use == "triton" and self.config is not None
+
+
+DEEPGEMM = GemmChoice("deepgemm")
+
+
+@functools.lru_cache(maxsize=16)
+def load_table(path: str) -> dict[str, Any]:
+    p = pathlib.Path(path)
+    if not p.is_file():
+        return {}
+    data = json.loads(p.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        raise ValueError(f"{p}: not a masked-GEMM tuning table (no 'entries')")
+    return data
+
+
+def nearest(measured: list[int], tokens: int) -> int:
+    """The measured token count closest to `tokens` on a log scale (ties: the smaller)."""
+    t = math.log2(max(tokens, 1))
+    return min(measured, key=lambda m: (abs(math.log2(max(m, 1)) - t), m))
+
+
+class GemmChooser:
+    """Choices for one device, from its table (if any)."""
+
+    def __init__(self, device_name: str | None, directory: pathlib.Path | None = None) -> None:
+        self.path = table_path(device_name, directory) if device_name else None
+        self.table = load_table(str(self.path)) if self.path is not None else {}
+
+    @property
+    def has_table(self) -> bool:
+        return bool(self.table)
+
+    def choose(self, e: int, n: int, k: int, dtype: str, tokens: int) -> GemmChoice:
+        entry = self.table.get("entries", {}).get(entry_key(e, n, k, dtype)) if self.table else None
+        if not entry:
+            return DEEPGEMM
+        at = nearest([int(t) for t in entry], tokens)
+        row = entry[str(at)]
+        us = row.get("us", {})
+        faster = "triton" in us and "deepgemm" in us and us["triton"] <= (1.0 - MIN_GAIN) * us["deepgemm"]
+        if row.get("use") == "triton" and row.get("config") and faster:
+            from moehal.kernels.triton_grouped_gemm import GemmConfig
+
+            cfg = GemmConfig.from_dict(row["config"])
+            if cfg.fits(n, k, dtype == "fp8_block"):
+                return GemmChoice("triton", cfg, at)
+        return GemmChoice("deepgemm", None, at)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m moehal_cuda.gemm_choice [DEVICE NAME]`: the effective choices of a table."""
+    import argparse
+
+    from rich.console import Console
+    from rich.table import Table
+
+    ap = argparse.ArgumentParser(prog="python -m moehal_cuda.gemm_choice", description=main.__doc__)
+    ap.add_argument("device", nargs="?", help="device name (default: this machine's CUDA device)")
+    args = ap.parse_args(argv)
+    name = args.device
+    if name is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device here: name one, e.g. 'NVIDIA H100 80GB HBM3'")
+            return 2
+        name = torch.cuda.get_device_name()
+    chooser = GemmChooser(name)
+    if not chooser.has_table:
+        print(f"no tuned table for {name!r} ({chooser.path}): DeepGEMM runs every masked GEMM")
+        return 0
+    meta = chooser.table.get("meta", {})
+    t = Table(title=f"masked GEMM choices: {meta.get('device', name)} ({meta.get('date', '?')})")
+    for col in ("GEMM", "tokens", "DeepGEMM us", "Triton us", "runs"):
+        t.add_column(col, justify="right" if col != "GEMM" else "left")
+    for key, entry in chooser.table["entries"].items():
+        e, n, k, dtype = (p.split("=")[1] for p in key.split(","))
+        for tokens, row in entry.items():
+            ch = chooser.choose(int(e), int(n), int(k), dtype, int(tokens))
+            us = {name: f"{row.get('us', {}).get(name, float('nan')):.1f}" for name in ("deepgemm", "triton")}
+            t.add_row(key, tokens, us["deepgemm"], us["triton"], ch.use)
+    Console().print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,315 @@
+"""Measure DeepGEMM's masked grouped GEMM against the Triton one, per GEMM shape and token
+count, and write the table `moehal_cuda.gemm_choice` reads.
+
+    python -m moehal_cuda.tuning --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \\
+        --tokens 1,4,16,32,64,128,256,512,1024,2048,4096 --quant bf16 --out tuned.json
+
+For each MoE shape (see `moehal.bench.SHAPES`) both GEMMs of the experts are tuned: w13
+(N = 2I, K = H) and w2 (N = H, K = I). For each token count T, the masked rows per expert come
+from uniform random top-k routing of T tokens; each timing cycles over 8 different routings so
+that a decode step's few experts are not served from L2 by the previous replay. Every
+candidate tile runs once under a CUDA graph of those 8 launches (median of several replays,
+CUDA events); DeepGEMM runs the same way on the same inputs. The faster one is written down
+with both times, so the table shows the margin it was chosen by.
+
+Candidate tiles are compiled first, in parallel worker processes that only fill Triton's
+on-disk cache (compiling ~50 tiles per GEMM one after another would take minutes); the
+timing itself runs in this process alone, one kernel at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import functools
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from moehal.kernels.triton_grouped_gemm import GemmConfig
+from moehal_cuda.gemm_choice import device_slug, entry_key
+
+ROTATIONS = 8  # different routings per timed graph (see module doc)
+MASKED_ALIGN = 64
+
+
+# --- candidates ------------------------------------------------------------------------------------
+
+
+def candidate_configs(rows_per_expert: float, n: int, k: int, fp8: bool) -> list[GemmConfig]:
+    """Tiles worth trying for an average of `rows_per_expert` rows per active expert."""
+    bks = (64, 128) if fp8 else (64, 128, 256)
+    out: list[GemmConfig] = []
+    if rows_per_expert <= 24:  # decode: stream the weights, short M tiles
+        for bn in (32, 64, 128):
+            for bk in bks:
+                for stages in (3, 4, 5):
+                    out.append(GemmConfig(16, bn, bk, 1, 4, stages))
+    if 8 <= rows_per_expert <= 128:
+        for bm in (32, 64):
+            for bn in (64, 128):
+                for bk in (64, 128):
+                    for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                        out.append(GemmConfig(bm, bn, bk, 8 if bm == 64 else 1, warps, stages))
+    if rows_per_expert >= 64:  # prefill: big tiles, grouped order for L2 reuse
+        for bm in (64, 128):
+            for bn in (128, 256):
+                for warps, stages in ((4, 3), (8, 3), (8, 4)):
+                    out.append(GemmConfig(bm, bn, 64, 8, warps, stages))
+    return [c for c in dict.fromkeys(out) if c.fits(n, k, fp8)]
+
+
+def routing_counts(tokens: int, experts: int, top_k: int, rotations: int, seed: int = 0) -> list[torch.Tensor]:
+    """masked_m for `rotations` random uniform top-k routings of `tokens` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rotations):
+        ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k]
+        out.append(torch.bincount(ids.flatten(), minlength=experts).to(torch.int32))
+    return out
+
+
+# --- problems --------------------------------------------------------------------------------------
+
+
+class Problem:
+    """One GEMM of one MoE shape, with its operands on the GPU (sized for the largest T)."""
+
+    def __init__(
+        self, e: int, n: int, k: int, max_tokens: int, fp8: bool, dev: torch.device, fill: bool = True
+    ) -> None:
+        self.e, self.n, self.k, self.fp8 = e, n, k, fp8
+        self.max_m = -(-max_tokens // MASKED_ALIGN) * MASKED_ALIGN
+        if fill:
+            g = torch.Generator(device=dev).manual_seed(1)
+            w = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k)
+            a = torch.randn(e, self.max_m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        else:  # compile-only: same shapes and strides, no values
+            w = torch.empty(e, n, k, device=dev, dtype=torch.bfloat16)
+            a = torch.empty(e, self.max_m, k, device=dev, dtype=torch.bfloat16)
+        self.out = torch.empty(e, self.max_m, n, device=dev, dtype=torch.bfloat16)
+        if fp8:
+            self.w = w.to(torch.float8_e4m3fn)
+            self.w_scale = torch.rand(e, -(-n // 128), -(-k // 128), device=dev) + 0.5
+            self.a = a.to(torch.float8_e4m3fn)
+            g128 = -(-k // 128)
+            raw = torch.rand(e, g128, -(-self.max_m // 4) * 4, device=dev) + 0.5  # MN-major, as dispatched
+            self.a_scale = raw.transpose(1, 2)[:, : self.max_m, :]
+        else:
+            self.w, self.a = w, a
+            self.w_scale = self.a_scale = None
+
+    def triton(self, cfg: GemmConfig, masked_m: torch.Tensor, total_rows: int) -> None:
+        from moehal.kernels.triton_grouped_gemm import masked_grouped_gemm
+
+        masked_grouped_gemm(self.a, self.a_scale, self.w, self.w_scale, self.out, masked_m, total_rows, cfg)
+
+    def deepgemm(self, ops: Any, masked_m: torch.Tensor, expected_m: int) -> None:
+        ops.masked(self.a, self.a_scale, self.w, self.w_scale, self.out, masked_m, expected_m)
+
+
+def _compile_worker(args: tuple[int, int, int, bool, list[dict[str, int]]]) -> list[tuple[dict[str, int], str]]:
+    """Run each tile once on an empty problem (all masked_m zero): fills Triton's disk cache."""
+    e, n, k, fp8, cfgs = args
+    dev = torch.device("cuda")
+    prob = Problem(e, n, k, MASKED_ALIGN, fp8, dev, fill=False)
+    zero = torch.zeros(e, dtype=torch.int32, device=dev)
+    failed = []
+    for d in cfgs:
+        try:
+            prob.triton(GemmConfig.from_dict(d), zero, 1)
+            torch.cuda.synchronize()
+        except Exception as exc:  # out of shared memory, bad layout: the tile is dropped
+            failed.append((d, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+    return failed
+
+
+def precompile(jobs: Sequence[tuple[int, int, int, bool, list[GemmConfig]]], workers: int) -> set[tuple]:
+    """Compile all tiles in `workers` processes; returns the (e, n, k, fp8, config) that failed."""
+    tasks = []
+    for e, n, k, fp8, cfgs in jobs:
+        per = 4  # small tasks: workers stay busy until the end
+        for i in range(0, len(cfgs), per):
+            tasks.append((e, n, k, fp8, [c.as_dict() for c in cfgs[i : i + per]]))
+    failed: set[tuple] = set()
+    if workers <= 1:
+        results = [(t, _compile_worker(t)) for t in tasks]
+    else:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            results = list(zip(tasks, pool.map(_compile_worker, tasks, chunksize=1)))
+    for (e, n, k, fp8, _), fails in results:
+        for d, _why in fails:
+            failed.add((e, n, k, fp8, GemmConfig.from_dict(d)))
+    return failed
+
+
+def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5) -> float:
+    """Median microseconds per launch of a CUDA graph replaying `launches` once each."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in launches:  # warm-up (and JIT) outside the capture
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in launches:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1000.0 / len(launches))
+    del graph
+    return statistics.median(times)
+
+
+# --- the tuning loop -------------------------------------------------------------------------------
+
+
+def tune(
+    shapes: Iterable[str],
+    tokens: Sequence[int],
+    quants: Sequence[str],
+    out_path: str,
+    workers: int,
+    budget_s: float,
+    log: Callable[[str], None] = print,
+    update: bool = False,
+) -> dict[str, Any]:
+    from moehal.bench import SHAPES
+    from moehal_cuda.deepgemm_experts import DeepGemmOps
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    t_start = time.monotonic()
+    table: dict[str, Any] = {"meta": _meta(name), "entries": {}}
+    if update and os.path.exists(out_path):  # keep what an earlier run measured (e.g. bf16 beside fp8)
+        with open(out_path) as f:
+            old = json.load(f)
+        table["entries"].update(old.get("entries", {}))
+        table["meta"]["earlier_runs"] = [*old.get("meta", {}).get("earlier_runs", []), old.get("meta", {})]
+    problems = []
+    for shape in shapes:
+        s = SHAPES[shape]
+        e, h, i, top_k = s["num_experts"], s["hidden_size"], s["intermediate_size"], s["top_k"]
+        for q in quants:
+            for n, k in ((2 * i, h), (h, i)):
+                problems.append((shape, e, n, k, top_k, q == "fp8_block"))
+    jobs = []
+    for _shape, e, n, k, top_k, fp8 in problems:
+        cands = {c for t in tokens for c in candidate_configs(t * top_k / e, n, k, fp8)}
+        jobs.append((e, n, k, fp8, sorted(cands, key=lambda c: tuple(c.as_dict().values()))))
+    t0 = time.monotonic()
+    failed = precompile(jobs, workers)
+    ntiles = sum(len(j[4]) for j in jobs)
+    log(f"compiled {ntiles} tiles in {time.monotonic() - t0:.0f}s ({len(failed)} do not fit this GPU)")
+    ops = {fp8: DeepGemmOps(fp8, False) for fp8 in {p[-1] for p in problems}}
+    for shape, e, n, k, top_k, fp8 in problems:
+        key = entry_key(e, n, k, "fp8_block" if fp8 else "bf16")
+        prob = Problem(e, n, k, max(tokens), fp8, dev)
+        entry: dict[str, Any] = {}
+        for t in tokens:
+            if time.monotonic() - t_start > budget_s:
+                log(f"time budget reached: {key} stops before T={t}")
+                break
+            counts = [c.to(dev) for c in routing_counts(t, e, top_k, ROTATIONS, seed=t)]
+            total = t * top_k
+            expected = max(1, -(-total // e))
+            dg_us = time_graph([functools.partial(prob.deepgemm, ops[fp8], c, expected) for c in counts])
+            best: tuple[float, GemmConfig] | None = None
+            for cfg in candidate_configs(total / e, n, k, fp8):
+                if (e, n, k, fp8, cfg) in failed:
+                    continue
+                try:
+                    us = time_graph([functools.partial(prob.triton, cfg, c, total) for c in counts])
+                except Exception as exc:  # a tile that compiled but cannot launch here
+                    log(f"  {key} T={t} {cfg}: {type(exc).__name__}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            row: dict[str, Any] = {"use": "deepgemm", "us": {"deepgemm": round(dg_us, 2)}}
+            if best is not None:
+                row["us"]["triton"] = round(best[0], 2)
+                row["config"] = best[1].as_dict()
+                if best[0] < dg_us:
+                    row["use"] = "triton"
+            entry[str(t)] = row
+            log(
+                f"{shape:16s} {key:34s} T={t:5d}  deepgemm {dg_us:8.1f} us  "
+                f"triton {row['us'].get('triton', float('nan')):8.1f} us  -> {row['use']}"
+            )
+        table["entries"][key] = entry
+        del prob
+        torch.cuda.empty_cache()
+        _write(table, out_path)
+    return table
+
+
+def _meta(device_name: str) -> dict[str, Any]:
+    import triton
+
+    try:
+        from importlib.metadata import version
+
+        dg = version("sgl-deep-gemm")
+    except Exception:
+        dg = None
+    return {
+        "device": device_name,
+        "slug": device_slug(device_name),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "deep_gemm": dg,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "method": "median of 5 CUDA-graph replays x 8 routings, per launch",
+    }
+
+
+def _write(table: dict[str, Any], path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from moehal.bench import SHAPES
+
+    ap = argparse.ArgumentParser(prog="python -m moehal_cuda.tuning", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b")
+    ap.add_argument("--tokens", default="1,4,16,32,64,128,256,512,1024,2048,4096")
+    ap.add_argument("--quant", default="bf16", help="bf16,fp8_block")
+    ap.add_argument("--out", required=True, help="JSON path (written after every GEMM shape)")
+    ap.add_argument("--update", action="store_true", help="keep the entries already in --out (re-tuned keys replaced)")
+    ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop timing after this many seconds")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moehal_cuda.tuning needs a CUDA GPU (it measures kernels); none is visible")
+        return 2
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        print(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+        return 2
+    tokens = [int(t) for t in args.tokens.split(",")]
+    tune(shapes, tokens, args.quant.split(","), args.out, args.workers, args.budget_s, update=args.update)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,492 @@
+"""`moehal bench`: whole-layer forward time (dispatch + experts + combine) against a roofline.
+
+Roofline, measured in the same run on the same device:
+- copy bandwidth: a large device-to-device copy, bytes read + written per second;
+- matmul rate: a large dense matmul in the layer dtype, FLOP/s.
+For each shape, roofline time = max(expert weight bytes touched / bandwidth,
+FLOPs / matmul rate); `% roofline` = roofline time / measured time. Weight bytes touched
+counts each expert that received at least one token once (w13 + w2 + scales).
+
+On CUDA the forward is timed as CUDA-graph replays when the pipeline claims graph capture
+(eager otherwise; the table says which): median over samples of 10 replays queued back to
+back between two CUDA events, after a 50 ms warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import moehal
+import torch
+from moehal.errors import MoEHalError
+from moehal.hardware import detect
+from moehal.quant import QuantScheme
+
+SHAPES: dict[str, dict[str, int]] = {
+    # name: E (local experts), H, I, top-k
+    "deepseek_v3_ep8": dict(num_experts=32, hidden_size=7168, intermediate_size=2048, top_k=8),
+    "qwen3_30b_a3b": dict(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8),
+    "mixtral_8x7b": dict(num_experts=8, hidden_size=4096, intermediate_size=14336, top_k=2),
+    # tiny shapes so the machinery runs anywhere (CI, CPU)
+    "tiny": dict(num_experts=8, hidden_size=128, intermediate_size=64, top_k=2),
+}
+DEFAULT_TOKENS = (1, 4, 16, 64, 128, 512, 1024, 4096)
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+    device: str
+
+
+@dataclass
+class Row:
+    shape: str
+    backend: str
+    pipeline: str
+    quant: str
+    tokens: int
+    time_us: float
+    timing: str  # 'graph' or 'eager'
+    weight_bytes: int
+    flops: int
+    roofline_us: float
+    pct_roofline: float
+    tb_per_s: float
+    tflop_per_s: float
+    host_us: float = float("nan")  # CUDA only: host time per eager forward call (launch overhead)
+    breakdown: dict[str, float] | None = None  # --breakdown: kernel (or op) -> us per forward
+    host_graph_us: float = float("nan")  # CUDA only: the same with `cuda_graph_tokens` (eager calls replay graphs)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# Graph timings queue this many replays back to back per sample (as a model's graph runs its
+# layers back to back): one replay alone between two events measured host jitter at decode
+# sizes (Qwen3-30B-A3B at 1 token: 45-62 us across runs of the same code, on H100s).
+GRAPH_REPLAYS_PER_SAMPLE = 10
+
+
+def time_call(
+    fn: Callable[[], Any],
+    dev: torch.device,
+    reps: int,
+    warmup: int = 3,
+    warmup_s: float = 0.05,
+    per_sample: int = 1,
+) -> float:
+    """Median seconds per call over `reps` samples; on CUDA each sample times `per_sample` calls
+    queued back to back between two events (for graph replays of decode-sized forwards, whose
+    GPU time is shorter than the host's cost of one replay call: a single replay between events
+    measures the host as much as the GPU). Warm-up: `warmup` calls, and on CUDA back-to-back calls for at
+    least `warmup_s`, so that a row measured after an idle stretch (compiling, capturing) does
+    not start at idle clocks: without it, a decode-sized row (tens of microseconds per call)
+    of the same code measured 45 us in one H100 run and 54 us in the next."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    if dev.type == "cuda":
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warmup_s:
+            for _ in range(10):
+                fn()
+            _sync(dev)
+    samples = []
+    if dev.type == "cuda":
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_sample):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / per_sample)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 20) -> float:
+    """Median seconds of host time per eager call on CUDA: each call starts with the GPU idle
+    and is timed until it returns (its kernels queued, not finished), so this is Python and
+    launch overhead (the issue's "host overhead under 20 us per forward outside graphs"),
+    without back-pressure from earlier calls. NaN off CUDA."""
+    if dev.type != "cuda":
+        return float("nan")
+    fn()
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(dev)
+    return statistics.median(samples)
+
+
+def kernel_breakdown(fn: Callable[[], Any], dev: torch.device, calls: int = 5, top: int = 8) -> dict[str, float]:
+    """Where one forward's device time goes: microseconds per call for each kernel (CUDA),
+    or each operator's self time (CPU), from torch.profiler over `calls` eager calls. The
+    `top` largest are named; the rest are summed under "(other)"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    fn()
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(dev)
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if cuda and ev.device_type != DeviceType.CUDA:
+            continue
+        us = (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / calls
+        if us > 0:
+            times[ev.key] = times.get(ev.key, 0.0) + us
+    merged: dict[str, float] = {}  # template instances of one kernel share a short name: sum them
+    for k, v in times.items():
+        merged[_short_kernel_name(k)] = merged.get(_short_kernel_name(k), 0.0) + v
+    ranked = sorted(merged.items(), key=lambda kv: -kv[1])
+    out = {k: round(v, 2) for k, v in ranked[:top]}
+    rest = sum(v for _, v in ranked[top:])
+    if rest > 0:
+        out["(other)"] = round(rest, 2)
+    return out
+
+
+def _short_kernel_name(name: str) -> str:
+    """Kernel names from the profiler can be whole C++ template signatures: keep the head."""
+    head = name.split("(")[0].split("<")[0].strip()
+    return head[-60:] if head else name[:60]
+
+
+def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
+    big = 1 << 28 if dev.type == "cuda" else 1 << 22  # elements
+    src = torch.randn(big, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), dev, reps=20 if dev.type == "cuda" else 5)
+    copy = 2 * src.numel() * src.element_size() / t
+    n = 8192 if dev.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3)
+    return Ceilings(copy, 2 * n**3 / t, detect(dev).describe())
+
+
+def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
+    e = layer_weights.w13.shape[0]
+    total = 0
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        t = getattr(layer_weights, name)
+        if t is not None and t.dim() > 1:
+            total += t.numel() * t.element_size()
+    return total / e
+
+
+_WEIGHTS: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]] = {}
+
+
+def _weights(
+    shape: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]:
+    """Float and quantized weights, made on the device once per (shape, quant)."""
+    key = (shape, quant.name, str(dev))
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()  # one shape's weights at a time: the big shapes take GBs
+        gen = torch.Generator(dev).manual_seed(0)
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        w13 = torch.randn(e, cfg.w13_rows, h, generator=gen, device=dev) / h**0.5
+        w2 = torch.randn(e, h, i, generator=gen, device=dev) / i**0.5
+        calib = torch.randn(64, h, generator=gen, device=dev)
+        _WEIGHTS[key] = (w13, w2, moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=calib))
+    return _WEIGHTS[key]
+
+
+def _pipeline_named(
+    qualname: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device, registry: moehal.Registry
+) -> moehal.selection.Pipeline:
+    """The best accepted pipeline whose experts (or fused forward) is `qualname`, e.g. 'cuda.triton'."""
+    req = moehal.BuildRequest(cfg, quant, detect(dev), registry.settings)
+    pipes, decisions = moehal.enumerate_pipelines(req, registry, qualname.split(".")[0])
+    for p in pipes:
+        if p.main.qualname == qualname:
+            return p
+    why = [d.reason for d in decisions if d.name == qualname]
+    raise moehal.NoBackendError(f"{qualname} declines this shape: {why[0] if why else 'not registered'}")
+
+
+def bench_one(
+    shape: str,
+    cfg: moehal.MoEConfig,
+    quant: QuantScheme,
+    backend: str,
+    tokens: int,
+    dev: torch.device,
+    ceil: Ceilings,
+    reps: int,
+    registry: moehal.Registry,
+    breakdown: bool = False,
+) -> Row:
+    w13, w2, weights = _weights(shape, cfg, quant, dev)
+    h = cfg.hidden_size
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, h, generator=gen)
+    # Random top-k without replacement per token (argsort of noise: vectorized, no Python loop).
+    ids = torch.rand(tokens, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
+    ids, wts = ids.to(dev, torch.int32), (torch.rand(tokens, cfg.top_k, generator=gen) + 0.1).to(dev)
+    xd = x.to(dev, cfg.dtype)
+    capturable = False
+    layer: moehal.MoELayer | None = None
+    if backend.startswith("transformers:") or backend == "sglang":
+        # A peer: another library's experts function on the same float weights and routing.
+        if quant.is_quantized:
+            raise moehal.NotSupportedError(f"the {backend} peer takes float (bf16) weights only")
+        if backend == "sglang":
+            from moehal.integrations import sglang
+
+            call = sglang.peer_callable(cfg, w13, w2, dev)
+            capturable = True  # SGLang captures its MoE into CUDA graphs when serving
+        else:
+            from moehal.integrations.transformers import peer_callable
+
+            call = peer_callable(backend.split(":", 1)[1], cfg, w13, w2, dev)
+        fn: Callable[[], Any] = lambda: call(xd, ids, wts)
+        pipeline = backend
+    else:
+        pipe = _pipeline_named(backend, cfg, quant, dev, registry) if "." in backend else None
+        layer = moehal.MoELayer(
+            cfg, quant, backend=backend.split(".")[0], device=dev, registry=registry, validate=False, pipeline=pipe
+        )
+        layer.load_weights(weights)
+        fn = lambda: layer(xd, ids, wts)
+        pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
+    timing = "eager"
+    host = host_time(fn, dev)
+    host_graph = float("nan")
+    if dev.type == "cuda" and capturable and layer is not None:
+        layer.cuda_graph_tokens = tokens  # eager calls replay a captured graph (moehal.graphs)
+        host_graph = host_time(fn, dev)
+        layer.cuda_graph_tokens = 0
+    parts = kernel_breakdown(fn, dev) if breakdown else None
+    if dev.type == "cuda" and capturable:
+        fn, timing = _graphed(fn), "graph"
+    t = time_call(fn, dev, reps, per_sample=GRAPH_REPLAYS_PER_SAMPLE if timing == "graph" else 1)
+    touched = int(torch.unique(ids).numel())
+    wbytes = int(_weight_bytes_per_expert(weights) * touched)
+    flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
+    roof = max(wbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
+    return Row(
+        shape,
+        backend,
+        pipeline,
+        quant.name,
+        tokens,
+        t * 1e6,
+        timing,
+        wbytes,
+        flops,
+        roof * 1e6,
+        100 * roof / t,
+        wbytes / t / 1e12,
+        flops / t / 1e12,
+        host * 1e6,
+        parts,
+        host_graph * 1e6,
+    )
+
+
+def _is_peer(backend: str) -> bool:
+    return backend == "sglang" or backend.startswith("transformers:")
+
+
+def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` captured into a CUDA graph (after two warm-up calls on a side stream): its replay."""
+    from moehal.graphs import capture
+
+    graph, _ = capture(fn, warmup=2)
+    return graph.replay
+
+
+def plot(rows: list[Row], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    shapes = sorted({r.shape for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for key in sorted({(r.backend, r.quant) for r in rows if r.shape == shape}):
+            pts = sorted((r.tokens, r.pct_roofline) for r in rows if r.shape == shape and (r.backend, r.quant) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("% of roofline")
+        ax.axhline(100, color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def breakdown_table(rows: Sequence[Row]) -> Any:
+    """One line per row: its kernels by device time per forward, largest first."""
+    from rich.table import Table
+
+    t = Table(title="where the time goes (us per forward, eager, profiler)", title_justify="left")
+    for col in ("shape", "backend", "quant", "tokens", "kernels"):
+        t.add_column(col)
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in (r.breakdown or {}).items())
+        t.add_row(r.shape, r.backend, r.quant, str(r.tokens), parts or "-")
+    return t
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from moehal.integrations.sglang import sglang_version
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    p = argparse.ArgumentParser(prog="moehal bench", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--shapes", default="deepseek_v3_ep8,qwen3_30b_a3b,mixtral_8x7b", help=f"comma list of {sorted(SHAPES)}"
+    )
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    p.add_argument(
+        "--backends",
+        default="auto",
+        help="comma list of backends (auto = best) or experts names (cuda.triton); peers: 'sglang' "
+        "(SGLang's Triton fused MoE, when importable), 'transformers:NAME', or 'peers' for every transformers one",
+    )
+    p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
+    p.add_argument("--device", default=None)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
+    p.add_argument(
+        "--breakdown", action="store_true", help="also profile each row: device time per kernel (CPU: per operator)"
+    )
+    args = p.parse_args(argv)
+    console = Console()
+    dev = detect(args.device).device
+    registry = moehal.discover()
+    ceil = measure_ceilings(dev)
+    console.print(
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s (measured now)"
+    )
+    backends = args.backends.split(",")
+    if "peers" in backends:
+        from moehal.integrations.transformers import peer_implementations
+
+        backends = [b for b in backends if b != "peers"] + [f"transformers:{n}" for n in peer_implementations(dev)]
+    jobs = [
+        (s, q, b, t)
+        for s in args.shapes.split(",")
+        for q in args.quant.split(",")
+        for b in backends
+        for t in map(int, args.tokens.split(","))
+        if not (b == "reference" and t > args.max_reference_tokens)
+    ]
+    rows: list[Row] = []
+    out = Path(args.out) if args.out else None
+
+    def save() -> None:  # after every row: a time limit keeps what was measured
+        if out is None:
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "ceilings": asdict(ceil),
+            "torch": torch.__version__,
+            "moehal": moehal.__version__,
+            "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "rows": [asdict(r) for r in rows],
+        }
+        out.with_suffix(".json").write_text(json.dumps(data, indent=2))
+
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(jobs))
+        try:
+            for shape, q, backend, tokens in jobs:
+                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
+                try:
+                    rows.append(
+                        bench_one(
+                            shape,
+                            cfg,
+                            QuantScheme.parse(q),
+                            backend,
+                            tokens,
+                            dev,
+                            ceil,
+                            args.reps,
+                            registry,
+                            args.breakdown,
+                        )
+                    )
+                    save()
+                except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
+                    console.print(
+                        f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False
+                    )
+                except Exception as exc:  # noqa: BLE001
+                    if not _is_peer(backend):
+                        raise  # a moehal failure is a bug: loud
+                    # another library's failure must not cost the rest of the run
+                    console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
+                progress.advance(task)
+        except KeyboardInterrupt:
+            console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+    t = Table(title="moehal bench (whole layer)", title_justify="left")
+    cols = ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s")
+    for col in (*cols, "host us", "host us (graphs)"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r.shape,
+            r.backend,
+            r.quant,
+            str(r.tokens),
+            f"{r.time_us:.1f}",
+            r.timing,
+            f"{r.pct_roofline:.0f}",
+            f"{r.tb_per_s:.2f}",
+            f"{r.tflop_per_s:.1f}",
+            "-" if r.host_us != r.host_us else f"{r.host_us:.1f}",  # NaN off CUDA
+            "-" if r.host_graph_us != r.host_graph_us else f"{r.host_graph_us:.1f}",
+        )
+    console.print(t)
+    if args.breakdown:
+        console.print(breakdown_table(rows))
+    if out is not None:
+        save()
+        png = plot(rows, out.with_suffix(".png"))
+        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
+    return 0

@@ -1,0 +1,832 @@
+# Triton reads annotations of @triton.jit parameters (tl.constexpr, type strings), so the
+# kernels' untyped parameters stay untyped on purpose:
+# ruff: noqa: ANN001, ANN202
+"""Portable Triton fused MoE: one implementation for the ROCm and CUDA backends.
+
+The algorithm is the one vLLM and SGLang use (written afresh here):
+
+1. `moe_align_block_size`: the T*K (token, k) slots are bucketed by local expert and each
+   bucket is padded to a multiple of BLOCK_M, so every BLOCK_M-row tile of the sorted slot
+   list belongs to one expert. Sizes are static worst cases (no host sync): the sorted list
+   has `T*K + E*(BLOCK_M-1)` entries, the live prefix is `num_tokens_post_padded`.
+   Slots of experts that are not local (id -1 in the STANDARD layout) are left out.
+2. `_fused_moe_kernel` (GEMM1): a grouped GEMM over the sorted tiles, A row = slot // top_k,
+   B = w13[expert]. The gate and up halves are computed in the same program (two
+   accumulators) and the activation (silu/gelu gated or not, swiglu_oai) is fused into the
+   epilogue, so the `[T*K, 2I]` intermediate never exists.
+3. Activation quantization for GEMM2 (fp8 1x128 groups or int8 per row), in Triton.
+4. `_fused_moe_kernel` (GEMM2): same kernel, A row = slot, times the router weight
+   (MUL_ROUTED_WEIGHT) and plus the w2 bias.
+5. `_moe_sum_kernel`: sum over k of the weighted rows, skipping slots of non-local experts.
+
+Quantization: bf16/fp16/fp32 (fp32 accumulate); fp8 block scale (weights 128x128 blocks,
+activations 1x128 groups, quantized here); int8 W8A8 (per-channel weight scale, dynamic
+per-token activation scale, int32 accumulate).
+
+FP8 flavour: e4m3fn (OCP) on NVIDIA and gfx950/gfx12; e4m3fnuz on MI300 (gfx942). The bits of
+an e4m3fnuz number are worth half those of e4m3fn (exponent bias 8 instead of 7), so canonical
+e4m3fn weights become e4m3fnuz by keeping the bits and doubling the scale;
+the one e4m3fn pattern that means NaN in fnuz, 0x80 (-0.0), becomes +0 (the ROCm backend's
+weight processor does this, `moehal.kernels.triton_experts.to_fnuz`). Activations are
+quantized to fnuz with a maximum of 224 (= 448 / 2), which gives exactly the values the
+e4m3fn reference quantizer gives.
+
+Triton is imported here, and only here: `moehal.kernels` never imports this module, and
+plugins import it lazily (in `build` / `load`).
+
+Interpreter (TRITON_INTERPRET=1, CPU tensors): `tl.dot` on BF16 operands returns garbage in
+the interpreter (numpy has no bfloat16 matmul), so under the interpreter the kernel gets
+`UPCAST=True` and converts both dot operands to fp32 first. Compiled kernels never upcast.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from moehal.hardware import device_slug
+
+# ----------------------------------------------------------------------------------------------
+# Environment and capabilities
+# ----------------------------------------------------------------------------------------------
+
+FP8_E4M3FN_MAX = 448.0
+# Quantizing to e4m3fnuz with 224 = 448/2 reproduces the e4m3fn grid exactly (see module doc).
+FP8_E4M3FNUZ_QMAX = 224.0
+INT8_MAX = 127.0
+GROUP = 128  # fp8 block size: weights 128x128, activations 1x128
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def fp8_dtype_for(arch: str | None, is_rocm: bool) -> torch.dtype:
+    """The FP8 e4m3 flavour the hardware computes with.
+
+    MI300 (gfx940/941/942) uses e4m3fnuz; MI350 (gfx950), RDNA4 (gfx12) and NVIDIA use the
+    OCP e4m3fn format."""
+    if is_rocm and arch is not None and arch.startswith("gfx94"):
+        return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def fp8_qmax(fp8_dtype: torch.dtype) -> float:
+    return FP8_E4M3FNUZ_QMAX if fp8_dtype == torch.float8_e4m3fnuz else FP8_E4M3FN_MAX
+
+
+# ----------------------------------------------------------------------------------------------
+# Block-size configs: heuristic + tuned tables
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @classmethod
+    def from_dict(cls, d: dict[str, int]) -> KernelConfig:
+        return cls(
+            int(d["BLOCK_SIZE_M"]),
+            int(d["BLOCK_SIZE_N"]),
+            int(d["BLOCK_SIZE_K"]),
+            int(d.get("GROUP_SIZE_M", 1)),
+            int(d.get("num_warps", 4)),
+            int(d.get("num_stages", 2)),
+        )
+
+
+# --- TUNED TABLES HOOK ------------------------------------------------------------------------
+# Per-GPU tuned configs live next to this module as JSON files named
+#     triton_fused_moe.<device-slug>.json      (slug: device name, lower case, [a-z0-9] and '_')
+# e.g. `triton_fused_moe.amd_instinct_mi300x.json`, `triton_fused_moe.nvidia_h100_80gb_hbm3.json`:
+#     {"<key>": {"<M>": {"gemm1": {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M,
+#                                  num_warps, num_stages},
+#                        "gemm2": {...}}}}     ("gemm2" may be left out: gemm1's is used)
+# with <key> = "E=<local experts>,H=<hidden>,I=<intermediate>,dtype=<bf16|fp16|fp32|fp8_block|int8>"
+# and <M> the token count the entry was tuned for (the nearest one is used). BLOCK_SIZE_M must
+# be the same for both GEMMs (they share one alignment). Entries registered at run time with
+# `register_tuned_configs` take precedence over files.
+_TUNED_DIR = pathlib.Path(__file__).resolve().parent
+_RUNTIME_TABLES: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def table_key(e: int, h: int, i: int, dtype: str) -> str:
+    return f"E={e},H={h},I={i},dtype={dtype}"
+
+
+def register_tuned_configs(device_name: str, table: dict[str, dict[str, Any]]) -> None:
+    """Add tuned entries for a device at run time (same format as the JSON files)."""
+    _RUNTIME_TABLES.setdefault(device_slug(device_name), {}).update(table)
+    _file_table.cache_clear()
+
+
+@functools.lru_cache(maxsize=32)
+def _file_table(slug: str) -> dict[str, dict[str, Any]]:
+    table: dict[str, dict[str, Any]] = {}
+    path = _TUNED_DIR / f"triton_fused_moe.{slug}.json"
+    if path.is_file():
+        table.update(json.loads(path.read_text()))
+    table.update(_RUNTIME_TABLES.get(slug, {}))
+    return table
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _fit(cfg: KernelConfig, n: int, k: int, quant: str) -> KernelConfig:
+    """Clamp block sizes to the problem and to the kernel's constraints."""
+    bn = max(16, min(cfg.block_n, _next_pow2(n)))
+    bk = max(16, min(cfg.block_k, _next_pow2(k)))
+    if quant == "fp8_block":
+        bk = min(bk, GROUP)  # a K tile must not straddle two 128-wide scale groups
+    return KernelConfig(cfg.block_m, bn, bk, cfg.group_m, cfg.num_warps, cfg.num_stages)
+
+
+def heuristic_configs(
+    m: int, e: int, h: int, i: int, top_k: int, quant: str, is_rocm: bool
+) -> tuple[KernelConfig, KernelConfig]:
+    """Block sizes for (GEMM1, GEMM2) by the expected rows per expert.
+
+    Small batches (decode) get short M tiles so few rows are padding; large ones get
+    128-row tiles and grouped ordering for L2 reuse. GEMM1 holds two accumulators (gate and
+    up), so its N tile is half GEMM2's at the largest size. AMD's stream pipeliner prefers
+    num_stages=2; NVIDIA's prefers 3-4.
+    """
+    rows = max(1, m * top_k // max(e, 1))
+    if interpreting():
+        # The interpreter's cost is per program and per op, not per element: few, wide tiles.
+        bm = 16 if rows <= 16 else 32
+        return KernelConfig(bm, 256, 256, 1, 4, 1), KernelConfig(bm, 256, 256, 1, 4, 1)
+    stages = 2 if is_rocm else 3
+    bk = 128 if quant in ("fp8_block", "int8") else 64
+    if rows <= 16:
+        g1 = KernelConfig(16, 64, bk, 1, 4, stages)
+        g2 = KernelConfig(16, 64, bk, 1, 4, stages)
+    elif rows <= 64:
+        g1 = KernelConfig(32, 64, bk, 8, 4, stages)
+        g2 = KernelConfig(32, 128, bk, 8, 4, stages)
+    elif rows <= 256:
+        g1 = KernelConfig(64, 64, bk, 8, 4, stages)
+        g2 = KernelConfig(64, 128, bk, 8, 8, stages)
+    else:
+        g1 = KernelConfig(128, 64, bk, 8, 8, stages)
+        g2 = KernelConfig(128, 128, bk, 8, 8, stages)
+    return g1, g2
+
+
+def select_configs(
+    m: int,
+    e: int,
+    h: int,
+    i: int,
+    top_k: int,
+    quant: str,
+    dtype_name: str,
+    device_name: str | None = None,
+    is_rocm: bool = False,
+) -> tuple[KernelConfig, KernelConfig]:
+    """(GEMM1, GEMM2) configs: a tuned table entry for this device if one exists, else the
+    heuristic. quant: 'none' | 'fp8_block' | 'int8'."""
+    key_dtype = {"none": dtype_name, "fp8_block": "fp8_block", "int8": "int8"}[quant]
+    g1 = g2 = None
+    if device_name:
+        entry = _file_table(device_slug(device_name)).get(table_key(e, h, i, key_dtype))
+        if entry:
+            best = min(entry, key=lambda k: abs(int(k) - m))
+            g1 = KernelConfig.from_dict(entry[best]["gemm1"])
+            g2 = KernelConfig.from_dict(entry[best].get("gemm2", entry[best]["gemm1"]))
+    if g1 is None or g2 is None:
+        g1, g2 = heuristic_configs(m, e, h, i, top_k, quant, is_rocm)
+    if g2.block_m != g1.block_m:
+        g2 = KernelConfig(g1.block_m, g2.block_n, g2.block_k, g2.group_m, g2.num_warps, g2.num_stages)
+    return _fit(g1, i, h, quant), _fit(g2, h, i, quant)
+
+
+# ----------------------------------------------------------------------------------------------
+# moe_align_block_size (torch, sync-free)
+# ----------------------------------------------------------------------------------------------
+
+
+def align_sizes(num_slots: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """Static (sorted length, number of M blocks)."""
+    length = num_slots + num_experts * (block_m - 1)
+    return length, triton.cdiv(length, block_m) if length else 0
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the T*K slots by local expert, each expert's run padded to a multiple of block_m.
+
+    topk_ids `[T, K]` local expert ids; -1 (or any id outside [0, E)) = not on this rank.
+    Returns
+      sorted_ids int32 `[T*K + E*(block_m-1)]`: slot index (token*K + k), pad value T*K;
+      expert_ids int32 `[ceil(len/block_m)]`: the expert of each M block, -1 past the end;
+      num_tokens_post_padded int32 `[1]`: length of the live prefix (a multiple of block_m).
+    Slots of non-local experts appear nowhere. No host synchronization; stable in slot order.
+    """
+    dev = topk_ids.device
+    s = topk_ids.numel()
+    e = num_experts
+    length, nblocks = align_sizes(s, e, block_m)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < e)
+    bucket = torch.where(valid, flat, torch.full_like(flat, e))
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:e] + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.argsort(bucket, stable=True)
+    b_sorted = bucket[order]
+    dense_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(s, device=dev) - dense_start[b_sorted]
+    starts_ext = torch.cat([starts, torch.full((1,), length, dtype=torch.int64, device=dev)])
+    dest = torch.where(b_sorted < e, starts_ext[b_sorted] + rank, torch.full_like(rank, length))
+    sorted_ids = torch.full((length + 1,), s, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(nblocks, device=dev, dtype=torch.int64) * block_m
+    blk_expert = torch.searchsorted(ends, block_start, right=True)
+    expert_ids = torch.where(blk_expert < e, blk_expert, torch.full_like(blk_expert, -1)).to(torch.int32)
+    num_post = ends[-1:].to(torch.int32) if e > 0 else torch.zeros(1, dtype=torch.int32, device=dev)
+    return sorted_ids[:length], expert_ids, num_post
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+ACT_NONE, ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2, 3
+Q_NONE, Q_FP8_BLOCK, Q_INT8 = 0, 1, 2
+_ACTS = {"none": ACT_NONE, "silu": ACT_SILU, "gelu": ACT_GELU, "swiglu_oai": ACT_SWIGLU_OAI}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_QUANTS = {"none": Q_NONE, "fp8_block": Q_FP8_BLOCK, "int8": Q_INT8}
+
+
+@triton.jit
+def _to(x, out_ty: tl.constexpr, FIX_BF16: tl.constexpr):
+    """fp32 -> out_ty. FIX_BF16 (interpreter only): its fp32 -> bf16 cast truncates instead of
+    rounding to nearest even, so round the fp32 bits first; the cast is then exact."""
+    if FIX_BF16:
+        if out_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(out_ty)
+
+
+@triton.jit
+def _activation(g, u, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr):
+    if ACT == 3:  # swiglu_oai (always gated)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g * tl.sigmoid(alpha * g) * (u + 1.0)
+    if ACT == 1:
+        a = g * tl.sigmoid(g)
+    else:  # exact (erf) gelu, as torch.nn.functional.gelu
+        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    if GATED:
+        a = a * u
+    return a
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    bias_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_ptr,
+    EM,  # length of sorted_ids
+    num_valid,
+    up_offset,
+    alpha,
+    limit,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    stride_biase,
+    stride_biasn,
+    stride_cm,
+    stride_cn,
+    N: tl.constexpr,  # output columns (I for GEMM1, H for GEMM2)
+    K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    TOP_K: tl.constexpr,  # A row = slot // TOP_K (1 for GEMM2)
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    QUANT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter only: fp32 dot operands (BF16 tl.dot is wrong there)
+    IEEE: tl.constexpr,  # fp32 layers: full-precision dot (no TF32)
+    FIX_BF16: tl.constexpr,  # interpreter only: see `_to`
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    group_id = pid // in_group
+    first_m = group_id * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % in_group) % group_size)
+    pid_n = (pid % in_group) // group_size
+
+    num_post = tl.load(num_post_ptr)
+    if pid_m * BLOCK_M >= num_post:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    slot_mask = slot < num_valid
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    c_ptrs = c_ptr + slot[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = slot_mask[:, None] & n_mask[None, :]
+
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert == -1:  # a block of an expert that is not on this rank: contributes zeros
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
+
+    a_row = slot // TOP_K
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
+    bg_ptrs = b_base + offs_n[None, :] * stride_bn
+    bu_ptrs = b_base + (offs_n[None, :] + up_offset) * stride_bn
+
+    if QUANT == 2:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    if QUANT == 1:
+        as_ptrs = a_scale_ptr + a_row * stride_asm
+        bs_base = b_scale_ptr + expert * stride_bse
+        bsg_ptrs = bs_base + (offs_n // GROUP_N) * stride_bsn
+        bsu_ptrs = bs_base + ((offs_n + up_offset) // GROUP_N) * stride_bsn
+
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+        bg = tl.load(bg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if GATED:
+            bu = tl.load(bu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            if QUANT != 2:
+                a = a.to(tl.float32)
+                bg = bg.to(tl.float32)
+                if GATED:
+                    bu = bu.to(tl.float32)
+        if QUANT == 2:
+            acc_g += tl.dot(a, bg, out_dtype=tl.int32)
+            if GATED:
+                acc_u += tl.dot(a, bu, out_dtype=tl.int32)
+        elif QUANT == 1:
+            kg = (kb * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=slot_mask, other=0.0)
+            bs_g = tl.load(bsg_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
+            acc_g += tl.dot(a, bg) * a_s[:, None] * bs_g[None, :]
+            if GATED:
+                bs_u = tl.load(bsu_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
+                acc_u += tl.dot(a, bu) * a_s[:, None] * bs_u[None, :]
+        else:
+            if IEEE:
+                acc_g += tl.dot(a, bg, input_precision="ieee")
+                if GATED:
+                    acc_u += tl.dot(a, bu, input_precision="ieee")
+            else:
+                acc_g += tl.dot(a, bg)
+                if GATED:
+                    acc_u += tl.dot(a, bu)
+        a_ptrs += BLOCK_K * stride_ak
+        bg_ptrs += BLOCK_K * stride_bk
+        bu_ptrs += BLOCK_K * stride_bk
+
+    if QUANT == 2:
+        a_s = tl.load(a_scale_ptr + a_row * stride_asm, mask=slot_mask, other=0.0)
+        bs_base = b_scale_ptr + expert * stride_bse
+        bs_g = tl.load(bs_base + offs_n * stride_bsn, mask=n_mask, other=0.0)
+        g = acc_g.to(tl.float32) * a_s[:, None] * bs_g[None, :]
+        if GATED:
+            bs_u = tl.load(bs_base + (offs_n + up_offset) * stride_bsn, mask=n_mask, other=0.0)
+            u = acc_u.to(tl.float32) * a_s[:, None] * bs_u[None, :]
+        else:
+            u = g
+    else:
+        g = acc_g
+        u = acc_u
+
+    if HAS_BIAS:
+        bias_base = bias_ptr + expert * stride_biase
+        g += tl.load(bias_base + offs_n * stride_biasn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            u += tl.load(bias_base + (offs_n + up_offset) * stride_biasn, mask=n_mask, other=0.0).to(tl.float32)[
+                None, :
+            ]
+
+    out_ty = c_ptr.dtype.element_ty
+    # Round like the stored intermediates of an unfused kernel (and the reference) do.
+    g = _to(g, out_ty, FIX_BF16).to(tl.float32)
+    if ACT != 0:
+        if GATED:
+            u = _to(u, out_ty, FIX_BF16).to(tl.float32)
+        g = _activation(g, u, alpha, limit, ACT, GATED)
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + slot, mask=slot_mask, other=0.0).to(tl.float32)
+        g = g * w[:, None]
+    tl.store(c_ptrs, _to(g, out_ty, FIX_BF16), mask=c_mask)
+
+
+@triton.jit
+def _group_quant_fp8_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    QMAX: tl.constexpr,
+    UE8M0: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    row_ids_ptr,
+    HAS_ROW_IDS: tl.constexpr,
+):
+    """One program per (row, 128-group): scale = amax / QMAX, q = x / scale (saturated).
+    With HAS_ROW_IDS, rows whose expert id is < 0 (not local, never written) are skipped."""
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_ROW_IDS:
+        if tl.load(row_ids_ptr + row) < 0:
+            return
+    grp = tl.program_id(1)
+    offs = grp * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.maximum(amax, 1e-12) / QMAX
+    if UE8M0:
+        scale = tl.exp2(tl.ceil(tl.log2(scale)))
+    q = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+    if ROUND_IN_FP32:
+        # Interpreter only: its fp32 -> fp8 cast drops the carry when rounding crosses a power
+        # of two (31.9 -> 16 instead of 32). Round to the e4m3 grid here (ties to even), so the
+        # cast below is exact. 3 mantissa bits: step = 2**(exponent - 3); subnormal step below.
+        mag = tl.abs(q)
+        step = tl.exp2(tl.floor(tl.log2(tl.maximum(mag, MIN_NORMAL))) - 3.0)
+        mag = ((mag / step + 12582912.0) - 12582912.0) * step
+        q = tl.where(q < 0, -mag, mag)
+    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + grp, scale)
+
+
+@triton.jit
+def _token_quant_int8_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, row_ids_ptr, HAS_ROW_IDS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program per row: scale = amax / 127, q = round-half-even(x / scale). With HAS_ROW_IDS,
+    rows whose expert id is < 0 are skipped."""
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_ROW_IDS:
+        if tl.load(row_ids_ptr + row) < 0:
+            return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.maximum(amax, 1e-12) / 127.0
+    y = x / scale
+    # Round half to even without libdevice (portable to HIP and the interpreter): adding and
+    # subtracting 1.5 * 2**23 rounds an fp32 |y| < 2**22 to the nearest integer, ties to even.
+    y = (y + 12582912.0) - 12582912.0
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    tl.store(q_ptr + row * stride_qm + offs, y.to(tl.int8), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _moe_sum_kernel(
+    c_ptr,
+    ids_ptr,
+    out_ptr,
+    T,
+    H,
+    stride_cm,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+):
+    """out[t] = sum_k c[t*K + k] over the k whose expert is local (id >= 0); fp32 sum."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_mask = offs_t < T
+    h_mask = offs_h < H
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + offs_t * TOP_K + k, mask=t_mask, other=-1)
+        m = (t_mask & (e >= 0))[:, None] & h_mask[None, :]
+        ptrs = c_ptr + (offs_t * TOP_K + k)[:, None] * stride_cm + offs_h[None, :]
+        acc += tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + offs_t[:, None] * stride_om + offs_h[None, :]
+    tl.store(out_ptrs, _to(acc, out_ptr.dtype.element_ty, FIX_BF16), mask=t_mask[:, None] & h_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    ue8m0: bool = False,
+    row_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` -> (fp8 `[M, K]`, fp32 scales `[M, ceil(K/128)]`), 1x128 groups.
+    row_ids int32 `[M]`: rows with a negative id are skipped (their outputs stay unset)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    ng = triton.cdiv(k, GROUP)
+    s = torch.empty((m, ng), dtype=torch.float32, device=x.device)
+    if m and k:
+        _group_quant_fp8_kernel[(m, ng)](
+            x,
+            q,
+            s,
+            k,
+            x.stride(0),
+            q.stride(0),
+            s.stride(0),
+            QMAX=fp8_qmax(fp8_dtype),
+            UE8M0=ue8m0,
+            GROUP_SIZE=GROUP,
+            MIN_NORMAL=2.0**-7 if fp8_dtype == torch.float8_e4m3fnuz else 2.0**-6,
+            ROUND_IN_FP32=interpreting(),
+            row_ids_ptr=row_ids if row_ids is not None else s,
+            HAS_ROW_IDS=row_ids is not None,
+        )
+    return q, s
+
+
+def per_token_quant_int8(x: torch.Tensor, row_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` -> (int8 `[M, K]`, fp32 scales `[M]`), dynamic symmetric per row.
+    row_ids int32 `[M]`: rows with a negative id are skipped (their outputs stay unset)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    s = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m and k:
+        block = _next_pow2(k)
+        _token_quant_int8_kernel[(m,)](
+            x,
+            q,
+            s,
+            k,
+            x.stride(0),
+            q.stride(0),
+            row_ids if row_ids is not None else s,
+            HAS_ROW_IDS=row_ids is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return q, s
+
+
+@dataclass(frozen=True)
+class TritonMoEWeights:
+    """Weights as the kernel reads them: the canonical layout (w13 `[E, N13, H]` = [gate; up],
+    w2 `[E, H, I]`, i.e. `[E, N, K]` for both GEMMs), fp8 in the hardware's flavour.
+
+    quant: 'none' | 'fp8_block' | 'int8'. Scales: fp8_block `[E, ceil(N/128), ceil(K/128)]`,
+    int8 `[E, N]`. Biases in fp32."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    quant: str = "none"
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    ue8m0: bool = False
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.w13.dtype
+
+
+def _launch_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post: torch.Tensor,
+    num_valid: int,
+    n: int,
+    cfg: KernelConfig,
+    *,
+    top_k: int,
+    gated: bool,
+    act: int,
+    quant: int,
+    alpha: float,
+    limit: float,
+) -> None:
+    k = a.shape[1]
+    em = sorted_ids.shape[0]
+    grid = (triton.cdiv(em, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    dummy = c  # any tensor: pointers of disabled features are never read
+    a_s = a_scale if a_scale is not None else dummy
+    b_s = b_scale if b_scale is not None else dummy
+    asm, ask = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() > 1 else 0) if a_scale is not None else (0, 0)
+    if b_scale is not None:
+        bse, bsn = b_scale.stride(0), b_scale.stride(1)
+        bsk = b_scale.stride(2) if b_scale.dim() > 2 else 0
+    else:
+        bse = bsn = bsk = 0
+    bias_t = bias if bias is not None else dummy
+    bie, bin_ = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    _fused_moe_kernel[grid](
+        a,
+        a_s,
+        b,
+        b_s,
+        bias_t,
+        c,
+        topk_weights if topk_weights is not None else dummy,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        em,
+        num_valid,
+        n if gated else 0,
+        alpha,
+        limit,
+        a.stride(0),
+        a.stride(1),
+        asm,
+        ask,
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        bse,
+        bsn,
+        bsk,
+        bie,
+        bin_,
+        c.stride(0),
+        c.stride(1),
+        N=n,
+        K=k,
+        GROUP_N=GROUP,
+        GROUP_K=GROUP,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        TOP_K=top_k,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        GATED=gated,
+        ACT=act,
+        QUANT=quant,
+        HAS_BIAS=bias is not None,
+        UPCAST=interpreting(),
+        IEEE=a.dtype == torch.float32,
+        FIX_BF16=interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _quantize_rows(
+    x: torch.Tensor, w: TritonMoEWeights, row_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if w.quant == "fp8_block":
+        return per_token_group_quant_fp8(x, w.fp8_dtype, w.ue8m0, row_ids)
+    if w.quant == "int8":
+        return per_token_quant_int8(x, row_ids)
+    return x, None
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w: TritonMoEWeights,
+    *,
+    activation: str = "silu",
+    gated: bool = True,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    out_dtype: torch.dtype | None = None,
+    hidden_scales: torch.Tensor | None = None,
+    all_local: bool = False,
+    configs: tuple[KernelConfig, KernelConfig] | None = None,
+    device_name: str | None = None,
+    is_rocm: bool = False,
+) -> torch.Tensor:
+    """The STANDARD-layout MoE: `[T, H]` = sum_k weight[t,k] * expert_{ids[t,k]}(hidden[t]).
+
+    hidden `[T, H]` in out_dtype, or already quantized (fp8 of `w.fp8_dtype` with 1x128 scales,
+    or int8 with per-token scales) when `hidden_scales` is given.
+    topk_ids `[T, K]` local ids, -1 for experts not on this rank (they contribute nothing);
+    topk_weights `[T, K]` float. all_local: the caller guarantees no -1 (lets top_k == 1
+    write straight into the output). No host synchronization; every size is static.
+    """
+    t, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    e, n13 = w.w13.shape[0], w.w13.shape[1]
+    i = w.w2.shape[2]
+    out_dtype = out_dtype or hidden.dtype
+    dev = hidden.device
+    out = torch.empty((t, h), dtype=out_dtype, device=dev)
+    if t == 0:
+        return out
+    if e == 0:
+        return out.zero_()
+    if configs is None:
+        dname = _DTYPE_NAMES.get(out_dtype, "bf16")
+        configs = select_configs(t, e, h, i, top_k, w.quant, dname, device_name, is_rocm)
+    cfg1, cfg2 = configs
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg1.block_m, e)
+    s = t * top_k
+    if hidden_scales is None:
+        a1, a1_s = _quantize_rows(hidden, w)
+    else:
+        a1, a1_s = hidden, hidden_scales
+    qcode = _QUANTS[w.quant]
+    act = _ACTS[activation]
+    inter = torch.empty((s, i), dtype=out_dtype, device=dev)
+    _launch_gemm(
+        a1, a1_s, w.w13, w.w13_scale, w.w13_bias, inter, None, sorted_ids, expert_ids, num_post, s, i, cfg1,
+        top_k=top_k, gated=gated and n13 == 2 * i, act=act, quant=qcode, alpha=swiglu_alpha, limit=swiglu_limit,
+    )  # fmt: skip
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    a2, a2_s = _quantize_rows(inter, w, None if all_local else ids)  # rows of remote experts: never written
+    direct = top_k == 1 and all_local
+    y = out if direct else torch.empty((s, h), dtype=out_dtype, device=dev)
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    _launch_gemm(
+        a2, a2_s, w.w2, w.w2_scale, w.w2_bias, y, tw, sorted_ids, expert_ids, num_post, s, h, cfg2,
+        top_k=1, gated=False, act=ACT_NONE, quant=qcode, alpha=0.0, limit=0.0,
+    )  # fmt: skip
+    if not direct:
+        block_t = min(64, _next_pow2(t)) if interpreting() else 1
+        block_h = min(4096 if interpreting() else 1024, _next_pow2(h))
+        grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_h))
+        _moe_sum_kernel[grid](
+            y,
+            ids,
+            out,
+            t,
+            h,
+            y.stride(0),
+            out.stride(0),
+            TOP_K=top_k,
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
+            FIX_BF16=interpreting(),
+        )
+    return out

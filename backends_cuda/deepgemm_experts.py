@@ -194,11 +194,14 @@ FUSE_MAX_ROWS_PER_EXPERT = 2
 
 
 def _fusable(choice: GemmChoice, config: MoEConfig) -> bool:
-    """Fuse only where the tuned GEMM1 tile keeps its pipeline depth once it holds the up tile
-    too (`fused_act_config` may shorten its K tile, not its stages): elsewhere the fused kernel
-    would run an untuned, shallower pipeline, and the unfused path is the measured one."""
+    """Fuse where the table holds the fused kernel's own measured tile, or where the tuned GEMM1
+    tile keeps its pipeline depth once it holds the up tile too (`fused_act_config` may shorten
+    its K tile, not its stages): elsewhere the fused kernel would run an untuned, shallower
+    pipeline, and the unfused path is the measured one."""
     from moehal.kernels.triton_grouped_gemm import fused_act_config
 
+    if choice.fused_config is not None:  # the fused kernel's own tile, measured
+        return True
     cfg = choice.config
     return cfg is not None and fused_act_config(cfg, config.hidden_size).num_stages == cfg.num_stages
 
@@ -209,7 +212,8 @@ def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfi
     from moehal.kernels.triton_fused_moe import _ACTS
     from moehal.kernels.triton_grouped_gemm import masked_gemm_act
 
-    assert choice.config is not None
+    tile = choice.fused_config or choice.config
+    assert tile is not None
     act = _ACTS[config.activation.value]
 
     def run(x: torch.Tensor, w13: torch.Tensor, b13: Any, act_buf: Any, y: torch.Tensor, mm: torch.Tensor) -> None:
@@ -222,7 +226,7 @@ def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfi
             y,
             mm,
             total_rows,
-            choice.config,
+            tile,
             activation=act,
             gated=config.gated,
             alpha=config.swiglu_alpha,

@@ -13,7 +13,9 @@ both on a device and writes a table next to this module:
                     {"16": {"use": "triton" | "deepgemm", "config": {BLOCK_M, ...},
                             "us": {"deepgemm": 21.0, "triton": 17.5}}, ...}}}
 
-keyed by token count (the nearest measured count on a log scale is used). No table, no entry,
+keyed by token count (the nearest measured count on a log scale is used). bf16 GEMM1 rows
+where the experts fuse GEMM1 with the activation may also hold that fused kernel's own tile,
+`"fused": {"config", "us", "adapted_us"}` (`python -m moehal_cuda.tuning --fused-only`). No table, no entry,
 an entry saying "deepgemm", or a Triton win under `MIN_GAIN`: DeepGEMM runs, as before this
 module existed. A choice is
 looked up once per distinct token count and cached, so the hot path does a dict lookup.
@@ -54,6 +56,8 @@ class GemmChoice:
     use: str  # 'deepgemm' or 'triton'
     config: GemmConfig | None = None
     tuned_tokens: int | None = None  # the measured token count this choice comes from
+    # GEMM1 fused with the activation: its own measured tile (None: adapt `config` to it)
+    fused_config: GemmConfig | None = None
 
     @property
     def triton(self) -> bool:
@@ -104,8 +108,19 @@ class GemmChooser:
 
             cfg = GemmConfig.from_dict(row["config"])
             if cfg.fits(n, k, dtype == "fp8_block"):
-                return GemmChoice("triton", cfg, at)
+                return GemmChoice("triton", cfg, at, _fused_tile(row.get("fused"), n, k))
         return GemmChoice("deepgemm", None, at)
+
+
+def _fused_tile(fused: dict[str, Any] | None, n: int, k: int) -> GemmConfig | None:
+    """The fused GEMM1 + activation tile of a row (`moehal_cuda.tuning.tune_fused`), where it
+    measured at least `MIN_GAIN` faster than the plain GEMM1 tile adapted to the fused kernel."""
+    if not fused or "config" not in fused or fused.get("us", 0.0) > (1.0 - MIN_GAIN) * fused.get("adapted_us", 0.0):
+        return None
+    from moehal.kernels.triton_grouped_gemm import GemmConfig
+
+    cfg = GemmConfig.from_dict(fused["config"])
+    return cfg if cfg.fits(n // 2, k, False) else None
 
 
 def main(argv: list[str] | None = None) -> int:

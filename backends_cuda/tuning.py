@@ -258,6 +258,150 @@ def tune(
     return table
 
 
+# --- the fused GEMM1 + activation tile (decode) ------------------------------------------------------
+
+
+def fused_candidates(n13: int, k: int) -> list[GemmConfig]:
+    """Tiles for the fused GEMM1 + activation at decode sizes. Its N tile spans a gate and an up
+    block, so it holds two B tiles per stage; only tiles that fit shared memory are tried."""
+    from moehal.kernels.triton_grouped_gemm import SMEM_BUDGET, smem_bytes
+
+    i = n13 // 2
+    out = []
+    for bn in (16, 32, 64):
+        for bk in (64, 128, 256):
+            for warps in (2, 4):
+                for stages in (3, 4, 5, 6):
+                    c = GemmConfig(16, bn, bk, 1, warps, stages)
+                    if c.fits(i, k, False) and smem_bytes(c, 2, b_tiles=2) <= SMEM_BUDGET:
+                        out.append(c)
+    return out
+
+
+class FusedProblem:
+    """The fused GEMM1 + activation of one MoE shape (bf16, SiLU), operands on the GPU."""
+
+    def __init__(self, e: int, n13: int, k: int, h: int, max_tokens: int, dev: torch.device, fill: bool = True) -> None:
+        g = torch.Generator(device=dev).manual_seed(2)
+        self.max_m = -(-max_tokens // MASKED_ALIGN) * MASKED_ALIGN
+        if fill:
+            self.a = torch.randn(e, self.max_m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            self.w = torch.randn(e, n13, k, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k)
+        else:  # compile-only: same shapes and strides, no values
+            self.a = torch.empty(e, self.max_m, k, device=dev, dtype=torch.bfloat16)
+            self.w = torch.empty(e, n13, k, device=dev, dtype=torch.bfloat16)
+        self.out = torch.empty(e, self.max_m, n13 // 2, device=dev, dtype=torch.bfloat16)
+        self.y = torch.zeros(e, self.max_m, h, device=dev, dtype=torch.bfloat16)
+        self.rows = torch.zeros(2, e, device=dev, dtype=torch.int32)
+
+    def run(self, cfg: GemmConfig, masked_m: torch.Tensor, total_rows: int) -> None:
+        from moehal.kernels.triton_fused_moe import _ACTS
+        from moehal.kernels.triton_grouped_gemm import masked_gemm_act
+
+        a, w, out, rows, y = self.a, self.w, self.out, self.rows, self.y
+        masked_gemm_act(a, w, None, out, rows, y, masked_m, total_rows, cfg, activation=_ACTS["silu"], gated=True)
+
+
+def _compile_fused_worker(args: tuple[int, int, int, int, list[dict[str, int]]]) -> list[str]:
+    """Run each fused tile once with no routed rows (fills Triton's disk cache); returns the
+    `_fused_key`s of the tiles that failed."""
+    e, n13, k, h, cfgs = args
+    prob = FusedProblem(e, n13, k, h, MASKED_ALIGN, torch.device("cuda"), fill=False)
+    zero = torch.zeros(e, dtype=torch.int32, device="cuda")
+    failed = []
+    for d in cfgs:
+        try:
+            prob.run(GemmConfig.from_dict(d), zero, 1)
+            torch.cuda.synchronize()
+        except Exception:  # out of shared memory or registers: the tile is dropped
+            failed.append(_fused_key(e, n13, k, d))
+    return failed
+
+
+def _fused_key(e: int, n13: int, k: int, cfg: dict[str, int]) -> str:
+    return f"{e},{n13},{k}:" + json.dumps(cfg, sort_keys=True)
+
+
+def tune_fused(
+    shapes: Iterable[str],
+    tokens: Sequence[int],
+    out_path: str,
+    budget_s: float,
+    workers: int = 1,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Add the fused GEMM1 + activation's own tile to a bf16 table's GEMM1 rows where the
+    experts fuse (Triton GEMM1, <= FUSE_MAX_ROWS_PER_EXPERT rows per expert): the tile tuned for
+    the plain GEMM1 is adapted by `fused_act_config`, which keeps its N tile although the fused
+    kernel's N tile covers a gate and an up block. Each row gets
+    `"fused": {"config", "us", "adapted_us"}`, the best candidate beside the adapted tile."""
+    from moehal.bench import SHAPES
+    from moehal.kernels.triton_grouped_gemm import fused_act_config
+    from moehal_cuda.deepgemm_experts import FUSE_MAX_ROWS_PER_EXPERT
+
+    dev = torch.device("cuda")
+    t_start = time.monotonic()
+    with open(out_path) as f:
+        table = json.load(f)
+    plan: dict[str, list[int]] = {}  # shape -> the token counts whose GEMM1 the experts fuse
+    for shape in shapes:
+        s = SHAPES[shape]
+        key = entry_key(s["num_experts"], 2 * s["intermediate_size"], s["hidden_size"], "bf16")
+        entry = table["entries"].get(key, {})
+        todo = [t for t in tokens if str(t) in entry and t * s["top_k"] <= FUSE_MAX_ROWS_PER_EXPERT * s["num_experts"]]
+        plan[shape] = [t for t in todo if entry[str(t)].get("use") == "triton" and entry[str(t)].get("config")]
+        if not plan[shape]:
+            log(f"{shape}: no fused GEMM1 rows to tune ({key})")
+    jobs = []
+    for shape in (sh for sh, todo in plan.items() if todo):
+        s = SHAPES[shape]
+        e, h, i = s["num_experts"], s["hidden_size"], s["intermediate_size"]
+        cfgs = [c.as_dict() for c in fused_candidates(2 * i, h)]
+        jobs += [(e, 2 * i, h, h, cfgs[j : j + 4]) for j in range(0, len(cfgs), 4)]
+    with mp.get_context("spawn").Pool(max(1, workers)) as pool:
+        results = pool.map(_compile_fused_worker, jobs, chunksize=1)
+    failed = {key for fails in results for key in fails}
+    ntiles = sum(len(j[4]) for j in jobs)
+    log(f"compiled {ntiles} fused tiles in {time.monotonic() - t_start:.0f}s ({len(failed)} failed)")
+    for shape in (sh for sh, todo in plan.items() if todo):
+        s = SHAPES[shape]
+        e, h, i, top_k = s["num_experts"], s["hidden_size"], s["intermediate_size"], s["top_k"]
+        key = entry_key(e, 2 * i, h, "bf16")
+        entry, todo = table["entries"][key], plan[shape]
+        prob = FusedProblem(e, 2 * i, h, h, max(todo), dev)
+        for t in todo:
+            if time.monotonic() - t_start > budget_s:
+                log(f"time budget reached: {key} stops before T={t}")
+                break
+            row = entry[str(t)]
+            counts = [c.to(dev) for c in routing_counts(t, e, top_k, ROTATIONS, seed=t)]
+            total = t * top_k
+            adapted = fused_act_config(GemmConfig.from_dict(row["config"]), h)
+
+            def timed(cfg: GemmConfig, prob: FusedProblem = prob, counts: list = counts, total: int = total) -> float:
+                return time_graph([functools.partial(prob.run, cfg, c, total) for c in counts])
+
+            adapted_us = timed(adapted)
+            best = (adapted_us, adapted)
+            for cfg in fused_candidates(2 * i, h):
+                if _fused_key(e, 2 * i, h, cfg.as_dict()) in failed:
+                    continue
+                try:
+                    us = timed(cfg)
+                except Exception as exc:  # a tile that cannot launch here
+                    log(f"  {key} T={t} {cfg}: {type(exc).__name__}")
+                    continue
+                if us < best[0]:
+                    best = (us, cfg)
+            row["fused"] = {"config": best[1].as_dict(), "us": round(best[0], 2), "adapted_us": round(adapted_us, 2)}
+            log(f"{shape:16s} {key:34s} T={t:5d}  fused: adapted {adapted_us:7.1f} us, best {best[0]:7.1f} {best[1]}")
+        del prob
+        torch.cuda.empty_cache()
+        table.setdefault("meta", {})["fused_tuned"] = _meta(torch.cuda.get_device_name(dev))
+        _write(table, out_path)
+    return table
+
+
 def _meta(device_name: str) -> dict[str, Any]:
     import triton
 
@@ -296,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--update", action="store_true", help="keep the entries already in --out (re-tuned keys replaced)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop timing after this many seconds")
+    ap.add_argument(
+        "--fused-only", action="store_true", help="only tune the fused GEMM1 + activation tile of --out's bf16 rows"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("moehal_cuda.tuning needs a CUDA GPU (it measures kernels); none is visible")
@@ -306,6 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
         return 2
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.fused_only:
+        tune_fused(shapes, tokens, args.out, args.budget_s, args.workers)
+        print(f"wrote {args.out}")
+        return 0
     tune(shapes, tokens, args.quant.split(","), args.out, args.workers, args.budget_s, update=args.update)
     print(f"wrote {args.out}")
     return 0

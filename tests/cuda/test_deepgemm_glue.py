@@ -11,7 +11,7 @@ from moehal.config import MoEConfig
 from moehal.formats import ActivationFormat, Layout, ScaleKind
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
-from moehal.kernels.triton_grouped_gemm import default_config
+from moehal.kernels.triton_grouped_gemm import GemmConfig, default_config
 from moehal.quant import QuantScheme, ScaleFormat
 from moehal.reference.dispatcher import ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts
@@ -66,6 +66,15 @@ class TritonForSmallBatches(AlwaysTriton):
         return GemmChoice("triton", default_config(tokens, n, k, dtype == "fp8_block"), tokens)
 
 
+class TritonWithFusedTile(AlwaysTriton):
+    """Triton everywhere, and GEMM1 rows that carry the fused kernel's own tile (a table tuned
+    with `--fused-only`): a narrower N tile than the plain GEMM1's."""
+
+    def choose(self, e, n, k, dtype, tokens):
+        plain = super().choose(e, n, k, dtype, tokens)
+        return GemmChoice("triton", plain.config, tokens, GemmConfig(16, 16, 32, 1, 4, 1))
+
+
 # The masked cases again, with the Triton masked GEMM in place of DeepGEMM's (per-shape choice).
 TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if lay is Layout.MASKED]
 
@@ -78,7 +87,8 @@ TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if
 )
 def test_layer_matches_reference(quant_name, layout, extra):
     extra = dict(extra)
-    chooser = {"triton": AlwaysTriton, "mixed": TritonForSmallBatches}.get(extra.pop("gemm", None), lambda: None)()
+    choosers = {"triton": AlwaysTriton, "mixed": TritonForSmallBatches, "fused_tile": TritonWithFusedTile}
+    chooser = choosers.get(extra.pop("gemm", None), lambda: None)()
     steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
     kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=max(steps))
     cfg = MoEConfig(**{**kw, **extra})
@@ -154,7 +164,7 @@ def test_activation_split_over_column_chunks(monkeypatch, quant_name, layout):
     test_layer_matches_reference(quant_name, layout, dict(intermediate_size=384, has_w2_bias=True))
 
 
-@pytest.mark.parametrize("gemm", ["deepgemm", "triton", "mixed"])
+@pytest.mark.parametrize("gemm", ["deepgemm", "triton", "mixed", "fused_tile"])
 def test_masked_shrink_after_a_large_batch(monkeypatch, gemm):
     """A prefill-sized call, then decode-sized ones: the stale rows of the activation and GEMM2
     output buffers are zeroed by several programs per expert and column chunk (the last to

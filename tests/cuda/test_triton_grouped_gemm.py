@@ -116,6 +116,39 @@ def test_chooser_reads_nearest_measured_token_count(tmp_path):
     assert nearest([1, 16, 128], 3) == 1 and nearest([1, 16, 128], 5) == 16 and nearest([1, 16], 4) == 1
 
 
+def test_chooser_reads_the_fused_tile_only_where_it_measured_faster(tmp_path):
+    key = entry_key(128, 1536, 2048, "bf16")
+    plain = GemmConfig(16, 64, 256, 1, 4, 5).as_dict()
+    fused = GemmConfig(16, 32, 128, 1, 4, 5).as_dict()
+    row = {"use": "triton", "config": plain, "us": {"deepgemm": 30.0, "triton": 20.0}}
+    table = {
+        "entries": {
+            key: {
+                "1": {**row, "fused": {"config": fused, "us": 17.0, "adapted_us": 21.0}},
+                "4": {**row, "fused": {"config": fused, "us": 20.8, "adapted_us": 21.0}},  # inside the noise
+                "16": row,
+            }
+        }
+    }
+    table_path("Test GPU", tmp_path).write_text(json.dumps(table))
+    ch = GemmChooser("Test GPU", tmp_path)
+    assert ch.choose(128, 1536, 2048, "bf16", 1).fused_config == GemmConfig.from_dict(fused)
+    assert ch.choose(128, 1536, 2048, "bf16", 4).fused_config is None
+    assert ch.choose(128, 1536, 2048, "bf16", 16).fused_config is None
+
+
+def test_fused_tuner_candidates_fit_the_fused_kernel():
+    from moehal.kernels.triton_grouped_gemm import SMEM_BUDGET, fused_act_config, smem_bytes
+    from moehal_cuda.tuning import fused_candidates
+
+    for n13, k in ((1536, 2048), (4096, 7168), (28672, 4096)):
+        cands = fused_candidates(n13, k)
+        assert cands and {c.block_n for c in cands} >= {16, 32, 64}
+        for c in cands:  # they fit as they are: the fused kernel runs exactly the measured tile
+            assert c.fits(n13 // 2, k, False) and smem_bytes(c, 2, b_tiles=2) <= SMEM_BUDGET
+            assert fused_act_config(c, k) == c
+
+
 def test_tuner_candidates_fit_and_routing_counts_sum():
     for rows in (0.06, 1.0, 16.0, 64.0, 256.0):
         for n, k, q in ((1536, 2048, False), (2048, 768, False), (4096, 7168, True)):

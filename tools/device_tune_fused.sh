@@ -6,6 +6,7 @@
 set -u
 source tools/device_setup.sh
 record_env
+export COLUMNS=220  # rich tables at full width in the logs
 slug=$(python3 -c "import torch; from moehal_cuda.gemm_choice import device_slug; print(device_slug(torch.cuda.get_device_name()))")
 installed=/tmp/site/moehal_cuda/tuned/masked_gemm.$slug.json
 cp "$installed" "$OUT/masked_gemm.$slug.json"
@@ -23,5 +24,5 @@ cp "$OUT/masked_gemm.$slug.json" "$installed"
 bench bench-fused-tuned
 cat "$OUT/steps.txt"
 grep -v "^  " "$OUT/tune-fused.log" | tail -20
-for f in bench-shipped bench-fused-tuned; do echo "== $f"; grep -E "│ (qwe|dee|mix)" "$OUT/$f.log" | head -20; done
+for f in bench-shipped bench-fused-tuned; do echo "== $f"; grep -E "(qwen3|deepseek|mixtral)_" "$OUT/$f.log" | grep -v skipped | head -20; done
 exit 0

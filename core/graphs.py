@@ -8,13 +8,15 @@ setting `layer.cuda_graph_tokens`) captures, on the first eager call with T <= N
 forward for that T and replays it on every later call with T tokens.
 
 What a replay costs and assumes:
-- The inputs are copied into the graph's static inputs (one `torch._foreach_copy_`) and the
-  output is cloned: the caller's tensors are never captured, and the returned tensor is the caller's to
-  keep, as in an ordinary eager call. The host cost of each part, measured on an H100 host:
+- Inputs at the addresses of an earlier call of this token count (persistent buffers, or a
+  steady loop whose allocations repeat) replay a graph captured on those very tensors: no
+  copy. Other inputs are copied into a graph's own static inputs (one `torch._foreach_copy_`).
+  The output is cloned either way, so the returned tensor is the caller's to keep, as in an
+  ordinary eager call. Host cost of each part on an H100 host:
   docs/device-runs/2026-11-23-session5.
-- One capture per distinct token count, sharing one memory pool per layer; engines bucket
-  their batch sizes, so the set stays small. Larger batches run eagerly: their GPU time
-  dwarfs the launch overhead.
+- One capture per distinct token count (plus up to `DIRECT_PER_TOKEN_COUNT` direct ones),
+  sharing one memory pool per layer; engines bucket their batch sizes, so the set stays small.
+  Larger batches run eagerly: their GPU time dwarfs the launch overhead.
 - Only pipelines that declare `graph_capturable` can be replayed (checked when enabled).
 - Inside someone else's capture, or while torch.compile traces, the layer runs as usual.
 """
@@ -30,34 +32,68 @@ import torch
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]
+    inputs: tuple[torch.Tensor, ...]  # static inputs; () for a graph that reads the caller's tensors
     output: torch.Tensor
 
 
+# Graphs per token count that read the caller's own input tensors (see `GraphCache`).
+DIRECT_PER_TOKEN_COUNT = 4
+
+
 class GraphCache:
-    """Per-token-count CUDA graphs of one forward function `fn(*tensors) -> Tensor`."""
+    """Per-token-count CUDA graphs of one forward function `fn(*tensors) -> Tensor`.
+
+    Two kinds of graph, both replayed on the current stream:
+
+    - **copying** (one per token count and input dtypes): reads static input buffers of its
+      own, into which each call copies the caller's tensors first.
+    - **direct** (at most `DIRECT_PER_TOKEN_COUNT` per token count): captured on the caller's
+      own tensors, for a caller that passes tensors at the same addresses call after call (an
+      engine's persistent input buffers, or a steady decode loop whose allocations repeat).
+      It is captured the second time in a row one token count arrives at the same addresses,
+      and replayed only when every input is at exactly the address, with the shape, dtype and
+      strides, it was captured on: it then reads what the caller passed now, as an eager call
+      would, with no copy. It keeps no reference to the caller's tensors and never writes to
+      them (the forward only reads its inputs), so a freed and reused address is only ever
+      read when the caller passes a tensor there.
+    """
 
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
         self._fn = fn
         self._device = device
         self._graphs: dict[tuple, _Captured] = {}
+        self._direct: dict[tuple, _Captured] = {}
+        self._last: dict[tuple, tuple] = {}  # key -> where the previous call's inputs were
         self._pool: object | None = None
 
     @property
     def captured_token_counts(self) -> list[int]:
         """Token counts that have a captured graph (ascending)."""
-        return sorted({key[0] for key in self._graphs})
+        return sorted({key[0] for key in self._graphs} | {key[0][0] for key in self._direct})
+
+    @property
+    def direct_graphs(self) -> int:
+        """How many graphs read the caller's tensors in place (no input copy)."""
+        return len(self._direct)
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._direct.clear()
+        self._last.clear()
         self._pool = None
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         key = self.key(inputs)
-        cap = self._graphs.get(key)
+        where = self.where(inputs)
+        cap = self._direct.get((key, where))
+        if cap is None and self._last.get(key) == where and self._direct_count(key) < DIRECT_PER_TOKEN_COUNT:
+            cap = self._direct[(key, where)] = self._capture(inputs, copy_inputs=False)
         if cap is None:
-            cap = self._graphs[key] = self._capture(inputs)
-        torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
+            self._last[key] = where
+            cap = self._graphs.get(key)
+            if cap is None:
+                cap = self._graphs[key] = self._capture(inputs, copy_inputs=True)
+            torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
         cap.graph.replay()
         return cap.output.clone()
 
@@ -68,12 +104,20 @@ class GraphCache:
         shape, on the hot path)."""
         return (inputs[0].shape[0], *[t.dtype for t in inputs])
 
-    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _Captured:
-        static = tuple(t.clone() for t in inputs)
+    @staticmethod
+    def where(inputs: tuple[torch.Tensor, ...]) -> tuple:
+        """The inputs' addresses and strides: what a direct graph was captured on."""
+        return (*[t.data_ptr() for t in inputs], *[t.stride() for t in inputs])
+
+    def _direct_count(self, key: tuple) -> int:
+        return sum(1 for k, _ in self._direct if k == key)
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool) -> _Captured:
+        static = tuple(t.clone() for t in inputs) if copy_inputs else inputs
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph, output = capture(lambda: self._fn(*static), self._device, pool=self._pool)
-        return _Captured(graph, static, output)
+        return _Captured(graph, static if copy_inputs else (), output)
 
 
 def capture(

@@ -128,31 +128,37 @@ def test_cuda_graph_replay_is_refused_off_cuda(layer):
     assert torch.equal(layer(x, ids, w), layer(x, ids, w))  # still the plain eager path
 
 
+class _FakeGraph:
+    """Stands in for a CUDA graph on CPU: replay re-runs the function on the tensors it was
+    captured on and writes the captured output in place, as a graph does."""
+
+    def __init__(self, fn, tensors, output):
+        self.fn, self.tensors, self.output = fn, tensors, output
+
+    def replay(self):
+        self.output.copy_(self.fn(*self.tensors))
+
+
+def _fake_graph_cache(fn):
+    from moehal import graphs
+
+    cache = graphs.GraphCache(fn, torch.device("cpu"))
+
+    def capture(inputs, copy_inputs):
+        tensors = tuple(t.clone() for t in inputs) if copy_inputs else inputs
+        out = fn(*tensors)
+        return graphs._Captured(_FakeGraph(fn, tensors, out), tensors if copy_inputs else (), out)
+
+    cache._capture = capture  # type: ignore[method-assign]
+    return cache
+
+
 def test_graph_cache_replays_with_new_inputs_on_cpu_semantics():
     """The cache's bookkeeping (one capture per token count, inputs copied in, output copied
     out) without a GPU: a stand-in graph object that records and re-runs the function."""
     from moehal import graphs
 
-    calls = []
-
-    def fn(x, y):
-        calls.append(x.shape[0])
-        return x * 2 + y
-
-    class FakeGraph:
-        def __init__(self, cache, key):
-            self.cache, self.key = cache, key
-
-        def replay(self):
-            cap = self.cache._graphs[self.key]
-            cap.output.copy_(fn(*cap.inputs))
-
-    cache = graphs.GraphCache(fn, torch.device("cpu"))
-    cache._capture = lambda inputs: graphs._Captured(  # type: ignore[method-assign]
-        FakeGraph(cache, cache.key(inputs)),
-        tuple(t.clone() for t in inputs),
-        fn(*inputs),
-    )
+    cache = _fake_graph_cache(lambda x, y: x * 2 + y)
     a = cache(torch.ones(3), torch.zeros(3))
     b = cache(torch.full((3,), 5.0), torch.ones(3))
     c = cache(torch.ones(2), torch.ones(2))
@@ -162,3 +168,33 @@ def test_graph_cache_replays_with_new_inputs_on_cpu_semantics():
     assert b.tolist() == [11.0] * 3 and c.tolist() == [3.0] * 2
     assert cache.captured_token_counts == [2, 3]
     assert not graphs.should_replay(64, torch.ones(3, 4))  # CPU tensors never replay
+
+
+def test_graph_cache_reads_inputs_in_place_when_the_caller_reuses_its_tensors():
+    """A caller that passes the same tensors again gets a graph captured on them (no copy in);
+    it reads what they hold at each call, and other tensors still take the copying graph."""
+    from moehal import graphs
+
+    cache = _fake_graph_cache(lambda x, y: x * 2 + y)
+    x, y = torch.ones(3), torch.zeros(3)
+    first = cache(x, y)  # new addresses: the copying graph
+    assert cache.direct_graphs == 0
+    second = cache(x, y)  # the same addresses twice in a row: captured on x and y themselves
+    assert cache.direct_graphs == 1
+    x.fill_(5.0)  # the caller refills its buffer in place
+    third = cache(x, y)
+    assert third.tolist() == [10.0] * 3 and cache.direct_graphs == 1
+    static = cache._graphs[cache.key((x, y))].inputs[0]
+    assert static.tolist() == [1.0] * 3, "a direct replay must not copy into the copying graph's inputs"
+    other = cache(torch.full((3,), 2.0), torch.ones(3))  # other tensors: copied in
+    assert other.tolist() == [5.0] * 3
+    assert first.tolist() == second.tolist() == [2.0] * 3, "outputs stay the caller's"
+    assert cache._direct[(cache.key((x, y)), cache.where((x, y)))].inputs == (), "no reference kept"
+    y_t = torch.zeros(3, 2)[:, 0]  # same shape, other strides: never the direct graph of y
+    assert cache.where((x, y_t)) != cache.where((x, y))
+    for _ in range(3 * graphs.DIRECT_PER_TOKEN_COUNT):  # at most this many direct graphs per count
+        u, v = torch.rand(3), torch.rand(3)
+        assert torch.allclose(cache(u, v), u * 2 + v) and torch.allclose(cache(u, v), u * 2 + v)
+    assert cache.direct_graphs == graphs.DIRECT_PER_TOKEN_COUNT
+    cache.clear()
+    assert cache.direct_graphs == 0 and cache.captured_token_counts == []

@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# One GPU call: correctness first. GPU tests, conformance of the CUDA backend (quick), and a
-# per-kernel breakdown of the decode shapes that are furthest from their goals. At most 8 files
+# One GPU call: correctness first. GPU tests, conformance of the CUDA backend (quick), and the
+# host cost of one forward beside this host's floor costs (tools/host_floor.py). At most 8 files
 # land in $OUT (the device tool returns no more).
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_verify.sh
 set -u
 source tools/device_setup.sh
 record_env
-step pytest-gpu "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+step pytest-gpu "${TEST_LIMIT:-330}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
   tests/cuda tests/integrations/test_custom_op.py
 cd /tmp
 step conformance "${CONF_LIMIT:-220}" python3 -m moehal.cli.main conformance --backend cuda --quick --report "$OUT/conformance-cuda"
-step breakdown "${BREAKDOWN_LIMIT:-120}" python3 -m moehal.cli.main bench --shapes qwen3_30b_a3b,deepseek_v3_ep8 \
-  --tokens 1,4 --quant bf16 --backends cuda --reps 20 --breakdown --out "$OUT/breakdown"
-rm -f "$OUT"/breakdown.png
+step host-floor "${HOST_LIMIT:-120}" python3 "$repo/tools/host_floor.py" --shapes qwen3_30b_a3b,deepseek_v3_ep8 --tokens 1,16
 tail -n 3 "$OUT/pytest-gpu.log" "$OUT/conformance.log"
-tail -n 30 "$OUT/breakdown.log"
+grep -E " us |direct" "$OUT/host-floor.log"
 cat "$OUT/steps.txt"
 rm -f "$OUT/conformance.log"  # its table is in conformance-cuda.md; the tool returns at most 8 files

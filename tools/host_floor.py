@@ -130,7 +130,13 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
         print(s.getvalue())
     layer.cuda_graph_tokens = tokens
-    report(f"{tag}: eager forward replaying a graph", host_us(lambda: layer(x, ids, wts)))
+    report(f"{tag}: eager forward replaying a graph, same input tensors", host_us(lambda: layer(x, ids, wts)))
+    sets = [(x.clone(), ids.clone(), wts.clone()) for _ in range(3)]  # new addresses at every call
+    turn = iter(range(10**9))
+    report(
+        f"{tag}: eager forward replaying a graph, other input tensors",
+        host_us(lambda: layer(*sets[next(turn) % 3])),
+    )
     cache = layer._graphs_topk
     if not hasattr(cache, "key"):  # an older moehal (A/B runs): no per-part timings
         return
@@ -140,9 +146,9 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     report(f"{tag}:   copying the inputs in (foreach)", host_us(lambda: torch._foreach_copy_(cap.inputs, inp)))
     report(f"{tag}:   CUDAGraph.replay()", host_us(cap.graph.replay))
     report(f"{tag}:   cloning the output", host_us(cap.output.clone))
-    report(f"{tag}:   copy in + replay", host_us(lambda: (torch._foreach_copy_(cap.inputs, inp), cap.graph.replay())))
-    report(f"{tag}:   GraphCache call", host_us(lambda: cache(*inp)))
-    report(f"{tag}:   layer.forward (no Module.__call__)", host_us(lambda: layer.forward(*inp)))
+    report(f"{tag}:   GraphCache call, same tensors", host_us(lambda: cache(*inp)))
+    report(f"{tag}:   layer.forward, same tensors (no Module.__call__)", host_us(lambda: layer.forward(*inp)))
+    print(f"{tag}: direct graphs {getattr(cache, 'direct_graphs', 0)}")
     if profile:
         pr = cProfile.Profile()
         pr.enable()

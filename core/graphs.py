@@ -140,8 +140,5 @@ def capture(
 def should_replay(limit: int, hidden: torch.Tensor) -> bool:
     """Whether this eager call goes through the graph cache."""
     return (
-        limit > 0
-        and hidden.device.type == "cuda"
-        and 0 < hidden.shape[0] <= limit
-        and not torch.cuda.is_current_stream_capturing()
+        limit > 0 and hidden.is_cuda and 0 < hidden.shape[0] <= limit and not torch.cuda.is_current_stream_capturing()
     )

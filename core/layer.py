@@ -21,6 +21,8 @@ from moehal.routing import TopK, route
 from moehal.selection import Pipeline, Plan, QuantizeAdapter, select
 from moehal.weights import ExpertWeights, validate
 
+_ID_DTYPES = frozenset({torch.int32, torch.int64})
+
 
 class MoELayer(torch.nn.Module):
     """A Mixture-of-Experts layer running on the best backend for its config and hardware.
@@ -76,6 +78,7 @@ class MoELayer(torch.nn.Module):
         else:
             self.plan = select(self.request, reg, chosen, layout)
         self.device = hw.device
+        self._on_cuda = self.device.type == "cuda"
         self.validate_values = validate if validate is not None else hw.kind == "cpu"
         p = self.plan.pipeline
         self._fused: FusedRunner | None = None
@@ -190,7 +193,7 @@ class MoELayer(torch.nn.Module):
             return self._forward_logits(hidden_states, router_logits)
         if topk_ids is None or topk_weights is None:
             raise InputError("pass topk_ids and topk_weights (or router_logits=...)")
-        self._check_topk(TopK(topk_ids, topk_weights), hidden_states)
+        self._check_topk(topk_ids, topk_weights, hidden_states)
         if not self._accepts_topk:
             raise InputError(
                 f"{self.plan.pipeline.name} routes inside the kernel and takes router_logits only; "
@@ -231,7 +234,7 @@ class MoELayer(torch.nn.Module):
             raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
         topk = TopK(topk_ids, topk_weights)
         self._check_hidden(hidden_states)
-        self._check_topk(topk, hidden_states)
+        self._check_topk(topk_ids, topk_weights, hidden_states)
         dispatched, handle = self._dispatch.dispatch(hidden_states, topk)
         adapted = self._adapter(dispatched) if self._adapter is not None else dispatched
         expert_out = self._experts.apply(adapted)
@@ -239,6 +242,8 @@ class MoELayer(torch.nn.Module):
         return {"dispatched": dispatched, "adapted": adapted, "expert_out": expert_out, "out": out}
 
     # Input checks --------------------------------------------------------------------------
+    # These run on every eager call, so they compare in the cheapest terms torch offers (a
+    # replayed decode step costs ~25 us of host time in all; see moehal.graphs).
     def _check_hidden(self, x: torch.Tensor) -> None:
         c = self.config
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != c.hidden_size:
@@ -246,17 +251,19 @@ class MoELayer(torch.nn.Module):
             raise InputError(f"hidden_states must be [T, {c.hidden_size}], got {shape}")
         if x.dtype != c.dtype:
             raise InputError(f"hidden_states dtype is {x.dtype}; this layer was built for {c.dtype}")
-        if x.device.type != self.device.type:
+        if (not x.is_cuda) if self._on_cuda else x.device.type != self.device.type:
             raise InputError(f"hidden_states is on {x.device}; the layer is on {self.device}")
         if c.max_tokens is not None and x.shape[0] > c.max_tokens:
             raise InputError(f"{x.shape[0]} tokens exceed MoEConfig.max_tokens={c.max_tokens}")
 
-    def _check_topk(self, topk: TopK, x: torch.Tensor) -> None:
-        c, ids, w = self.config, topk.ids, topk.weights
-        want = [x.shape[0], c.top_k]
-        if list(ids.shape) != want or list(w.shape) != want:
-            raise InputError(f"topk_ids and topk_weights must be {want}, got {list(ids.shape)} and {list(w.shape)}")
-        if ids.dtype not in (torch.int32, torch.int64):
+    def _check_topk(self, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
+        c = self.config
+        want = (x.shape[0], c.top_k)
+        if ids.shape != want or w.shape != want:
+            raise InputError(
+                f"topk_ids and topk_weights must be {list(want)}, got {list(ids.shape)} and {list(w.shape)}"
+            )
+        if ids.dtype not in _ID_DTYPES:
             raise InputError(f"topk_ids must be int32 or int64, got {ids.dtype}")
         if not w.is_floating_point():
             raise InputError(f"topk_weights must be floating point, got {w.dtype}")

@@ -4,8 +4,10 @@
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_bench.sh
 set -u
 source tools/device_setup.sh
+record_env
 cd /tmp
 date -u > "$OUT/date.txt"
+export COLUMNS=240  # rich tables at full width in the log
 t0=$SECONDS
 timeout "${BENCH_LIMIT:-540}" python3 "$repo/tools/sglang_peer.py" bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
   --tokens "${TOKENS:-1,4,16,128,1024,4096}" --quant bf16,fp8_block --backends cuda,sglang --reps 20 --breakdown \

@@ -142,7 +142,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         return
     cap = cache._graphs[cache.key((x, ids, wts))]
     inp = (x, ids, wts)
-    report(f"{tag}:   the input checks", host_us(lambda: (layer._check_hidden(x), layer._check_topk(topk, x))))
+    report(f"{tag}:   the input checks", host_us(lambda: (layer._check_hidden(x), layer._check_topk(ids, wts, x))))
     report(f"{tag}:   copying the inputs in (foreach)", host_us(lambda: torch._foreach_copy_(cap.inputs, inp)))
     report(f"{tag}:   CUDAGraph.replay()", host_us(cap.graph.replay))
     report(f"{tag}:   cloning the output", host_us(cap.output.clone))

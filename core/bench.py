@@ -124,7 +124,7 @@ def time_call(
     return statistics.median(samples)
 
 
-def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 20) -> float:
+def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 100) -> float:
     """Median seconds of host time per eager call on CUDA: each call starts with the GPU idle
     and is timed until it returns (its kernels queued, not finished), so this is Python and
     launch overhead (the issue's "host overhead under 20 us per forward outside graphs"),

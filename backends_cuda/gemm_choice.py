@@ -28,12 +28,10 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moehal.hardware import device_slug
-
-if TYPE_CHECKING:  # the kernel module imports triton; declaring the CUDA plugin must not
-    from moehal.kernels.triton_grouped_gemm import GemmConfig
+from moehal.kernels.tiles import TileConfig  # pure Python: declaring the CUDA plugin imports no triton
 
 TUNED_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 # Triton replaces DeepGEMM only when it measured at least this much faster: two H100 runs of
@@ -54,10 +52,10 @@ def table_path(device_name: str, directory: pathlib.Path | None = None) -> pathl
 @dataclass(frozen=True)
 class GemmChoice:
     use: str  # 'deepgemm' or 'triton'
-    config: GemmConfig | None = None
+    config: TileConfig | None = None
     tuned_tokens: int | None = None  # the measured token count this choice comes from
     # GEMM1 fused with the activation: its own measured tile (None: adapt `config` to it)
-    fused_config: GemmConfig | None = None
+    fused_config: TileConfig | None = None
 
     @property
     def triton(self) -> bool:
@@ -104,22 +102,18 @@ class GemmChooser:
         us = row.get("us", {})
         faster = "triton" in us and "deepgemm" in us and us["triton"] <= (1.0 - MIN_GAIN) * us["deepgemm"]
         if row.get("use") == "triton" and row.get("config") and faster:
-            from moehal.kernels.triton_grouped_gemm import GemmConfig
-
-            cfg = GemmConfig.from_dict(row["config"])
+            cfg = TileConfig.from_dict(row["config"])
             if cfg.fits(n, k, dtype == "fp8_block"):
                 return GemmChoice("triton", cfg, at, _fused_tile(row.get("fused"), n, k))
         return GemmChoice("deepgemm", None, at)
 
 
-def _fused_tile(fused: dict[str, Any] | None, n: int, k: int) -> GemmConfig | None:
+def _fused_tile(fused: dict[str, Any] | None, n: int, k: int) -> TileConfig | None:
     """The fused GEMM1 + activation tile of a row (`moehal_cuda.tuning.tune_fused`), where it
     measured at least `MIN_GAIN` faster than the plain GEMM1 tile adapted to the fused kernel."""
     if not fused or "config" not in fused or fused.get("us", 0.0) > (1.0 - MIN_GAIN) * fused.get("adapted_us", 0.0):
         return None
-    from moehal.kernels.triton_grouped_gemm import GemmConfig
-
-    cfg = GemmConfig.from_dict(fused["config"])
+    cfg = TileConfig.from_dict(fused["config"])
     return cfg if cfg.fits(n // 2, k, False) else None
 
 

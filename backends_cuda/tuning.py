@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from moehal.kernels.triton_grouped_gemm import GemmConfig
+from moehal.kernels.tiles import TileConfig
 from moehal_cuda.gemm_choice import device_slug, entry_key
 
 ROTATIONS = 8  # different routings per timed graph (see module doc)
@@ -42,26 +42,26 @@ MASKED_ALIGN = 64
 # --- candidates ------------------------------------------------------------------------------------
 
 
-def candidate_configs(rows_per_expert: float, n: int, k: int, fp8: bool) -> list[GemmConfig]:
+def candidate_configs(rows_per_expert: float, n: int, k: int, fp8: bool) -> list[TileConfig]:
     """Tiles worth trying for an average of `rows_per_expert` rows per active expert."""
     bks = (64, 128) if fp8 else (64, 128, 256)
-    out: list[GemmConfig] = []
+    out: list[TileConfig] = []
     if rows_per_expert <= 24:  # decode: stream the weights, short M tiles
         for bn in (32, 64, 128):
             for bk in bks:
                 for stages in (3, 4, 5):
-                    out.append(GemmConfig(16, bn, bk, 1, 4, stages))
+                    out.append(TileConfig(16, bn, bk, 1, 4, stages))
     if 8 <= rows_per_expert <= 128:
         for bm in (32, 64):
             for bn in (64, 128):
                 for bk in (64, 128):
                     for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                        out.append(GemmConfig(bm, bn, bk, 8 if bm == 64 else 1, warps, stages))
+                        out.append(TileConfig(bm, bn, bk, 8 if bm == 64 else 1, warps, stages))
     if rows_per_expert >= 64:  # prefill: big tiles, grouped order for L2 reuse
         for bm in (64, 128):
             for bn in (128, 256):
                 for warps, stages in ((4, 3), (8, 3), (8, 4)):
-                    out.append(GemmConfig(bm, bn, 64, 8, warps, stages))
+                    out.append(TileConfig(bm, bn, 64, 8, warps, stages))
     return [c for c in dict.fromkeys(out) if c.fits(n, k, fp8)]
 
 
@@ -105,7 +105,7 @@ class Problem:
             self.w, self.a = w, a
             self.w_scale = self.a_scale = None
 
-    def triton(self, cfg: GemmConfig, masked_m: torch.Tensor, total_rows: int) -> None:
+    def triton(self, cfg: TileConfig, masked_m: torch.Tensor, total_rows: int) -> None:
         from moehal.kernels.triton_grouped_gemm import masked_grouped_gemm
 
         masked_grouped_gemm(self.a, self.a_scale, self.w, self.w_scale, self.out, masked_m, total_rows, cfg)
@@ -123,14 +123,14 @@ def _compile_worker(args: tuple[int, int, int, bool, list[dict[str, int]]]) -> l
     failed = []
     for d in cfgs:
         try:
-            prob.triton(GemmConfig.from_dict(d), zero, 1)
+            prob.triton(TileConfig.from_dict(d), zero, 1)
             torch.cuda.synchronize()
         except Exception as exc:  # out of shared memory, bad layout: the tile is dropped
             failed.append((d, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
     return failed
 
 
-def precompile(jobs: Sequence[tuple[int, int, int, bool, list[GemmConfig]]], workers: int) -> set[tuple]:
+def precompile(jobs: Sequence[tuple[int, int, int, bool, list[TileConfig]]], workers: int) -> set[tuple]:
     """Compile all tiles in `workers` processes; returns the (e, n, k, fp8, config) that failed."""
     tasks = []
     for e, n, k, fp8, cfgs in jobs:
@@ -145,7 +145,7 @@ def precompile(jobs: Sequence[tuple[int, int, int, bool, list[GemmConfig]]], wor
             results = list(zip(tasks, pool.map(_compile_worker, tasks, chunksize=1)))
     for (e, n, k, fp8, _), fails in results:
         for d, _why in fails:
-            failed.add((e, n, k, fp8, GemmConfig.from_dict(d)))
+            failed.add((e, n, k, fp8, TileConfig.from_dict(d)))
     return failed
 
 
@@ -229,7 +229,7 @@ def tune(
             total = t * top_k
             expected = max(1, -(-total // e))
             dg_us = time_graph([functools.partial(prob.deepgemm, ops[fp8], c, expected) for c in counts])
-            best: tuple[float, GemmConfig] | None = None
+            best: tuple[float, TileConfig] | None = None
             for cfg in candidate_configs(total / e, n, k, fp8):
                 if (e, n, k, fp8, cfg) in failed:
                     continue
@@ -261,7 +261,7 @@ def tune(
 # --- the fused GEMM1 + activation tile (decode) ------------------------------------------------------
 
 
-def fused_candidates(n13: int, k: int) -> list[GemmConfig]:
+def fused_candidates(n13: int, k: int) -> list[TileConfig]:
     """Tiles for the fused GEMM1 + activation at decode sizes. Its N tile spans a gate and an up
     block, so it holds two B tiles per stage; only tiles that fit shared memory are tried."""
     from moehal.kernels.triton_grouped_gemm import SMEM_BUDGET, smem_bytes
@@ -272,7 +272,7 @@ def fused_candidates(n13: int, k: int) -> list[GemmConfig]:
         for bk in (64, 128, 256):
             for warps in (2, 4):
                 for stages in (3, 4, 5, 6):
-                    c = GemmConfig(16, bn, bk, 1, warps, stages)
+                    c = TileConfig(16, bn, bk, 1, warps, stages)
                     if c.fits(i, k, False) and smem_bytes(c, 2, b_tiles=2) <= SMEM_BUDGET:
                         out.append(c)
     return out
@@ -294,7 +294,7 @@ class FusedProblem:
         self.y = torch.zeros(e, self.max_m, h, device=dev, dtype=torch.bfloat16)
         self.rows = torch.zeros(2, e, device=dev, dtype=torch.int32)
 
-    def run(self, cfg: GemmConfig, masked_m: torch.Tensor, total_rows: int) -> None:
+    def run(self, cfg: TileConfig, masked_m: torch.Tensor, total_rows: int) -> None:
         from moehal.kernels.triton_fused_moe import _ACTS
         from moehal.kernels.triton_grouped_gemm import masked_gemm_act
 
@@ -311,7 +311,7 @@ def _compile_fused_worker(args: tuple[int, int, int, int, list[dict[str, int]]])
     failed = []
     for d in cfgs:
         try:
-            prob.run(GemmConfig.from_dict(d), zero, 1)
+            prob.run(TileConfig.from_dict(d), zero, 1)
             torch.cuda.synchronize()
         except Exception:  # out of shared memory or registers: the tile is dropped
             failed.append(_fused_key(e, n13, k, d))
@@ -376,9 +376,9 @@ def tune_fused(
             row = entry[str(t)]
             counts = [c.to(dev) for c in routing_counts(t, e, top_k, ROTATIONS, seed=t)]
             total = t * top_k
-            adapted = fused_act_config(GemmConfig.from_dict(row["config"]), h)
+            adapted = fused_act_config(TileConfig.from_dict(row["config"]), h)
 
-            def timed(cfg: GemmConfig, prob: FusedProblem = prob, counts: list = counts, total: int = total) -> float:
+            def timed(cfg: TileConfig, prob: FusedProblem = prob, counts: list = counts, total: int = total) -> float:
                 return time_graph([functools.partial(prob.run, cfg, c, total) for c in counts])
 
             adapted_us = timed(adapted)

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from moehal.hardware import device_slug
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.tiles import TileConfig
 
 # ----------------------------------------------------------------------------------------------
 # Environment and capabilities
@@ -81,27 +82,6 @@ def fp8_qmax(fp8_dtype: torch.dtype) -> float:
 # ----------------------------------------------------------------------------------------------
 # Block-size configs: heuristic + tuned tables
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 1
-    num_warps: int = 4
-    num_stages: int = 2
-
-    @classmethod
-    def from_dict(cls, d: dict[str, int]) -> KernelConfig:
-        return cls(
-            int(d["BLOCK_SIZE_M"]),
-            int(d["BLOCK_SIZE_N"]),
-            int(d["BLOCK_SIZE_K"]),
-            int(d.get("GROUP_SIZE_M", 1)),
-            int(d.get("num_warps", 4)),
-            int(d.get("num_stages", 2)),
-        )
 
 
 # --- TUNED TABLES HOOK ------------------------------------------------------------------------
@@ -139,18 +119,18 @@ def _file_table(slug: str) -> dict[str, dict[str, Any]]:
     return table
 
 
-def _fit(cfg: KernelConfig, n: int, k: int, quant: str) -> KernelConfig:
+def _fit(cfg: TileConfig, n: int, k: int, quant: str) -> TileConfig:
     """Clamp block sizes to the problem and to the kernel's constraints."""
     bn = max(16, min(cfg.block_n, next_power_of_2(n)))
     bk = max(16, min(cfg.block_k, next_power_of_2(k)))
     if quant == "fp8_block":
         bk = min(bk, GROUP)  # a K tile must not straddle two 128-wide scale groups
-    return KernelConfig(cfg.block_m, bn, bk, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return TileConfig(cfg.block_m, bn, bk, cfg.group_m, cfg.num_warps, cfg.num_stages)
 
 
 def heuristic_configs(
     m: int, e: int, h: int, i: int, top_k: int, quant: str, is_rocm: bool
-) -> tuple[KernelConfig, KernelConfig]:
+) -> tuple[TileConfig, TileConfig]:
     """Block sizes for (GEMM1, GEMM2) by the expected rows per expert.
 
     Small batches (decode) get short M tiles so few rows are padding; large ones get
@@ -162,21 +142,21 @@ def heuristic_configs(
     if interpreting():
         # The interpreter's cost is per program and per op, not per element: few, wide tiles.
         bm = 16 if rows <= 16 else 32
-        return KernelConfig(bm, 256, 256, 1, 4, 1), KernelConfig(bm, 256, 256, 1, 4, 1)
+        return TileConfig(bm, 256, 256, 1, 4, 1), TileConfig(bm, 256, 256, 1, 4, 1)
     stages = 2 if is_rocm else 3
     bk = 128 if quant in ("fp8_block", "int8") else 64
     if rows <= 16:
-        g1 = KernelConfig(16, 64, bk, 1, 4, stages)
-        g2 = KernelConfig(16, 64, bk, 1, 4, stages)
+        g1 = TileConfig(16, 64, bk, 1, 4, stages)
+        g2 = TileConfig(16, 64, bk, 1, 4, stages)
     elif rows <= 64:
-        g1 = KernelConfig(32, 64, bk, 8, 4, stages)
-        g2 = KernelConfig(32, 128, bk, 8, 4, stages)
+        g1 = TileConfig(32, 64, bk, 8, 4, stages)
+        g2 = TileConfig(32, 128, bk, 8, 4, stages)
     elif rows <= 256:
-        g1 = KernelConfig(64, 64, bk, 8, 4, stages)
-        g2 = KernelConfig(64, 128, bk, 8, 8, stages)
+        g1 = TileConfig(64, 64, bk, 8, 4, stages)
+        g2 = TileConfig(64, 128, bk, 8, 8, stages)
     else:
-        g1 = KernelConfig(128, 64, bk, 8, 8, stages)
-        g2 = KernelConfig(128, 128, bk, 8, 8, stages)
+        g1 = TileConfig(128, 64, bk, 8, 8, stages)
+        g2 = TileConfig(128, 128, bk, 8, 8, stages)
     return g1, g2
 
 
@@ -190,7 +170,7 @@ def select_configs(
     dtype_name: str,
     device_name: str | None = None,
     is_rocm: bool = False,
-) -> tuple[KernelConfig, KernelConfig]:
+) -> tuple[TileConfig, TileConfig]:
     """(GEMM1, GEMM2) configs: a tuned table entry for this device if one exists, else the
     heuristic. quant: 'none' | 'fp8_block' | 'int8'."""
     key_dtype = {"none": dtype_name, "fp8_block": "fp8_block", "int8": "int8"}[quant]
@@ -199,12 +179,12 @@ def select_configs(
         entry = _file_table(device_slug(device_name)).get(table_key(e, h, i, key_dtype))
         if entry:
             best = min(entry, key=lambda k: abs(int(k) - m))
-            g1 = KernelConfig.from_dict(entry[best]["gemm1"])
-            g2 = KernelConfig.from_dict(entry[best].get("gemm2", entry[best]["gemm1"]))
+            g1 = TileConfig.from_dict(entry[best]["gemm1"])
+            g2 = TileConfig.from_dict(entry[best].get("gemm2", entry[best]["gemm1"]))
     if g1 is None or g2 is None:
         g1, g2 = heuristic_configs(m, e, h, i, top_k, quant, is_rocm)
     if g2.block_m != g1.block_m:
-        g2 = KernelConfig(g1.block_m, g2.block_n, g2.block_k, g2.group_m, g2.num_warps, g2.num_stages)
+        g2 = TileConfig(g1.block_m, g2.block_n, g2.block_k, g2.group_m, g2.num_warps, g2.num_stages)
     return _fit(g1, i, h, quant), _fit(g2, h, i, quant)
 
 
@@ -656,7 +636,7 @@ def _launch_gemm(
     num_post: torch.Tensor,
     num_valid: int,
     n: int,
-    cfg: KernelConfig,
+    cfg: TileConfig,
     *,
     top_k: int,
     gated: bool,
@@ -754,7 +734,7 @@ def fused_moe(
     out_dtype: torch.dtype | None = None,
     hidden_scales: torch.Tensor | None = None,
     all_local: bool = False,
-    configs: tuple[KernelConfig, KernelConfig] | None = None,
+    configs: tuple[TileConfig, TileConfig] | None = None,
     device_name: str | None = None,
     is_rocm: bool = False,
 ) -> torch.Tensor:

@@ -28,69 +28,28 @@ fp32 (UPCAST); compiled kernels never upcast.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _to
 from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
 
-GROUP = 128  # fp8 block size
 
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One tile configuration. `as_dict` / `from_dict` use the names of the tuned JSON tables."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "BLOCK_M": self.block_m,
-            "BLOCK_N": self.block_n,
-            "BLOCK_K": self.block_k,
-            "GROUP_M": self.group_m,
-            "num_warps": self.num_warps,
-            "num_stages": self.num_stages,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, int]) -> GemmConfig:
-        return cls(
-            int(d["BLOCK_M"]),
-            int(d["BLOCK_N"]),
-            int(d["BLOCK_K"]),
-            int(d.get("GROUP_M", 1)),
-            int(d.get("num_warps", 4)),
-            int(d.get("num_stages", 3)),
-        )
-
-    def fits(self, n: int, k: int, fp8: bool) -> bool:
-        """Whether the kernel can run this tile on an (N, K) problem: K tiles must divide K
-        (the K loop has no tail), and an FP8 K tile must not straddle two scale groups."""
-        if k % self.block_k or (fp8 and GROUP % self.block_k):
-            return False
-        return self.block_n <= max(16, next_power_of_2(n))
-
-
-def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> GemmConfig:
+def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> TileConfig:
     """A reasonable tile when no tuned entry exists (interpreter: few, wide tiles)."""
     if interpreting():
         bk = 32 if k % 64 else 64
-        return GemmConfig(16, 64, bk, 1, 4, 1)
+        return TileConfig(16, 64, bk, 1, 4, 1)
     bk = 128 if fp8 or k % 128 == 0 else 64
     if rows_per_expert <= 16:
-        return GemmConfig(16, 64, bk, 1, 4, 4)
+        return TileConfig(16, 64, bk, 1, 4, 4)
     if rows_per_expert <= 64:
-        return GemmConfig(64, 64, 64 if not fp8 else 128, 8, 4, 4)
-    return GemmConfig(128, 128, 64 if not fp8 else 128, 8, 8, 3)
+        return TileConfig(64, 64, 64 if not fp8 else 128, 8, 4, 4)
+    return TileConfig(128, 128, 64 if not fp8 else 128, 8, 8, 3)
 
 
 @triton.jit
@@ -331,7 +290,7 @@ def masked_grouped_gemm(
     out: torch.Tensor,
     masked_m: torch.Tensor,
     total_rows: int,
-    config: GemmConfig | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """out[e, :masked_m[e]] = a[e, :masked_m[e]] @ w[e]^T; other rows of `out` untouched.
 
@@ -403,13 +362,13 @@ def masked_grouped_gemm(
 SMEM_BUDGET = 200 * 1024
 
 
-def smem_bytes(config: GemmConfig, elem_bytes: int, b_tiles: int = 1) -> int:
+def smem_bytes(config: TileConfig, elem_bytes: int, b_tiles: int = 1) -> int:
     """Shared memory of the K pipeline: num_stages buffers of the A tile and `b_tiles` B tiles."""
     return config.num_stages * (config.block_m + b_tiles * config.block_n) * config.block_k * elem_bytes
 
 
 @functools.cache  # called on every fused forward: the answer per (tile, K) never changes
-def fused_act_config(config: GemmConfig, k: int, elem_bytes: int = 2) -> GemmConfig:
+def fused_act_config(config: TileConfig, k: int, elem_bytes: int = 2) -> TileConfig:
     """A GEMM1 tile tuned for the plain kernel, adapted to the fused one, which keeps a gate and
     an up B tile per stage: a shorter K tile first (down to 64; the stages, so the bytes in
     flight, stay), then fewer stages, until the pipeline fits `SMEM_BUDGET` (a tuned 16x64x256,
@@ -431,7 +390,7 @@ def masked_gemm_act(
     y: torch.Tensor,
     masked_m: torch.Tensor,
     total_rows: int,
-    config: GemmConfig,
+    config: TileConfig,
     *,
     activation: int,
     gated: bool,

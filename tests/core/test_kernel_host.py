@@ -34,3 +34,13 @@ def test_interpreting_reads_the_variable_as_triton_does(
     knobs = pytest.importorskip("triton.knobs")
     if hasattr(knobs, "getenv_bool"):  # Triton's own parser, where this release exposes it
         assert knobs.getenv_bool("TRITON_INTERPRET", False) is expected
+
+
+def test_tile_config_reads_both_table_spellings() -> None:
+    from moehal.kernels.tiles import TileConfig
+
+    ours = TileConfig(32, 64, 128, 8, 4, 5)
+    assert TileConfig.from_dict(ours.as_dict()) == ours
+    vllm = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8, "num_warps": 4}
+    assert TileConfig.from_dict(vllm) == TileConfig(32, 64, 128, 8, 4, 2)  # vLLM's default: 2 stages
+    assert TileConfig.from_dict({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}).num_stages == 3

@@ -11,7 +11,8 @@ from moehal.config import MoEConfig
 from moehal.formats import ActivationFormat, Layout, ScaleKind
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
-from moehal.kernels.triton_grouped_gemm import GemmConfig, default_config
+from moehal.kernels.tiles import TileConfig
+from moehal.kernels.triton_grouped_gemm import default_config
 from moehal.quant import QuantScheme, ScaleFormat
 from moehal.reference.dispatcher import ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts
@@ -72,7 +73,7 @@ class TritonWithFusedTile(AlwaysTriton):
 
     def choose(self, e, n, k, dtype, tokens):
         plain = super().choose(e, n, k, dtype, tokens)
-        return GemmChoice("triton", plain.config, tokens, GemmConfig(16, 16, 32, 1, 4, 1))
+        return GemmChoice("triton", plain.config, tokens, TileConfig(16, 16, 32, 1, 4, 1))
 
 
 # The masked cases again, with the Triton masked GEMM in place of DeepGEMM's (per-shape choice).

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moehal.kernels.triton_grouped_gemm import GemmConfig, default_config, masked_grouped_gemm, num_m_tiles
+from moehal.kernels.tiles import TileConfig
+from moehal.kernels.triton_grouped_gemm import default_config, masked_grouped_gemm, num_m_tiles
 from moehal.quant import fp8
 from moehal_cuda.gemm_choice import GemmChooser, entry_key, nearest, table_path
 from moehal_cuda.tuning import candidate_configs, routing_counts
@@ -28,10 +29,10 @@ def _problem(e, max_m, n, k, counts, seed=0):
 @pytest.mark.parametrize(
     "counts,cfg",
     [
-        ([3, 0, 64, 17, 1], GemmConfig(16, 32, 64, 1, 4, 1)),
-        ([0, 0, 0, 0, 0], GemmConfig(16, 32, 64, 1, 4, 1)),
-        ([64, 64, 64, 64, 64], GemmConfig(32, 64, 64, 2, 4, 1)),  # grouped order over M tiles
-        ([5, 40, 0, 2, 33], GemmConfig(16, 64, 128, 4, 4, 1)),
+        ([3, 0, 64, 17, 1], TileConfig(16, 32, 64, 1, 4, 1)),
+        ([0, 0, 0, 0, 0], TileConfig(16, 32, 64, 1, 4, 1)),
+        ([64, 64, 64, 64, 64], TileConfig(32, 64, 64, 2, 4, 1)),  # grouped order over M tiles
+        ([5, 40, 0, 2, 33], TileConfig(16, 64, 128, 4, 4, 1)),
     ],
 )
 def test_bf16_rows_match_torch_and_padding_is_untouched(counts, cfg):
@@ -58,7 +59,7 @@ def test_fp8_block_matches_dequantized_torch():
     a_s_mn = a_s.transpose(1, 2).contiguous().transpose(1, 2)
     out = torch.zeros(e, max_m, n, dtype=torch.bfloat16, device=DEV)
     masked_grouped_gemm(
-        aq.to(DEV), a_s_mn.to(DEV), wq.to(DEV), w_s.to(DEV), out, mm.to(DEV), sum(counts), GemmConfig(16, 64, 128)
+        aq.to(DEV), a_s_mn.to(DEV), wq.to(DEV), w_s.to(DEV), out, mm.to(DEV), sum(counts), TileConfig(16, 64, 128)
     )
     ref = torch.einsum("emk,enk->emn", fp8.dequantize_group(aq, a_s), fp8.dequantize_block(wq, w_s))
     for i, c in enumerate(counts):
@@ -79,20 +80,20 @@ def test_shape_errors_are_reported():
         masked_grouped_gemm(a, None, w, None, torch.zeros(2, 64, 32), torch.zeros(2, dtype=torch.int32), 1)
     w = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="K tiles must divide K"):
-        cfg = GemmConfig(16, 32, 256)
+        cfg = TileConfig(16, 32, 256)
         masked_grouped_gemm(a, None, w, None, torch.zeros(2, 64, 32), torch.zeros(2, dtype=torch.int32), 1, cfg)
 
 
 def test_config_fits_rules():
-    assert GemmConfig(16, 64, 128).fits(1536, 2048, fp8=True)
-    assert not GemmConfig(16, 64, 256).fits(1536, 2048, fp8=True)  # straddles two scale groups
-    assert not GemmConfig(16, 64, 256).fits(1536, 768 + 64, fp8=False)
-    assert GemmConfig.from_dict(GemmConfig(32, 64, 64, 8, 8, 4).as_dict()) == GemmConfig(32, 64, 64, 8, 8, 4)
+    assert TileConfig(16, 64, 128).fits(1536, 2048, fp8=True)
+    assert not TileConfig(16, 64, 256).fits(1536, 2048, fp8=True)  # straddles two scale groups
+    assert not TileConfig(16, 64, 256).fits(1536, 768 + 64, fp8=False)
+    assert TileConfig.from_dict(TileConfig(32, 64, 64, 8, 8, 4).as_dict()) == TileConfig(32, 64, 64, 8, 8, 4)
 
 
 def test_chooser_reads_nearest_measured_token_count(tmp_path):
     key = entry_key(128, 1536, 2048, "bf16")
-    cfg = GemmConfig(16, 64, 128, 1, 4, 4).as_dict()
+    cfg = TileConfig(16, 64, 128, 1, 4, 4).as_dict()
     table = {
         "meta": {"device": "Test GPU"},
         "entries": {
@@ -108,7 +109,7 @@ def test_chooser_reads_nearest_measured_token_count(tmp_path):
     ch = GemmChooser("Test GPU", tmp_path)
     assert ch.has_table
     first = ch.choose(128, 1536, 2048, "bf16", 4)
-    assert first.triton and first.config == GemmConfig.from_dict(cfg) and first.tuned_tokens == 1
+    assert first.triton and first.config == TileConfig.from_dict(cfg) and first.tuned_tokens == 1
     assert ch.choose(128, 1536, 2048, "bf16", 40).use == "deepgemm"
     assert ch.choose(128, 1536, 2048, "bf16", 1000).use == "deepgemm"  # a 2% win is inside the noise
     assert ch.choose(128, 2048, 768, "bf16", 4).use == "deepgemm"  # no entry for this GEMM
@@ -118,8 +119,8 @@ def test_chooser_reads_nearest_measured_token_count(tmp_path):
 
 def test_chooser_reads_the_fused_tile_only_where_it_measured_faster(tmp_path):
     key = entry_key(128, 1536, 2048, "bf16")
-    plain = GemmConfig(16, 64, 256, 1, 4, 5).as_dict()
-    fused = GemmConfig(16, 32, 128, 1, 4, 5).as_dict()
+    plain = TileConfig(16, 64, 256, 1, 4, 5).as_dict()
+    fused = TileConfig(16, 32, 128, 1, 4, 5).as_dict()
     row = {"use": "triton", "config": plain, "us": {"deepgemm": 30.0, "triton": 20.0}}
     table = {
         "entries": {
@@ -132,7 +133,7 @@ def test_chooser_reads_the_fused_tile_only_where_it_measured_faster(tmp_path):
     }
     table_path("Test GPU", tmp_path).write_text(json.dumps(table))
     ch = GemmChooser("Test GPU", tmp_path)
-    assert ch.choose(128, 1536, 2048, "bf16", 1).fused_config == GemmConfig.from_dict(fused)
+    assert ch.choose(128, 1536, 2048, "bf16", 1).fused_config == TileConfig.from_dict(fused)
     assert ch.choose(128, 1536, 2048, "bf16", 4).fused_config is None
     assert ch.choose(128, 1536, 2048, "bf16", 16).fused_config is None
 
@@ -166,12 +167,12 @@ def test_default_config_always_fits():
 
 def test_fused_act_tiles_fit_shared_memory():
     """The fused GEMM1 keeps two B tiles per stage: tuned plain tiles are shrunk to fit."""
-    from moehal.kernels.triton_grouped_gemm import SMEM_BUDGET, GemmConfig, fused_act_config, smem_bytes
+    from moehal.kernels.triton_grouped_gemm import SMEM_BUDGET, fused_act_config, smem_bytes
 
-    big = GemmConfig(16, 64, 256, 1, 4, 5)  # tuned for Qwen3-30B-A3B w13 at 16 tokens on an H100
+    big = TileConfig(16, 64, 256, 1, 4, 5)  # tuned for Qwen3-30B-A3B w13 at 16 tokens on an H100
     assert smem_bytes(big, 2) <= SMEM_BUDGET < smem_bytes(big, 2, b_tiles=2)
     fused = fused_act_config(big, 2048)
     assert smem_bytes(fused, 2, b_tiles=2) <= SMEM_BUDGET
     assert (fused.block_m, fused.block_n, fused.block_k, fused.num_stages) == (16, 64, 128, 5)
-    small = GemmConfig(16, 32, 128, 1, 4, 4)  # fits as it is
+    small = TileConfig(16, 32, 128, 1, 4, 4)  # fits as it is
     assert fused_act_config(small, 2048) == small

@@ -1,0 +1,115 @@
+"""Where a replayed decode step's time goes inside its CUDA graph: each kernel's start, duration
+and the gap before it, for moehal's layer and (when importable) SGLang's fused MoE on the same
+weights and routing. A diagnostic for #4's 1-token Qwen3-30B-A3B row, whose kernels sum to less
+than the graph measures.
+
+    python3 tools/graph_trace.py [--shape qwen3_30b_a3b] [--tokens 1,4] [--replays 20]
+
+(it loads the SGLang peer itself, as tools/sglang_peer.py does for the benchmark)
+
+Method: 20 back-to-back replays under torch.profiler (CUDA activity); the kernels of the last
+10 replays are grouped per replay (by order) and each column is the median over them. "gap" is
+the time from the previous kernel's end (or, for a replay's first kernel, the previous
+replay's last kernel's end) to this kernel's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, float]]:
+    from moehal.graphs import capture
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = capture(fn, torch.device("cuda"), warmup=2)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    ev = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0),
+        key=lambda e: e.time_range.start,
+    )
+    if not ev or len(ev) % replays:
+        print(f"  {len(ev)} kernel events for {replays} replays: cannot split them per replay")
+        return []
+    per = len(ev) // replays
+    rows = []
+    for j in range(per):
+        durs, gaps, starts = [], [], []
+        for r in range(replays // 2, replays):
+            i = r * per + j
+            e = ev[i]
+            durs.append(e.time_range.elapsed_us())
+            gaps.append(e.time_range.start - ev[i - 1].time_range.end)
+            starts.append(e.time_range.start - ev[r * per].time_range.start)
+        name = ev[j].name.split("(")[0].split("<")[0][:48]
+        rows.append((name, statistics.median(starts), statistics.median(durs), statistics.median(gaps)))
+    return rows
+
+
+def report(title: str, rows: list[tuple[str, float, float, float]]) -> None:
+    if not rows:
+        return
+    print(f"== {title}")
+    print(f"  {'kernel':48s} {'start':>8s} {'dur':>8s} {'gap':>7s}")
+    for name, start, dur, gap in rows:
+        print(f"  {name:48s} {start:8.2f} {dur:8.2f} {gap:7.2f}")
+    busy = sum(r[2] for r in rows)
+    gaps = sum(r[3] for r in rows)
+    print(f"  kernels {busy:.2f} us + gaps {gaps:.2f} us = {busy + gaps:.2f} us per replay")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3_30b_a3b")
+    p.add_argument("--tokens", default="1,4")
+    p.add_argument("--replays", type=int, default=20)
+    a = p.parse_args()
+    import moehal
+    from moehal.bench import SHAPES
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    peer = None
+    try:
+        import sglang_peer
+
+        sglang_peer._load()
+        sglang_peer._resolve_silu(torch.device("cuda"))
+        from moehal.integrations.sglang import peer_callable
+
+        peer = peer_callable
+    except Exception as exc:  # noqa: BLE001 - the peer is optional
+        print(f"SGLang peer not available: {type(exc).__name__}: {exc}")
+    dev = torch.device("cuda")
+    cfg = moehal.MoEConfig(**SHAPES[a.shape], max_tokens=4096)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
+    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
+    layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
+    layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13.to(dev), w2.to(dev)))
+    call = peer(cfg, w13, w2, dev) if peer is not None else None
+    print(f"{torch.cuda.get_device_name()}: {a.shape}, {layer.plan.pipeline.name}")
+    for t in (int(x) for x in a.tokens.split(",")):
+        x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
+        ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
+        wts = (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(dev)
+        report(f"moehal T={t}", trace(lambda x=x, ids=ids, wts=wts: layer(x, ids, wts), a.replays))
+        if call is not None:
+            report(f"sglang T={t}", trace(lambda x=x, ids=ids, wts=wts: call(x, ids, wts), a.replays))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,7 @@ and the gap before it, for moehal's layer and (when importable) SGLang's fused M
 weights and routing. A diagnostic for #4's 1-token Qwen3-30B-A3B row, whose kernels sum to less
 than the graph measures.
 
-    python3 tools/graph_trace.py [--shape qwen3_30b_a3b] [--tokens 1,4] [--pdl off,early,late]
+    python3 tools/graph_trace.py [--shape qwen3_30b_a3b] [--tokens 1,4] [--replays 20]
 
 (it loads the SGLang peer itself, as tools/sglang_peer.py does for the benchmark)
 
@@ -25,22 +25,7 @@ from typing import Any
 import torch
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, samples: int = 20, per_sample: int = 10) -> float:
-    """Median microseconds per replay, timing `per_sample` replays queued back to back (as the
-    benchmark does)."""
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(per_sample):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_sample)
-    return statistics.median(times)
-
-
-def trace(fn: Callable[[], Any], replays: int, timed: dict[str, float] | None = None, tag: str = "") -> list:
+def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, float]]:
     from moehal.graphs import capture
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -49,8 +34,6 @@ def trace(fn: Callable[[], Any], replays: int, timed: dict[str, float] | None = 
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
-    if timed is not None:
-        timed[tag] = replay_us(graph)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
@@ -94,11 +77,9 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3_30b_a3b")
     p.add_argument("--tokens", default="1,4")
     p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--pdl", default="off", help="programmatic dependent launch modes to compare (off,early,late)")
     a = p.parse_args()
     import moehal
     from moehal.bench import SHAPES
-    from moehal.kernels import launch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     peer = None
@@ -125,20 +106,9 @@ def main() -> None:
         x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
         ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
         wts = (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(dev)
-        timed: dict[str, float] = {}
-        for mode in a.pdl.split(","):
-            launch.set_mode(mode)  # read at launch: the captured graph keeps this mode's launches
-            report(
-                f"moehal T={t} pdl={mode}",
-                trace(lambda x=x, ids=ids, wts=wts: layer(x, ids, wts), a.replays, timed, f"moehal pdl={mode}"),
-            )
-        launch.set_mode("off")
+        report(f"moehal T={t}", trace(lambda x=x, ids=ids, wts=wts: layer(x, ids, wts), a.replays))
         if call is not None:
-            report(f"sglang T={t}", trace(lambda x=x, ids=ids, wts=wts: call(x, ids, wts), a.replays, timed, "sglang"))
-        print(
-            f"  T={t} us per replay (10 back to back, median of 20): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in timed.items())
-        )
+            report(f"sglang T={t}", trace(lambda x=x, ids=ids, wts=wts: call(x, ids, wts), a.replays))
 
 
 if __name__ == "__main__":

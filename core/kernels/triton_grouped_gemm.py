@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
-from moehal.kernels.launch import pdl_args, pdl_release, pdl_wait
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _to
 from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
@@ -179,10 +178,7 @@ def _masked_gemm_kernel(
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, PDL_EARLY)  # moehal.kernels.launch: before any load or store
     e, offs_m, m_mask, pid_n = _expert_tile(
         tl.program_id(0), masked_m_ptr, num_m_tiles, N, E, E_P, BLOCK_M, BLOCK_N, GROUP_M
     )
@@ -197,7 +193,6 @@ def _masked_gemm_kernel(
         stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
         K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, False,
     )  # fmt: skip
-    pdl_release(USE_PDL, PDL_EARLY)
     c_ptrs = c_ptr + e64 * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -240,10 +235,7 @@ def _masked_gemm_act_kernel(
     N_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, PDL_EARLY)  # moehal.kernels.launch: before any load or store
     pid = tl.program_id(0)
     n_gemm = num_m_tiles * tl.cdiv(I_SIZE, BLOCK_N)
     if pid >= n_gemm:
@@ -270,7 +262,6 @@ def _masked_gemm_act_kernel(
         stride_be, stride_bn, stride_bk, 0, 0, 0,
         K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
     )  # fmt: skip
-    pdl_release(USE_PDL, PDL_EARLY)
     if HAS_BIAS:
         brow = bias_ptr + e64 * stride_bias_e
         g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -362,7 +353,6 @@ def masked_grouped_gemm(
         UPCAST=INTERPRETED,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_args(a.device),
     )
     return out
 
@@ -475,6 +465,5 @@ def masked_gemm_act(
         EXACT_ROUND=INTERPRETED,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **pdl_args(a.device),
     )
     return out

@@ -43,7 +43,6 @@ import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
-from moehal.kernels.launch import pdl_args, pdl_release, pdl_wait
 
 QUANT_GROUP = 128
 
@@ -225,10 +224,7 @@ def _scatter_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     H_SPAN: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, PDL_EARLY)  # moehal.kernels.launch: before any load or store
     # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
     # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
     pid = tl.program_id(0)
@@ -351,10 +347,7 @@ def _combine_rows(
     USE_WEIGHTS: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
 ):
-    pdl_wait(USE_PDL, PDL_EARLY)  # moehal.kernels.launch: before any load or store
     # All top-k rows of a token are loaded as one [K_P, BLOCK_H] tile: one round of memory
     # latency per token instead of top_k dependent ones (decode steps are latency-bound).
     t = tl.program_id(0)
@@ -376,7 +369,6 @@ def _combine_rows(
     acc = tl.sum(v, axis=0) * scaling
     if EXACT_ROUND:
         acc = round_to_bf16_grid(acc)
-    pdl_release(USE_PDL, PDL_EARLY)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
@@ -629,7 +621,6 @@ def permute(
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             H_SPAN=h_span,
-            **pdl_args(x.device),
         )
     return Permuted(out, dest.scales, counts, slot_row[:s], row_expert, seg_start)
 
@@ -679,6 +670,5 @@ def combine(
         USE_WEIGHTS=topk_weights is not None,
         EXACT_ROUND=INTERPRETED and out.dtype == torch.bfloat16,
         BLOCK_H=block_h,
-        **pdl_args(y.device),
     )
     return out

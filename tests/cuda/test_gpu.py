@@ -123,39 +123,3 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
     for y, y_then, yr in outs:
         assert torch.equal(y, y_then), "a later replay overwrote an earlier output"
         assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
-
-
-@pytest.mark.parametrize("mode", ["early", "late"])
-def test_programmatic_dependent_launch_keeps_results(mode):
-    """PDL (moehal.kernels.launch) only moves when the next kernel is scheduled: with the Triton
-    masked GEMMs chosen (so the whole decode chain is PDL-aware), eager calls and graph replays
-    match the reference in every mode, including a call right after a larger one."""
-    why = _deepgemm_usable()
-    if why:
-        pytest.skip(why)
-    from moehal.kernels import launch
-    from moehal.kernels.triton_grouped_gemm import default_config
-    from moehal_cuda.gemm_choice import GemmChoice
-
-    class AlwaysTriton:
-        def choose(self, e, n, k, dtype, tokens):
-            return GemmChoice("triton", default_config(tokens, n, k, dtype == "fp8_block"), tokens)
-
-    cfg, layer, ref = _layers("bf16", "masked")
-    layer._experts.chooser = AlwaysTriton()
-    layer._experts._masked.clear()
-    before = launch.mode()
-    try:
-        launch.set_mode(mode)
-        for step, t in enumerate((1, 32, 2, 4)):
-            x, ids, w = _inputs(cfg, t, step)
-            y, yr = layer(x, ids, w), ref(x, ids, w)
-            assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
-        assert any(f is not None for _, _, f in layer._experts._masked.values()), "the fused GEMM1 ran"
-        layer.cuda_graph_tokens = 8
-        for seed in range(3):
-            x, ids, w = _inputs(cfg, 3, 10 + seed)
-            y, yr = layer(x, ids, w), ref(x, ids, w)
-            assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
-    finally:
-        launch.set_mode(before)

@@ -25,6 +25,21 @@ from typing import Any
 import torch
 
 
+def replay_us(graph: torch.cuda.CUDAGraph, samples: int = 20, per_sample: int = 10) -> float:
+    """Median microseconds per replay, timing `per_sample` replays queued back to back (as the
+    benchmark does)."""
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(per_sample):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_sample)
+    return statistics.median(times)
+
+
 def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, float]]:
     from moehal.graphs import capture
     from torch.autograd import DeviceType
@@ -34,6 +49,7 @@ def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, 
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
+    print(f"  {replay_us(graph):.2f} us per replay (10 back to back, median of 20)")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()

@@ -40,7 +40,7 @@ def replay_us(graph: torch.cuda.CUDAGraph, samples: int = 20, per_sample: int = 
     return statistics.median(times)
 
 
-def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, float]]:
+def trace(fn: Callable[[], Any], replays: int) -> tuple[list[tuple[str, float, float, float]], float]:
     from moehal.graphs import capture
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -49,7 +49,7 @@ def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, 
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
-    print(f"  {replay_us(graph):.2f} us per replay (10 back to back, median of 20)")
+    timed = replay_us(graph)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
@@ -60,7 +60,7 @@ def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, 
     )
     if not ev or len(ev) % replays:
         print(f"  {len(ev)} kernel events for {replays} replays: cannot split them per replay")
-        return []
+        return [], timed
     per = len(ev) // replays
     rows = []
     for j in range(per):
@@ -73,13 +73,14 @@ def trace(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float, 
             starts.append(e.time_range.start - ev[r * per].time_range.start)
         name = ev[j].name.split("(")[0].split("<")[0][:48]
         rows.append((name, statistics.median(starts), statistics.median(durs), statistics.median(gaps)))
-    return rows
+    return rows, timed
 
 
-def report(title: str, rows: list[tuple[str, float, float, float]]) -> None:
+def report(title: str, traced: tuple[list[tuple[str, float, float, float]], float]) -> None:
+    rows, timed = traced
+    print(f"== {title}: {timed:.2f} us per replay (10 back to back, median of 20)")
     if not rows:
         return
-    print(f"== {title}")
     print(f"  {'kernel':48s} {'start':>8s} {'dur':>8s} {'gap':>7s}")
     for name, start, dur, gap in rows:
         print(f"  {name:48s} {start:8.2f} {dur:8.2f} {gap:7.2f}")

@@ -94,6 +94,19 @@ def floor(report: Callable[[str, float], None]) -> None:
         print(f"direct launch failed: {type(exc).__name__}: {exc}")
 
 
+def print_profile(fn: Callable[[], Any], top: int, calls: int = 200) -> None:
+    """cProfile of `calls` calls of `fn`, the `top` entries by own time."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    print(s.getvalue())
+
+
 def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float], None], profile: bool) -> None:
     import moehal
     from moehal.bench import SHAPES
@@ -120,15 +133,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         report(f"{tag}: experts.apply", host_us(lambda: exp.apply(d)))
         report(f"{tag}: combine", host_us(lambda: disp.combine(y, hd)))
     if profile:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(200):
-            layer(x, ids, wts)
-        pr.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-        print(s.getvalue())
+        print_profile(lambda: layer(x, ids, wts), 30)
     layer.cuda_graph_tokens = tokens
     report(f"{tag}: eager forward replaying a graph, same input tensors", host_us(lambda: layer(x, ids, wts)))
     sets = [(x.clone(), ids.clone(), wts.clone()) for _ in range(3)]  # new addresses at every call
@@ -150,15 +155,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     report(f"{tag}:   layer.forward, same tensors (no Module.__call__)", host_us(lambda: layer.forward(*inp)))
     print(f"{tag}: direct graphs {getattr(cache, 'direct_graphs', 0)}")
     if profile:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(200):
-            layer(x, ids, wts)
-        pr.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(20)
-        print(s.getvalue())
+        print_profile(lambda: layer(x, ids, wts), 20)
 
 
 def main() -> None:

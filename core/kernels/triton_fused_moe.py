@@ -250,6 +250,16 @@ _QUANTS = {"none": Q_NONE, "fp8_block": Q_FP8_BLOCK, "int8": Q_INT8}
 
 
 @triton.jit
+def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program pid -> (M tile, N tile) in grouped order: GROUP_M M tiles in a row share each
+    weight tile while it is in L2 (the fused-MoE kernels and the masked grouped GEMM)."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    return first_m + ((pid % in_group) % group_size), (pid % in_group) // group_size
+
+
+@triton.jit
 def _to(x, out_ty: tl.constexpr, FIX_BF16: tl.constexpr):
     """fp32 -> out_ty. FIX_BF16 (interpreter only): its fp32 -> bf16 cast truncates instead of
     rounding to nearest even, so round the fp32 bits first; the cast is then exact."""
@@ -325,15 +335,7 @@ def _fused_moe_kernel(
     IEEE: tl.constexpr,  # fp32 layers: full-precision dot (no TF32)
     FIX_BF16: tl.constexpr,  # interpreter only: see `_to`
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    group_id = pid // in_group
-    first_m = group_id * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % group_size)
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(EM, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M >= num_post:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 from moehal.kernels.tiles import TileConfig
-from moehal.kernels.triton_fused_moe import _activation, _to
+from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
 from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
 
 
@@ -66,14 +66,7 @@ def _expert_tile(
 ):
     """Program pid -> (expert, rows offs_m, row mask, N tile). The expert is >= E past the last
     live tile (the grid is a bound): such programs have nothing to do."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order over (M tile, N tile): GROUP_M M tiles share each weight tile in L2.
-    in_group = GROUP_M * num_pid_n
-    group_id = pid // in_group
-    first_m = group_id * GROUP_M
-    group_size = min(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % group_size)
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = _grouped_tile(pid, num_m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, offs_m, m_mask = masked_row_tile(pid_m, masked_m_ptr, E, E_P, BLOCK_M)
     return e, offs_m, m_mask, pid_n
 

@@ -34,6 +34,9 @@ from moehal.formats import (
     MaskedInput,
     MaskedOutput,
     ScaleKind,
+    SmallBatchFormat,
+    StandardInput,
+    StandardOutput,
 )
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, QuantKind, QuantScheme, ScaleFormat
@@ -246,6 +249,13 @@ def triton_masked_gemm(choice: GemmChoice, total_rows: int) -> MaskedGemm:
     return run
 
 
+def small_batch_tokens(num_experts: int, top_k: int) -> int:
+    """Batches of at most this many tokens take the token-major decode kernels
+    (`moehal.kernels.triton_token_moe`): while T * top_k <= E, few slots share an expert, so
+    grouping rows by expert saves little weight traffic and costs a permute and a gather."""
+    return max(1, min(16, num_experts // max(top_k, 1)))
+
+
 # --- runner ---------------------------------------------------------------------------------------
 
 
@@ -267,6 +277,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         # choices behind them; filled on first sight of a batch size: one dict lookup a forward.
         self._masked: dict[int, tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]] = {}
         self.masked_choices: dict[int, tuple[GemmChoice, GemmChoice]] = {}
+        # token count -> the decode kernels' tiles (GEMM1 + activation, GEMM2 + combine)
+        self._token_tiles: dict[int, tuple[Any, Any]] = {}
 
     def _masked_gemms(self, inp: MaskedInput) -> tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]:
         bound = inp.total_rows_bound
@@ -287,6 +299,42 @@ class DeepGemmExpertsRunner(ExpertsRunner):
                 fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
+
+    def _token_tile(self, tokens: int) -> tuple[Any, Any]:
+        """GEMM1's tile: the fused masked kernel's, where this device's table has one (a
+        program of either kernel is one row of one expert's N tile: the same work at one token);
+        GEMM2 + combine: `token_config`'s rule."""
+        tiles = self._token_tiles.get(tokens)
+        if tiles is None:
+            c = self.config
+            g1 = None
+            if self.chooser is not None:
+                ch = self.chooser.choose(c.num_local_experts, c.w13_rows, c.hidden_size, "bf16", tokens)
+                g1 = (ch.fused_config or ch.config) if ch.triton else None
+            tiles = self._token_tiles[tokens] = (g1, None)
+        return tiles
+
+    def _apply_tokens(self, inp: StandardInput) -> StandardOutput:
+        """The small-batch format: token-major, two kernels, the router weights and the routed
+        scaling applied in the second (see `moehal.kernels.triton_token_moe`)."""
+        from moehal.kernels.triton_fused_moe import _ACTS
+        from moehal.kernels.triton_token_moe import token_gemm_act, token_gemm_combine
+
+        w = self.w
+        assert w is not None
+        c = self.config
+        x, ids = inp.hidden, inp.topk_ids
+        t, k = ids.shape
+        g1, g2 = self._token_tile(t)
+        act = torch.empty(t * k, c.intermediate_size, dtype=c.dtype, device=x.device)
+        token_gemm_act(
+            x, ids, w.w13, w.w13_bias, act, g1,
+            activation=_ACTS[c.activation.value], gated=c.gated, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
+        )  # fmt: skip
+        out = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
+        wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
+        token_gemm_combine(act, ids, wts, w.w2, w.w2_bias, out, g2, scaling=c.routed_scaling_factor)
+        return StandardOutput(out, scaled=True)
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
@@ -322,6 +370,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
 
         w = self.w
         assert w is not None, "weights not loaded"
+        if isinstance(inp, StandardInput):
+            return self._apply_tokens(inp)
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
@@ -382,6 +432,9 @@ class DeepGemmExperts(Experts):
     supports_bias = True
     graph_capturable = True
     weight_layout: ClassVar[str] = LAYOUT
+    # batches of at most this many tokens run the token-major decode kernels; None: the rule of
+    # `small_batch_tokens`, 0: never (class-level, so a benchmark can compare both paths)
+    small_batch_max_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         return sm_decision(req, SUPPORTED_SM, "DeepGEMM")
@@ -432,6 +485,16 @@ class DeepGemmExperts(Experts):
         mt = req.config.max_tokens
         fits = mt is not None and masked_workspace_bytes(req) <= req.settings.masked_workspace_gib * 2**30
         return [masked, contig] if fits else [contig, masked]
+
+    def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
+        """bf16 (and fp16) layers take token-major input at decode sizes: two Triton kernels
+        for the whole layer, no permute and no gather (`moehal.kernels.triton_token_moe`)."""
+        c = req.config
+        if req.quant.kind is not QuantKind.BF16 or self.small_batch_max_tokens == 0:
+            return None
+        n = self.small_batch_max_tokens or small_batch_tokens(c.num_local_experts, c.top_k)
+        fmt = ActivationFormat(Layout.STANDARD, c.dtype)
+        return SmallBatchFormat(fmt, n, "token-major decode kernels: no permute, no gather")
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
         fp8 = req.quant.kind is QuantKind.FP8_BLOCK

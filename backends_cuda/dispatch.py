@@ -51,6 +51,7 @@ class PermuteRunner(DispatchRunner):
         self.dtype = c.dtype
         self.scale = float(c.routed_scaling_factor)
         self.on_input = c.apply_router_weight_on_input
+        self.all_local = self.start == 0 and self.e == c.num_experts
 
     def _buffer(self, t: int, device: torch.device) -> Any:
         from moehal.kernels import triton_permute as tp
@@ -75,7 +76,12 @@ class PermuteRunner(DispatchRunner):
                 x = (hidden.float() * weights).to(hidden.dtype)
                 weights = torch.ones_like(weights)
             q, s = quantize_activation(x, self.fmt.scales)
-            ids = torch_permute.local_topk_ids(topk.ids, self.start, self.e)
+            # every expert local (one GPU): global ids are the local ids, no kernel needed
+            ids = topk.ids
+            if not self.all_local:
+                ids = torch_permute.local_topk_ids(ids, self.start, self.e)
+            elif ids.dtype != torch.int32 or not ids.is_contiguous():
+                ids = ids.to(torch.int32).contiguous()
             return StandardInput(q, s, ids, weights), PermuteHandle(None, None, t)
         masked = layout is Layout.MASKED
         dest = self._buffer(t, hidden.device)
@@ -103,7 +109,9 @@ class PermuteRunner(DispatchRunner):
 
         if isinstance(expert_out, StandardOutput):
             out = expert_out.hidden
-            return (out.float() * self.scale).to(self.dtype) if self.scale != 1.0 else out.to(self.dtype)
+            if self.scale == 1.0 or expert_out.scaled:
+                return out.to(self.dtype)
+            return (out.float() * self.scale).to(self.dtype)
         if isinstance(expert_out, (MaskedOutput, ContiguousOutput)):
             assert handle.slot_row is not None
             return tp.combine(

@@ -67,21 +67,23 @@ class Case:
 def _short(p: Pipeline) -> str:
     if p.kind == "fused":
         return p.main.name
-    return f"{p.main.name}[{p.fmt}]"
+    small = f"+{p.small.fmt}<={p.small.max_tokens}" if p.small else ""
+    return f"{p.main.name}[{p.fmt}]{small}"
 
 
 def _distinct(pipes: list[Pipeline], per_layout: bool | None) -> list[Pipeline]:
     """All accepted pipelines of distinct (kernel, format), or the best one per layout, or
-    (per_layout None) every distinct (dispatcher, kernel, format) pairing."""
+    (per_layout None) every distinct (dispatcher, kernel, format) pairing. A small-batch
+    format makes a pairing distinct: with and without it are two paths to check."""
     seen: set[object] = set()
     out = []
     for p in pipes:
         if per_layout is None:
-            key = (p.dispatcher.qualname if p.dispatcher else None, p.main.qualname, p.fmt)
+            key = (p.dispatcher.qualname if p.dispatcher else None, p.main.qualname, p.fmt, p.small)
         elif per_layout:
-            key = ("fused", p.main.qualname) if p.kind == "fused" else (p.fmt.layout_name if p.fmt else None)
+            key = ("fused", p.main.qualname) if p.kind == "fused" else (p.fmt.layout_name if p.fmt else None, p.small)
         else:
-            key = (p.main.qualname, p.fmt)
+            key = (p.main.qualname, p.fmt, p.small)
         if key not in seen:
             seen.add(key)
             out.append(p)

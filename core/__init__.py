@@ -26,7 +26,7 @@ from moehal.errors import (
     WeightsAlreadyProcessedError,
     WeightsNotLoadedError,
 )
-from moehal.formats import ActivationFormat, Layout, ScaleKind
+from moehal.formats import ActivationFormat, Layout, ScaleKind, SmallBatchFormat
 from moehal.hardware import HardwareInfo, detect
 from moehal.hookspecs import hookimpl
 from moehal.interfaces import BackendInfo, BuildRequest, Dispatcher, Experts, FusedForward, WeightProcessor
@@ -67,6 +67,7 @@ __all__ = [
     "ScaleFormat",
     "ScaleKind",
     "Settings",
+    "SmallBatchFormat",
     "TopK",
     "UnknownBackendError",
     "WeightError",

@@ -224,8 +224,10 @@ class TorchDistributedDispatchRunner(DispatchRunner):
 
     # --- combine ------------------------------------------------------------------------------
     def combine(self, expert_out: Any, handle: _Handle) -> torch.Tensor:
+        scale = self.scale
         if isinstance(expert_out, StandardOutput):
             partial = expert_out.hidden
+            scale = 1.0 if expert_out.scaled else scale  # each rank's share is already scaled
         elif isinstance(expert_out, MaskedOutput):
             assert handle.idx is not None
             partial = permute.from_masked(expert_out.hidden, handle.idx, handle.recv_weights)
@@ -239,8 +241,8 @@ class TorchDistributedDispatchRunner(DispatchRunner):
         rows = _from_bytes(back, self.dtype, (self.hidden_size,)).float()
         rows = torch.cat([rows, rows.new_zeros(1, self.hidden_size)])  # row n_send: the zero row
         out = rows[handle.combine_map].sum(1)  # fixed order over k: deterministic
-        if self.scale != 1.0:
-            out = out * self.scale
+        if scale != 1.0:
+            out = out * scale
         return out.to(self.dtype)
 
 

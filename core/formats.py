@@ -78,6 +78,24 @@ class ActivationFormat:
         return f"{self.layout_name}[{dt}{sc}{al}]"
 
 
+@dataclass(frozen=True, slots=True)
+class SmallBatchFormat:
+    """A second format an experts kernel consumes for batches of at most `max_tokens` tokens
+    (decode steps), where another layout saves launches the main one needs (e.g. token-major
+    kernels skip the permute and the gather that grouping rows by expert costs).
+
+    The layer dispatches a batch in this format when it has at most `max_tokens` tokens and
+    the pipeline's dispatcher can produce it exactly; otherwise in the main format. `why`
+    is shown by `moehal explain`."""
+
+    fmt: ActivationFormat
+    max_tokens: int
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.fmt} at <= {self.max_tokens} tokens"
+
+
 # --- dispatch outputs (experts inputs) ------------------------------------------------------
 
 
@@ -139,9 +157,11 @@ DispatchOutput = StandardInput | ContiguousInput | MaskedInput | Any
 
 @dataclass(frozen=True, slots=True)
 class StandardOutput:
-    """`[T, H]`: weighted and summed over k, before routed scaling."""
+    """`[T, H]`: weighted and summed over k, before routed scaling; `scaled`: the experts
+    already applied `routed_scaling_factor` in their last kernel (combine must not again)."""
 
     hidden: torch.Tensor
+    scaled: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from moehal.capability import Decision, accept, all_of, decline, require
 from moehal.config import Activation, MoEConfig
-from moehal.formats import ActivationFormat, CombineInput, DispatchOutput
+from moehal.formats import ActivationFormat, CombineInput, DispatchOutput, SmallBatchFormat
 from moehal.hardware import HardwareInfo
 from moehal.quant import QuantScheme
 from moehal.routing import RoutingMethod, TopK
@@ -195,7 +195,8 @@ class ExpertsRunner(ABC):
 
     @abstractmethod
     def apply(self, inp: DispatchOutput) -> CombineInput:
-        """Run the local experts on a dispatch output of format `self.fmt`."""
+        """Run the local experts on a dispatch output of format `self.fmt`, or of the
+        kernel's `small_batch_format` when it declared one."""
 
 
 class Experts(Implementation):
@@ -206,6 +207,12 @@ class Experts(Implementation):
     @abstractmethod
     def input_formats(self, req: BuildRequest) -> Sequence[ActivationFormat]:
         """Formats this kernel consumes for `req`, best first."""
+
+    def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
+        """A format this kernel also consumes for batches of at most `max_tokens` tokens, used
+        when the paired dispatcher produces it exactly (None: the main format at every size).
+        The runner's `apply` must then take inputs of both formats."""
+        return None
 
     @abstractmethod
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner: ...

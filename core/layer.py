@@ -83,6 +83,8 @@ class MoELayer(torch.nn.Module):
         p = self.plan.pipeline
         self._fused: FusedRunner | None = None
         self._dispatch: DispatchRunner | None = None
+        self._small_dispatch: DispatchRunner | None = None  # batches of <= _small_tokens tokens
+        self._small_tokens = -1
         self._adapter: QuantizeAdapter | None = None
         self._experts: ExpertsRunner | None = None
         if p.kind == "fused":
@@ -92,6 +94,9 @@ class MoELayer(torch.nn.Module):
         else:
             assert p.dispatcher and p.experts and p.fmt and p.dispatch_fmt
             self._dispatch = p.dispatcher.build(self.request, p.dispatch_fmt)
+            if p.small is not None:
+                self._small_dispatch = p.dispatcher.build(self.request, p.small.fmt)
+                self._small_tokens = p.small.max_tokens
             self._adapter = QuantizeAdapter(p.fmt) if p.adapter else None
             self._experts = p.experts.build(self.request, p.fmt)
             self._accepts_topk = True
@@ -220,6 +225,10 @@ class MoELayer(torch.nn.Module):
         if self._fused is not None:
             return self._fused.forward(hidden_states, topk, None)
         assert self._dispatch is not None and self._experts is not None
+        if hidden_states.shape[0] <= self._small_tokens:  # the experts' small-batch format
+            assert self._small_dispatch is not None
+            dispatched, handle = self._small_dispatch.dispatch(hidden_states, topk)
+            return self._small_dispatch.combine(self._experts.apply(dispatched), handle)
         dispatched, handle = self._dispatch.dispatch(hidden_states, topk)
         if self._adapter is not None:
             dispatched = self._adapter(dispatched)
@@ -235,10 +244,13 @@ class MoELayer(torch.nn.Module):
         topk = TopK(topk_ids, topk_weights)
         self._check_hidden(hidden_states)
         self._check_topk(topk_ids, topk_weights, hidden_states)
-        dispatched, handle = self._dispatch.dispatch(hidden_states, topk)
-        adapted = self._adapter(dispatched) if self._adapter is not None else dispatched
+        small = hidden_states.shape[0] <= self._small_tokens
+        disp = self._small_dispatch if small else self._dispatch
+        assert disp is not None
+        dispatched, handle = disp.dispatch(hidden_states, topk)
+        adapted = self._adapter(dispatched) if self._adapter is not None and not small else dispatched
         expert_out = self._experts.apply(adapted)
-        out = self._dispatch.combine(expert_out, handle)
+        out = disp.combine(expert_out, handle)
         return {"dispatched": dispatched, "adapted": adapted, "expert_out": expert_out, "out": out}
 
     # Input checks --------------------------------------------------------------------------

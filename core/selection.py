@@ -20,7 +20,7 @@ from typing import Any
 
 from moehal.capability import Decision
 from moehal.errors import NoBackendError
-from moehal.formats import ActivationFormat, ScaleKind
+from moehal.formats import ActivationFormat, ScaleKind, SmallBatchFormat
 from moehal.interfaces import (
     BuildRequest,
     Dispatcher,
@@ -78,6 +78,7 @@ class Pipeline:
     fused: FusedForward | None = None
     processor: WeightProcessor | None = None
     routes_internally: bool = False
+    small: SmallBatchFormat | None = None  # the experts' small-batch format, when the dispatcher makes it
     rank: tuple[Any, ...] = field(default=(), compare=False)
 
     @property
@@ -114,7 +115,8 @@ class Pipeline:
             return f"fused {self.main.qualname}"
         assert self.dispatcher is not None
         adapter = f" -> {self.adapter}" if self.adapter else ""
-        return f"{self.dispatcher.qualname}{adapter} -> {self.main.qualname} [{self.fmt}]"
+        small = f" + [{self.small}]" if self.small else ""
+        return f"{self.dispatcher.qualname}{adapter} -> {self.main.qualname} [{self.fmt}]{small}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -125,6 +127,8 @@ class Pipeline:
             "fused": self.fused.qualname if self.fused else None,
             "format": str(self.fmt) if self.fmt else None,
             "dispatch_format": str(self.dispatch_fmt) if self.dispatch_fmt else None,
+            "small_batch_format": str(self.small.fmt) if self.small else None,
+            "small_batch_max_tokens": self.small.max_tokens if self.small else None,
             "adapter": self.adapter,
             "weight_processor": self.processor.qualname if self.processor else None,
             "weight_layout": self.main.weight_layout,  # type: ignore[attr-defined]
@@ -153,6 +157,9 @@ class Plan:
             if p.adapter:
                 lines.append(f"  adapter      {p.adapter}: {p.dispatch_fmt} -> {p.fmt}")
             lines.append(f"  experts      {p.main.qualname} consumes {p.fmt}")
+            if p.small:
+                why = f" ({p.small.why})" if p.small.why else ""
+                lines.append(f"  small batch  at <= {p.small.max_tokens} tokens: {p.small.fmt}{why}")
         layout = p.main.weight_layout  # type: ignore[attr-defined]
         proc = f"{layout} via {p.processor.qualname}" if p.processor else f"{layout} (no processing)"
         lines.append(f"  weights      {proc}")
@@ -202,6 +209,22 @@ def _processor_for(
     return None, Decision(False, f"no weight processor for layout {layout!r} ({why})", "weights")
 
 
+def _small_batch(
+    experts: Experts, disp: Dispatcher, req: BuildRequest, decisions: list[CandidateDecision], layout: str | None
+) -> SmallBatchFormat | None:
+    """The experts' small-batch format if this dispatcher produces it exactly (no adapter:
+    its point is fewer launches), recording a refusal. A requested layout rules out others."""
+    small = experts.small_batch_format(req)
+    if small is None or (layout is not None and small.fmt.layout_name != layout):
+        return None
+    cp = disp.can_produce(small.fmt, req)
+    if not cp.ok:
+        name = f"{experts.qualname} [{small}]"
+        decisions.append(CandidateDecision(name, "pipeline", False, f"{disp.qualname}: {cp.reason}", "format"))
+        return None
+    return small
+
+
 def enumerate_pipelines(
     req: BuildRequest,
     registry: Registry,
@@ -246,7 +269,7 @@ def enumerate_pipelines(
                     fused=fused,
                     processor=proc,
                     routes_internally=fused.routes_internally(req),
-                    rank=(-fused.priority, 0, 0, 0, fused.qualname),
+                    rank=(-fused.priority, 0, 0, 0, fused.qualname, 0),
                 )
             )
 
@@ -281,17 +304,21 @@ def enumerate_pipelines(
                         src, adapters, cp = alt, 1, Decision(True, "via quantize adapter", "format")
                 if cp.ok:
                     found = True
-                    pipelines.append(
-                        Pipeline(
-                            "modular",
-                            experts=experts,
-                            dispatcher=disp,
-                            fmt=fmt,
-                            dispatch_fmt=src,
-                            processor=proc,
-                            rank=(-experts.priority, -disp.priority, adapters, pref, experts.qualname),
-                        )
+                    small = _small_batch(experts, disp, req, decisions, layout) if not adapters else None
+                    rank = (-experts.priority, -disp.priority, adapters, pref, experts.qualname)
+                    pipe = Pipeline(
+                        "modular",
+                        experts=experts,
+                        dispatcher=disp,
+                        fmt=fmt,
+                        dispatch_fmt=src,
+                        processor=proc,
+                        small=small,
+                        rank=(*rank, 0),
                     )
+                    pipelines.append(pipe)
+                    if small is not None:  # the main format at every size: conformance runs both
+                        pipelines.append(dataclasses.replace(pipe, small=None, rank=(*rank, 1)))
                 else:
                     refusals.append(f"{disp.qualname}: {cp.reason}")
             name = f"{experts.qualname} [{fmt}]"

@@ -63,8 +63,10 @@ class LocalDispatchRunner(DispatchRunner):
         return ContiguousInput(q, s, row_expert, idx.counts, seg_start), _Handle(idx, weights, slot_row)
 
     def combine(self, expert_out: Any, handle: _Handle) -> torch.Tensor:
+        scale = self.scale
         if isinstance(expert_out, StandardOutput):
             out = expert_out.hidden.float()
+            scale = 1.0 if expert_out.scaled else scale
         elif isinstance(expert_out, MaskedOutput):
             assert handle.idx is not None
             out = permute.from_masked(expert_out.hidden, handle.idx, handle.weights)
@@ -73,8 +75,8 @@ class LocalDispatchRunner(DispatchRunner):
             out = permute.from_contiguous(expert_out.hidden, handle.idx, handle.slot_row, handle.weights)
         else:
             raise TypeError(f"reference combine cannot take {type(expert_out).__name__}")
-        if self.scale != 1.0:
-            out = out * self.scale
+        if scale != 1.0:
+            out = out * scale
         return out.to(self.dtype)
 
 

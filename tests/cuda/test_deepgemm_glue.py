@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moehal.config import MoEConfig
-from moehal.formats import ActivationFormat, Layout, ScaleKind
+from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
 from moehal.kernels.tiles import TileConfig
@@ -91,6 +91,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
     choosers = {"triton": AlwaysTriton, "mixed": TritonForSmallBatches, "fused_tile": TritonWithFusedTile}
     chooser = choosers.get(extra.pop("gemm", None), lambda: None)()
     steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
+    small = extra.pop("small_batch", 0)  # batches of <= this many tokens go token-major
     kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=max(steps))
     cfg = MoEConfig(**{**kw, **extra})
     quant = QuantScheme.parse(quant_name)
@@ -105,6 +106,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
     fmt = _fmt(quant, layout)
     fp8 = fmt.is_quantized
     disp = CudaPermuteDispatcher().build(req, fmt)
+    small_disp = CudaPermuteDispatcher().build(req, ActivationFormat(Layout.STANDARD, cfg.dtype))
     ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8), chooser)
     ex.load(weights)
     rdisp = ReferenceDispatcher().build(req, fmt)
@@ -114,15 +116,19 @@ def test_layer_matches_reference(quant_name, layout, extra):
         x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(t)]).int().to(DEV)
         topk = TopK(ids, (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(DEV))
-        inp, handle = disp.dispatch(x, topk)
+        d = small_disp if t <= small else disp
+        inp, handle = d.dispatch(x, topk)
         out = ex.apply(inp)
-        y = disp.combine(out, handle)
+        y = d.combine(out, handle)
         rinp, rhandle = rdisp.dispatch(x, topk)
         ry = rdisp.combine(rex.apply(rinp), rhandle)
         scale = ry.float().abs().max().clamp_min(1e-3)
         tol = 2e-2 if not fp8 else 4e-2
         err = ((y.float() - ry.float()).abs().max() / scale).item()
         assert err < tol, f"call {step}: rel err {err:.4f}"
+        if t <= small:
+            assert isinstance(inp, StandardInput) and out.scaled  # routed scaling inside
+            continue
         # experts' contract: padding rows of the output are zero
         if layout is Layout.MASKED:
             live = torch.arange(out.hidden.shape[1], device=DEV)[None, :] < inp.masked_m[:, None]
@@ -136,7 +142,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
         ref_rows = rex.apply(inp).hidden
         rs = ref_rows.float().abs().max().clamp_min(1e-3)
         assert ((out.hidden[live].float() - ref_rows[live].float()).abs().max() / rs).item() < tol
-    if chooser is not None:  # both GEMMs were chosen per call size: (E, N, K) of w13 and w2
+    if chooser is not None and not small:  # both GEMMs were chosen per call size: (E, N, K) of w13 and w2
         shapes = {(n, k) for _, n, k, _, _ in chooser.asked}
         assert shapes == {(cfg.w13_rows, 256), (256, cfg.intermediate_size)}
         from moehal_cuda.deepgemm_experts import FUSE_MAX_ROWS_PER_EXPERT
@@ -152,6 +158,35 @@ def test_layer_matches_reference(quant_name, layout, extra):
             assert {c[0].triton for c in ex.masked_choices.values()} == {True, False}
         else:
             assert all(all(x.triton for x in c) for c in ex.masked_choices.values())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(gemm="fused_tile"),
+        dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5),
+        dict(activation="gelu", gated=False, ep_rank=1, ep_size=2),
+    ],
+    ids=["fused-tile", "swiglu-bias-scaled", "gelu-ep-slice"],
+)
+def test_small_batches_run_token_major_between_masked_calls(extra):
+    """The small-batch format (bf16): decode-sized calls run the token-major kernels on the
+    runner built for masked input, between masked calls whose stale-row bookkeeping they
+    must leave intact."""
+    test_layer_matches_reference("bf16", Layout.MASKED, {**extra, "small_batch": 2, "steps": (12, 1, 2, 7, 1, 3)})
+
+
+def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
+    from moehal_cuda.deepgemm_experts import DeepGemmExperts, small_batch_tokens
+
+    cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=256, intermediate_size=128)
+    hw = detect("cpu")
+    small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw))
+    assert small is not None and small.fmt.layout is Layout.STANDARD and small.max_tokens == small_batch_tokens(128, 8)
+    assert small_batch_tokens(8, 2) == 4 and small_batch_tokens(4, 8) == 1  # at least one token
+    assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), hw)) is None
+    monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 0)
+    assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw)) is None
 
 
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])

@@ -1,0 +1,295 @@
+# Triton reads annotations of @triton.jit parameters, so the kernels' parameters stay untyped:
+# ruff: noqa: ANN001, ANN202
+"""The whole MoE layer in two Triton kernels for a few tokens (decode), token-major in and out.
+
+    token_gemm_act       act[s, :] = act(x[s // K] @ w13[ids[s]]^T + b13)       s = t * K + k
+    token_gemm_combine   out[t, :] = scaling * sum_k w[t, k] * (act[t*K+k] @ w2[ids[t, k]]^T + b2)
+
+Why: at one token every expert gets one row, so grouping rows by expert (a permute kernel
+before the GEMMs, a gather-and-sum after them) saves no weight traffic and costs two launches
+and two rounds of memory latency (~6 us of a 40 us Qwen3-30B-A3B decode step on an H100;
+docs/device-runs/2026-11-23-session5, section 7). Here GEMM1 reads its token's row directly
+and GEMM2 sums the top-k rows of a token in registers, in a fixed order (deterministic, no
+atomics). A program still computes a 16-row tile (`tl.dot`'s minimum) of which one row is
+live, as the masked GEMM does at one row per expert: decode is bound by weight bandwidth.
+
+Ids are the STANDARD layout's local expert ids (int32 or int64, -1 = expert not on this
+rank: the slot contributes nothing). Rounding follows the modular path: the GEMM1 output (+
+bias) and each GEMM2 row (+ bias) are rounded to the layer dtype before the activation and
+the weighted fp32 sum, as the reference oracle does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.tiles import TileConfig
+from moehal.kernels.triton_fused_moe import _activation, _to
+from moehal.kernels.triton_grouped_gemm import _dot_k, fused_act_config
+
+# One live row per program; 16 is the smallest M tile `tl.dot` takes.
+_BLOCK_M = 16
+
+
+@triton.jit
+def _token_gemm_act_kernel(
+    x_ptr,
+    stride_xt,
+    ids_ptr,
+    b_ptr,
+    bias_ptr,
+    stride_bias_e,
+    out_ptr,
+    stride_os,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    alpha,
+    limit,
+    num_slots,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    I_SIZE: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    # N-tile-major order: the programs running together read one N tile of every slot's
+    # expert, so slots that share an expert share that tile in L2
+    pid = tl.program_id(0)
+    s = pid % num_slots
+    e = tl.load(ids_ptr + s).to(tl.int32)
+    if (e < 0) | (e >= E):
+        return  # not a local expert: token_gemm_combine skips this slot
+    e64 = e.to(tl.int64)
+    t = (s // TOP_K).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < 1  # the token's row, broadcast over the tile (stride 0), live in row 0
+    offs_n = (pid // num_slots) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I_SIZE
+    g, u = _dot_k(
+        x_ptr + t * stride_xt, x_ptr, b_ptr, b_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
+        0, 0, 1, 0, 0, 0,
+        stride_be, stride_bn, stride_bk, 0, 0, 0,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
+    )  # fmt: skip
+    if HAS_BIAS:
+        brow = bias_ptr + e64 * stride_bias_e
+        g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    g = _to(g, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
+    u = _to(u, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
+    a = _activation(g, u, alpha, limit, ACT, GATED)
+    o_ptrs = out_ptr + s.to(tl.int64) * stride_os + offs_m[:, None] * 0 + offs_n[None, :]
+    tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _token_gemm_combine_kernel(
+    act_ptr,
+    stride_as,
+    ids_ptr,
+    w_ptr,
+    b_ptr,
+    bias_ptr,
+    stride_bias_e,
+    out_ptr,
+    stride_ot,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    scaling,
+    num_tokens,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_P: tl.constexpr,
+    N: tl.constexpr,
+    I_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_WEIGHTS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    pid = tl.program_id(0)  # N-tile-major, as in _token_gemm_act_kernel
+    t = pid % num_tokens
+    offs_n = (pid // num_tokens) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # The token's experts and weights, loaded once: inside the loop an expert id is picked out
+    # of registers, so the weight loads' addresses depend on no load and pipeline freely.
+    kk = tl.arange(0, K_P)
+    slot0 = t.to(tl.int64) * TOP_K
+    ids = tl.load(ids_ptr + slot0 + kk, mask=kk < TOP_K, other=-1).to(tl.int32)
+    if USE_WEIGHTS:
+        wts = tl.load(w_ptr + slot0 + kk, mask=kk < TOP_K, other=0.0).to(tl.float32)
+    else:
+        wts = tl.full((K_P,), 1.0, tl.float32)
+    live = (ids >= 0) & (ids < E)
+    ids = tl.where(live, ids, 0)
+    wts = tl.where(live, wts, 0.0)
+    NK: tl.constexpr = I_SIZE // BLOCK_K
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # one flat loop over (k, K tile): the pipeline runs across experts without draining
+    for j in range(0, TOP_K * NK):
+        k = j // NK
+        kb = j % NK
+        pick = kk == k
+        e64 = tl.sum(tl.where(pick, ids, 0), axis=0).to(tl.int64)
+        on = tl.sum(tl.where(pick & live, 1, 0), axis=0)  # 1 for a local expert, else 0
+        cols = kb * BLOCK_K + offs_k
+        a = tl.load(
+            act_ptr + (slot0 + k) * stride_as + offs_m[:, None] * 0 + cols[None, :],
+            mask=(offs_m < on)[:, None],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + cols[:, None] * stride_bk,
+            mask=n_mask[None, :] & (offs_k < on * BLOCK_K)[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)
+        # this expert's row is complete at its last K tile: round it as GEMM2's output, weigh
+        # it, add it (selects, not a branch, so the loop body stays one straight pipeline)
+        last = kb == NK - 1
+        y = acc
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + e64 * stride_bias_e + offs_n, mask=offs_n < N * on, other=0.0)
+            y += bias.to(tl.float32)[None, :]
+        y = _to(y, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
+        total = tl.where(last, total + y * tl.sum(tl.where(pick, wts, 0.0), axis=0), total)
+        acc = tl.where(last, 0.0, acc)
+    total = total * scaling
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_m[:, None] * 0 + offs_n[None, :]
+    tl.store(o_ptrs, _to(total, out_ptr.dtype.element_ty, EXACT_ROUND), mask=(offs_m < 1)[:, None] & n_mask[None, :])
+
+
+# --- host side ------------------------------------------------------------------------------
+
+
+def token_config(programs_per_token: int, tokens: int, n: int, k: int, sms: int = 132) -> TileConfig:
+    """A decode tile when no tuned one is given: N tiles narrow enough that the grid covers
+    the SMs (the work per program is a whole column block of every expert of a token), K
+    tiles deep enough to keep the weight stream in flight."""
+    if interpreting():
+        return TileConfig(_BLOCK_M, 32 if n >= 32 else 16, 32 if k % 64 else 64, 1, 4, 1)
+    bn = 64
+    while bn > 16 and tokens * programs_per_token * cdiv(n, bn) < 2 * sms:
+        bn //= 2
+    bk = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
+    return TileConfig(_BLOCK_M, bn, bk, 1, 4, 4)
+
+
+def _tile(cfg: TileConfig, k: int, what: str) -> TileConfig:
+    """A program's M tile is always 16 rows (one live): a tuned masked-GEMM tile's BLOCK_M is
+    replaced; its K tile must divide K."""
+    if k % cfg.block_k:
+        raise ValueError(f"{what}: tile {cfg} needs a K tile dividing K={k}")
+    return cfg if cfg.block_m == _BLOCK_M else replace(cfg, block_m=_BLOCK_M)
+
+
+def token_gemm_act(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: TileConfig | None = None,
+    *,
+    activation: int,
+    gated: bool,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> torch.Tensor:
+    """out[s] = act(x[s // K] @ w13[ids[s]]^T + bias[ids[s]]) for every slot s = t * K + k.
+
+    x `[T, H]` bf16/fp16 (rows contiguous); ids `[T, K]` int32/int64 local expert ids, -1 =
+    not local (that slot's row of `out` is left as it is: `token_gemm_combine` skips it);
+    w13 `[E, N13, H]` with N13 = 2 * I ([gate; up]) when gated, else I; bias `[E, N13]` or
+    None; out `[T * K, I]` in x's dtype. `activation`: `moehal.kernels.triton_fused_moe` ids.
+    No host synchronization: CUDA-graph capturable.
+    """
+    t, h = x.shape
+    top_k = ids.shape[-1]
+    e, n13, kw = w13.shape
+    i = out.shape[-1]
+    if kw != h or n13 != (2 * i if gated else i) or out.shape[0] != t * top_k or ids.shape[0] != t:
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, ids {tuple(ids.shape)}, w13 {tuple(w13.shape)}, "
+                         f"out {tuple(out.shape)}")  # fmt: skip
+    if x.dtype != w13.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"takes bf16/fp16 operands of one dtype, got {x.dtype} and {w13.dtype}")
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous():
+        raise ValueError("x and out rows and the ids must be contiguous")
+    cfg = _tile(config or token_config(top_k, t, i, h), h, "token_gemm_act")
+    cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
+    if t == 0:
+        return out
+    b = bias if bias is not None else w13
+    _token_gemm_act_kernel[(t * top_k * cdiv(i, cfg.block_n),)](
+        x, x.stride(0), ids, w13, b, b.stride(0) if bias is not None else 0, out, out.stride(0),
+        w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k,
+        E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def token_gemm_combine(
+    act: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    w2: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: TileConfig | None = None,
+    *,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """out[t] = scaling * sum_k weights[t, k] * (act[t*K + k] @ w2[ids[t, k]]^T + bias[ids[t, k]]),
+    over the local slots (id >= 0) in k order; weights None: an unweighted sum.
+
+    act `[T * K, I]` (from `token_gemm_act`); ids `[T, K]`; weights fp32 `[T, K]`; w2
+    `[E, H, I]` in act's dtype; bias `[E, H]` or None; out `[T, H]`. No host synchronization.
+    """
+    t, top_k = ids.shape
+    e, h, i = w2.shape
+    if act.shape != (t * top_k, i) or out.shape != (t, h) or act.dtype != w2.dtype:
+        raise ValueError(f"shapes do not match: act {tuple(act.shape)} {act.dtype}, ids {tuple(ids.shape)}, "
+                         f"w2 {tuple(w2.shape)} {w2.dtype}, out {tuple(out.shape)}")  # fmt: skip
+    if weights is not None and (weights.shape != ids.shape or not weights.is_contiguous()):
+        raise ValueError(f"weights must be contiguous {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    if act.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous():
+        raise ValueError("act and out rows and the ids must be contiguous")
+    cfg = _tile(config or token_config(1, t, h, i), i, "token_gemm_combine")
+    if t == 0:
+        return out
+    w = weights if weights is not None else ids
+    b = bias if bias is not None else w2
+    _token_gemm_combine_kernel[(t * cdiv(h, cfg.block_n),)](
+        act, act.stride(0), ids, w, w2, b, b.stride(0) if bias is not None else 0, out, out.stride(0),
+        w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t,
+        E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), N=h, I_SIZE=i, BLOCK_M=_BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, USE_WEIGHTS=weights is not None,
+        UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED and out.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,182 @@
+"""The token-major decode kernels (`moehal.kernels.triton_token_moe`) against the reference
+oracle, interpreted on CPU (compiled on a GPU), and the small-batch format that routes decode
+batches to them: negotiated at build, taken by the layer at <= max_tokens tokens only."""
+
+from __future__ import annotations
+
+import moehal
+import pytest
+import torch
+from moe_testing import build_problem
+from moehal.formats import ActivationFormat, Layout, SmallBatchFormat, StandardInput
+from moehal.kernels.tiles import TileConfig
+from moehal.reference.dispatcher import ReferenceDispatcher
+from moehal.reference.experts import ReferenceExperts
+from moehal.routing import TopK
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(cfg, weights, x, ids, wts):
+    req = moehal.BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), moehal.detect("cpu"))
+    fmt = ActivationFormat(Layout.STANDARD, cfg.dtype)
+    disp, ex = ReferenceDispatcher().build(req, fmt), ReferenceExperts().build(req, fmt)
+    ex.load(weights)
+    inp, handle = disp.dispatch(x, TopK(ids, wts))
+    return disp.combine(ex.apply(inp), handle), inp
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(),
+        dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5),
+        dict(activation="gelu", gated=False, has_w2_bias=True),
+        dict(ep_size=2, ep_rank=1, top_k=3),  # ids of other ranks' experts are -1: skipped
+        dict(dtype=torch.float16, top_k=1, apply_router_weight_on_input=True),
+    ],
+    ids=["silu", "swiglu-bias-scaled", "gelu-nongated", "ep-slice", "fp16-weight-on-input"],
+)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_kernels_match_the_oracle(extra, tokens):
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_token_moe import token_gemm_act, token_gemm_combine
+
+    base = dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.bfloat16)
+    cfg = moehal.MoEConfig(**{**base, **extra})
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), tokens, seed=tokens)
+    ref, inp = _reference(cfg, weights, x, ids, wts)  # inp: local ids, router weight applied
+    w13, w2 = weights.w13.to(DEV), weights.w2.to(DEV)  # this rank's experts
+    b13 = weights.w13_bias.float().to(DEV) if cfg.has_w13_bias else None
+    b2 = weights.w2_bias.float().to(DEV) if cfg.has_w2_bias else None
+    lids = inp.topk_ids.to(DEV)
+    act = torch.zeros(tokens * cfg.top_k, cfg.intermediate_size, dtype=cfg.dtype, device=DEV)
+    token_gemm_act(
+        inp.hidden.to(DEV), lids, w13, b13, act, activation=_ACTS[cfg.activation.value], gated=cfg.gated,
+        alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+    )  # fmt: skip
+    out = torch.full((tokens, cfg.hidden_size), float("nan"), dtype=cfg.dtype, device=DEV)
+    token_gemm_combine(act, lids, inp.topk_weights.to(DEV), w2, b2, out, scaling=cfg.routed_scaling_factor)
+    scale = ref.float().abs().max().clamp_min(1e-3)
+    err = ((out.cpu().float() - ref.float()).abs().max() / scale).item()
+    assert err < 1e-2, f"rel err {err:.4f}"
+    if (lids < 0).any():  # a token whose experts are all elsewhere gets exact zeros
+        dead = (lids < 0).all(dim=1).cpu()
+        assert (out.cpu()[dead] == 0).all()
+
+
+def test_tiles_wider_than_the_problem_and_tuned_masked_tiles_are_adapted():
+    """A tuned masked-GEMM tile (BLOCK_M 64) runs with the kernels' 16-row tile; N tiles wider
+    than N are masked; a K tile that does not divide K is refused, not computed."""
+    from moehal.kernels.triton_token_moe import token_gemm_act, token_gemm_combine
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 2)
+    ref, inp = _reference(cfg, weights, x, ids, wts)
+    act = torch.empty(4, 32, dtype=torch.bfloat16)
+    token_gemm_act(x, inp.topk_ids, weights.w13, None, act, TileConfig(64, 64, 32, 1, 4, 1), activation=1, gated=True)
+    out = torch.empty(2, 64, dtype=torch.bfloat16)
+    token_gemm_combine(act, inp.topk_ids, inp.topk_weights, weights.w2, None, out, TileConfig(64, 128, 32, 1, 4, 1))
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
+    with pytest.raises(ValueError, match="K tile"):
+        token_gemm_combine(act, inp.topk_ids, inp.topk_weights, weights.w2, None, out, TileConfig(16, 16, 48, 1, 4, 1))
+
+
+# --- the small-batch format through selection and the layer -----------------------------------
+
+
+class SmallBatchExperts(ReferenceExperts):
+    """Reference experts that consume masked input, and token-major input up to 2 tokens."""
+
+    name = "small_batch"
+    priority = 50
+    fallback = False
+    calls: list[str] = []
+
+    def input_formats(self, req):
+        return [ActivationFormat(Layout.MASKED, req.config.dtype)]
+
+    def small_batch_format(self, req):
+        return SmallBatchFormat(ActivationFormat(Layout.STANDARD, req.config.dtype), 2, "test")
+
+    def build(self, req, fmt):
+        runner = super().build(req, fmt)
+        apply = runner.apply
+
+        def spy(inp):
+            SmallBatchExperts.calls.append(type(inp).__name__)
+            return apply(inp)
+
+        runner.apply = spy
+        return runner
+
+
+class MaskedOnlyDispatcher(ReferenceDispatcher):
+    name = "masked_only"
+    priority = 20
+
+    def can_produce(self, fmt, req):
+        if fmt.layout is not Layout.MASKED:
+            return moehal.decline("moves masked batches only", "format")
+        return super().can_produce(fmt, req)
+
+
+def _registry(*dispatchers):
+    reg = moehal.Registry(moehal.Settings())
+
+    class Plugin:
+        @moehal.hookimpl
+        def moehal_backend_info(self):
+            return moehal.BackendInfo("smalltest", "0", "test plugin")
+
+        @moehal.hookimpl
+        def moehal_experts(self):
+            return [SmallBatchExperts()]
+
+        @moehal.hookimpl
+        def moehal_dispatchers(self):
+            return list(dispatchers)
+
+    reg.register(Plugin(), "smalltest")
+    return reg
+
+
+def test_small_batches_take_the_small_format_and_larger_ones_the_main():
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens=16)
+    reg = _registry(ReferenceDispatcher())
+    layer = moehal.MoELayer(cfg, "bf16", device="cpu", registry=reg)
+    p = layer.plan.pipeline
+    assert p.small is not None and p.small.max_tokens == 2 and p.fmt.layout is Layout.MASKED
+    assert "small batch  at <= 2 tokens: standard[bfloat16] (test)" in str(layer.plan)
+    assert layer.plan.as_dict()["pipeline"]["small_batch_max_tokens"] == 2
+    # the same pairing without the small format is an alternative (conformance runs both)
+    assert any(a.experts is p.experts and a.fmt == p.fmt and a.small is None for a in layer.plan.alternatives)
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 5)
+    layer.load_weights(weights)
+    for t, want in (
+        (1, "StandardInput"),
+        (2, "StandardInput"),
+        (3, "MaskedInput"),
+        (5, "MaskedInput"),
+        (0, "StandardInput"),
+    ):
+        SmallBatchExperts.calls.clear()
+        out = layer(x[:t], ids[:t], wts[:t])
+        ref, _ = _reference(cfg, weights, x[:t], ids[:t], wts[:t])
+        assert SmallBatchExperts.calls == [want]
+        assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    # trace() takes the same branch
+    SmallBatchExperts.calls.clear()
+    assert isinstance(layer.trace(x[:1], ids[:1], wts[:1])["dispatched"], StandardInput)
+    # a layout asked for by name rules the small format out
+    masked = moehal.MoELayer(cfg, "bf16", device="cpu", registry=reg, layout="masked")
+    assert masked.plan.pipeline.small is None
+
+
+def test_a_dispatcher_that_cannot_produce_the_small_format_says_why():
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens=16)
+    reg = _registry(MaskedOnlyDispatcher())
+    layer = moehal.MoELayer(cfg, "bf16", device="cpu", registry=reg)
+    assert layer.plan.pipeline.dispatcher.name == "masked_only" and layer.plan.pipeline.small is None
+    why = [d for d in layer.plan.decisions if "at <= 2 tokens" in d.name]
+    assert why and not why[0].ok and "moves masked batches only" in why[0].reason

@@ -251,9 +251,13 @@ def triton_masked_gemm(choice: GemmChoice, total_rows: int) -> MaskedGemm:
 
 def small_batch_tokens(num_experts: int, top_k: int) -> int:
     """Batches of at most this many tokens take the token-major decode kernels
-    (`moehal.kernels.triton_token_moe`): while T * top_k <= E, few slots share an expert, so
-    grouping rows by expert saves little weight traffic and costs a permute and a gather."""
-    return max(1, min(16, num_experts // max(top_k, 1)))
+    (`moehal.kernels.triton_token_moe`). At one token no two slots share an expert, so grouping
+    rows by expert saves no weight traffic and costs a permute and a gather; with more tokens,
+    slots that share an expert read its weights once each. Measured on an H100
+    (docs/device-runs/2026-11-23-session6), token-major vs masked, whole layer: Qwen3-30B-A3B
+    (E/K = 16) 1.15x at 1 token, 1.06x at 4, 0.99x at 6, 0.92x at 16; DeepSeek-V3's EP8 slice
+    (E/K = 4) and Mixtral (E/K = 4) even at 1 token and 0.90-0.92x at 2. So: E / (4 K)."""
+    return max(1, num_experts // (4 * max(top_k, 1)))
 
 
 # --- runner ---------------------------------------------------------------------------------------

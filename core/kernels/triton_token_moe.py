@@ -35,7 +35,8 @@ from moehal.kernels.triton_grouped_gemm import _dot_k, fused_act_config
 _BLOCK_M = 16
 
 
-@triton.jit
+# the token count is a plain argument (one compile serves every decode size a graph captures)
+@triton.jit(do_not_specialize=["num_slots"])
 def _token_gemm_act_kernel(
     x_ptr,
     stride_xt,
@@ -95,7 +96,7 @@ def _token_gemm_act_kernel(
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _token_gemm_combine_kernel(
     act_ptr,
     stride_as,
@@ -185,16 +186,22 @@ def _token_gemm_combine_kernel(
 # --- host side ------------------------------------------------------------------------------
 
 
-def token_config(programs_per_token: int, tokens: int, n: int, k: int, sms: int = 132) -> TileConfig:
-    """A decode tile when no tuned one is given: N tiles narrow enough that the grid covers
-    the SMs (the work per program is a whole column block of every expert of a token), K
-    tiles deep enough to keep the weight stream in flight."""
+# Measured on an H100 (docs/device-runs/2026-11-23-session6, tools/token_moe_sweep.py): N tiles
+# as wide as still give about one program per SM were the fastest or within 2% of the best
+# GEMM2 + combine tile at 1 and 4 tokens on the three bench shapes (narrower ones, many
+# programs per SM, were up to 23% slower: Mixtral-8x7B at 4 tokens 287 vs 233 us).
+MIN_PROGRAMS = 96
+
+
+def token_config(programs_per_token: int, tokens: int, n: int, k: int) -> TileConfig:
+    """A decode tile when no tuned one is given: the widest N tile (64, 32, 16) whose grid
+    still has `MIN_PROGRAMS` programs, and the deepest K tile (256, 128, 64) dividing K."""
     if interpreting():
         return TileConfig(_BLOCK_M, 32 if n >= 32 else 16, 32 if k % 64 else 64, 1, 4, 1)
     bn = 64
-    while bn > 16 and tokens * programs_per_token * cdiv(n, bn) < 2 * sms:
+    while bn > 16 and tokens * programs_per_token * cdiv(n, bn) < MIN_PROGRAMS:
         bn //= 2
-    bk = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
+    bk = next((b for b in (256, 128) if k % b == 0), 64)
     return TileConfig(_BLOCK_M, bn, bk, 1, 4, 4)
 
 

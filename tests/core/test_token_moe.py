@@ -73,13 +73,14 @@ def test_tiles_wider_than_the_problem_and_tuned_masked_tiles_are_adapted():
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
     weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 2)
     ref, inp = _reference(cfg, weights, x, ids, wts)
-    act = torch.empty(4, 32, dtype=torch.bfloat16)
-    token_gemm_act(x, inp.topk_ids, weights.w13, None, act, TileConfig(64, 64, 32, 1, 4, 1), activation=1, gated=True)
-    out = torch.empty(2, 64, dtype=torch.bfloat16)
-    token_gemm_combine(act, inp.topk_ids, inp.topk_weights, weights.w2, None, out, TileConfig(64, 128, 32, 1, 4, 1))
-    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
+    w, lids, lw = weights.to(DEV), inp.topk_ids.to(DEV), inp.topk_weights.to(DEV)
+    act = torch.empty(4, 32, dtype=torch.bfloat16, device=DEV)
+    token_gemm_act(x.to(DEV), lids, w.w13, None, act, TileConfig(64, 64, 32, 1, 4, 1), activation=1, gated=True)
+    out = torch.empty(2, 64, dtype=torch.bfloat16, device=DEV)
+    token_gemm_combine(act, lids, lw, w.w2, None, out, TileConfig(64, 128, 32, 1, 4, 1))
+    assert ((out.cpu().float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
     with pytest.raises(ValueError, match="K tile"):
-        token_gemm_combine(act, inp.topk_ids, inp.topk_weights, weights.w2, None, out, TileConfig(16, 16, 48, 1, 4, 1))
+        token_gemm_combine(act, lids, lw, w.w2, None, out, TileConfig(16, 16, 48, 1, 4, 1))
 
 
 # --- the small-batch format through selection and the layer -----------------------------------

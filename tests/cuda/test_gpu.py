@@ -33,7 +33,7 @@ def _weights(cfg, quant: str):
     return moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2).to("cuda")
 
 
-def _layers(quant: str, layout: str, **extra):
+def _layers(quant: str, layout: str | None, **extra):
     import moehal
 
     cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32, **extra)
@@ -123,3 +123,24 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
     for y, y_then, yr in outs:
         assert torch.equal(y, y_then), "a later replay overwrote an earlier output"
         assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
+
+
+def test_small_batches_run_token_major(monkeypatch):
+    """bf16 decode batches take the token-major kernels, larger ones the masked path, on one
+    layer, eagerly and replayed from CUDA graphs (limit raised to 4 tokens to check several)."""
+    why = _deepgemm_usable()
+    if why:
+        pytest.skip(why)
+    from moehal_cuda.deepgemm_experts import DeepGemmExperts
+
+    monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 4)
+    cfg, layer, ref = _layers("bf16", None, activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)
+    small = layer.plan.pipeline.small
+    assert small is not None and small.max_tokens == 4 and layer.plan.pipeline.fmt.layout_name == "masked"
+    for graphs in (0, 8):
+        layer.cuda_graph_tokens = graphs
+        for step, t in enumerate((1, 4, 32, 2, 5, 1, 3)):
+            x, ids, w = _inputs(cfg, t, 100 * graphs + step)
+            y, yr = layer(x, ids, w), ref(x, ids, w)
+            err = ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item()
+            assert err < 3e-2, f"{t} tokens, graphs {graphs}: rel err {err:.4f}"

@@ -12,8 +12,9 @@ What a replay costs and assumes:
   steady loop whose allocations repeat) replay a graph captured on those very tensors: no
   copy. Other inputs are copied into a graph's own static inputs (one `torch._foreach_copy_`).
   The output is cloned either way, so the returned tensor is the caller's to keep, as in an
-  ordinary eager call. Host cost of each part on an H100 host:
-  docs/device-runs/2026-11-23-session5.
+  ordinary eager call; unless the caller passes `out=` (an engine's persistent output
+  buffer): a direct graph then writes into `out` itself, and the call costs one replay.
+  Host cost of each part on an H100 host: docs/device-runs/2026-11-23-session5 and -session6.
 - One capture per distinct token count (plus up to `DIRECT_PER_TOKEN_COUNT` direct ones),
   sharing one memory pool per layer; engines bucket their batch sizes, so the set stays small.
   Larger batches run eagerly: their GPU time dwarfs the launch overhead.
@@ -55,7 +56,8 @@ class GraphCache:
       strides, it was captured on: it then reads what the caller passed now, as an eager call
       would, with no copy. It keeps no reference to the caller's tensors and never writes to
       them (the forward only reads its inputs), so a freed and reused address is only ever
-      read when the caller passes a tensor there.
+      read when the caller passes a tensor there. With `out=`, the output buffer is one more
+      captured address: the graph writes the result there, and nothing is cloned.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
@@ -82,20 +84,23 @@ class GraphCache:
         self._last.clear()
         self._pool = None
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        key = self.key(inputs)
-        where = self.where(inputs)
+    def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        base = self.key(inputs)
+        key = base if out is None else (*base, "out")
+        where = self.where(inputs) if out is None else (*self.where(inputs), out.data_ptr(), out.stride())
         cap = self._direct.get((key, where))
         if cap is None and self._last.get(key) == where and self._direct_count(key) < DIRECT_PER_TOKEN_COUNT:
-            cap = self._direct[(key, where)] = self._capture(inputs, copy_inputs=False)
+            cap = self._direct[(key, where)] = self._capture(inputs, copy_inputs=False, out=out)
+        if cap is not None:  # direct: reads the caller's inputs (and writes `out`) in place
+            cap.graph.replay()
+            return cap.output.clone() if out is None else out
+        self._last[key] = where
+        cap = self._graphs.get(base)
         if cap is None:
-            self._last[key] = where
-            cap = self._graphs.get(key)
-            if cap is None:
-                cap = self._graphs[key] = self._capture(inputs, copy_inputs=True)
-            torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
+            cap = self._graphs[base] = self._capture(inputs, copy_inputs=True)
+        torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
         cap.graph.replay()
-        return cap.output.clone()
+        return cap.output.clone() if out is None else out.copy_(cap.output)
 
     @staticmethod
     def key(inputs: tuple[torch.Tensor, ...]) -> tuple:
@@ -112,11 +117,14 @@ class GraphCache:
     def _direct_count(self, key: tuple) -> int:
         return sum(1 for k, _ in self._direct if k == key)
 
-    def _capture(self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool) -> _Captured:
+    def _capture(
+        self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool, out: torch.Tensor | None = None
+    ) -> _Captured:
         static = tuple(t.clone() for t in inputs) if copy_inputs else inputs
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph, output = capture(lambda: self._fn(*static), self._device, pool=self._pool)
+        fn = (lambda: self._fn(*static)) if out is None else (lambda: out.copy_(self._fn(*static)))
+        graph, output = capture(fn, self._device, pool=self._pool)
         return _Captured(graph, static if copy_inputs else (), output)
 
 

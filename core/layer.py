@@ -178,24 +178,32 @@ class MoELayer(torch.nn.Module):
         topk_weights: torch.Tensor | None = None,
         *,
         router_logits: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states `[T, H]` in config.dtype -> `[T, H]`.
 
         topk_ids int32/int64 `[T, K]` global expert ids, topk_weights float `[T, K]`;
         or router_logits `[T, E]` (float32, or the layer dtype).
+        out: a `[T, H]` tensor of config.dtype to write the result into (returned). An engine
+        that passes the same buffers call after call gets, with `cuda_graph_tokens`, a replay
+        that reads its inputs and writes `out` in place: one graph launch, no copies.
         """
         if torch.compiler.is_compiling():  # one opaque node: moehal::moe_forward[_logits]
-            return custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
+            y = custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
+            return y if out is None else out.copy_(y)
         if not self._processed:
             raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
         self._check_hidden(hidden_states)
+        if out is not None:
+            self._check_out(out, hidden_states)
         if router_logits is not None:
             if topk_ids is not None or topk_weights is not None:
                 raise InputError("pass either topk_ids/topk_weights or router_logits, not both")
             self._check_logits(router_logits, hidden_states)
             if should_replay(self._graph_tokens, hidden_states):
-                return self._graphs_logits(hidden_states, router_logits)
-            return self._forward_logits(hidden_states, router_logits)
+                return self._graphs_logits(hidden_states, router_logits, out=out)
+            y = self._forward_logits(hidden_states, router_logits)
+            return y if out is None else out.copy_(y)
         if topk_ids is None or topk_weights is None:
             raise InputError("pass topk_ids and topk_weights (or router_logits=...)")
         self._check_topk(topk_ids, topk_weights, hidden_states)
@@ -205,8 +213,9 @@ class MoELayer(torch.nn.Module):
                 "pass router_logits=..., or build the layer with MoEConfig.routing=None"
             )
         if should_replay(self._graph_tokens, hidden_states):
-            return self._graphs_topk(hidden_states, topk_ids, topk_weights)
-        return self._forward_topk(hidden_states, topk_ids, topk_weights)
+            return self._graphs_topk(hidden_states, topk_ids, topk_weights, out=out)
+        y = self._forward_topk(hidden_states, topk_ids, topk_weights)
+        return y if out is None else out.copy_(y)
 
     # The hot path proper: inputs already checked; no lookups, no host sync.
     def _forward_logits(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -291,6 +300,13 @@ class MoELayer(torch.nn.Module):
                     raise InputError("topk_ids repeat an expert within a token; each token's ids must be distinct")
             if not bool(torch.isfinite(w).all()):
                 raise InputError("topk_weights contain NaN or Inf")
+
+    def _check_out(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+            what = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InputError(f"out must be {list(x.shape)} {x.dtype} like hidden_states, got {what}")
+        if out.device != x.device:
+            raise InputError(f"out is on {out.device}, hidden_states on {x.device}")
 
     def _check_logits(self, logits: torch.Tensor, x: torch.Tensor) -> None:
         c = self.config

@@ -136,6 +136,11 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         print_profile(lambda: layer(x, ids, wts), 30)
     layer.cuda_graph_tokens = tokens
     report(f"{tag}: eager forward replaying a graph, same input tensors", host_us(lambda: layer(x, ids, wts)))
+    out = torch.empty_like(x)
+    report(
+        f"{tag}: eager forward replaying a graph, same input tensors and out=",
+        host_us(lambda: layer(x, ids, wts, out=out)),
+    )
     sets = [(x.clone(), ids.clone(), wts.clone()) for _ in range(3)]  # new addresses at every call
     turn = iter(range(10**9))
     report(

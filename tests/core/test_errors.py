@@ -144,10 +144,10 @@ def _fake_graph_cache(fn):
 
     cache = graphs.GraphCache(fn, torch.device("cpu"))
 
-    def capture(inputs, copy_inputs):
+    def capture(inputs, copy_inputs, out=None):
         tensors = tuple(t.clone() for t in inputs) if copy_inputs else inputs
-        out = fn(*tensors)
-        return graphs._Captured(_FakeGraph(fn, tensors, out), tensors if copy_inputs else (), out)
+        result = fn(*tensors) if out is None else out.copy_(fn(*tensors))
+        return graphs._Captured(_FakeGraph(fn, tensors, result), tensors if copy_inputs else (), result)
 
     cache._capture = capture  # type: ignore[method-assign]
     return cache
@@ -198,3 +198,31 @@ def test_graph_cache_reads_inputs_in_place_when_the_caller_reuses_its_tensors():
     assert cache.direct_graphs == graphs.DIRECT_PER_TOKEN_COUNT
     cache.clear()
     assert cache.direct_graphs == 0 and cache.captured_token_counts == []
+
+
+def test_graph_cache_writes_into_the_callers_output_buffer():
+    """`out=`: a direct graph captured with the caller's output buffer writes the result there
+    (the call returns that very tensor, nothing cloned); other calls copy into it."""
+    cache = _fake_graph_cache(lambda x, y: x * 2 + y)
+    x, y, out = torch.ones(3), torch.zeros(3), torch.empty(3)
+    assert cache(x, y, out=out) is out and out.tolist() == [2.0] * 3  # copying graph, copied out
+    assert cache(x, y, out=out) is out and cache.direct_graphs == 1  # captured on x, y and out
+    x.fill_(4.0)
+    assert cache(x, y, out=out) is out and out.tolist() == [8.0] * 3
+    cap = next(iter(cache._direct.values()))
+    assert cap.output is out, "the direct graph's output is the caller's buffer"
+    other = torch.empty(3)  # another output buffer: not the direct graph's
+    assert cache(x, y, out=other) is other and other.tolist() == [8.0] * 3
+    plain = cache(x, y)  # no out: a fresh tensor, as before
+    assert plain is not out and plain.tolist() == [8.0] * 3
+
+
+def test_forward_writes_into_out(layer):
+    x, ids, w = _inputs()
+    out = torch.empty_like(x)
+    y = layer(x, ids, w, out=out)
+    assert y is out and torch.equal(out, layer(x, ids, w))
+    with pytest.raises(moehal.InputError, match="out must be"):
+        layer(x, ids, w, out=torch.empty(3, 32))  # float32, not the layer's bf16
+    with pytest.raises(moehal.InputError, match="out must be"):
+        layer(x, ids, w, out=torch.empty(2, 32, dtype=torch.bfloat16))

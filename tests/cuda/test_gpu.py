@@ -120,6 +120,15 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
         yr = ref(x, ids, w)
         assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
     assert layer._graphs_topk.direct_graphs == 1
+    # and with the caller's output buffer: the direct graph writes it, the call returns it
+    out = torch.empty_like(x)
+    for seed in range(15, 19):
+        nx, nids, nw = _inputs(cfg, 5, seed)
+        x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+        assert layer(x, ids, w, out=out) is out
+        yr = ref(x, ids, w)
+        assert ((out.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
+    assert layer._graphs_topk.direct_graphs == 2
     for y, y_then, yr in outs:
         assert torch.equal(y, y_then), "a later replay overwrote an earlier output"
         assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2

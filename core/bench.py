@@ -69,6 +69,8 @@ class Row:
     host_graph_us: float = float("nan")
     # ... and other input tensors at every call (copied into the graph's inputs first)
     host_graph_new_us: float = float("nan")
+    # ... and the same input tensors and output buffer (`out=`) at every call: one replay
+    host_graph_out_us: float = float("nan")
 
 
 def _sync(dev: torch.device) -> None:
@@ -281,13 +283,15 @@ def bench_one(
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
     host = host_time(fn, dev)
-    host_graph = host_graph_new = float("nan")
+    host_graph = host_graph_new = host_graph_out = float("nan")
     if dev.type == "cuda" and capturable and layer is not None:
         layer.cuda_graph_tokens = tokens  # eager calls replay a captured graph (moehal.graphs)
         host_graph = host_time(fn, dev)
         sets = [(xd.clone(), ids.clone(), wts.clone()) for _ in range(3)]  # other addresses at every call
         turn = iter(range(1 << 30))
         host_graph_new = host_time(lambda: layer(*sets[next(turn) % 3]), dev)
+        out_buf = torch.empty_like(xd)
+        host_graph_out = host_time(lambda: layer(xd, ids, wts, out=out_buf), dev)
         layer.cuda_graph_tokens = 0
     parts = kernel_breakdown(fn, dev) if breakdown else None
     if dev.type == "cuda" and capturable:
@@ -315,6 +319,7 @@ def bench_one(
         parts,
         host_graph * 1e6,
         host_graph_new * 1e6,
+        host_graph_out * 1e6,
     )
 
 
@@ -474,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
     t = Table(title="moehal bench (whole layer)", title_justify="left")
     cols = ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s")
-    for col in (*cols, "host us", "host us (graphs)", "host us (graphs, new inputs)"):
+    for col in (*cols, "host us", "host us (graphs)", "host us (graphs, new inputs)", "host us (graphs, out=)"):
         t.add_column(col)
     for r in rows:
         t.add_row(
@@ -490,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "-" if r.host_us != r.host_us else f"{r.host_us:.1f}",  # NaN off CUDA
             "-" if r.host_graph_us != r.host_graph_us else f"{r.host_graph_us:.1f}",
             "-" if r.host_graph_new_us != r.host_graph_new_us else f"{r.host_graph_new_us:.1f}",
+            "-" if r.host_graph_out_us != r.host_graph_out_us else f"{r.host_graph_out_us:.1f}",
         )
     console.print(t)
     if args.breakdown:

@@ -63,15 +63,16 @@ class GraphCache:
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
         self._fn = fn
         self._device = device
-        self._graphs: dict[tuple, _Captured] = {}
-        self._direct: dict[tuple, _Captured] = {}
+        self._graphs: dict[tuple, _Captured] = {}  # key -> copying graph
+        self._direct: dict[tuple, _Captured] = {}  # where -> direct graph
+        self._direct_per_key: dict[tuple, int] = {}
         self._last: dict[tuple, tuple] = {}  # key -> where the previous call's inputs were
         self._pool: object | None = None
 
     @property
     def captured_token_counts(self) -> list[int]:
         """Token counts that have a captured graph (ascending)."""
-        return sorted({key[0] for key in self._graphs} | {key[0][0] for key in self._direct})
+        return sorted({key[0] for key in self._graphs} | {where[0] for where in self._direct})
 
     @property
     def direct_graphs(self) -> int:
@@ -81,21 +82,25 @@ class GraphCache:
     def clear(self) -> None:
         self._graphs.clear()
         self._direct.clear()
+        self._direct_per_key.clear()
         self._last.clear()
         self._pool = None
 
     def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        base = self.key(inputs)
-        key = base if out is None else (*base, "out")
-        where = self.where(inputs) if out is None else (*self.where(inputs), out.data_ptr(), out.stride())
-        cap = self._direct.get((key, where))
-        if cap is None and self._last.get(key) == where and self._direct_count(key) < DIRECT_PER_TOKEN_COUNT:
-            cap = self._direct[(key, where)] = self._capture(inputs, copy_inputs=False, out=out)
+        where = self.where(inputs, out)
+        cap = self._direct.get(where)  # the hot case first: one signature, one lookup
         if cap is not None:  # direct: reads the caller's inputs (and writes `out`) in place
             cap.graph.replay()
             return cap.output.clone() if out is None else out
+        base = self.key(inputs)
+        key = base if out is None else (*base, "out")  # the last call's addresses, per kind of call
+        if self._last.get(key) == where and self._direct_per_key.get(key, 0) < DIRECT_PER_TOKEN_COUNT:
+            cap = self._direct[where] = self._capture(inputs, copy_inputs=False, out=out)
+            self._direct_per_key[key] = self._direct_per_key.get(key, 0) + 1
+            cap.graph.replay()
+            return cap.output.clone() if out is None else out
         self._last[key] = where
-        cap = self._graphs.get(base)
+        cap = self._graphs.get(base)  # copying graphs serve calls with and without `out`
         if cap is None:
             cap = self._graphs[base] = self._capture(inputs, copy_inputs=True)
         torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
@@ -104,18 +109,21 @@ class GraphCache:
 
     @staticmethod
     def key(inputs: tuple[torch.Tensor, ...]) -> tuple:
-        """One graph per token count and input dtypes: the caller (`MoELayer.forward`) checked
-        the shapes against the layer's config, so these decide them (a cheaper key than every
-        shape, on the hot path)."""
+        """One copying graph per token count and input dtypes: the caller (`MoELayer.forward`)
+        checked the shapes against the layer's config, so these decide them (a cheaper key than
+        every shape, on the hot path)."""
         return (inputs[0].shape[0], *[t.dtype for t in inputs])
 
     @staticmethod
-    def where(inputs: tuple[torch.Tensor, ...]) -> tuple:
-        """The inputs' addresses and strides: what a direct graph was captured on."""
-        return (*[t.data_ptr() for t in inputs], *[t.stride() for t in inputs])
-
-    def _direct_count(self, key: tuple) -> int:
-        return sum(1 for k, _ in self._direct if k == key)
+    def where(inputs: tuple[torch.Tensor, ...], out: torch.Tensor | None = None) -> tuple:
+        """What a direct graph was captured on: the token count, and each input's address,
+        dtype and strides (and the output buffer's address and strides), in one flat tuple."""
+        sig: list = [inputs[0].shape[0]]
+        for t in inputs:
+            sig += (t.data_ptr(), t.dtype, t.stride())
+        if out is not None:
+            sig += (out.data_ptr(), out.stride())
+        return tuple(sig)
 
     def _capture(
         self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool, out: torch.Tensor | None = None

@@ -346,21 +346,34 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         self.w = weights
 
     def _buffers(self, lead: tuple[int, ...], device: torch.device) -> tuple[Any, Any, Any]:
-        from moehal.kernels.triton_permute import workspace
+        from moehal.kernels.triton_permute import contiguous_workspace, workspace
         from moehal_cuda.triton_glue import activation_chunks
 
         c = self.config
         i, h, n13 = c.intermediate_size, c.hidden_size, c.w13_rows
         act_dt = torch.float8_e4m3fn if self.fp8 else c.dtype
         tag = f"{n13}:{i}:{h}"
-        hbuf = workspace(f"dg.h:{tag}", lead, n13, c.dtype, device, False)
-        abuf = workspace(f"dg.act:{tag}", lead, i, act_dt, device, self.fp8, activation_chunks(i))
         # The activation buffer's record of written rows also decides which stale rows of y get
         # zeroed, so y must pair with exactly one activation buffer: key it by the act dtype too
         # (a bf16 and an fp8 layer of one shape, e.g. MTP draft and main layers, would otherwise
         # share y but not the bitmap, and stale rows one wrote would survive the other's calls).
-        ybuf = workspace(f"dg.y:{tag}:{act_dt}", lead, h, c.dtype, device, False)
-        return hbuf, abuf, ybuf
+        roles = ((f"dg.h:{tag}", n13, c.dtype, False, 1), (f"dg.act:{tag}", i, act_dt, self.fp8, activation_chunks(i)))
+        roles += ((f"dg.y:{tag}:{act_dt}", h, c.dtype, False, 1),)
+        if len(lead) == 2:  # masked
+            return tuple(workspace(r, lead, cols, dt, device, q, b) for r, cols, dt, q, b in roles)  # type: ignore[return-value]
+        # contiguous: this call's rows of buffers sized once for max_tokens (as the dispatcher's)
+        m = lead[0]
+        cap = self.contiguous_capacity(m)
+        return tuple(contiguous_workspace(r, m, cap, cols, dt, device, q, b) for r, cols, dt, q, b in roles)  # type: ignore[return-value]
+
+    def contiguous_capacity(self, rows: int) -> int:
+        """Rows to allocate contiguous buffers with: the dispatcher's worst case at max_tokens."""
+        from moehal.kernels.triton_permute import contiguous_rows
+
+        c = self.config
+        if c.max_tokens is None:
+            return rows
+        return contiguous_rows(c.max_tokens * c.top_k, c.num_local_experts, self.fmt.row_alignment)
 
     def _empty_output(self, inp: Any) -> Any:
         """No rows (0 tokens, or an EP rank that received none): DeepGEMM rejects empty operands

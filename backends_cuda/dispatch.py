@@ -58,11 +58,14 @@ class PermuteRunner(DispatchRunner):
 
         c, dt = self.config, (self.fmt.dtype if self.quant else self.dtype)
         rows_for = c.max_tokens if c.max_tokens is not None else t
+        name = f"dispatch.{self.fmt.layout_name}"
         if self.fmt.layout is Layout.MASKED:
-            lead: tuple[int, ...] = (self.e, tp.masked_rows(rows_for, math.lcm(64, self.fmt.row_alignment)))
-        else:
-            lead = (tp.contiguous_rows(rows_for * self.k, self.e, self.fmt.row_alignment),)
-        return tp.workspace(f"dispatch.{self.fmt.layout_name}", lead, c.hidden_size, dt, device, self.quant)
+            lead = (self.e, tp.masked_rows(rows_for, math.lcm(64, self.fmt.row_alignment)))
+            return tp.workspace(name, lead, c.hidden_size, dt, device, self.quant)
+        # contiguous: this call's rows of a buffer sized once for max_tokens
+        rows = tp.contiguous_rows(t * self.k, self.e, self.fmt.row_alignment)
+        cap = tp.contiguous_rows(rows_for * self.k, self.e, self.fmt.row_alignment)
+        return tp.contiguous_workspace(name, rows, cap, c.hidden_size, dt, device, self.quant)
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, PermuteHandle]:
         from moehal.kernels import triton_permute as tp

@@ -75,7 +75,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         self.w = weights
 
     def apply(self, inp: Any) -> Any:
-        from moehal.kernels.triton_permute import workspace
+        from moehal.kernels.triton_permute import contiguous_workspace, workspace
         from moehal_cuda.triton_glue import RowIndex, activation, add_bias, nvfp4_qdq_rows
 
         w = self.w
@@ -95,7 +95,11 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
             rows = RowIndex(lead[0], 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
         else:
             raise TypeError(f"NVFP4-dequant experts cannot take {type(inp).__name__}")
-        xq = workspace(f"dgq.x:{tag}", lead, h, c.dtype, inp.hidden.device, False).hidden
+        if len(lead) == 2:
+            xq = workspace(f"dgq.x:{tag}", lead, h, c.dtype, inp.hidden.device, False).hidden
+        else:  # as the GEMM buffers: this call's rows of one buffer (`DeepGemmExpertsRunner._buffers`)
+            cap = self.contiguous_capacity(lead[0])
+            xq = contiguous_workspace(f"dgq.x:{tag}", lead[0], cap, h, c.dtype, inp.hidden.device, False).hidden
         nvfp4_qdq_rows(inp.hidden, xq, w.a13_global_scale, rows)
         hb, ab, yb = self._buffers(lead, inp.hidden.device)
         if isinstance(inp, MaskedInput):

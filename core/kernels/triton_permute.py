@@ -37,7 +37,7 @@ Portable: no vendor-specific instruction; the FP8 dtype is the destination tenso
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -406,10 +406,31 @@ class PaddedBuffer:
     scales: torch.Tensor | None  # [E, M, H/128] or [M, H/128] view, MN-major
     written: torch.Tensor  # contiguous: int8 [M * bitmap_cols] written-rows bitmap; masked: empty
     expert_rows: torch.Tensor | None = None  # masked: int32 [2, E] (live rows per expert, arrivals)
+    _prefixes: dict[int, PaddedBuffer] = field(default_factory=dict, repr=False)
 
     @property
     def masked(self) -> bool:
         return self.hidden.dim() == 3
+
+    def prefix(self, rows: int) -> PaddedBuffer:
+        """Rows `[0, rows)` of a contiguous buffer as a buffer of its own: views of the same
+        rows and bitmap cells, so the stale-row bookkeeping carries over between calls of
+        different sizes, and GEMMs over it cost what this call's rows cost, not the capacity's.
+        Scales are re-strided onto the same storage, MN-major and TMA-aligned for `rows`
+        (DeepGEMM checks the stride of the scales against the GEMM's M)."""
+        m = self.hidden.shape[0]
+        if self.masked or rows == m:
+            return self
+        if rows > m:
+            raise ValueError(f"a prefix of {rows} rows of a {m}-row buffer")
+        view = self._prefixes.get(rows)
+        if view is None:
+            scales = None
+            if self.scales is not None:
+                scales = self.scales.as_strided((rows, self.scales.shape[1]), (1, round_up(rows, 4)))
+            cells = self.written.numel() // m
+            view = self._prefixes[rows] = PaddedBuffer(self.hidden[:rows], scales, self.written[: rows * cells])
+        return view
 
 
 def alloc_padded(
@@ -457,6 +478,25 @@ def workspace(
     if buf is None:
         buf = _WORKSPACE[key] = alloc_padded(lead, cols, dtype, torch.device(device), quant, bitmap_cols)
     return buf
+
+
+def contiguous_workspace(
+    role: str,
+    rows: int,
+    capacity: int,
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: bool,
+    bitmap_cols: int = 1,
+) -> PaddedBuffer:
+    """Rows `[0, rows)` of the persistent contiguous buffer of `role`, allocated once with
+    `capacity` rows (a static worst case such as max_tokens' rows; a call past it gets a buffer
+    of its own size). Sized per call, not by the capacity: DeepGEMM's contiguous GEMM computes
+    every row it is given, so a 1024-token prefill in a 4096-token buffer cost as much as a
+    4096-token one (docs/device-runs/2026-11-23-session6)."""
+    full = workspace(role, (max(rows, capacity),), cols, dtype, device, quant, bitmap_cols)
+    return full.prefix(rows)
 
 
 @dataclass(frozen=True)

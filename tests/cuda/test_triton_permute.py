@@ -171,3 +171,23 @@ def test_positions_over_several_chunks(monkeypatch, masked):
     else:
         want = P.to_contiguous(x.cpu(), idx, 4)[3][v]
     assert torch.equal(r.slot_row.cpu().long()[v], want)
+
+
+def test_contiguous_buffers_are_sized_per_call_within_one_allocation():
+    """A contiguous workspace hands each call its own rows of one persistent buffer: the
+    GEMMs see this call's M (DeepGEMM computes every row it gets), the memory and the
+    written-rows bitmap are shared, and FP8 scales stay MN-major with a stride aligned to M."""
+    cap = TP.contiguous_rows(64 * 2, 8, 4)
+    small = TP.contiguous_workspace(
+        "test.prefix", TP.contiguous_rows(3 * 2, 8, 4), cap, 256, torch.float8_e4m3fn, DEV, True
+    )
+    full = TP.workspace("test.prefix", (cap,), 256, torch.float8_e4m3fn, DEV, True)
+    m = small.hidden.shape[0]
+    assert m < cap and small.hidden.data_ptr() == full.hidden.data_ptr()
+    assert small.written.numel() == m and small.written.data_ptr() == full.written.data_ptr()
+    assert small.scales.shape == (m, 2) and small.scales.stride() == (1, TP.round_up(m, 4))
+    assert small.scales.untyped_storage().data_ptr() == full.scales.untyped_storage().data_ptr()
+    assert TP.contiguous_workspace("test.prefix", m, cap, 256, torch.float8_e4m3fn, DEV, True) is small  # cached
+    assert full.prefix(cap) is full
+    with pytest.raises(ValueError, match="prefix"):
+        full.prefix(cap + 1)

@@ -74,8 +74,8 @@ def tiles(cfg: Any, layer: Any, dev: torch.device, tokens: int) -> dict:
     def t1(cfg_: TileConfig | None) -> float:
         return time_graph([lambda: token_gemm_act(x, ids, w.w13, None, act, cfg_, activation=1, gated=True)] * 10)
 
-    def t2(cfg_: TileConfig | None) -> float:
-        return time_graph([lambda: token_gemm_combine(act, ids, wts, w.w2, None, out, cfg_)] * 10)
+    def t2(cfg_: TileConfig | None, split: int | None = None) -> float:
+        return time_graph([lambda: token_gemm_combine(act, ids, wts, w.w2, None, out, cfg_, split=split)] * 10)
 
     res["act_used_us"] = t1(used1)
     res["combine_used_us"] = t2(used2)
@@ -84,11 +84,13 @@ def tiles(cfg: Any, layer: Any, dev: torch.device, tokens: int) -> dict:
         for bk in (64, 128, 256):
             for warps, stages in ((4, 3), (4, 5), (2, 4), (8, 4)):
                 c = TileConfig(16, bn, bk, 1, warps, stages)
-                if cfg.intermediate_size % bk == 0:
+                for split in (1, 2, 4):
+                    if cfg.intermediate_size % bk or cfg.top_k % split or (warps, stages) == (8, 4):
+                        continue
                     try:
-                        grid2.append((t2(c), str(c)))
+                        grid2.append((t2(c, split), f"{c} split {split}"))
                     except Exception as exc:  # noqa: BLE001 - a tile that does not fit
-                        grid2.append((float("inf"), f"{c}: {type(exc).__name__}"))
+                        grid2.append((float("inf"), f"{c} split {split}: {type(exc).__name__}"))
                 if cfg.hidden_size % bk == 0 and bk <= 128:
                     try:
                         grid1.append((t1(c), str(c)))

@@ -107,6 +107,8 @@ def _token_gemm_combine_kernel(
     stride_bias_e,
     out_ptr,
     stride_ot,
+    partial_ptr,
+    arrivals_ptr,
     stride_be,
     stride_bn,
     stride_bk,
@@ -115,6 +117,7 @@ def _token_gemm_combine_kernel(
     E: tl.constexpr,
     TOP_K: tl.constexpr,
     K_P: tl.constexpr,
+    SPLIT: tl.constexpr,
     N: tl.constexpr,
     I_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -125,9 +128,13 @@ def _token_gemm_combine_kernel(
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # N-tile-major, as in _token_gemm_act_kernel
-    t = pid % num_tokens
-    offs_n = (pid // num_tokens) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # N-tile-major, as in _token_gemm_act_kernel; SPLIT programs share a (token, N tile), each
+    # summing TOP_K / SPLIT of its experts (more weight bytes in flight per SM)
+    pid = tl.program_id(0)
+    part = pid % SPLIT
+    t = (pid // SPLIT) % num_tokens
+    tile = pid // SPLIT // num_tokens
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -147,8 +154,9 @@ def _token_gemm_combine_kernel(
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # one flat loop over (k, K tile): the pipeline runs across experts without draining
-    for j in range(0, TOP_K * NK):
-        k = j // NK
+    K_PART: tl.constexpr = TOP_K // SPLIT
+    for j in range(0, K_PART * NK):
+        k = part * K_PART + j // NK
         kb = j % NK
         pick = kk == k
         e64 = tl.sum(tl.where(pick, ids, 0), axis=0).to(tl.int64)
@@ -178,9 +186,24 @@ def _token_gemm_combine_kernel(
         y = _to(y, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
         total = tl.where(last, total + y * tl.sum(tl.where(pick, wts, 0.0), axis=0), total)
         acc = tl.where(last, 0.0, acc)
-    total = total * scaling
     o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_m[:, None] * 0 + offs_n[None, :]
-    tl.store(o_ptrs, _to(total, out_ptr.dtype.element_ty, EXACT_ROUND), mask=(offs_m < 1)[:, None] & n_mask[None, :])
+    o_mask = (offs_m < 1)[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        tl.store(o_ptrs, _to(total * scaling, out_ptr.dtype.element_ty, EXACT_ROUND), mask=o_mask)
+    else:
+        # The last of the SPLIT programs to arrive sums every part in part order (so the result
+        # does not depend on arrival order) and re-arms the counter for the next call.
+        cell = tile.to(tl.int64) * num_tokens + t
+        row = tl.sum(tl.where((offs_m == 0)[:, None], total, 0.0), axis=0)  # the live row
+        cols = tl.arange(0, BLOCK_N)
+        tl.store(partial_ptr + (cell * SPLIT + part) * BLOCK_N + cols, row)
+        if tl.atomic_add(arrivals_ptr + cell, 1, sem="acq_rel") == SPLIT - 1:
+            sum_ = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for q in tl.static_range(SPLIT):
+                sum_ += tl.load(partial_ptr + (cell * SPLIT + q) * BLOCK_N + cols, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + cell, 0)
+            res = _to(sum_ * scaling, out_ptr.dtype.element_ty, EXACT_ROUND)
+            tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, res, mask=n_mask)
 
 
 # --- host side ------------------------------------------------------------------------------
@@ -260,6 +283,30 @@ def token_gemm_act(
     return out
 
 
+def combine_split(top_k: int, tokens: int, n: int, block_n: int) -> int:
+    """Programs per (token, N tile) of `token_gemm_combine`: split the top-k experts while the
+    grid has fewer than 2 programs per SM (a program streams its experts' weights one K tile
+    after another; two per SM keep twice the bytes in flight)."""
+    split = 1
+    while top_k % (2 * split) == 0 and tokens * cdiv(n, block_n) * split < 2 * MIN_PROGRAMS:
+        split *= 2
+    return split
+
+
+# Arrival counters of split combines, zero between calls (each call's last program re-arms its
+# cells). Kept for the process's life: a CUDA graph may have captured any of them.
+_ARRIVALS: list[torch.Tensor] = []
+
+
+def _arrivals(cells: int, device: torch.device) -> torch.Tensor:
+    for a in _ARRIVALS:
+        if a.device == device and a.numel() >= cells:
+            return a
+    a = torch.zeros(max(cells, 4096), dtype=torch.int32, device=device)
+    _ARRIVALS.append(a)
+    return a
+
+
 def token_gemm_combine(
     act: torch.Tensor,
     ids: torch.Tensor,
@@ -270,12 +317,15 @@ def token_gemm_combine(
     config: TileConfig | None = None,
     *,
     scaling: float = 1.0,
+    split: int | None = None,
 ) -> torch.Tensor:
     """out[t] = scaling * sum_k weights[t, k] * (act[t*K + k] @ w2[ids[t, k]]^T + bias[ids[t, k]]),
     over the local slots (id >= 0) in k order; weights None: an unweighted sum.
 
     act `[T * K, I]` (from `token_gemm_act`); ids `[T, K]`; weights fp32 `[T, K]`; w2
-    `[E, H, I]` in act's dtype; bias `[E, H]` or None; out `[T, H]`. No host synchronization.
+    `[E, H, I]` in act's dtype; bias `[E, H]` or None; out `[T, H]`. split: programs per
+    (token, N tile), each summing top_k / split experts, a divisor of top_k (None:
+    `combine_split`); the parts are added in a fixed order. No host synchronization.
     """
     t, top_k = ids.shape
     e, h, i = w2.shape
@@ -289,12 +339,21 @@ def token_gemm_combine(
     cfg = _tile(config or token_config(1, t, h, i), i, "token_gemm_combine")
     if t == 0:
         return out
+    split = split or combine_split(top_k, t, h, cfg.block_n)
+    if top_k % split:
+        raise ValueError(f"split={split} does not divide top_k={top_k}")
     w = weights if weights is not None else ids
     b = bias if bias is not None else w2
-    _token_gemm_combine_kernel[(t * cdiv(h, cfg.block_n),)](
+    cells = t * cdiv(h, cfg.block_n)
+    if split > 1:
+        partial = torch.empty(cells * split * cfg.block_n, dtype=torch.float32, device=out.device)
+        arrivals = _arrivals(cells, out.device)
+    else:
+        partial = arrivals = out  # unused
+    _token_gemm_combine_kernel[(cells * split,)](
         act, act.stride(0), ids, w, w2, b, b.stride(0) if bias is not None else 0, out, out.stride(0),
-        w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t,
-        E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), N=h, I_SIZE=i, BLOCK_M=_BLOCK_M,
+        partial, arrivals, w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t,
+        E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), SPLIT=split, N=h, I_SIZE=i, BLOCK_M=_BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, USE_WEIGHTS=weights is not None,
         UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED and out.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

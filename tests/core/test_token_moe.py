@@ -38,7 +38,8 @@ def _reference(cfg, weights, x, ids, wts):
     ids=["silu", "swiglu-bias-scaled", "gelu-nongated", "ep-slice", "fp16-weight-on-input"],
 )
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_kernels_match_the_oracle(extra, tokens):
+@pytest.mark.parametrize("split", [1, None])  # None: the rule (here: the top-k split in parts)
+def test_kernels_match_the_oracle(extra, tokens, split):
     from moehal.kernels.triton_fused_moe import _ACTS
     from moehal.kernels.triton_token_moe import token_gemm_act, token_gemm_combine
 
@@ -56,7 +57,12 @@ def test_kernels_match_the_oracle(extra, tokens):
         alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
     )  # fmt: skip
     out = torch.full((tokens, cfg.hidden_size), float("nan"), dtype=cfg.dtype, device=DEV)
-    token_gemm_combine(act, lids, inp.topk_weights.to(DEV), w2, b2, out, scaling=cfg.routed_scaling_factor)
+    token_gemm_combine(act, lids, inp.topk_weights.to(DEV), w2, b2, out, scaling=cfg.routed_scaling_factor, split=split)
+    again = torch.empty_like(out)  # the split parts are summed in a fixed order: bitwise repeatable
+    token_gemm_combine(
+        act, lids, inp.topk_weights.to(DEV), w2, b2, again, scaling=cfg.routed_scaling_factor, split=split
+    )
+    assert torch.equal(out, again)
     scale = ref.float().abs().max().clamp_min(1e-3)
     err = ((out.cpu().float() - ref.float()).abs().max() / scale).item()
     assert err < 1e-2, f"rel err {err:.4f}"
@@ -81,6 +87,18 @@ def test_tiles_wider_than_the_problem_and_tuned_masked_tiles_are_adapted():
     assert ((out.cpu().float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
     with pytest.raises(ValueError, match="K tile"):
         token_gemm_combine(act, lids, lw, w.w2, None, out, TileConfig(16, 16, 48, 1, 4, 1))
+    with pytest.raises(ValueError, match="does not divide"):
+        token_gemm_combine(act, lids, lw, w.w2, None, out, split=4)
+
+
+def test_combine_split_rule():
+    from moehal.kernels.triton_token_moe import MIN_PROGRAMS, combine_split
+
+    assert combine_split(8, 1, 2048, 16) == 2  # 128 programs: two parts of 4 experts each
+    assert combine_split(8, 1, 7168, 64) == 2  # 112 programs -> 224
+    assert combine_split(1, 1, 2048, 64) == 1  # one expert: nothing to split
+    assert combine_split(8, 16, 4096, 64) == 1  # enough programs already
+    assert 1 * 128 * combine_split(8, 1, 2048, 16) >= 2 * MIN_PROGRAMS
 
 
 # --- the small-batch format through selection and the layer -----------------------------------

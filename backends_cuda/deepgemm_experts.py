@@ -281,8 +281,6 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         # choices behind them; filled on first sight of a batch size: one dict lookup a forward.
         self._masked: dict[int, tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]] = {}
         self.masked_choices: dict[int, tuple[GemmChoice, GemmChoice]] = {}
-        # token count -> the decode kernels' tiles (GEMM1 + activation, GEMM2 + combine)
-        self._token_tiles: dict[int, tuple[Any, Any]] = {}
 
     def _masked_gemms(self, inp: MaskedInput) -> tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]:
         bound = inp.total_rows_bound
@@ -304,20 +302,6 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
 
-    def _token_tile(self, tokens: int) -> tuple[Any, Any]:
-        """GEMM1's tile: the fused masked kernel's, where this device's table has one (a
-        program of either kernel is one row of one expert's N tile: the same work at one token);
-        GEMM2 + combine: `token_config`'s rule."""
-        tiles = self._token_tiles.get(tokens)
-        if tiles is None:
-            c = self.config
-            g1 = None
-            if self.chooser is not None:
-                ch = self.chooser.choose(c.num_local_experts, c.w13_rows, c.hidden_size, "bf16", tokens)
-                g1 = (ch.fused_config or ch.config) if ch.triton else None
-            tiles = self._token_tiles[tokens] = (g1, None)
-        return tiles
-
     def _apply_tokens(self, inp: StandardInput) -> StandardOutput:
         """The small-batch format: token-major, two kernels, the router weights and the routed
         scaling applied in the second (see `moehal.kernels.triton_token_moe`)."""
@@ -329,15 +313,14 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         c = self.config
         x, ids = inp.hidden, inp.topk_ids
         t, k = ids.shape
-        g1, g2 = self._token_tile(t)
         act = torch.empty(t * k, c.intermediate_size, dtype=c.dtype, device=x.device)
-        token_gemm_act(
-            x, ids, w.w13, w.w13_bias, act, g1,
+        token_gemm_act(  # tiles: the kernels' measured rules (`moehal.kernels.triton_token_moe`)
+            x, ids, w.w13, w.w13_bias, act,
             activation=_ACTS[c.activation.value], gated=c.gated, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
         )  # fmt: skip
         out = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
-        token_gemm_combine(act, ids, wts, w.w2, w.w2_bias, out, g2, scaling=c.routed_scaling_factor)
+        token_gemm_combine(act, ids, wts, w.w2, w.w2_bias, out, scaling=c.routed_scaling_factor)
         return StandardOutput(out, scaled=True)
 
     def load(self, weights: Any) -> None:

@@ -64,11 +64,13 @@ def tiles(cfg: Any, layer: Any, dev: torch.device, tokens: int) -> dict:
     from moehal_cuda.tuning import time_graph
 
     w = layer._experts.w
-    runner = layer._experts
     x, ids, wts = routing(cfg, tokens, dev)
     act = torch.randn(tokens * cfg.top_k, cfg.intermediate_size, device=dev).to(cfg.dtype)
     out = torch.empty(tokens, cfg.hidden_size, device=dev, dtype=cfg.dtype)
-    used1, used2 = runner._token_tile(tokens)
+    from moehal.kernels.triton_token_moe import combine_config, token_config
+
+    used1 = token_config(cfg.intermediate_size, cfg.hidden_size)
+    used2 = combine_config(cfg.hidden_size, cfg.intermediate_size)
     res: dict = {"tokens": tokens, "used_act": str(used1), "used_combine": str(used2)}
 
     def t1(cfg_: TileConfig | None) -> float:

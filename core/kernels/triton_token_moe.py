@@ -209,23 +209,34 @@ def _token_gemm_combine_kernel(
 # --- host side ------------------------------------------------------------------------------
 
 
-# Measured on an H100 (docs/device-runs/2026-11-23-session6, tools/token_moe_sweep.py): N tiles
-# as wide as still give about one program per SM were the fastest or within 2% of the best
-# GEMM2 + combine tile at 1 and 4 tokens on the three bench shapes (narrower ones, many
-# programs per SM, were up to 23% slower: Mixtral-8x7B at 4 tokens 287 vs 233 us).
-MIN_PROGRAMS = 96
+# Tiles, measured (tools/token_moe_sweep.py over 36 tiles of each kernel and 3 splits, at 1 and
+# 4 tokens, on the three bench shapes; docs/device-runs/2026-11-23-session6):
+# - GEMM1 + activation: 32-wide N tiles, 128-deep K tiles, 2 warps, 4 stages were the best or
+#   within 3% of it on the H100 and the H200, except Mixtral-8x7B at one token on the H100 (3%
+#   slower than its tuned fused tile), and 13% faster than the fused masked kernel's tuned
+#   tile for Qwen3-30B-A3B at one token on the H200 (11.4 vs 13.2 us).
+# - GEMM2 + combine: 32-wide N tiles, the deepest K tile, 2 warps, 4 stages, likewise; and
+#   splitting the top-k sum over 2-4 programs per (token, N tile) took Qwen3-30B-A3B's at one
+#   token from 13.4 to 8.1 us on the H200 (DeepSeek-V3 at 4 tokens: 224 -> 163 us).
+TILE_N = 32
+COMBINE_PROGRAMS = 512  # split the top-k sum until the grid has this many programs (at most 4 parts)
 
 
-def token_config(programs_per_token: int, tokens: int, n: int, k: int) -> TileConfig:
-    """A decode tile when no tuned one is given: the widest N tile (64, 32, 16) whose grid
-    still has `MIN_PROGRAMS` programs, and the deepest K tile (256, 128, 64) dividing K."""
+def token_config(n: int, k: int) -> TileConfig:
+    """The GEMM1 + activation tile: `TILE_N` wide, 128 deep (64 where 128 does not divide
+    K), 2 warps, 4 stages (see the note above)."""
     if interpreting():
         return TileConfig(_BLOCK_M, 32 if n >= 32 else 16, 32 if k % 64 else 64, 1, 4, 1)
-    bn = 64
-    while bn > 16 and tokens * programs_per_token * cdiv(n, bn) < MIN_PROGRAMS:
-        bn //= 2
+    return TileConfig(_BLOCK_M, TILE_N, 128 if k % 128 == 0 else 64, 1, 2, 4)
+
+
+def combine_config(n: int, k: int) -> TileConfig:
+    """The GEMM2 + combine tile: `TILE_N` wide, the deepest K tile dividing K (256, 128,
+    64), 2 warps, 4 stages (see the note above)."""
+    if interpreting():
+        return TileConfig(_BLOCK_M, 32 if n >= 32 else 16, 32 if k % 64 else 64, 1, 4, 1)
     bk = next((b for b in (256, 128) if k % b == 0), 64)
-    return TileConfig(_BLOCK_M, bn, bk, 1, 4, 4)
+    return TileConfig(_BLOCK_M, TILE_N, bk, 1, 2, 4)
 
 
 def _tile(cfg: TileConfig, k: int, what: str) -> TileConfig:
@@ -268,7 +279,7 @@ def token_gemm_act(
         raise ValueError(f"takes bf16/fp16 operands of one dtype, got {x.dtype} and {w13.dtype}")
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous():
         raise ValueError("x and out rows and the ids must be contiguous")
-    cfg = _tile(config or token_config(top_k, t, i, h), h, "token_gemm_act")
+    cfg = _tile(config or token_config(i, h), h, "token_gemm_act")
     cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
     if t == 0:
         return out
@@ -284,11 +295,11 @@ def token_gemm_act(
 
 
 def combine_split(top_k: int, tokens: int, n: int, block_n: int) -> int:
-    """Programs per (token, N tile) of `token_gemm_combine`: split the top-k experts while the
-    grid has fewer than 2 programs per SM (a program streams its experts' weights one K tile
-    after another; two per SM keep twice the bytes in flight)."""
+    """Programs per (token, N tile) of `token_gemm_combine`: split the top-k experts in up to
+    4 parts while the grid has fewer than `COMBINE_PROGRAMS` programs (a program streams its
+    experts' weights one K tile after another; more programs per SM keep more bytes in flight)."""
     split = 1
-    while top_k % (2 * split) == 0 and tokens * cdiv(n, block_n) * split < 2 * MIN_PROGRAMS:
+    while split < 4 and top_k % (2 * split) == 0 and tokens * cdiv(n, block_n) * split < COMBINE_PROGRAMS:
         split *= 2
     return split
 
@@ -336,7 +347,7 @@ def token_gemm_combine(
         raise ValueError(f"weights must be contiguous {tuple(ids.shape)}, got {tuple(weights.shape)}")
     if act.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous():
         raise ValueError("act and out rows and the ids must be contiguous")
-    cfg = _tile(config or token_config(1, t, h, i), i, "token_gemm_combine")
+    cfg = _tile(config or combine_config(h, i), i, "token_gemm_combine")
     if t == 0:
         return out
     split = split or combine_split(top_k, t, h, cfg.block_n)

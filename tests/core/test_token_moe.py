@@ -88,17 +88,18 @@ def test_tiles_wider_than_the_problem_and_tuned_masked_tiles_are_adapted():
     with pytest.raises(ValueError, match="K tile"):
         token_gemm_combine(act, lids, lw, w.w2, None, out, TileConfig(16, 16, 48, 1, 4, 1))
     with pytest.raises(ValueError, match="does not divide"):
-        token_gemm_combine(act, lids, lw, w.w2, None, out, split=4)
+        token_gemm_combine(act, lids, lw, w.w2, None, out, TileConfig(16, 16, 32, 1, 4, 1), split=4)
 
 
 def test_combine_split_rule():
-    from moehal.kernels.triton_token_moe import MIN_PROGRAMS, combine_split
+    from moehal.kernels.triton_token_moe import COMBINE_PROGRAMS, combine_split
 
-    assert combine_split(8, 1, 2048, 16) == 2  # 128 programs: two parts of 4 experts each
-    assert combine_split(8, 1, 7168, 64) == 2  # 112 programs -> 224
-    assert combine_split(1, 1, 2048, 64) == 1  # one expert: nothing to split
-    assert combine_split(8, 16, 4096, 64) == 1  # enough programs already
-    assert 1 * 128 * combine_split(8, 1, 2048, 16) >= 2 * MIN_PROGRAMS
+    assert combine_split(8, 1, 2048, 32) == 4  # 64 (token, N tile) cells: 4 parts of 2 experts
+    assert combine_split(8, 4, 2048, 32) == 2  # 256 cells -> 512 programs
+    assert combine_split(2, 1, 4096, 32) == 2  # top-2: at most 2 parts
+    assert combine_split(1, 1, 2048, 32) == 1  # one expert: nothing to split
+    assert combine_split(8, 16, 4096, 32) == 1  # enough programs already
+    assert combine_split(8, 64, 2048, 16) * 64 * 128 >= COMBINE_PROGRAMS
 
 
 # --- the small-batch format through selection and the layer -----------------------------------

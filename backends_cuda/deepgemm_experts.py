@@ -249,14 +249,23 @@ def triton_masked_gemm(choice: GemmChoice, total_rows: int) -> MaskedGemm:
     return run
 
 
-def small_batch_tokens(num_experts: int, top_k: int) -> int:
+# Layers whose experts' weights for one token exceed this take the masked path at every size:
+# there the token-major kernels save a fixed few microseconds of glue on a step of 175-245 us
+# and measured within +-2.5% of the masked path (DeepSeek-V3's EP8 slice and Mixtral-8x7B, 704
+# MB per token, on an H100 and an H200), while Qwen3-30B-A3B (75 MB) gained 10-35%.
+SMALL_BATCH_MAX_BYTES_PER_TOKEN = 256 * 2**20
+
+
+def small_batch_tokens(num_experts: int, top_k: int, bytes_per_token: int = 0) -> int:
     """Batches of at most this many tokens take the token-major decode kernels
-    (`moehal.kernels.triton_token_moe`). At one token no two slots share an expert, so grouping
-    rows by expert saves no weight traffic and costs a permute and a gather; with more tokens,
-    slots that share an expert read its weights once each. Measured on an H100
-    (docs/device-runs/2026-11-23-session6), token-major vs masked, whole layer: Qwen3-30B-A3B
-    (E/K = 16) 1.15x at 1 token, 1.06x at 4, 0.99x at 6, 0.92x at 16; DeepSeek-V3's EP8 slice
-    (E/K = 4) and Mixtral (E/K = 4) even at 1 token and 0.90-0.92x at 2. So: E / (4 K)."""
+    (`moehal.kernels.triton_token_moe`); 0: none. At one token no two slots share an expert,
+    so grouping rows by expert saves no weight traffic and costs a permute and a gather; with
+    more tokens, slots that share an expert read its weights once each. Measured on an H100
+    and an H200 (docs/device-runs/2026-11-23-session6), token-major vs masked, whole layer:
+    Qwen3-30B-A3B (E/K = 16) 1.15-1.35x at 1 token, 1.00-1.06x at 4, 0.92-1.06x at 6-16. So:
+    E / (4 K) tokens, for layers of at most `SMALL_BATCH_MAX_BYTES_PER_TOKEN`."""
+    if bytes_per_token > SMALL_BATCH_MAX_BYTES_PER_TOKEN:
+        return 0
     return max(1, num_experts // (4 * max(top_k, 1)))
 
 
@@ -492,7 +501,10 @@ class DeepGemmExperts(Experts):
         c = req.config
         if req.quant.kind is not QuantKind.BF16 or self.small_batch_max_tokens == 0:
             return None
-        n = self.small_batch_max_tokens or small_batch_tokens(c.num_local_experts, c.top_k)
+        per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * c.dtype.itemsize  # w13 + w2
+        n = self.small_batch_max_tokens or small_batch_tokens(c.num_local_experts, c.top_k, per_token)
+        if n == 0:
+            return None
         fmt = ActivationFormat(Layout.STANDARD, c.dtype)
         return SmallBatchFormat(fmt, n, "token-major decode kernels: no permute, no gather")
 

@@ -184,6 +184,9 @@ def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
     small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw))
     assert small is not None and small.fmt.layout is Layout.STANDARD and small.max_tokens == small_batch_tokens(128, 8)
     assert small_batch_tokens(128, 8) == 4 and small_batch_tokens(8, 2) == 1 and small_batch_tokens(4, 8) == 1
+    assert small_batch_tokens(32, 8, 704 * 2**20) == 0  # DeepSeek-V3's EP8 slice: masked at every size
+    big = MoEConfig(num_experts=32, top_k=8, hidden_size=7168, intermediate_size=2048)
+    assert DeepGemmExperts().small_batch_format(BuildRequest(big, QuantScheme.parse("bf16"), hw)) is None
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), hw)) is None
     monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 0)
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw)) is None

@@ -95,7 +95,8 @@ def test_combine_split_rule():
     from moehal.kernels.triton_token_moe import COMBINE_PROGRAMS, combine_split
 
     assert combine_split(8, 1, 2048, 32) == 4  # 64 (token, N tile) cells: 4 parts of 2 experts
-    assert combine_split(8, 4, 2048, 32) == 2  # 256 cells -> 512 programs
+    assert combine_split(8, 2, 2048, 32) == 2  # 128 cells -> 256 programs
+    assert combine_split(8, 4, 2048, 32) == 1  # 256 cells: enough
     assert combine_split(2, 1, 4096, 32) == 2  # top-2: at most 2 parts
     assert combine_split(1, 1, 2048, 32) == 1  # one expert: nothing to split
     assert combine_split(8, 16, 4096, 32) == 1  # enough programs already

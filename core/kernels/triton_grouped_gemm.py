@@ -137,6 +137,57 @@ def _dot_k(
     return acc, acc2
 
 
+@triton.jit
+def _gemm1_act(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    e64,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bias_e,
+    alpha,
+    limit,
+    out_ty: tl.constexpr,
+    I_SIZE: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    """GEMM1 of expert e64 on the A rows offs_m (gate and up halves in one K loop when gated),
+    plus the bias, then the activation: fp32 [BLOCK_M, BLOCK_N]. As the unfused path: the GEMM1
+    output (+ bias) rounded to the layer dtype, the activation in fp32. Shared by the fused
+    masked kernel and the token-major one (`moehal.kernels.triton_token_moe`)."""
+    g, u = _dot_k(
+        a_ptr, a_ptr, b_ptr, b_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
+        stride_ae, stride_am, stride_ak, 0, 0, 0,
+        stride_be, stride_bn, stride_bk, 0, 0, 0,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
+    )  # fmt: skip
+    if HAS_BIAS:
+        brow = bias_ptr + e64 * stride_bias_e
+        g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    g = _to(g, out_ty, EXACT_ROUND).to(tl.float32)
+    u = _to(u, out_ty, EXACT_ROUND).to(tl.float32)
+    return _activation(g, u, alpha, limit, ACT, GATED)
+
+
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _masked_gemm_kernel(
     a_ptr,
@@ -249,21 +300,11 @@ def _masked_gemm_act_kernel(
     e64 = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I_SIZE
-    g, u = _dot_k(
-        a_ptr, a_ptr, b_ptr, b_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
-        stride_ae, stride_am, stride_ak, 0, 0, 0,
-        stride_be, stride_bn, stride_bk, 0, 0, 0,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
+    a = _gemm1_act(
+        a_ptr, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
+        stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_bias_e, alpha, limit,
+        out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, UPCAST, EXACT_ROUND,
     )  # fmt: skip
-    if HAS_BIAS:
-        brow = bias_ptr + e64 * stride_bias_e
-        g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    # as the unfused path: GEMM1 output (+ bias) in the layer dtype, activation in fp32
-    g = _to(g, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
-    u = _to(u, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
-    a = _activation(g, u, alpha, limit, ACT, GATED)
     o_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
 

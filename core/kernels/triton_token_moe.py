@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 from moehal.kernels.tiles import TileConfig
-from moehal.kernels.triton_fused_moe import _activation, _to
-from moehal.kernels.triton_grouped_gemm import _dot_k, fused_act_config
+from moehal.kernels.triton_fused_moe import _to
+from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
 
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
 _BLOCK_M = 16
@@ -78,20 +78,11 @@ def _token_gemm_act_kernel(
     m_mask = offs_m < 1  # the token's row, broadcast over the tile (stride 0), live in row 0
     offs_n = (pid // num_slots) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I_SIZE
-    g, u = _dot_k(
-        x_ptr + t * stride_xt, x_ptr, b_ptr, b_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
-        0, 0, 1, 0, 0, 0,
-        stride_be, stride_bn, stride_bk, 0, 0, 0,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
+    a = _gemm1_act(
+        x_ptr + t * stride_xt, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
+        0, 0, 1, stride_be, stride_bn, stride_bk, stride_bias_e, alpha, limit,
+        out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, UPCAST, EXACT_ROUND,
     )  # fmt: skip
-    if HAS_BIAS:
-        brow = bias_ptr + e64 * stride_bias_e
-        g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    g = _to(g, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
-    u = _to(u, out_ptr.dtype.element_ty, EXACT_ROUND).to(tl.float32)
-    a = _activation(g, u, alpha, limit, ACT, GATED)
     o_ptrs = out_ptr + s.to(tl.int64) * stride_os + offs_m[:, None] * 0 + offs_n[None, :]
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
 

@@ -87,6 +87,12 @@ TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if
     + [f"{q}-{lay.value}-triton-gemm-{i}" for i, (q, lay, _) in enumerate(TRITON_GEMM_CASES)],
 )
 def test_layer_matches_reference(quant_name, layout, extra):
+    _check_layer(quant_name, layout, extra)
+
+
+def _check_layer(quant_name, layout, extra) -> int:
+    """Dispatch -> experts -> combine against the reference, call after call on shared buffers;
+    returns how many calls ran the small-batch (token-major) path."""
     extra = dict(extra)
     choosers = {"triton": AlwaysTriton, "mixed": TritonForSmallBatches, "fused_tile": TritonWithFusedTile}
     chooser = choosers.get(extra.pop("gemm", None), lambda: None)()
@@ -112,6 +118,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
     rdisp = ReferenceDispatcher().build(req, fmt)
     rex = ReferenceExperts().build(req, fmt)
     rex.load(weights)
+    small_calls = 0
     for step, t in enumerate(steps):
         x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(t)]).int().to(DEV)
@@ -128,6 +135,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
         assert err < tol, f"call {step}: rel err {err:.4f}"
         if t <= small:
             assert isinstance(inp, StandardInput) and out.scaled  # routed scaling inside
+            small_calls += 1
             continue
         # experts' contract: padding rows of the output are zero
         if layout is Layout.MASKED:
@@ -158,6 +166,7 @@ def test_layer_matches_reference(quant_name, layout, extra):
             assert {c[0].triton for c in ex.masked_choices.values()} == {True, False}
         else:
             assert all(all(x.triton for x in c) for c in ex.masked_choices.values())
+    return small_calls
 
 
 @pytest.mark.parametrize(
@@ -173,7 +182,9 @@ def test_small_batches_run_token_major_between_masked_calls(extra):
     """The small-batch format (bf16): decode-sized calls run the token-major kernels on the
     runner built for masked input, between masked calls whose stale-row bookkeeping they
     must leave intact."""
-    test_layer_matches_reference("bf16", Layout.MASKED, {**extra, "small_batch": 2, "steps": (12, 1, 2, 7, 1, 3)})
+    steps = (12, 1, 2, 7, 1, 3)
+    small_calls = _check_layer("bf16", Layout.MASKED, {**extra, "small_batch": 2, "steps": steps})
+    assert small_calls == 3  # the 1-, 2- and 1-token calls ran token-major, checked against the oracle
 
 
 def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
@@ -200,7 +211,7 @@ def test_activation_split_over_column_chunks(monkeypatch, quant_name, layout):
 
     monkeypatch.setattr(glue, "ACT_COL_SPAN", 128)
     assert glue.activation_chunks(384) == 3
-    test_layer_matches_reference(quant_name, layout, dict(intermediate_size=384, has_w2_bias=True))
+    _check_layer(quant_name, layout, dict(intermediate_size=384, has_w2_bias=True))
 
 
 @pytest.mark.parametrize("gemm", ["deepgemm", "triton", "mixed", "fused_tile"])
@@ -213,9 +224,7 @@ def test_masked_shrink_after_a_large_batch(monkeypatch, gemm):
 
     monkeypatch.setattr(glue, "ACT_COL_SPAN", 128)
     assert stale_splits(256, 16, 8) > 1
-    test_layer_matches_reference(
-        "bf16", Layout.MASKED, dict(intermediate_size=384, has_w2_bias=True, steps=(200, 2, 40, 1), gemm=gemm)
-    )
+    _check_layer("bf16", Layout.MASKED, dict(intermediate_size=384, has_w2_bias=True, steps=(200, 2, 40, 1), gemm=gemm))
 
 
 def test_nvfp4_qdq_kernel_matches_reference_exactly():

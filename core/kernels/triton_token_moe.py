@@ -216,21 +216,22 @@ TILE_N = 32
 COMBINE_PROGRAMS = 256
 
 
-def token_config(n: int, k: int) -> TileConfig:
-    """The GEMM1 + activation tile: `TILE_N` wide, 128 deep (64 where 128 does not divide
-    K), 2 warps, 4 stages (see the note above)."""
+def _decode_tile(n: int, k: int, depths: tuple[int, ...]) -> TileConfig:
+    """`TILE_N` wide, the first of `depths` dividing K (else 64), 2 warps, 4 stages (see the
+    note above); the interpreter takes few, small tiles."""
     if interpreting():
         return TileConfig(_BLOCK_M, 32 if n >= 32 else 16, 32 if k % 64 else 64, 1, 4, 1)
-    return TileConfig(_BLOCK_M, TILE_N, 128 if k % 128 == 0 else 64, 1, 2, 4)
+    return TileConfig(_BLOCK_M, TILE_N, next((b for b in depths if k % b == 0), 64), 1, 2, 4)
+
+
+def token_config(n: int, k: int) -> TileConfig:
+    """The GEMM1 + activation tile: 128 deep (64 where 128 does not divide K)."""
+    return _decode_tile(n, k, (128,))
 
 
 def combine_config(n: int, k: int) -> TileConfig:
-    """The GEMM2 + combine tile: `TILE_N` wide, the deepest K tile dividing K (256, 128,
-    64), 2 warps, 4 stages (see the note above)."""
-    if interpreting():
-        return TileConfig(_BLOCK_M, 32 if n >= 32 else 16, 32 if k % 64 else 64, 1, 4, 1)
-    bk = next((b for b in (256, 128) if k % b == 0), 64)
-    return TileConfig(_BLOCK_M, TILE_N, bk, 1, 2, 4)
+    """The GEMM2 + combine tile: the deepest K tile dividing K (256, 128, 64)."""
+    return _decode_tile(n, k, (256, 128))
 
 
 def _tile(cfg: TileConfig, k: int, what: str) -> TileConfig:

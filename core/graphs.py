@@ -63,6 +63,7 @@ class GraphCache:
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
         self._fn = fn
         self._device = device
+        self._on_cuda = device.type == "cuda"
         self._graphs: dict[tuple, _Captured] = {}  # key -> copying graph
         self._direct: dict[tuple, _Captured] = {}  # where -> direct graph
         self._direct_per_key: dict[tuple, int] = {}
@@ -72,7 +73,7 @@ class GraphCache:
     @property
     def captured_token_counts(self) -> list[int]:
         """Token counts that have a captured graph (ascending)."""
-        return sorted({key[0] for key in self._graphs} | {where[0] for where in self._direct})
+        return sorted({key[0] for key in self._graphs} | {where[2][0] for where in self._direct})
 
     @property
     def direct_graphs(self) -> int:
@@ -85,6 +86,26 @@ class GraphCache:
         self._direct_per_key.clear()
         self._last.clear()
         self._pool = None
+
+    def replay_direct(self, inputs: tuple, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Replay the direct graph captured on exactly these tensors (and `out`), or return None.
+
+        The steady state of an engine's decode loop, so the caller (`MoELayer.forward`) tries it
+        before its input checks: a direct graph is only captured after those checks passed, and
+        its signature pins every address, dtype, shape and stride they looked at. (Addresses
+        also pin the device: CUDA's unified addressing gives host and each GPU disjoint
+        ranges.) Anything else, a non-tensor included, returns None and takes the checked path.
+        """
+        if not self._direct:
+            return None
+        try:
+            cap = self._direct.get(self.where(inputs, out))
+        except (AttributeError, TypeError):  # None or a non-tensor among the inputs
+            return None
+        if cap is None or (self._on_cuda and torch.cuda.is_current_stream_capturing()):
+            return None  # inside someone else's capture the forward runs as usual
+        cap.graph.replay()
+        return cap.output.clone() if out is None else out
 
     def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         where = self.where(inputs, out)
@@ -116,13 +137,13 @@ class GraphCache:
 
     @staticmethod
     def where(inputs: tuple[torch.Tensor, ...], out: torch.Tensor | None = None) -> tuple:
-        """What a direct graph was captured on: the token count, and each input's address,
-        dtype and strides (and the output buffer's address and strides), in one flat tuple."""
-        sig: list = [inputs[0].shape[0]]
+        """What a direct graph was captured on: each input's address, dtype, shape and strides
+        (and the output buffer's), in one flat tuple; its first shape is the token count's."""
+        sig: list = []
         for t in inputs:
-            sig += (t.data_ptr(), t.dtype, t.stride())
+            sig += (t.data_ptr(), t.dtype, t.shape, t.stride())
         if out is not None:
-            sig += (out.data_ptr(), out.stride())
+            sig += (out.data_ptr(), out.dtype, out.shape, out.stride())
         return tuple(sig)
 
     def _capture(

@@ -226,3 +226,52 @@ def test_forward_writes_into_out(layer):
         layer(x, ids, w, out=torch.empty(3, 32))  # float32, not the layer's bf16
     with pytest.raises(moehal.InputError, match="out must be"):
         layer(x, ids, w, out=torch.empty(2, 32, dtype=torch.bfloat16))
+
+
+def test_replay_direct_serves_only_the_exact_tensors_it_was_captured_on():
+    """`replay_direct` is the forward's first step, before the input checks, so it must miss for
+    anything the checks would look at: another shape at the same address, other strides,
+    another dtype, another output buffer, or a non-tensor."""
+    cache = _fake_graph_cache(lambda x, y: x * 2 + y)
+    x, y, out = torch.ones(4, 6), torch.zeros(4, 6), torch.empty(4, 6)
+    assert cache.replay_direct((x, y), out) is None, "nothing captured yet"
+    cache(x, y, out=out)
+    cache(x, y, out=out)  # the same addresses twice: the direct graph
+    x.fill_(3.0)
+    assert cache.replay_direct((x, y), out) is out and out.tolist() == [[6.0] * 6] * 4
+    assert cache.replay_direct((x[:, :4], y[:, :4]), out[:, :4]) is None, "a narrower view at the same address"
+    assert cache.replay_direct((x[:2], y[:2]), out[:2]) is None, "fewer tokens at the same address"
+    assert cache.replay_direct((x, y.t().contiguous().t()), out) is None, "other strides"
+    assert cache.replay_direct((x, y), torch.empty(4, 6)) is None, "another output buffer"
+    assert cache.replay_direct((x, y), None) is None, "no direct graph for calls without out= yet"
+    assert cache.replay_direct((x, None), out) is None and cache.replay_direct((x, 3), out) is None
+    assert cache.captured_token_counts == [4]
+
+
+def test_forward_replays_a_direct_graph_before_its_checks_and_checks_everything_else(layer):
+    """The layer's steady state (same buffers, `out=`) is one replay; a call that differs in any
+    checked way still gets the checks and their errors."""
+    x, ids, w = _inputs()
+    out = torch.empty_like(x)
+    cache = _fake_graph_cache(layer._forward_topk)
+    replays = []
+    layer._graphs_topk = cache
+    layer._graph_tokens, layer.validate_values = 64, False  # as on CUDA (the CPU layer refuses graphs)
+    cache(x, ids, w, out=out)
+    cache(x, ids, w, out=out)  # captured on the caller's tensors
+    cap = next(iter(cache._direct.values()))
+    inner = cap.graph.replay
+    cap.graph.replay = lambda: (replays.append(1), inner())[1]
+    expect = layer._forward_topk(x, ids, w)
+    assert layer(x, ids, w, out=out) is out and replays == [1] and torch.equal(out, expect)
+    with pytest.raises(moehal.InputError, match="hidden_states must be"):
+        layer(x[:, :16], ids, w, out=out[:, :16])  # same address, narrower: not the graph
+    with pytest.raises(moehal.InputError, match="either topk_ids"):
+        layer(x, ids, w, router_logits=torch.zeros(x.shape[0], 8), out=out)
+    layer.validate_values = True  # values are checked on every call, so never the unchecked replay
+    bad = ids.clone()
+    ids.fill_(99)
+    with pytest.raises(moehal.InputError, match="out of range"):
+        layer(x, ids, w, out=out)
+    ids.copy_(bad)
+    assert replays == [1]

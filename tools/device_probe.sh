@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One GPU call that gathers what the next changes are decided on: the masked GEMM tuned at
+# token counts the shipped table lacks (merged into a copy of it), where a replayed step's time
+# goes at decode and prefill sizes (tools/graph_trace.py), the host floor, and Qwen3 decode
+# beside SGLang with the merged table. At most 8 files land in $OUT.
+#   usage (from the repo root, .whl carried): OUT=/tmp/out TUNE_TOKENS=2,8 bash tools/device_probe.sh
+set -u
+source tools/device_setup.sh
+record_env
+export COLUMNS=240
+slug=$(python3 -c "import torch; from moehal_cuda.gemm_choice import device_slug; print(device_slug(torch.cuda.get_device_name()))")
+table="$OUT/masked_gemm.$slug.json"
+cp "backends_cuda/tuned/masked_gemm.$slug.json" "$table"
+if [ -n "${TUNE_TOKENS:-}" ]; then
+  step tune "${TUNE_LIMIT:-150}" python3 -m moehal_cuda.tuning --update --shapes "${TUNE_SHAPES:-qwen3_30b_a3b}" \
+    --tokens "$TUNE_TOKENS" --quant bf16 --budget-s 100 --out "$table"
+  step tune-fused 90 python3 -m moehal_cuda.tuning --update --fused-only --shapes "${TUNE_SHAPES:-qwen3_30b_a3b}" \
+    --tokens "$TUNE_TOKENS" --budget-s 60 --out "$table"
+  cat "$OUT/tune-fused.log" >> "$OUT/tune.log" && rm -f "$OUT/tune-fused.log"
+  cp "$table" /tmp/site/moehal_cuda/tuned/
+fi
+cd /tmp
+for spec in ${TRACES:-qwen3_30b_a3b:8,1024,4096 deepseek_v3_ep8:1024,4096}; do
+  step "trace-${spec%%:*}" 150 python3 "$repo/tools/graph_trace.py" --shape "${spec%%:*}" --tokens "${spec#*:}"
+  cat "$OUT/trace-${spec%%:*}.log" >> "$OUT/graph-trace.log" && rm -f "$OUT/trace-${spec%%:*}.log"
+done
+step host-floor "${HOST_LIMIT:-120}" python3 "$repo/tools/host_floor.py" --shapes qwen3_30b_a3b,deepseek_v3_ep8 --tokens 1,16
+step bench "${BENCH_LIMIT:-150}" python3 "$repo/tools/sglang_peer.py" bench --shapes "${BENCH_SHAPES:-qwen3_30b_a3b}" \
+  --tokens "${BENCH_TOKENS:-1,2,4,8,16}" --quant bf16 --backends cuda,sglang --reps 20 --out "$OUT/bench"
+rm -f "$OUT/bench.png"
+cat "$OUT/steps.txt"
+grep -E " us |direct" "$OUT/host-floor.log"
+grep -v "^ *$" "$OUT/graph-trace.log" | head -150
+grep -E "qwen3|deepseek|mixtral" "$OUT/bench.log" | grep -v skipped | head -40
+exit 0

@@ -220,7 +220,8 @@ def tune(
     for shape, e, n, k, top_k, fp8 in problems:
         key = entry_key(e, n, k, "fp8_block" if fp8 else "bf16")
         prob = Problem(e, n, k, max(tokens), fp8, dev)
-        entry: dict[str, Any] = {}
+        # --update re-tunes only the token counts asked for: a shape's other rows stay
+        entry: dict[str, Any] = dict(table["entries"].get(key, {})) if update else {}
         for t in tokens:
             if time.monotonic() - t_start > budget_s:
                 log(f"time budget reached: {key} stops before T={t}")
@@ -251,7 +252,7 @@ def tune(
                 f"{shape:16s} {key:34s} T={t:5d}  deepgemm {dg_us:8.1f} us  "
                 f"triton {row['us'].get('triton', float('nan')):8.1f} us  -> {row['use']}"
             )
-        table["entries"][key] = entry
+        table["entries"][key] = by_tokens(entry)
         del prob
         torch.cuda.empty_cache()
         _write(table, out_path)
@@ -422,6 +423,11 @@ def _meta(device_name: str) -> dict[str, Any]:
     }
 
 
+def by_tokens(entry: dict[str, Any]) -> dict[str, Any]:
+    """A shape's rows in ascending token count (JSON keys are strings: "16" sorts before "4")."""
+    return {t: entry[t] for t in sorted(entry, key=int)}
+
+
 def _write(table: dict[str, Any], path: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -437,7 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,4,16,32,64,128,256,512,1024,2048,4096")
     ap.add_argument("--quant", default="bf16", help="bf16,fp8_block")
     ap.add_argument("--out", required=True, help="JSON path (written after every GEMM shape)")
-    ap.add_argument("--update", action="store_true", help="keep the entries already in --out (re-tuned keys replaced)")
+    ap.add_argument(
+        "--update", action="store_true", help="keep what --out holds; only the token counts tuned now are replaced"
+    )
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop timing after this many seconds")
     ap.add_argument(

@@ -24,7 +24,7 @@ for spec in ${TRACES:-qwen3_30b_a3b:8,1024,4096 deepseek_v3_ep8:1024,4096}; do
   step "trace-${spec%%:*}" 150 python3 "$repo/tools/graph_trace.py" --shape "${spec%%:*}" --tokens "${spec#*:}"
   cat "$OUT/trace-${spec%%:*}.log" >> "$OUT/graph-trace.log" && rm -f "$OUT/trace-${spec%%:*}.log"
 done
-step host-floor "${HOST_LIMIT:-120}" python3 "$repo/tools/host_floor.py" --shapes qwen3_30b_a3b,deepseek_v3_ep8 --tokens 1,16
+step host-floor "${HOST_LIMIT:-120}" python3 "$repo/tools/host_floor.py" --shapes qwen3_30b_a3b,deepseek_v3_ep8 --tokens 1,16 ${HOST_PROFILE:+--profile}
 step bench "${BENCH_LIMIT:-150}" python3 "$repo/tools/sglang_peer.py" bench --shapes "${BENCH_SHAPES:-qwen3_30b_a3b}" \
   --tokens "${BENCH_TOKENS:-1,2,4,8,16}" --quant bf16 --backends cuda,sglang --reps 20 --out "$OUT/bench"
 rm -f "$OUT/bench.png"

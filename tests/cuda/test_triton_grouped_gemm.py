@@ -176,3 +176,19 @@ def test_fused_act_tiles_fit_shared_memory():
     assert (fused.block_m, fused.block_n, fused.block_k, fused.num_stages) == (16, 64, 128, 5)
     small = TileConfig(16, 32, 128, 1, 4, 4)  # fits as it is
     assert fused_act_config(small, 2048) == small
+
+
+def test_shipped_tables_keep_every_token_row_in_order():
+    """A re-tune of a few token counts (`--update`) once replaced a shape's whole row set, and a
+    1024-token batch then ran the 8-token tile. Every shipped table keeps the full ladder."""
+    from moehal_cuda.gemm_choice import TUNED_DIR
+    from moehal_cuda.tuning import by_tokens
+
+    assert by_tokens({"16": 1, "4": 2, "1024": 3, "2": 4}) == {"2": 4, "4": 2, "16": 1, "1024": 3}
+    tables = sorted(TUNED_DIR.glob("masked_gemm.*.json"))
+    assert tables, "no tuned tables shipped"
+    for path in tables:
+        for key, rows in json.loads(path.read_text())["entries"].items():
+            counts = [int(t) for t in rows]
+            assert counts == sorted(counts), f"{path.name} {key}: rows out of order"
+            assert {1, 4, 16, 128, 1024, 4096} <= set(counts), f"{path.name} {key}: rows missing: {counts}"

@@ -397,6 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
     p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="build every layer for this many tokens (its buffers), as an engine builds its layers once for its "
+        "largest batch; default: each row's own token count",
+    )
+    p.add_argument(
         "--breakdown", action="store_true", help="also profile each row: device time per kernel (CPU: per operator)"
     )
     args = p.parse_args(argv)
@@ -408,6 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
         f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s (measured now)"
     )
+    if args.max_tokens:
+        console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
     backends = args.backends.split(",")
     if "peers" in backends:
         from moehal.integrations.transformers import peer_implementations
@@ -434,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "moehal": moehal.__version__,
             "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "layer_max_tokens": args.max_tokens or "each row's token count",
             "rows": [asdict(r) for r in rows],
         }
         out.with_suffix(".json").write_text(json.dumps(data, indent=2))
@@ -448,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = progress.add_task("benchmarking", total=len(jobs))
         try:
             for shape, q, backend, tokens in jobs:
-                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
+                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
                 try:
                     rows.append(
                         bench_one(

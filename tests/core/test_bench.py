@@ -23,6 +23,26 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         assert r["host_us"] != r["host_us"], "host overhead is a CUDA measurement: NaN on CPU"
         assert r["host_graph_us"] != r["host_graph_us"]
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert data["layer_max_tokens"] == "each row's token count"
+
+
+def test_bench_builds_layers_for_an_engines_largest_batch(tmp_path, monkeypatch):
+    """--max-tokens: every layer is built as an engine builds it, for its largest batch."""
+    import moehal
+
+    built = []
+    real = moehal.MoEConfig
+
+    def spy(**kw):
+        built.append(kw["max_tokens"])
+        return real(**kw)
+
+    monkeypatch.setattr(moehal, "MoEConfig", spy)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "1", "--out", str(out)]
+    assert main([*argv, "--max-tokens", "4"]) == 0
+    assert built == [4, 8], "the row's own count where it is larger"
+    assert json.loads(out.with_suffix(".json").read_text())["layer_max_tokens"] == 4
 
 
 def test_bench_breakdown_names_where_the_time_goes(tmp_path):

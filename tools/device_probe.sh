@@ -7,21 +7,15 @@
 set -u
 source tools/device_setup.sh
 record_env
+export OUT
 export COLUMNS=240
-slug=$(python3 -c "import torch; from moehal_cuda.gemm_choice import device_slug; print(device_slug(torch.cuda.get_device_name()))")
-table="$OUT/masked_gemm.$slug.json"
-cp "backends_cuda/tuned/masked_gemm.$slug.json" "$table"
 if [ -n "${TUNE_TOKENS:-}" ]; then
-  step tune "${TUNE_LIMIT:-150}" python3 -m moehal_cuda.tuning --update --shapes "${TUNE_SHAPES:-qwen3_30b_a3b}" \
-    --tokens "$TUNE_TOKENS" --quant bf16 --budget-s 100 --out "$table"
-  step tune-fused 90 python3 -m moehal_cuda.tuning --update --fused-only --shapes "${TUNE_SHAPES:-qwen3_30b_a3b}" \
-    --tokens "$TUNE_TOKENS" --budget-s 60 --out "$table"
-  cat "$OUT/tune-fused.log" >> "$OUT/tune.log" && rm -f "$OUT/tune-fused.log"
-  cp "$table" /tmp/site/moehal_cuda/tuned/
+  bash tools/device_tune_rows.sh
 fi
 cd /tmp
-for spec in ${TRACES:-qwen3_30b_a3b:8,1024,4096 deepseek_v3_ep8:1024,4096}; do
-  step "trace-${spec%%:*}" 150 python3 "$repo/tools/graph_trace.py" --shape "${spec%%:*}" --tokens "${spec#*:}"
+for spec in ${TRACES:-qwen3_30b_a3b:8,1024,4096 deepseek_v3_ep8:1024,4096}; do  # SHAPE:TOKENS
+  step "trace-${spec%%:*}" 150 python3 "$repo/tools/graph_trace.py" --shape "${spec%%:*}" --tokens "${spec#*:}" \
+    --quant "${TRACE_QUANT:-bf16}"
   cat "$OUT/trace-${spec%%:*}.log" >> "$OUT/graph-trace.log" && rm -f "$OUT/trace-${spec%%:*}.log"
 done
 step host-floor "${HOST_LIMIT:-120}" python3 "$repo/tools/host_floor.py" --shapes qwen3_30b_a3b,deepseek_v3_ep8 --tokens 1,16 ${HOST_PROFILE:+--profile}

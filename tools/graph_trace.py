@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3_30b_a3b")
     p.add_argument("--tokens", default="1,4")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--quant", default="bf16", help="the layer's scheme (the SGLang peer runs bf16 only)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="the layer's max_tokens, as an engine builds it")
     a = p.parse_args()
     import moehal
     from moehal.bench import SHAPES
@@ -111,14 +113,14 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the peer is optional
         print(f"SGLang peer not available: {type(exc).__name__}: {exc}")
     dev = torch.device("cuda")
-    cfg = moehal.MoEConfig(**SHAPES[a.shape], max_tokens=4096)
+    cfg = moehal.MoEConfig(**SHAPES[a.shape], max_tokens=a.max_tokens)
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
     w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
-    layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
+    layer = moehal.MoELayer(cfg, a.quant, device=dev, validate=False)
     layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13.to(dev), w2.to(dev)))
-    call = peer(cfg, w13, w2, dev) if peer is not None else None
-    print(f"{torch.cuda.get_device_name()}: {a.shape}, {layer.plan.pipeline.name}")
+    call = peer(cfg, w13, w2, dev) if peer is not None and a.quant == "bf16" else None
+    print(f"{torch.cuda.get_device_name()}: {a.shape} {a.quant}, max_tokens {a.max_tokens}, {layer.plan.pipeline.name}")
     for t in (int(x) for x in a.tokens.split(",")):
         x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
         ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)

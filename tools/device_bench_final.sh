@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU call for the record: the benchmark beside SGLang (bf16 and fp8_block, 1-4096 tokens,
+# each layer built for its row's count), the decode rows again with every layer built for 4096
+# tokens as an engine builds it (--max-tokens), and diagnostics (an fp8 replayed-step trace,
+# the host floor with the shapes in reverse order). At most 8 files land in $OUT.
+#   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_bench_final.sh
+set -u
+source tools/device_setup.sh
+record_env
+cd /tmp
+export COLUMNS=240
+shapes=qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b
+step bench "${BENCH_LIMIT:-300}" python3 "$repo/tools/sglang_peer.py" bench --shapes $shapes \
+  --tokens "${TOKENS:-1,2,4,8,16,128,1024,4096}" --quant bf16,fp8_block --backends cuda,sglang --reps 20 --out "$OUT/bench"
+step bench-engine "${ENGINE_LIMIT:-120}" python3 "$repo/tools/sglang_peer.py" bench --shapes $shapes \
+  --tokens 1,2,4,8,16,128 --quant bf16 --backends cuda,sglang --reps 20 --max-tokens 4096 --out "$OUT/bench-engine"
+rm -f "$OUT/bench-engine.png"
+step diag-trace 120 python3 "$repo/tools/graph_trace.py" --shape qwen3_30b_a3b --tokens 1024,4096 --quant fp8_block
+step diag-host 90 python3 "$repo/tools/host_floor.py" --shapes deepseek_v3_ep8,qwen3_30b_a3b --tokens 16,1
+cat "$OUT/diag-host.log" >> "$OUT/diag-trace.log" && rm -f "$OUT/diag-host.log" && mv "$OUT/diag-trace.log" "$OUT/diagnostics.log"
+cat "$OUT/steps.txt"
+grep -E "│" "$OUT/bench-engine.log" | head -40
+grep -v "^ *$" "$OUT/diagnostics.log" | grep -vi warn | head -60

@@ -22,6 +22,8 @@ dtype, activation in float32 rounded to the layer dtype, then quantized for GEMM
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -377,6 +379,23 @@ def _strides2(t: torch.Tensor, masked: bool) -> tuple[int, int]:
 ACT_COL_SPAN = 512
 
 
+@dataclass(frozen=True)
+class ActTile:
+    block_r: int  # rows per program
+    col_span: int  # output columns per program (a multiple of the kernel's column block)
+    num_warps: int = 4
+
+
+def act_tile(rows: RowIndex, block_i: int) -> ActTile:
+    """The activation kernel's tile for this batch. Contiguous buffers keep a written-rows
+    bitmap with one cell per `ACT_COL_SPAN` columns, so their span is fixed; masked buffers
+    keep none, so the split may follow the batch: few row tiles (decode) get one column block
+    per program, a single round of memory latency."""
+    if rows.masked and rows.tiles(16) < 64:
+        return ActTile(16, block_i)
+    return ActTile(16, ACT_COL_SPAN)
+
+
 def activation_chunks(intermediate_size: int) -> int:
     """Column chunks of the activation grid; its written-rows bitmap has this many cells per row."""
     return cdiv(intermediate_size, ACT_COL_SPAN)
@@ -424,15 +443,14 @@ def activation(
         out_scales = out.hidden
         s_se = s_sm = s_sg = 0
         block_i = min(128, next_power_of_2(i_size))
-    block_r = 16
+    tile = act_tile(rows, block_i)
+    block_r, col_span = tile.block_r, tile.col_span
     block_h = min(256, next_power_of_2(h_size))
     n_tiles = rows.tiles(block_r)
-    col_span = ACT_COL_SPAN
     if m:
-        # masked buffers keep no per-chunk bitmap, so the split may follow the batch: few row
-        # tiles (decode) get one column block per program, a single round of memory latency
-        col_span = block_i if n_tiles < 64 else ACT_COL_SPAN
         n_chunks = cdiv(i_size, col_span)
+    elif col_span != ACT_COL_SPAN:
+        raise ValueError(f"contiguous activation spans {ACT_COL_SPAN} columns (its bitmap's cells), not {col_span}")
     n_split = stale_splits(rows.max_m, block_r, rows.num_experts) if m else 1
     stale_programs = rows.num_experts * n_split if m else 0
     b = bias if bias is not None else h
@@ -481,6 +499,7 @@ def activation(
         BLOCK_R=block_r,
         BLOCK_I=block_i,
         BLOCK_H=block_h,
+        num_warps=tile.num_warps,
     )
 
 

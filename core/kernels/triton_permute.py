@@ -523,6 +523,23 @@ def _e_pad(e: int) -> int:
     return max(16, next_power_of_2(e))
 
 
+@dataclass(frozen=True)
+class ScatterTile:
+    block_s: int  # slots per program
+    h_span: int  # columns per program (a multiple of the column block)
+    num_warps: int = 4
+
+
+def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
+    """The scatter kernel's tile. A program copies `h_span` columns of `block_s` slots; small
+    batches take one column block per program, so each program is a single round of memory
+    latency (decode is latency-bound)."""
+    block_s = 16 if slots >= 4096 else 4
+    if cdiv(slots, block_s) < 64:
+        return ScatterTile(block_s, block_h)
+    return ScatterTile(block_s, min(8 * block_h, cdiv(h, block_h) * block_h))
+
+
 def permute(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -600,11 +617,9 @@ def permute(
         sc = out
         ss_e = ss_m = ss_g = 0
         block_h = min(256, next_power_of_2(h))
-    block_s = 16 if s >= 4096 else 4
+    tile = scatter_tile(s, h, block_h)
+    block_s, h_span = tile.block_s, tile.h_span
     block_r = 64
-    # a program copies H_SPAN columns of BLOCK_S slots; small batches take one column block per
-    # program, so each program is a single round of memory latency (decode is latency-bound)
-    h_span = block_h if cdiv(s, block_s) < 64 else min(8 * block_h, cdiv(h, block_h) * block_h)
     n_hc = cdiv(h, h_span)
     n_slot = cdiv(s, block_s) * n_hc
     if masked:
@@ -661,6 +676,7 @@ def permute(
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             H_SPAN=h_span,
+            num_warps=tile.num_warps,
         )
     return Permuted(out, dest.scales, counts, slot_row[:s], row_expert, seg_start)
 

@@ -1,0 +1,125 @@
+"""Tiles of the prefill glue kernels, timed inside the whole layer: the activation
+(`moehal_cuda.triton_glue.act_tile`) and the scatter (`moehal.kernels.triton_permute.scatter_tile`).
+Each variant replaces one rule, captures the layer's forward into a CUDA graph and times its
+replays; the current rules are timed again between variants, so the table shows the noise.
+
+    python tools/glue_sweep.py [--shapes qwen3_30b_a3b] [--tokens 1024,4096] [--quant bf16,fp8_block]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, samples: int = 7, per_sample: int = 5) -> float:
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(per_sample):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_sample)
+    return statistics.median(times)
+
+
+def timed(fn: Callable[[], torch.Tensor]) -> float:
+    from moehal.graphs import capture
+
+    graph, _ = capture(fn, torch.device("cuda"), warmup=1)
+    us = replay_us(graph)
+    del graph
+    return us
+
+
+def main() -> None:
+    import moehal_cuda.triton_glue as glue
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3_30b_a3b")
+    p.add_argument("--tokens", default="1024,4096")
+    p.add_argument("--quant", default="bf16,fp8_block")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--budget-s", type=float, default=400)
+    a = p.parse_args()
+    act_variants = [glue.ActTile(r, s, w) for r, s, w in itertools.product((16, 32), (256, 384, 512, 768), (4, 8))]
+    scatter_variants = [(b, m, w) for b, m, w in itertools.product((8, 16, 32), (2, 4, 8), (4, 8))]
+    print(torch.cuda.get_device_name())
+    cases = list(itertools.product(a.shapes.split(","), a.quant.split(","), map(int, a.tokens.split(","))))
+    for shape, q, t in cases:  # an equal share of the time budget each
+        t_end = time.monotonic() + a.budget_s / len(cases)
+        sweep_case(shape, q, t, max(t, a.max_tokens), act_variants, scatter_variants, t_end)
+        torch.cuda.empty_cache()
+
+
+def sweep_case(
+    shape: str, q: str, t: int, max_tokens: int, act_variants: list, scatter_variants: list, t_end: float
+) -> None:
+    import moehal
+    import moehal.kernels.triton_permute as tp
+    import moehal_cuda.triton_glue as glue
+    from moehal.bench import SHAPES
+
+    dev = torch.device("cuda")
+    act_rule, scatter_rule = glue.act_tile, tp.scatter_tile
+    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max_tokens)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
+    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
+    layer = moehal.MoELayer(cfg, q, device=dev, validate=False)
+    layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13.to(dev), w2.to(dev)))
+    x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
+    ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
+    wts = (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(dev)
+
+    def fwd() -> torch.Tensor:
+        return layer(x, ids, wts)
+
+    print(f"== {shape} {q} T={t}: {layer.plan.pipeline.name}")
+    results: list[tuple[float, str]] = []
+    base = [timed(fwd)]
+    for v in act_variants:
+        if time.monotonic() > t_end:
+            print("  time budget reached")
+            break
+        glue.act_tile = lambda rows, block_i, v=v: v
+        try:
+            results.append((timed(fwd), f"act {v}"))
+        except Exception as exc:  # noqa: BLE001 - a tile that cannot launch here
+            print(f"  act {v}: {type(exc).__name__}: {str(exc)[:80]}")
+        finally:
+            glue.act_tile = act_rule
+        if len(results) % 6 == 0:
+            base.append(timed(fwd))
+    for b, mult, w in scatter_variants:
+        if time.monotonic() > t_end:
+            break
+
+        def rule(s: int, h: int, bh: int, b: int = b, mult: int = mult, w: int = w) -> tp.ScatterTile:
+            return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w)
+
+        tp.scatter_tile = rule
+        try:
+            results.append((timed(fwd), f"scatter block_s={b} h_span={mult}xBLOCK_H warps={w}"))
+        except Exception as exc:  # noqa: BLE001
+            print(f"  scatter {b} {mult} {w}: {type(exc).__name__}: {str(exc)[:80]}")
+        finally:
+            tp.scatter_tile = scatter_rule
+        if len(results) % 6 == 0:
+            base.append(timed(fwd))
+    base.append(timed(fwd))
+    b0 = statistics.median(base)
+    print(f"  current rules: {b0:.1f} us (min {min(base):.1f}, max {max(base):.1f}, {len(base)} captures)")
+    for us, name in sorted(results)[:8]:
+        print(f"  {us:9.1f} us  {100 * (us / b0 - 1):+5.1f}%  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -48,9 +48,13 @@ def main() -> None:
     p.add_argument("--quant", default="bf16,fp8_block")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--budget-s", type=float, default=400)
+    p.add_argument("--act-spans", default="256,384,512,768", help="activation column spans to try")
+    p.add_argument("--act-warps", default="4,8")
+    p.add_argument("--scatter", action=argparse.BooleanOptionalAction, default=True, help="also try scatter tiles")
     a = p.parse_args()
-    act_variants = [glue.ActTile(r, s, w) for r, s, w in itertools.product((16, 32), (256, 384, 512, 768), (4, 8))]
-    scatter_variants = [(b, m, w) for b, m, w in itertools.product((8, 16, 32), (2, 4, 8), (4, 8))]
+    spans, warps = (tuple(map(int, v.split(","))) for v in (a.act_spans, a.act_warps))
+    act_variants = [glue.ActTile(r, s, w) for r, s, w in itertools.product((16, 32), spans, warps)]
+    scatter_variants = list(itertools.product((8, 16, 32), (2, 4, 8), (4, 8))) if a.scatter else []
     print(torch.cuda.get_device_name())
     cases = list(itertools.product(a.shapes.split(","), a.quant.split(","), map(int, a.tokens.split(","))))
     for shape, q, t in cases:  # an equal share of the time budget each

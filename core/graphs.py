@@ -14,6 +14,8 @@ What a replay costs and assumes:
   The output is cloned either way, so the returned tensor is the caller's to keep, as in an
   ordinary eager call; unless the caller passes `out=` (an engine's persistent output
   buffer): a direct graph then writes into `out` itself, and the call costs one replay.
+  `MoELayer.forward` tries that direct graph before its input checks (`replay_direct`): the
+  graph's signature pins everything the checks look at.
   Host cost of each part on an H100 host: docs/device-runs/2026-11-23-session5 and -session6.
 - One capture per distinct token count (plus up to `DIRECT_PER_TOKEN_COUNT` direct ones),
   sharing one memory pool per layer; engines bucket their batch sizes, so the set stays small.

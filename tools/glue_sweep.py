@@ -17,24 +17,12 @@ from collections.abc import Callable
 import torch
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, samples: int = 7, per_sample: int = 5) -> float:
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(per_sample):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_sample)
-    return statistics.median(times)
-
-
 def timed(fn: Callable[[], torch.Tensor]) -> float:
+    from graph_trace import replay_us  # tools/ is this script's directory
     from moehal.graphs import capture
 
     graph, _ = capture(fn, torch.device("cuda"), warmup=1)
-    us = replay_us(graph)
+    us = replay_us(graph, samples=7, per_sample=5)
     del graph
     return us
 

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
-from moehal.kernels.host import cdiv, next_power_of_2, num_m_tiles
+from moehal.kernels.host import cdiv, next_power_of_2
+from moehal.kernels.triton_grouped_gemm import num_m_tiles
 from moehal.kernels.triton_permute import (
     INTERPRETED,
     QUANT_GROUP,

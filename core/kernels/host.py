@@ -24,13 +24,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def num_m_tiles(total_rows: int, num_experts: int, block_m: int) -> int:
-    """Static bound on the masked layout's live M tiles of `block_m` rows: each non-empty expert
-    wastes at most one partial tile, and at most min(E, S) experts are non-empty."""
-    s = max(int(total_rows), 0)
-    return cdiv(s, block_m) + min(num_experts, s)
-
-
 def interpreting() -> bool:
     """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (read now: capability checks)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE

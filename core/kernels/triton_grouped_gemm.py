@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2, num_m_tiles
+from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
 from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
@@ -307,6 +307,13 @@ def _masked_gemm_act_kernel(
     )  # fmt: skip
     o_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def num_m_tiles(total_rows: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the live M tiles: each non-empty expert wastes at most one partial tile,
+    and at most min(E, S) experts are non-empty."""
+    s = max(int(total_rows), 0)
+    return cdiv(s, block_m) + min(num_experts, s)
 
 
 def masked_grouped_gemm(

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2, num_m_tiles
+from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
 
 QUANT_GROUP = 128
 
@@ -125,7 +125,7 @@ def masked_row_tile(t, masked_m_ptr, E: tl.constexpr, E_P: tl.constexpr, BLOCK_R
     """Tile t of the masked layout's live rows, computed from masked_m on the device (expert e
     owns ceil(masked_m[e] / BLOCK_R) consecutive tiles): (expert, rows, live mask). Past the
     last live tile the expert is >= E and no row is live (clamp before addressing). Grids sized
-    by `moehal.kernels.host.num_m_tiles` cover every tile."""
+    by `moehal.kernels.triton_grouped_gemm.num_m_tiles` cover every tile."""
     j = tl.arange(0, E_P)
     cnt = tl.load(masked_m_ptr + j, mask=j < E, other=0)
     tiles = (cnt + BLOCK_R - 1) // BLOCK_R
@@ -153,24 +153,15 @@ def _expert_positions(
     slot_pos_ptr,
     counts_ptr,
     chunk_counts_ptr,
-    slot_row_ptr,
-    row_slot_ptr,
     num_slots,
     expert_start,
     n_chunks,
-    max_m,
-    E,
     CHUNK: tl.constexpr,
     C_P: tl.constexpr,
-    ROW_SLOT: tl.constexpr,
 ):
     """Program (e, c): positions of expert e's slots in chunk c (the expert's slots in earlier
     chunks, from `_expert_chunk_counts`, plus the rank within the chunk); program (e, 0) also
-    writes the expert's count. One chunk: no counts pass, the chunk's own sum is the count.
-
-    ROW_SLOT (masked layout, row-major scatter): also writes both directions of the slot <-> row
-    map, `slot_row[s]` (-1 for slots of other ranks' experts, written by the programs of
-    expert 0) and `row_slot[e * max_m + pos]`, so the scatter can walk destination rows."""
+    writes the expert's count. One chunk: no counts pass, the chunk's own sum is the count."""
     e = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -185,17 +176,7 @@ def _expert_positions(
     else:
         base = 0
         total = tl.sum(hit, axis=0)
-    pos = base + tl.cumsum(hit, axis=0) - 1
-    if ROW_SLOT:
-        # a token routes to an expert at most once, so pos < max_m; the mask guards against
-        # invalid routing (duplicate ids) writing past the expert's rows
-        row = e * max_m + pos
-        tl.store(row_slot_ptr + row.to(tl.int64), offs, mask=(hit != 0) & (pos < max_m))
-        tl.store(slot_row_ptr + offs, row, mask=hit != 0)
-        if e == 0:  # slots routed to another rank's experts
-            tl.store(slot_row_ptr + offs, tl.full([CHUNK], -1, tl.int32), mask=inb & ((ids < 0) | (ids >= E)))
-    else:
-        tl.store(slot_pos_ptr + offs, pos, mask=hit != 0)
+    tl.store(slot_pos_ptr + offs, base + tl.cumsum(hit, axis=0) - 1, mask=hit != 0)
     if c == 0:
         tl.store(counts_ptr + e, total)
 
@@ -209,7 +190,6 @@ def _scatter_rows(
     slot_pos_ptr,
     counts_ptr,
     slot_row_ptr,
-    row_slot_ptr,
     out_ptr,
     stride_oe,
     stride_om,
@@ -235,7 +215,6 @@ def _scatter_rows(
     MASKED: tl.constexpr,
     N_SPLIT: tl.constexpr,
     FUSED_POS: tl.constexpr,
-    GATHER: tl.constexpr,
     S_P: tl.constexpr,
     QUANT: tl.constexpr,
     UE8M0: tl.constexpr,
@@ -258,37 +237,29 @@ def _scatter_rows(
         every = tl.arange(0, S_P)
         all_ids = tl.load(ids_ptr + every, mask=every < num_slots, other=-1).to(tl.int32) - expert_start
     if pid < n_slot_programs:
+        # ---- slots -> rows ----
+        # program = (block of BLOCK_S slots) x (H_SPAN columns): parallel over H for small batches
         hc = pid % n_hchunks
-        if GATHER:
-            # ---- rows <- slots (masked): program = (tile of BLOCK_S live rows of one expert) x
-            # (H_SPAN columns); each reads its rows' token rows and writes whole row blocks
-            # (and contiguous runs of MN-major scales) instead of scattered single rows
-            te, dest_m, valid = masked_row_tile(pid // n_hchunks, counts_ptr, E, E_P, BLOCK_S)
-            dest_e = tl.zeros_like(dest_m) + tl.minimum(te, E - 1)
-            s = tl.load(row_slot_ptr + dest_e.to(tl.int64) * max_m + dest_m, mask=valid, other=0)
+        s = (pid // n_hchunks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        sin = s < num_slots
+        local = tl.load(ids_ptr + s, mask=sin, other=-1).to(tl.int32) - expert_start
+        valid = sin & (local >= 0) & (local < E)
+        if FUSED_POS:  # position = earlier slots of the same expert (slots keep their order)
+            earlier = (all_ids[None, :] == local[:, None]) & (every[None, :] < s[:, None])
+            pos = tl.sum(earlier.to(tl.int32), axis=1)
         else:
-            # ---- slots -> rows ----
-            # program = (block of BLOCK_S slots) x (H_SPAN columns): parallel over H for small batches
-            s = (pid // n_hchunks) * BLOCK_S + tl.arange(0, BLOCK_S)
-            sin = s < num_slots
-            local = tl.load(ids_ptr + s, mask=sin, other=-1).to(tl.int32) - expert_start
-            valid = sin & (local >= 0) & (local < E)
-            if FUSED_POS:  # position = earlier slots of the same expert (slots keep their order)
-                earlier = (all_ids[None, :] == local[:, None]) & (every[None, :] < s[:, None])
-                pos = tl.sum(earlier.to(tl.int32), axis=1)
-            else:
-                pos = tl.load(slot_pos_ptr + s, mask=valid, other=0)
-            if MASKED:
-                dest_e = tl.where(valid, local, 0)
-                dest_m = pos
-                row_id = dest_e * max_m + dest_m
-            else:
-                start = tl.sum(tl.where(j[None, :] < local[:, None], aligned[None, :], 0), axis=1)
-                dest_e = tl.zeros_like(pos)
-                dest_m = start + pos
-                row_id = dest_m
-            if hc == 0:
-                tl.store(slot_row_ptr + s, tl.where(valid, row_id, -1), mask=sin)
+            pos = tl.load(slot_pos_ptr + s, mask=valid, other=0)
+        if MASKED:
+            dest_e = tl.where(valid, local, 0)
+            dest_m = pos
+            row_id = dest_e * max_m + dest_m
+        else:
+            start = tl.sum(tl.where(j[None, :] < local[:, None], aligned[None, :], 0), axis=1)
+            dest_e = tl.zeros_like(pos)
+            dest_m = start + pos
+            row_id = dest_m
+        if hc == 0:
+            tl.store(slot_row_ptr + s, tl.where(valid, row_id, -1), mask=sin)
         tok = s // TOP_K
         if WEIGHT_ON_INPUT:
             wt = tl.load(w_ptr + s, mask=valid, other=0.0).to(tl.float32)
@@ -554,21 +525,19 @@ def _e_pad(e: int) -> int:
 
 @dataclass(frozen=True)
 class ScatterTile:
-    block_s: int  # slots per program (row-major: destination rows per program)
+    block_s: int  # slots per program
     h_span: int  # columns per program (a multiple of the column block)
     num_warps: int = 4
-    row_major: bool = False  # walk destination rows (masked batches with a positions pass)
 
 
-def scatter_tile(slots: int, h: int, block_h: int, row_major_ok: bool = False) -> ScatterTile:
+def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
     """The scatter kernel's tile. A program copies `h_span` columns of `block_s` slots; small
     batches take one column block per program, so each program is a single round of memory
-    latency (decode is latency-bound). `row_major_ok`: the batch may walk destination rows
-    instead of slots (masked layout, positions computed by their own pass)."""
+    latency (decode is latency-bound)."""
     block_s = 16 if slots >= 4096 else 4
     if cdiv(slots, block_s) < 64:
         return ScatterTile(block_s, block_h)
-    return ScatterTile(block_s, min(8 * block_h, cdiv(h, block_h) * block_h), row_major=row_major_ok)
+    return ScatterTile(block_s, min(8 * block_h, cdiv(h, block_h) * block_h))
 
 
 def permute(
@@ -601,15 +570,6 @@ def permute(
     slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
-    out = dest.hidden
-    max_m = out.shape[1] if masked else 0
-    if quant:
-        block_h = QUANT_GROUP
-    else:
-        block_h = min(256, next_power_of_2(h))
-    tile = scatter_tile(s, h, block_h, masked and not fused_pos)
-    row_major = tile.row_major and masked and not fused_pos
-    row_slot = torch.empty(max(e * max_m, 1) if row_major else 1, dtype=torch.int32, device=dev)
     if not fused_pos:
         # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
         # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
@@ -625,23 +585,21 @@ def permute(
             slot_pos,
             counts,
             chunk_counts,
-            slot_row,
-            row_slot,
             s,
             expert_start,
             n_chunks,
-            max_m,
-            e,
             CHUNK=chunk,
             C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1,
-            ROW_SLOT=row_major,
         )
+    out = dest.hidden
     if masked:
+        max_m = out.shape[1]
         num_rows = e * max_m
         so_e, so_m = out.stride(0), out.stride(1)
         row_expert = seg_start = None
         re_arg = se_arg = counts  # unused
     else:
+        max_m = 0
         num_rows = out.shape[0]
         so_e, so_m = 0, out.stride(0)
         row_expert = torch.empty(num_rows, dtype=torch.int32, device=dev)
@@ -654,14 +612,16 @@ def permute(
             ss_e, ss_m, ss_g = sc.stride(0), sc.stride(1), sc.stride(2)
         else:
             ss_e, ss_m, ss_g = 0, sc.stride(0), sc.stride(1)
+        block_h = QUANT_GROUP
     else:
         sc = out
         ss_e = ss_m = ss_g = 0
+        block_h = min(256, next_power_of_2(h))
+    tile = scatter_tile(s, h, block_h)
     block_s, h_span = tile.block_s, tile.h_span
     block_r = 64
     n_hc = cdiv(h, h_span)
-    # row-major: programs over the live row tiles (a static bound: at most S rows are live)
-    n_slot = (num_m_tiles(s, e, block_s) if row_major else cdiv(s, block_s)) * n_hc
+    n_slot = cdiv(s, block_s) * n_hc
     if masked:
         if dest.expert_rows is None or dest.expert_rows.shape[1] != e:
             raise ValueError(f"masked destination needs per-expert row counts for {e} experts (alloc_padded)")
@@ -682,7 +642,6 @@ def permute(
             slot_pos,
             counts,
             slot_row,
-            row_slot,
             out,
             so_e,
             so_m,
@@ -708,7 +667,6 @@ def permute(
             MASKED=masked,
             N_SPLIT=n_split,
             FUSED_POS=fused_pos,
-            GATHER=row_major,
             S_P=max(16, next_power_of_2(s)) if fused_pos else 16,
             QUANT=quant,
             UE8M0=ue8m0,

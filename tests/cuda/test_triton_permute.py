@@ -36,26 +36,9 @@ def _x(t: int, seed: int) -> torch.Tensor:
     return torch.randn(t, H, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
 
 
-def _scatter_mode(monkeypatch, mode: str) -> None:
-    """Force one of the masked scatter's three modes: positions fused into the scatter (small
-    batches), a positions pass then programs over slots, or then programs over rows."""
-    if mode == "fused":
-        return
-    monkeypatch.setattr(TP, "FUSED_POSITIONS_MAX_SLOTS", 0)
-    rule = TP.scatter_tile
-
-    def forced(s: int, h: int, bh: int, row_major_ok: bool = False) -> TP.ScatterTile:
-        t = rule(s, h, bh, row_major_ok)
-        return TP.ScatterTile(t.block_s, t.h_span, t.num_warps, row_major=mode == "rows" and row_major_ok)
-
-    monkeypatch.setattr(TP, "scatter_tile", forced)
-
-
-@pytest.mark.parametrize("mode", ["fused", "slots", "rows"])
 @pytest.mark.parametrize("quant,ue8m0", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("ep", [(0, 5, 5), (3, 4, 10)])  # (expert_start, E_local, E_global)
-def test_masked_matches_torch_permute_across_calls(monkeypatch, mode, quant, ue8m0, ep):
-    _scatter_mode(monkeypatch, mode)
+def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep):
     start, e, e_glob = ep
     k, max_t = 3, 9
     max_m = TP.masked_rows(max_t, 8)
@@ -166,12 +149,12 @@ def test_masked_shrink_spread_over_programs_zeroes_every_stale_row():
         assert (buf.expert_rows[1] == 0).all(), "arrival counters reset"
 
 
-@pytest.mark.parametrize("masked,mode", [(True, "slots"), (True, "rows"), (False, "slots")])
-def test_positions_over_several_chunks(monkeypatch, masked, mode):
+@pytest.mark.parametrize("masked", [True, False])
+def test_positions_over_several_chunks(monkeypatch, masked):
     """Batches larger than one positions chunk: positions count the expert's slots in earlier
     chunks (a counts pass first), and match moehal.permute exactly."""
     monkeypatch.setattr(TP, "POSITION_CHUNK", 256)
-    _scatter_mode(monkeypatch, mode)
+    monkeypatch.setattr(TP, "FUSED_POSITIONS_MAX_SLOTS", 0)
     start, e, e_glob, k, t = 2, 5, 9, 3, 300  # 900 slots: 4 chunks of 256
     ids, w = _routing(t, e_glob, k, 21)
     x = _x(t, 21)

@@ -34,6 +34,7 @@ from moehal.kernels.triton_permute import (
     INTERPRETED,
     QUANT_GROUP,
     PaddedBuffer,
+    e4m3_group_quant,
     masked_row_tile,
     publish_rows,
     round_to_bf16_grid,
@@ -257,13 +258,7 @@ def _act_rows(
                 if EXACT_ROUND:
                     a = round_to_bf16_grid(a)
             if QUANT:
-                amax = tl.max(tl.abs(tl.where(mk, a, 0.0)), axis=1)
-                sc = tl.maximum(amax, 1e-12) / 448.0
-                if UE8M0:
-                    sc = tl.exp2(tl.ceil(tl.log2(sc)))
-                q = tl.minimum(tl.maximum(a / sc[:, None], -448.0), 448.0)
-                if EXACT_ROUND:
-                    q = round_to_e4m3_grid(q)
+                q, sc = e4m3_group_quant(tl.where(mk, a, 0.0), UE8M0, EXACT_ROUND)
                 tl.store(orow + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mk)
                 grp = c0 // BLOCK_I
                 tl.store(sc_ptr + e64 * s_se + m64 * s_sm + grp * s_sg, sc, mask=live)

@@ -8,7 +8,8 @@ source tools/device_setup.sh
 record_env
 export OUT
 export COLUMNS=240
-step pytest-permute 120 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_permute.py
+step pytest-gpu "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+  ${PYTEST:-tests/cuda/test_triton_permute.py}
 cd /tmp
 for q in ${TRACE_QUANTS:-bf16 fp8_block}; do
   for spec in ${TRACES:-qwen3_30b_a3b:1024,4096 deepseek_v3_ep8:1024}; do  # SHAPE:TOKENS
@@ -20,9 +21,10 @@ done
 step glue-sweep "${SWEEP_LIMIT:-300}" python3 "$repo/tools/glue_sweep.py" --no-act \
   --shapes "${SWEEP_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8}" --tokens "${SWEEP_TOKENS:-1024,4096}" \
   --quant "${SWEEP_QUANT:-fp8_block,bf16}" --budget-s "${SWEEP_BUDGET:-260}" \
-  --scatter-blocks "${SCATTER_BLOCKS:-8,16,32}" --scatter-spans "${SCATTER_SPANS:-4,8}" --scatter-warps 4
+  --scatter-blocks "${SCATTER_BLOCKS:-4,8,16}" --scatter-spans "${SCATTER_SPANS:-1,4,8}" --scatter-warps 4 \
+  --scatter-modes "${SCATTER_MODES:-tokens,slots}"
 cat "$OUT/steps.txt"
-tail -3 "$OUT/pytest-permute.log"
-grep -v "^ *$" "$OUT/graph-trace.log" | grep -v Warning | head -120
+tail -3 "$OUT/pytest-gpu.log"
+grep -v "^ *$" "$OUT/graph-trace.log" | grep -E "==|_rows|deep_gemm|_expert|kernels" | head -80
 cat "$OUT/glue-sweep.log"
 exit 0

@@ -68,6 +68,31 @@ def round_to_e4m3_grid(v):
 
 
 @triton.jit
+def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """One 1x128 FP8 group per row of `v` (float32 [R, 128]): (q, scale) with scale =
+    amax / 448 (UE8M0: rounded up to a power of two) and q = v / scale saturated to +-448;
+    q is meant for a cast to e4m3.
+
+    On the GPU q is v times the group's reciprocal scale, unclamped: one division per group
+    instead of one per element, and no min/max per element (the quantizing scatter kept the
+    ALU pipe busier than it kept memory: docs/device-runs/2026-11-23-session8). |v| <= amax,
+    so q exceeds 448 by rounding only, and the cast to e4m3 rounds that back to 448.
+    Triton's fp32 division is approximate on the GPU anyway, so neither form is bitwise
+    torch's; the GPU tests bound the difference to rare one-step flips. Interpreted
+    (EXACT_ROUND): the reference's division and clamp, bit for bit."""
+    amax = tl.max(tl.abs(v), axis=1)
+    sc = tl.maximum(amax, 1e-12) / 448.0
+    if UE8M0:
+        sc = tl.exp2(tl.ceil(tl.log2(sc)))
+    if EXACT_ROUND:
+        q = tl.minimum(tl.maximum(v / sc[:, None], -448.0), 448.0)
+        q = round_to_e4m3_grid(q)
+    else:
+        q = v * (1.0 / sc)[:, None]
+    return q, sc
+
+
+@triton.jit
 def round_to_bf16_grid(v):
     """Round float32 to the nearest bfloat16 value (ties to even), still as float32.
 
@@ -277,14 +302,7 @@ def _scatter_rows(
             dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
             if QUANT:
                 # one group of QUANT_GROUP (== BLOCK_H) elements per column block
-                vf = v.to(tl.float32)
-                amax = tl.max(tl.abs(vf), axis=1)
-                sc = tl.maximum(amax, 1e-12) / 448.0
-                if UE8M0:
-                    sc = tl.exp2(tl.ceil(tl.log2(sc)))
-                q = tl.minimum(tl.maximum(vf / sc[:, None], -448.0), 448.0)
-                if EXACT_ROUND:
-                    q = round_to_e4m3_grid(q)
+                q, sc = e4m3_group_quant(v.to(tl.float32), UE8M0, EXACT_ROUND)
                 tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)
                 g = h0 // BLOCK_H
                 sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm + g * stride_sg

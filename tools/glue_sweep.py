@@ -40,16 +40,14 @@ def main() -> None:
     p.add_argument("--act-warps", default="4,8")
     p.add_argument("--act", action=argparse.BooleanOptionalAction, default=True, help="try activation tiles")
     p.add_argument("--scatter", action=argparse.BooleanOptionalAction, default=True, help="also try scatter tiles")
-    p.add_argument("--scatter-blocks", default="4,8,16", help="source rows (slots or tokens) per scatter program")
-    p.add_argument("--scatter-modes", default="tokens,slots", help="scatter programs over tokens and/or slots")
+    p.add_argument("--scatter-blocks", default="8,16,32", help="slots per scatter program")
     p.add_argument("--scatter-spans", default="2,4,8", help="scatter columns per program, in column blocks")
     p.add_argument("--scatter-warps", default="4,8")
     a = p.parse_args()
     spans, warps = (tuple(map(int, v.split(","))) for v in (a.act_spans, a.act_warps))
     act_variants = [glue.ActTile(r, s, w) for r, s, w in itertools.product((16, 32), spans, warps)] if a.act else []
     sb, ss, sw = (tuple(map(int, v.split(","))) for v in (a.scatter_blocks, a.scatter_spans, a.scatter_warps))
-    modes = tuple(m == "tokens" for m in a.scatter_modes.split(","))
-    scatter_variants = list(itertools.product(sb, ss, sw, modes)) if a.scatter else []
+    scatter_variants = list(itertools.product(sb, ss, sw)) if a.scatter else []
     print(torch.cuda.get_device_name())
     cases = list(itertools.product(a.shapes.split(","), a.quant.split(","), map(int, a.tokens.split(","))))
     for shape, q, t in cases:  # an equal share of the time budget each
@@ -97,17 +95,15 @@ def sweep_case(
             glue.act_tile = act_rule
         if len(results) % 6 == 0:
             base.append(timed(fwd))
-    for b, mult, w, tok in scatter_variants:
+    for b, mult, w in scatter_variants:
         if time.monotonic() > t_end:
             break
 
-        def rule(
-            s: int, h: int, bh: int, top_k: int = 1, b: int = b, mult: int = mult, w: int = w, tok: bool = tok
-        ) -> tp.ScatterTile:
-            return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w, token_major=tok and top_k > 1)
+        def rule(s: int, h: int, bh: int, b: int = b, mult: int = mult, w: int = w) -> tp.ScatterTile:
+            return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w)
 
         tp.scatter_tile = rule
-        name = f"scatter {'tokens' if tok else 'slots'} block={b} h_span={mult}xBLOCK_H warps={w}"
+        name = f"scatter block_s={b} h_span={mult}xBLOCK_H warps={w}"
         try:
             results.append((timed(fwd), name))
         except Exception as exc:  # noqa: BLE001

@@ -240,7 +240,6 @@ def _scatter_rows(
     MASKED: tl.constexpr,
     N_SPLIT: tl.constexpr,
     FUSED_POS: tl.constexpr,
-    KK: tl.constexpr,
     S_P: tl.constexpr,
     QUANT: tl.constexpr,
     UE8M0: tl.constexpr,
@@ -263,75 +262,53 @@ def _scatter_rows(
         every = tl.arange(0, S_P)
         all_ids = tl.load(ids_ptr + every, mask=every < num_slots, other=-1).to(tl.int32) - expert_start
     if pid < n_slot_programs:
-        # ---- source rows -> destination rows ----
-        # program = (BLOCK_S source rows) x (H_SPAN columns). KK == 1: a source row is a slot
-        # (decode: many small programs). KK > 1: a source row is a token, read (and quantized)
-        # once and stored to its top-k destinations (prefill: reading it once per slot made the
-        # quantizing scatter bound by L2 traffic, docs/device-runs/2026-11-23-session8).
+        # ---- slots -> rows ----
+        # program = (block of BLOCK_S slots) x (H_SPAN columns): parallel over H for small batches
         hc = pid % n_hchunks
-        sr = (pid // n_hchunks) * BLOCK_S + tl.arange(0, BLOCK_S)
-        kk = tl.arange(0, KK)
-        if KK == 1:
-            s2 = sr[:, None] + kk[None, :]
-            src = sr // TOP_K
-        else:
-            s2 = sr[:, None] * TOP_K + kk[None, :]
-            src = sr
-        sin2 = (s2 < num_slots) & (kk[None, :] < (TOP_K if KK > 1 else 1))
-        local2 = tl.load(ids_ptr + s2, mask=sin2, other=-1).to(tl.int32) - expert_start
-        valid2 = sin2 & (local2 >= 0) & (local2 < E)
+        s = (pid // n_hchunks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        sin = s < num_slots
+        local = tl.load(ids_ptr + s, mask=sin, other=-1).to(tl.int32) - expert_start
+        valid = sin & (local >= 0) & (local < E)
         if FUSED_POS:  # position = earlier slots of the same expert (slots keep their order)
-            earlier = (all_ids[None, None, :] == local2[:, :, None]) & (every[None, None, :] < s2[:, :, None])
-            pos2 = tl.sum(earlier.to(tl.int32), axis=2)
+            earlier = (all_ids[None, :] == local[:, None]) & (every[None, :] < s[:, None])
+            pos = tl.sum(earlier.to(tl.int32), axis=1)
         else:
-            pos2 = tl.load(slot_pos_ptr + s2, mask=valid2, other=0)
+            pos = tl.load(slot_pos_ptr + s, mask=valid, other=0)
         if MASKED:
-            e2 = tl.where(valid2, local2, 0)
-            m2 = pos2
-            row2 = e2 * max_m + m2
+            dest_e = tl.where(valid, local, 0)
+            dest_m = pos
+            row_id = dest_e * max_m + dest_m
         else:
-            lo2 = tl.where(j[None, None, :] < local2[:, :, None], aligned[None, None, :], 0)
-            e2 = tl.zeros_like(pos2)
-            m2 = tl.sum(lo2, axis=2) + pos2
-            row2 = m2
+            start = tl.sum(tl.where(j[None, :] < local[:, None], aligned[None, :], 0), axis=1)
+            dest_e = tl.zeros_like(pos)
+            dest_m = start + pos
+            row_id = dest_m
         if hc == 0:
-            tl.store(slot_row_ptr + s2, tl.where(valid2, row2, -1), mask=sin2)
-        dst2 = e2.to(tl.int64) * stride_oe + m2.to(tl.int64) * stride_om
-        if QUANT:
-            sdst2 = e2.to(tl.int64) * stride_se + m2.to(tl.int64) * stride_sm
+            tl.store(slot_row_ptr + s, tl.where(valid, row_id, -1), mask=sin)
+        tok = s // TOP_K
         if WEIGHT_ON_INPUT:
-            w2 = tl.load(w_ptr + s2, mask=valid2, other=0.0).to(tl.float32)
-        need = tl.max(valid2.to(tl.int32), axis=1) > 0  # rows with a local destination
+            wt = tl.load(w_ptr + s, mask=valid, other=0.0).to(tl.float32)
         for h1 in tl.static_range(0, H_SPAN, BLOCK_H):
             h0 = hc * H_SPAN + h1
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
-            xrow = x_ptr + src[:, None].to(tl.int64) * stride_xt
-            v = tl.load(xrow + cols[None, :], mask=need[:, None] & cm[None, :], other=0.0)
-            if QUANT and not WEIGHT_ON_INPUT:  # one group of QUANT_GROUP (== BLOCK_H) columns
+            m2 = valid[:, None] & cm[None, :]
+            v = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=m2, other=0.0)
+            if WEIGHT_ON_INPUT:
+                vw = v.to(tl.float32) * wt[:, None]
+                if EXACT_ROUND:
+                    vw = round_to_bf16_grid(vw)
+                v = vw.to(x_ptr.dtype.element_ty)
+            dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
+            if QUANT:
+                # one group of QUANT_GROUP (== BLOCK_H) elements per column block
                 q, sc = e4m3_group_quant(v.to(tl.float32), UE8M0, EXACT_ROUND)
-                q = q.to(out_ptr.dtype.element_ty)
-            for k in tl.static_range(KK):
-                sel = kk[None, :] == k
-                ok = tl.sum((sel & valid2).to(tl.int32), axis=1) > 0
-                dst = out_ptr + tl.sum(tl.where(sel, dst2, 0), axis=1)
-                mk = ok[:, None] & cm[None, :]
-                if WEIGHT_ON_INPUT:
-                    vw = v.to(tl.float32) * tl.sum(tl.where(sel, w2, 0.0), axis=1)[:, None]
-                    if EXACT_ROUND:
-                        vw = round_to_bf16_grid(vw)
-                    vk = vw.to(x_ptr.dtype.element_ty)
-                    if QUANT:
-                        q, sc = e4m3_group_quant(vk.to(tl.float32), UE8M0, EXACT_ROUND)
-                        q = q.to(out_ptr.dtype.element_ty)
-                else:
-                    vk = v
-                if QUANT:
-                    tl.store(dst[:, None] + cols[None, :], q, mask=mk)
-                    sdst = scale_ptr + tl.sum(tl.where(sel, sdst2, 0), axis=1) + (h0 // BLOCK_H) * stride_sg
-                    tl.store(sdst, sc, mask=ok)
-                else:
-                    tl.store(dst[:, None] + cols[None, :], vk, mask=mk)
+                tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)
+                g = h0 // BLOCK_H
+                sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm + g * stride_sg
+                tl.store(sdst, sc, mask=valid)
+            else:
+                tl.store(dst + cols[None, :], v, mask=m2)
     elif MASKED:
         # ---- stale rows: program (expert, split) zeroes its share of [count now, before) ----
         rp = pid - n_slot_programs
@@ -566,30 +543,19 @@ def _e_pad(e: int) -> int:
 
 @dataclass(frozen=True)
 class ScatterTile:
-    block_s: int  # source rows per program: slots, or tokens when token_major
+    block_s: int  # slots per program
     h_span: int  # columns per program (a multiple of the column block)
     num_warps: int = 4
-    token_major: bool = False  # a program reads each of its tokens once and writes its top-k rows
 
 
-def scatter_tile(slots: int, h: int, block_h: int, top_k: int = 1) -> ScatterTile:
-    """The scatter kernel's tile. `top_k` > 1: the batch may go token-major (positions come
-    from their own pass), so each token row is read and quantized once, not top_k times; a
-    program takes a few tokens. Otherwise a program copies `h_span` columns of `block_s` slots.
-    Either way, batches with few programs take one column block per program, so each
-    program is a single round of memory latency (decode is latency-bound)."""
-    h_pad = cdiv(h, block_h) * block_h
-    if top_k > 1:
-        tokens = cdiv(slots, top_k)
-        block = 8 if tokens >= 2048 else 4
-        span = min(4 * block_h, h_pad)
-        if cdiv(tokens, block) * cdiv(h, span) < 256:
-            span = block_h
-        return ScatterTile(block, span, token_major=True)
+def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
+    """The scatter kernel's tile. A program copies `h_span` columns of `block_s` slots; small
+    batches take one column block per program, so each program is a single round of memory
+    latency (decode is latency-bound)."""
     block_s = 16 if slots >= 4096 else 4
     if cdiv(slots, block_s) < 64:
         return ScatterTile(block_s, block_h)
-    return ScatterTile(block_s, min(8 * block_h, h_pad))
+    return ScatterTile(block_s, min(8 * block_h, cdiv(h, block_h) * block_h))
 
 
 def permute(
@@ -669,12 +635,11 @@ def permute(
         sc = out
         ss_e = ss_m = ss_g = 0
         block_h = min(256, next_power_of_2(h))
-    tile = scatter_tile(s, h, block_h, 1 if fused_pos else k)
-    token_major = tile.token_major and not fused_pos and k > 1
+    tile = scatter_tile(s, h, block_h)
     block_s, h_span = tile.block_s, tile.h_span
     block_r = 64
     n_hc = cdiv(h, h_span)
-    n_slot = cdiv(t if token_major else s, block_s) * n_hc
+    n_slot = cdiv(s, block_s) * n_hc
     if masked:
         if dest.expert_rows is None or dest.expert_rows.shape[1] != e:
             raise ValueError(f"masked destination needs per-expert row counts for {e} experts (alloc_padded)")
@@ -720,7 +685,6 @@ def permute(
             MASKED=masked,
             N_SPLIT=n_split,
             FUSED_POS=fused_pos,
-            KK=next_power_of_2(k) if token_major else 1,
             S_P=max(16, next_power_of_2(s)) if fused_pos else 16,
             QUANT=quant,
             UE8M0=ue8m0,

@@ -36,28 +36,9 @@ def _x(t: int, seed: int) -> torch.Tensor:
     return torch.randn(t, H, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
 
 
-def _scatter_mode(monkeypatch, mode: str) -> None:
-    """Force one of the scatter's modes: positions fused into it (small masked batches), or a
-    positions pass first and then programs over slots or over tokens (each token's row read
-    once and written to its top-k rows)."""
-    if mode == "fused":
-        return
-    monkeypatch.setattr(TP, "FUSED_POSITIONS_MAX_SLOTS", 0)
-    rule = TP.scatter_tile
-
-    def forced(s: int, h: int, bh: int, top_k: int = 1) -> TP.ScatterTile:
-        t = rule(s, h, bh, top_k if mode == "tokens" else 1)
-        assert t.token_major == (mode == "tokens" and top_k > 1)
-        return t
-
-    monkeypatch.setattr(TP, "scatter_tile", forced)
-
-
-@pytest.mark.parametrize("mode", ["fused", "slots", "tokens"])
 @pytest.mark.parametrize("quant,ue8m0", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("ep", [(0, 5, 5), (3, 4, 10)])  # (expert_start, E_local, E_global)
-def test_masked_matches_torch_permute_across_calls(monkeypatch, mode, quant, ue8m0, ep):
-    _scatter_mode(monkeypatch, mode)
+def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep):
     start, e, e_glob = ep
     k, max_t = 3, 9
     max_m = TP.masked_rows(max_t, 8)
@@ -84,10 +65,8 @@ def test_masked_matches_torch_permute_across_calls(monkeypatch, mode, quant, ue8
         assert (rows[~v] == -1).all()
 
 
-@pytest.mark.parametrize("mode", ["slots", "tokens"])
 @pytest.mark.parametrize("quant", [False, True])
-def test_contiguous_matches_torch_permute_across_calls(monkeypatch, mode, quant):
-    _scatter_mode(monkeypatch, mode)
+def test_contiguous_matches_torch_permute_across_calls(quant):
     start, e, e_glob, k, align = 2, 6, 12, 4, 8
     m_pad = TP.contiguous_rows(8 * k, e, align)
     buf = TP.alloc_padded((m_pad,), H, torch.float8_e4m3fn if quant else torch.bfloat16, DEV, quant)
@@ -137,28 +116,16 @@ def test_combine_matches_reference_weighted_sum(masked):
     torch.testing.assert_close(out.cpu().double(), ref * 2.5, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,k,quant", [("fused", 1, False), ("tokens", 2, False), ("tokens", 2, True)])
-def test_weight_on_input_scales_rows(monkeypatch, mode, k, quant):
-    """Each slot's row is scaled by its own router weight before any quantization, also when a
-    program writes all of a token's slots from one read of its row."""
-    _scatter_mode(monkeypatch, mode)
+def test_weight_on_input_scales_rows():
     e, t = 4, 5
-    ids, w = _routing(t, e, k, 7)
+    ids, w = _routing(t, e, 1, 7)
     x = _x(t, 7)
-    dt = torch.float8_e4m3fn if quant else torch.bfloat16
-    buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, dt, DEV, quant)
+    buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
     r = TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=True, weight_on_input=True)
     idx = P.index_slots(ids.cpu(), 0, e)
-    scaled = (x.cpu().float()[:, None, :] * w.cpu()[:, :, None]).bfloat16()  # [T, K, H]: row of each slot
-    m = buf.hidden.shape[1]
-    ref = torch.zeros(e, m, H, dtype=torch.bfloat16)
-    ref[idx.slot_expert, idx.slot_pos] = scaled.reshape(-1, H)
-    if quant:
-        live = torch.arange(m)[None, :] < r.counts.cpu()[:, None]
-        q, sc = fp8.quantize_group(ref.float())
-        _assert_fp8_matches(r.hidden.cpu()[live], r.scales.cpu()[live], q[live], sc[live])
-    else:
-        assert torch.equal(r.hidden.cpu(), ref)
+    scaled = (x.cpu().float() * w.cpu()).bfloat16()
+    ref, _ = P.to_masked(scaled, idx, buf.hidden.shape[1])
+    assert torch.equal(r.hidden.cpu(), ref)
 
 
 def test_masked_shrink_spread_over_programs_zeroes_every_stale_row():
@@ -182,12 +149,12 @@ def test_masked_shrink_spread_over_programs_zeroes_every_stale_row():
         assert (buf.expert_rows[1] == 0).all(), "arrival counters reset"
 
 
-@pytest.mark.parametrize("masked,mode", [(True, "slots"), (True, "tokens"), (False, "tokens")])
-def test_positions_over_several_chunks(monkeypatch, masked, mode):
+@pytest.mark.parametrize("masked", [True, False])
+def test_positions_over_several_chunks(monkeypatch, masked):
     """Batches larger than one positions chunk: positions count the expert's slots in earlier
     chunks (a counts pass first), and match moehal.permute exactly."""
     monkeypatch.setattr(TP, "POSITION_CHUNK", 256)
-    _scatter_mode(monkeypatch, mode)
+    monkeypatch.setattr(TP, "FUSED_POSITIONS_MAX_SLOTS", 0)
     start, e, e_glob, k, t = 2, 5, 9, 3, 300  # 900 slots: 4 chunks of 256
     ids, w = _routing(t, e_glob, k, 21)
     x = _x(t, 21)

@@ -194,6 +194,10 @@ FusedGemm1 = Callable[[torch.Tensor, torch.Tensor, Any, Any, torch.Tensor, torch
 # per expert), but 464.0 vs 447.2 at 128 tokens (8 rows per expert: the tile tuned for the plain
 # GEMM runs worse with a second B tile); DeepSeek-V3 and Mixtral at 1-16 tokens within 1%.
 FUSE_MAX_ROWS_PER_EXPERT = 2
+# Prefill batches fuse with a prefill tile of their own where the device's table measured the
+# whole layer at least MIN_GAIN faster that way (`GemmChooser.prefill_fused`): on an H100,
+# Qwen3-30B-A3B at 2048-4096 tokens and Mixtral-8x7B at 1024 (3.6-5.9%); on an H200, Qwen3 at
+# 2048 only (docs/device-runs/2026-11-23-session8).
 
 
 def _fusable(choice: GemmChoice, config: MoEConfig) -> bool:
@@ -306,8 +310,16 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
             fused = None
             few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
-            if choices[0].triton and not self.fp8 and self.fuse_gemm1_activation and few_rows:
-                fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
+            if not self.fp8 and self.fuse_gemm1_activation:
+                if choices[0].triton and few_rows:
+                    fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
+                elif c.gated and self.chooser is not None:
+                    # prefill: where the table measured the whole layer faster fused
+                    tile = self.chooser.prefill_fused(e, c.w13_rows, c.hidden_size, tokens)
+                    if tile is not None:
+                        fused_choice = GemmChoice("triton", tile, tokens, fused_config=tile)
+                        fused = triton_masked_gemm_act(fused_choice, bound, c)
+                        self.masked_choices[bound] = (fused_choice, choices[1])
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
 

@@ -15,7 +15,18 @@ both on a device and writes a table next to this module:
 
 keyed by token count (the nearest measured count on a log scale is used). bf16 GEMM1 rows
 where the experts fuse GEMM1 with the activation may also hold that fused kernel's own tile,
-`"fused": {"config", "us", "adapted_us"}` (`python -m moehal_cuda.tuning --fused-only`). No table, no entry,
+`"fused": {"config", "us", "adapted_us"}` (`python -m moehal_cuda.tuning --fused-only`).
+
+Beside the entries, `"prefill_fused"` holds whole-layer measurements of prefill batches with
+GEMM1 run as the fused GEMM1 + activation kernel in place of the chosen GEMM1 followed by the
+activation kernel, per bf16 GEMM1 shape (`tools/fused_prefill_probe.py`; the entries compare
+plain GEMM1s, so they never weigh the activation kernel that fusion removes):
+
+    "prefill_fused": {"E=128,N=1536,K=2048,dtype=bf16":
+                         {"config": {BLOCK_M, ...}, "source": "...",
+                          "layer_us": {"2048": {"current": 646.0, "fused": 607.8}, ...}}}
+
+No table, no entry,
 an entry saying "deepgemm", or a Triton win under `MIN_GAIN`: DeepGEMM runs, as before this
 module existed. A choice is
 looked up once per distinct token count and cached, so the hot path does a dict lookup.
@@ -107,6 +118,23 @@ class GemmChooser:
                 return GemmChoice("triton", cfg, at, _fused_tile(row.get("fused"), n, k))
         return GemmChoice("deepgemm", None, at)
 
+    def prefill_fused(self, e: int, n13: int, k: int, tokens: int) -> TileConfig | None:
+        """The fused GEMM1 + activation tile for a bf16 batch of `tokens` with GEMM1 shape
+        (e, n13, k), where the table's whole-layer measurement at the nearest measured count
+        (log scale) has the fused layer at least `MIN_GAIN` faster. None without a table or a
+        record for the shape, below its smallest measured count, or where the tile does not fit."""
+        rec = self.table.get("prefill_fused", {}).get(entry_key(e, n13, k, "bf16")) if self.table else None
+        if not rec or not rec.get("layer_us"):
+            return None
+        measured = [int(t) for t in rec["layer_us"]]
+        if tokens < min(measured):
+            return None
+        us = rec["layer_us"][str(nearest(measured, tokens))]
+        if us["fused"] > (1.0 - MIN_GAIN) * us["current"]:
+            return None
+        cfg = TileConfig.from_dict(rec["config"])
+        return cfg if cfg.fits(n13 // 2, k, False) else None
+
 
 def _fused_tile(fused: dict[str, Any] | None, n: int, k: int) -> TileConfig | None:
     """The fused GEMM1 + activation tile of a row (`moehal_cuda.tuning.tune_fused`), where it
@@ -150,6 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             us = {name: f"{row.get('us', {}).get(name, float('nan')):.1f}" for name in ("deepgemm", "triton")}
             t.add_row(key, tokens, us["deepgemm"], us["triton"], ch.use)
     Console().print(t)
+    pre = chooser.table.get("prefill_fused", {})
+    if pre:
+        t = Table(title="bf16 prefill: GEMM1 fused with the activation (whole layer)")
+        for col in ("GEMM1", "tokens", "current us", "fused us", "fused"):
+            t.add_column(col, justify="right" if col != "GEMM1" else "left")
+        for key, rec in pre.items():
+            e, n, k, _ = (p.split("=")[1] for p in key.split(","))
+            for tokens, us in rec.get("layer_us", {}).items():
+                tile = chooser.prefill_fused(int(e), int(n), int(k), int(tokens))
+                t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['fused']:.1f}", "yes" if tile else "no")
+        Console().print(t)
     return 0
 
 

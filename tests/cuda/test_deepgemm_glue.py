@@ -55,6 +55,9 @@ class AlwaysTriton:
         self.asked.append((e, n, k, dtype, tokens))
         return GemmChoice("triton", default_config(tokens, n, k, dtype == "fp8_block"), tokens)
 
+    def prefill_fused(self, e, n13, k, tokens):
+        return None
+
 
 class TritonForSmallBatches(AlwaysTriton):
     """Triton (so, for bf16, GEMM1 fused with the activation) up to 16 tokens, DeepGEMM above:
@@ -76,15 +79,32 @@ class TritonWithFusedTile(AlwaysTriton):
         return GemmChoice("triton", plain.config, tokens, TileConfig(16, 16, 32, 1, 4, 1))
 
 
+class DeepGemmWithPrefillFusion(AlwaysTriton):
+    """DeepGEMM for both GEMMs, but batches of at least 5 tokens run GEMM1 as the fused GEMM1 +
+    activation kernel (a table whose whole-layer prefill measurements favour fusion)."""
+
+    def choose(self, e, n, k, dtype, tokens):
+        self.asked.append((e, n, k, dtype, tokens))
+        return GemmChoice("deepgemm", None, tokens)
+
+    def prefill_fused(self, e, n13, k, tokens):
+        return TileConfig(16, 16, 32, 1, 4, 1) if tokens >= 5 else None
+
+
 # The masked cases again, with the Triton masked GEMM in place of DeepGEMM's (per-shape choice).
 TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if lay is Layout.MASKED]
+# The gated masked cases with DeepGEMM's GEMMs and prefill-sized batches fused (bf16 only).
+PREFILL_FUSED_CASES = [
+    (q, lay, {**x, "gemm": "prefill_fused"}) for q, lay, x in CASES if lay is Layout.MASKED and x.get("gated", True)
+]
 
 
 @pytest.mark.parametrize(
     "quant_name,layout,extra",
-    CASES + TRITON_GEMM_CASES,
+    CASES + TRITON_GEMM_CASES + PREFILL_FUSED_CASES,
     ids=[f"{q}-{lay.value}-{i}" for i, (q, lay, _) in enumerate(CASES)]
-    + [f"{q}-{lay.value}-triton-gemm-{i}" for i, (q, lay, _) in enumerate(TRITON_GEMM_CASES)],
+    + [f"{q}-{lay.value}-triton-gemm-{i}" for i, (q, lay, _) in enumerate(TRITON_GEMM_CASES)]
+    + [f"{q}-{lay.value}-prefill-fused-{i}" for i, (q, lay, _) in enumerate(PREFILL_FUSED_CASES)],
 )
 def test_layer_matches_reference(quant_name, layout, extra):
     _check_layer(quant_name, layout, extra)
@@ -94,7 +114,12 @@ def _check_layer(quant_name, layout, extra) -> int:
     """Dispatch -> experts -> combine against the reference, call after call on shared buffers;
     returns how many calls ran the small-batch (token-major) path."""
     extra = dict(extra)
-    choosers = {"triton": AlwaysTriton, "mixed": TritonForSmallBatches, "fused_tile": TritonWithFusedTile}
+    choosers = {
+        "triton": AlwaysTriton,
+        "mixed": TritonForSmallBatches,
+        "fused_tile": TritonWithFusedTile,
+        "prefill_fused": DeepGemmWithPrefillFusion,
+    }
     chooser = choosers.get(extra.pop("gemm", None), lambda: None)()
     steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
     small = extra.pop("small_batch", 0)  # batches of <= this many tokens go token-major
@@ -155,14 +180,22 @@ def _check_layer(quant_name, layout, extra) -> int:
         assert shapes == {(cfg.w13_rows, 256), (256, cfg.intermediate_size)}
         from moehal_cuda.deepgemm_experts import FUSE_MAX_ROWS_PER_EXPERT
 
+        prefill = isinstance(chooser, DeepGemmWithPrefillFusion)
         for bound, (_, _, fused) in ex._masked.items():
             # bf16 layers fuse GEMM1 with the activation when GEMM1 is Triton's and the batch is
-            # decode-sized (at most FUSE_MAX_ROWS_PER_EXPERT rows per expert)
+            # decode-sized (at most FUSE_MAX_ROWS_PER_EXPERT rows per expert), or where the
+            # table's prefill measurements say so (then the recorded choice is the fused tile)
             few = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
-            assert (fused is not None) == (ex.masked_choices[bound][0].triton and not fp8 and few)
+            tile = chooser.prefill_fused(e, cfg.w13_rows, 256, bound // cfg.top_k) if cfg.gated else None
+            want = tile is not None if prefill else ex.masked_choices[bound][0].triton and few
+            assert (fused is not None) == (want and not fp8)
+            if prefill and fused is not None:
+                assert ex.masked_choices[bound][0].fused_config == tile
         # the fused and the unfused path both ran on these buffers (bf16)
         assert fp8 or {f is not None for _, _, f in ex._masked.values()} == {True, False}
-        if isinstance(chooser, TritonForSmallBatches):
+        if prefill:
+            assert all(not c[1].triton for c in ex.masked_choices.values())  # GEMM2 stays DeepGEMM's
+        elif isinstance(chooser, TritonForSmallBatches):
             assert {c[0].triton for c in ex.masked_choices.values()} == {True, False}
         else:
             assert all(all(x.triton for x in c) for c in ex.masked_choices.values())

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_grouped_gemm import default_config, masked_grouped_gemm, num_m_tiles
 from moehal.quant import fp8
-from moehal_cuda.gemm_choice import GemmChooser, entry_key, nearest, table_path
+from moehal_cuda.gemm_choice import MIN_GAIN, TUNED_DIR, GemmChooser, entry_key, nearest, table_path
 from moehal_cuda.tuning import candidate_configs, routing_counts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,6 +136,38 @@ def test_chooser_reads_the_fused_tile_only_where_it_measured_faster(tmp_path):
     assert ch.choose(128, 1536, 2048, "bf16", 1).fused_config == TileConfig.from_dict(fused)
     assert ch.choose(128, 1536, 2048, "bf16", 4).fused_config is None
     assert ch.choose(128, 1536, 2048, "bf16", 16).fused_config is None
+
+
+def test_chooser_fuses_prefill_gemm1_only_where_the_whole_layer_measured_faster(tmp_path):
+    key = entry_key(128, 1536, 2048, "bf16")
+    tile = TileConfig(128, 128, 64, 8, 8, 4)
+    us = {"512": (486.0, 488.0), "2048": (646.0, 608.0), "4096": (860.0, 845.0)}  # -6%, then -1.7%: noise
+    rec = {"config": tile.as_dict(), "layer_us": {t: {"current": c, "fused": f} for t, (c, f) in us.items()}}
+    no_fit = {**rec, "config": TileConfig(128, 128, 512, 8, 8, 4).as_dict()}
+    table = {"entries": {}, "prefill_fused": {key: rec, entry_key(128, 2048, 768, "bf16"): no_fit}}
+    table_path("Test GPU", tmp_path).write_text(json.dumps(table))
+    ch = GemmChooser("Test GPU", tmp_path)
+    assert ch.prefill_fused(128, 1536, 2048, 2048) == tile
+    assert ch.prefill_fused(128, 1536, 2048, 1500) == tile  # nearest measured count: 2048
+    assert ch.prefill_fused(128, 1536, 2048, 4096) is None  # inside the noise
+    assert ch.prefill_fused(128, 1536, 2048, 700) is None  # nearest: 512, slower fused
+    assert ch.prefill_fused(128, 1536, 2048, 256) is None  # below the smallest measured count
+    assert ch.prefill_fused(32, 4096, 7168, 2048) is None  # no record for this GEMM
+    assert ch.prefill_fused(128, 2048, 768, 2048) is None  # its K tile does not divide K = 768
+    assert GemmChooser("Other GPU", tmp_path).prefill_fused(128, 1536, 2048, 2048) is None
+
+
+def test_shipped_prefill_fusion_records_are_measured_where_they_fuse():
+    """Every shipped record names its measurement, and fuses only at counts measured faster."""
+    for path in TUNED_DIR.glob("masked_gemm.*.json"):
+        table = json.loads(path.read_text())
+        for key, rec in table.get("prefill_fused", {}).items():
+            assert rec["source"].startswith("docs/device-runs/") and key.endswith("dtype=bf16")
+            ch = GemmChooser(table["meta"]["device"])
+            e, n, k = (int(p.split("=")[1]) for p in key.split(",")[:3])
+            for t, us in rec["layer_us"].items():
+                fused = ch.prefill_fused(e, n, k, int(t)) is not None
+                assert fused == (us["fused"] <= (1 - MIN_GAIN) * us["current"]), (path.name, key, t)
 
 
 def test_fused_tuner_candidates_fit_the_fused_kernel():

@@ -1,0 +1,106 @@
+"""Whole-layer time of bf16 prefill with GEMM1 run as the fused Triton GEMM1 + activation
+kernel (tile given here) instead of what the tuned table picks (DeepGEMM's GEMM1, then the
+activation kernel): the tables compare plain GEMM1s only, so at prefill sizes they never
+weigh the activation kernel that fusion removes.
+
+    python3 tools/fused_prefill_probe.py [--shapes qwen3_30b_a3b] [--tokens 1024,2048,4096]
+
+Each variant builds its own layer (GEMM choices are cached per layer), captures the forward
+into a CUDA graph and times its replays; the current choice is timed again between variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): BLOCK_N output columns, so two B tiles
+# (gate and up) of BLOCK_N x BLOCK_K per stage
+TILES = [  # best first on an H100 (docs/device-runs/2026-11-23-session8/h100/fused-probe.log)
+    (128, 128, 64, 8, 8, 4),
+    (128, 128, 64, 8, 8, 3),
+    (64, 128, 64, 8, 4, 4),
+    (128, 64, 64, 8, 8, 4),
+    (128, 64, 64, 8, 4, 4),
+    (64, 64, 64, 8, 4, 5),
+    (128, 128, 32, 8, 8, 5),
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3_30b_a3b")
+    p.add_argument("--tokens", default="1024,2048,4096")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--budget-s", type=float, default=300)
+    p.add_argument("--tiles", type=int, default=len(TILES), help="try the first N tiles of TILES")
+    a = p.parse_args()
+    del TILES[a.tiles :]
+    print(torch.cuda.get_device_name())
+    cases = [(s, int(t)) for s in a.shapes.split(",") for t in a.tokens.split(",")]
+    for shape, t in cases:
+        probe_case(shape, t, max(t, a.max_tokens), time.monotonic() + a.budget_s / len(cases))
+        torch.cuda.empty_cache()
+
+
+def probe_case(shape: str, t: int, max_tokens: int, t_end: float) -> None:
+    import moehal
+    import moehal_cuda.deepgemm_experts as dx
+    from glue_sweep import timed  # tools/ is this script's directory
+    from moehal.bench import SHAPES
+    from moehal.kernels.tiles import TileConfig
+    from moehal_cuda.gemm_choice import GemmChoice, GemmChooser
+
+    dev = torch.device("cuda")
+    choose = GemmChooser.choose
+    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max_tokens)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
+    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
+    x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
+    ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
+    wts = (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(dev)
+    weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse("bf16"), w13.to(dev), w2.to(dev))
+
+    def layer_us() -> float:
+        layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
+        layer.load_weights(weights)
+        return timed(lambda: layer(x, ids, wts))
+
+    bases = [layer_us()]
+    print(f"== {shape} bf16 T={t}: current {bases[0]:.1f} us")
+    rows = []
+    for tile in TILES:
+        if time.monotonic() > t_end:
+            print("  time budget reached")
+            break
+        tc = TileConfig(*tile)
+
+        def forced(self, e, n, k, dtype, tokens, tc=tc):  # noqa: ANN001, ANN202
+            if n == cfg.w13_rows:
+                return GemmChoice("triton", tc, tokens, fused_config=tc)
+            return choose(self, e, n, k, dtype, tokens)
+
+        GemmChooser.choose = forced
+        old = dx.FUSE_MAX_ROWS_PER_EXPERT
+        dx.FUSE_MAX_ROWS_PER_EXPERT = 1 << 30
+        try:
+            rows.append((layer_us(), tile))
+        except Exception as exc:  # noqa: BLE001 - a tile that cannot launch here
+            print(f"  {tile}: {type(exc).__name__}: {str(exc)[:100]}")
+        finally:
+            GemmChooser.choose = choose
+            dx.FUSE_MAX_ROWS_PER_EXPERT = old
+        torch.cuda.empty_cache()
+    bases.append(layer_us())
+    b0 = statistics.median(bases)
+    print(f"  current: {b0:.1f} us (captures {', '.join(f'{b:.1f}' for b in bases)})")
+    for us, tile in sorted(rows):
+        print(f"  {us:9.1f} us  {100 * (us / b0 - 1):+6.1f}%  fused GEMM1+act tile {tile}")
+
+
+if __name__ == "__main__":
+    main()

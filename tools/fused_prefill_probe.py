@@ -6,7 +6,8 @@ weigh the activation kernel that fusion removes.
     python3 tools/fused_prefill_probe.py [--shapes qwen3_30b_a3b] [--tokens 1024,2048,4096]
 
 Each variant builds its own layer (GEMM choices are cached per layer), captures the forward
-into a CUDA graph and times its replays; the current choice is timed again between variants.
+into a CUDA graph and times its replays. "current" is the table's choice with its own prefill
+fusion records switched off (`GemmChooser.prefill_fused`), timed before and after the variants.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def probe_case(shape: str, t: int, max_tokens: int, t_end: float) -> None:
+def probe_case(shape: str, t: int, max_tokens: int, t_end: float, unfused_baseline: bool = True) -> None:
     import moehal
     import moehal_cuda.deepgemm_experts as dx
     from glue_sweep import timed  # tools/ is this script's directory
@@ -55,7 +56,7 @@ def probe_case(shape: str, t: int, max_tokens: int, t_end: float) -> None:
     from moehal_cuda.gemm_choice import GemmChoice, GemmChooser
 
     dev = torch.device("cuda")
-    choose = GemmChooser.choose
+    choose, table_rule = GemmChooser.choose, GemmChooser.prefill_fused
     cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max_tokens)
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
@@ -66,7 +67,10 @@ def probe_case(shape: str, t: int, max_tokens: int, t_end: float) -> None:
     weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse("bf16"), w13.to(dev), w2.to(dev))
 
     def layer_us() -> float:
+        if unfused_baseline:  # the baseline without the table's own prefill fusion records
+            GemmChooser.prefill_fused = lambda *a, **k: None
         layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
+        GemmChooser.prefill_fused = table_rule
         layer.load_weights(weights)
         return timed(lambda: layer(x, ids, wts))
 

@@ -69,10 +69,12 @@ def probe_case(shape: str, t: int, max_tokens: int, t_end: float, unfused_baseli
     def layer_us() -> float:
         if unfused_baseline:  # the baseline without the table's own prefill fusion records
             GemmChooser.prefill_fused = lambda *a, **k: None
-        layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
-        GemmChooser.prefill_fused = table_rule
-        layer.load_weights(weights)
-        return timed(lambda: layer(x, ids, wts))
+        try:  # choices are made at the first forward, inside `timed`
+            layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
+            layer.load_weights(weights)
+            return timed(lambda: layer(x, ids, wts))
+        finally:
+            GemmChooser.prefill_fused = table_rule
 
     bases = [layer_us()]
     print(f"== {shape} bf16 T={t}: current {bases[0]:.1f} us")

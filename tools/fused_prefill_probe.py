@@ -50,20 +50,13 @@ def main() -> None:
 def probe_case(shape: str, t: int, max_tokens: int, t_end: float, unfused_baseline: bool = True) -> None:
     import moehal
     import moehal_cuda.deepgemm_experts as dx
-    from glue_sweep import timed  # tools/ is this script's directory
-    from moehal.bench import SHAPES
+    from glue_sweep import random_case, timed  # tools/ is this script's directory
     from moehal.kernels.tiles import TileConfig
     from moehal_cuda.gemm_choice import GemmChoice, GemmChooser
 
     dev = torch.device("cuda")
     choose, table_rule = GemmChooser.choose, GemmChooser.prefill_fused
-    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max_tokens)
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
-    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
-    x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
-    ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
-    wts = (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(dev)
+    cfg, w13, w2, x, ids, wts = random_case(shape, t, max_tokens, dev)
     weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse("bf16"), w13.to(dev), w2.to(dev))
 
     def layer_us() -> float:

@@ -27,6 +27,22 @@ def timed(fn: Callable[[], torch.Tensor]) -> float:
     return us
 
 
+def random_case(shape: str, tokens: int, max_tokens: int, dev: torch.device) -> tuple:
+    """A benchmark shape's config (built for `max_tokens`), random canonical weights w13 and w2
+    (on the host), and a batch on `dev`: hidden states, distinct top-k ids, positive weights."""
+    import moehal
+    from moehal.bench import SHAPES
+
+    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max_tokens)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
+    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
+    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
+    ids = torch.rand(tokens, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
+    wts = (torch.rand(tokens, cfg.top_k, generator=g) + 0.1).to(dev)
+    return cfg, w13, w2, x, ids, wts
+
+
 def main() -> None:
     import moehal_cuda.triton_glue as glue
 
@@ -62,19 +78,12 @@ def sweep_case(
     import moehal
     import moehal.kernels.triton_permute as tp
     import moehal_cuda.triton_glue as glue
-    from moehal.bench import SHAPES
 
     dev = torch.device("cuda")
     act_rule, scatter_rule = glue.act_tile, tp.scatter_tile
-    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max_tokens)
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
-    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
+    cfg, w13, w2, x, ids, wts = random_case(shape, t, max_tokens, dev)
     layer = moehal.MoELayer(cfg, q, device=dev, validate=False)
     layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13.to(dev), w2.to(dev)))
-    x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
-    ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
-    wts = (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(dev)
 
     def fwd() -> torch.Tensor:
         return layer(x, ids, wts)

@@ -19,7 +19,7 @@ import torch
 
 def main() -> None:
     import moehal
-    from moehal.bench import SHAPES
+    from glue_sweep import random_case  # tools/ is this script's directory
 
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3_30b_a3b")
@@ -28,15 +28,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=4096)
     a = p.parse_args()
     dev = torch.device("cuda")
-    cfg = moehal.MoEConfig(**SHAPES[a.shape], max_tokens=max(a.tokens, a.max_tokens))
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
-    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
+    cfg, w13, w2, x, ids, wts = random_case(a.shape, a.tokens, max(a.tokens, a.max_tokens), dev)
     layer = moehal.MoELayer(cfg, a.quant, device=dev, validate=False)
     layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13.to(dev), w2.to(dev)))
-    x = torch.randn(a.tokens, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
-    ids = torch.rand(a.tokens, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
-    wts = (torch.rand(a.tokens, cfg.top_k, generator=g) + 0.1).to(dev)
     for _ in range(2):
         layer(x, ids, wts)
     torch.cuda.synchronize()

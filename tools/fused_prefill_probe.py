@@ -13,7 +13,6 @@ fusion records switched off (`GemmChooser.prefill_fused`), timed before and afte
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -50,7 +49,7 @@ def main() -> None:
 def probe_case(shape: str, t: int, max_tokens: int, t_end: float, unfused_baseline: bool = True) -> None:
     import moehal
     import moehal_cuda.deepgemm_experts as dx
-    from glue_sweep import random_case, timed  # tools/ is this script's directory
+    from glue_sweep import print_ranked, random_case, timed  # tools/ is this script's directory
     from moehal.kernels.tiles import TileConfig
     from moehal_cuda.gemm_choice import GemmChoice, GemmChooser
 
@@ -95,10 +94,7 @@ def probe_case(shape: str, t: int, max_tokens: int, t_end: float, unfused_baseli
             dx.FUSE_MAX_ROWS_PER_EXPERT = old
         torch.cuda.empty_cache()
     bases.append(layer_us())
-    b0 = statistics.median(bases)
-    print(f"  current: {b0:.1f} us (captures {', '.join(f'{b:.1f}' for b in bases)})")
-    for us, tile in sorted(rows):
-        print(f"  {us:9.1f} us  {100 * (us / b0 - 1):+6.1f}%  fused GEMM1+act tile {tile}")
+    print_ranked("current", bases, [(us, f"fused GEMM1+act tile {tile}") for us, tile in rows])
 
 
 if __name__ == "__main__":

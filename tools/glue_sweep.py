@@ -43,6 +43,14 @@ def random_case(shape: str, tokens: int, max_tokens: int, dev: torch.device) -> 
     return cfg, w13, w2, x, ids, wts
 
 
+def print_ranked(label: str, bases: list[float], results: list[tuple[float, str]]) -> None:
+    """The baseline's median over its captures, then every variant, fastest first, against it."""
+    b0 = statistics.median(bases)
+    print(f"  {label}: {b0:.1f} us (min {min(bases):.1f}, max {max(bases):.1f}, {len(bases)} captures)")
+    for us, name in sorted(results):
+        print(f"  {us:9.1f} us  {100 * (us / b0 - 1):+6.1f}%  {name}")
+
+
 def main() -> None:
     import moehal_cuda.triton_glue as glue
 
@@ -122,10 +130,7 @@ def sweep_case(
         if len(results) % 6 == 0:
             base.append(timed(fwd))
     base.append(timed(fwd))
-    b0 = statistics.median(base)
-    print(f"  current rules: {b0:.1f} us (min {min(base):.1f}, max {max(base):.1f}, {len(base)} captures)")
-    for us, name in sorted(results):
-        print(f"  {us:9.1f} us  {100 * (us / b0 - 1):+5.1f}%  {name}")
+    print_ranked("current rules", base, results)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ For each MoE shape (see `moehal.bench.SHAPES`) both GEMMs of the experts are tun
 from uniform random top-k routing of T tokens; each timing cycles over 8 different routings so
 that a decode step's few experts are not served from L2 by the previous replay. Every
 candidate tile runs once under a CUDA graph of those 8 launches (median of several replays,
-CUDA events); DeepGEMM runs the same way on the same inputs. The faster one is written down
+CUDA events), after half a second of the same replays: the clocks an H100 holds at its power
+cap under prefill-sized GEMMs, 1100-1500 MHz, not the 1980 MHz of a GPU that just woke up
+(a tile that wins at boost clocks can lose under the cap; tables before session 9 were timed
+without this); DeepGEMM runs the same way on the same inputs. The faster one is written down
 with both times, so the table shows the margin it was chosen by.
 
 Candidate tiles are compiled first, in parallel worker processes that only fill Triton's
@@ -149,8 +152,13 @@ def precompile(jobs: Sequence[tuple[int, int, int, bool, list[TileConfig]]], wor
     return failed
 
 
-def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5) -> float:
-    """Median microseconds per launch of a CUDA graph replaying `launches` once each."""
+def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5, settle_s: float | None = None) -> float:
+    """Median microseconds per launch of a CUDA graph replaying `launches` once each, timed after
+    `settle_s` of back-to-back replays (default `moehal.bench.SETTLE_S`): at the clocks the GPU
+    holds under this kernel, not the boost clocks of its first tens of milliseconds."""
+    from moehal.bench import SETTLE_S
+
+    settle_s = SETTLE_S if settle_s is None else settle_s
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -164,6 +172,11 @@ def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5) -> float:
             f()
     graph.replay()
     torch.cuda.synchronize()
+    t_end = time.monotonic() + settle_s
+    while time.monotonic() < t_end:
+        for _ in range(4):
+            graph.replay()
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -419,7 +432,7 @@ def _meta(device_name: str) -> dict[str, Any]:
         "triton": triton.__version__,
         "deep_gemm": dg,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-        "method": "median of 5 CUDA-graph replays x 8 routings, per launch",
+        "method": "median of 5 CUDA-graph replays x 8 routings, per launch, after 0.5 s of replays (settled clocks)",
     }
 
 

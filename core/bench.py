@@ -83,22 +83,28 @@ def _sync(dev: torch.device) -> None:
 # sizes (Qwen3-30B-A3B at 1 token: 45-62 us across runs of the same code, on H100s).
 GRAPH_REPLAYS_PER_SAMPLE = 10
 
+# Every CUDA timing (the ceilings, each row, SGLang's rows) starts after this long of the same
+# work back to back, so that it is taken where the GPU settles under that load. An H100 under
+# prefill-sized MoE layers reaches its 700 W cap within about 0.3 s and then clocks down from
+# 1980 MHz to 1100-1500 MHz (nvidia-smi at 50 ms, docs/device-runs/2026-11-23-session9): a
+# timing of a few tens of milliseconds measures boost clocks that no sustained run keeps, and
+# one that straddles the transition depends on what ran before it.
+SETTLE_S = 0.5
+
 
 def time_call(
     fn: Callable[[], Any],
     dev: torch.device,
     reps: int,
     warmup: int = 3,
-    warmup_s: float = 0.05,
+    warmup_s: float = SETTLE_S,
     per_sample: int = 1,
 ) -> float:
     """Median seconds per call over `reps` samples; on CUDA each sample times `per_sample` calls
     queued back to back between two events (for graph replays of decode-sized forwards, whose
     GPU time is shorter than the host's cost of one replay call: a single replay between events
     measures the host as much as the GPU). Warm-up: `warmup` calls, and on CUDA back-to-back calls for at
-    least `warmup_s`, so that a row measured after an idle stretch (compiling, capturing) does
-    not start at idle clocks: without it, a decode-sized row (tens of microseconds per call)
-    of the same code measured 45 us in one H100 run and 54 us in the next."""
+    least `warmup_s` (`SETTLE_S`: clocks and power settled under this load, see there)."""
     for _ in range(warmup):
         fn()
     _sync(dev)
@@ -183,6 +189,8 @@ def _short_kernel_name(name: str) -> str:
 
 
 def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
+    """Copy bandwidth and dense matmul rate, each timed as the rows are (`time_call`: after
+    `SETTLE_S` of the same work, so at the clocks the GPU holds under it)."""
     big = 1 << 28 if dev.type == "cuda" else 1 << 22  # elements
     src = torch.randn(big, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -444,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "layer_max_tokens": args.max_tokens or "each row's token count",
+            "settle_s": SETTLE_S,
             "rows": [asdict(r) for r in rows],
         }
         out.with_suffix(".json").write_text(json.dumps(data, indent=2))

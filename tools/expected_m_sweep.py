@@ -7,6 +7,11 @@ times each GEMM of the prefill shapes with `expected_m` = the mean times several
 same 8 routings (`moehal_cuda.tuning.routing_counts`, CUDA graph, CUDA events).
 
     python tools/expected_m_sweep.py [--tokens 1024,2048] [--shapes deepseek_v3_ep8,mixtral_8x7b]
+        [--quant fp8_block] [--factors 0.5,1] [--hints 64,32]
+
+`--hints` adds absolute values: DeepGEMM breaks a tie in M blocks towards the smaller block M,
+so a hint of at most 64 makes it pick 64-row tiles (fewer padded rows per expert when the
+mean is just above a multiple of 128), whatever the batch.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ def main() -> None:
     p.add_argument("--shapes", default="deepseek_v3_ep8,mixtral_8x7b,qwen3_30b_a3b")
     p.add_argument("--tokens", default="1024,2048,4096")
     p.add_argument("--quant", default="bf16")
+    p.add_argument("--factors", default=",".join(f"{f:g}" for f in FACTORS), help="hints as multiples of the mean")
+    p.add_argument("--hints", default="", help="absolute hints, e.g. 64,32")
     a = p.parse_args()
+    factors = [float(f) for f in a.factors.split(",") if f]
+    hints = [int(h) for h in a.hints.split(",") if h]
     dev = torch.device("cuda")
     fp8 = a.quant == "fp8_block"
     ops = DeepGemmOps(fp8, False)
@@ -43,10 +52,10 @@ def main() -> None:
                 hi = max(int(c.max()) for c in counts)
                 flops = 2 * t * top_k * n * k
                 cells = []
-                for f in FACTORS:
-                    em = max(1, int(mean * f))
+                tries = [(f"x{f:g}", max(1, int(mean * f))) for f in factors] + [(f"={h}", h) for h in hints]
+                for label, em in tries:
                     us = time_graph([functools.partial(prob.deepgemm, ops, c, em) for c in counts])
-                    cells.append(f"x{f:g}={us:7.1f}us/{flops / us / 1e6:4.0f}TF")
+                    cells.append(f"{label}={us:7.1f}us/{flops / us / 1e6:4.0f}TF")
                 print(f"{shape:16s} N={n:5d} K={k:5d} T={t:5d} mean_m={mean:4d} max_m={hi:4d}  " + "  ".join(cells))
             del prob
             torch.cuda.empty_cache()

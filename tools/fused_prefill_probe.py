@@ -8,14 +8,19 @@ weigh the activation kernel that fusion removes.
 Each variant builds its own layer (GEMM choices are cached per layer), captures the forward
 into a CUDA graph and times its replays. "current" is the table's choice with its own prefill
 fusion records switched off (`GemmChooser.prefill_fused`), timed before and after the variants.
+Every timing follows half a second of the same replays (`glue_sweep.settle`), as the benchmark
+times its rows. `--json` writes the first tile's results as the tables' `"prefill_fused"`
+records (`tools/merge_tuned.py` merges them into the shipped table).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
+from moehal.kernels.tiles import TileConfig
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): BLOCK_N output columns, so two B tiles
 # (gate and up) of BLOCK_N x BLOCK_K per stage
@@ -37,21 +42,42 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--budget-s", type=float, default=300)
     p.add_argument("--tiles", type=int, default=len(TILES), help="try the first N tiles of TILES")
+    p.add_argument("--json", default=None, help="write the first tile's results as prefill_fused records")
+    p.add_argument("--source", default="", help="where the log of this run is kept (written into the records)")
     a = p.parse_args()
     del TILES[a.tiles :]
     print(torch.cuda.get_device_name())
     cases = [(s, int(t)) for s in a.shapes.split(",") for t in a.tokens.split(",")]
+    records: dict[str, dict] = {}
     for shape, t in cases:
-        probe_case(shape, t, max(t, a.max_tokens), time.monotonic() + a.budget_s / len(cases))
+        got = probe_case(shape, t, max(t, a.max_tokens), time.monotonic() + a.budget_s / len(cases))
         torch.cuda.empty_cache()
+        if got is not None and a.json:
+            key, current, fused = got
+            blank = {"config": TileConfig(*TILES[0]).as_dict(), "source": a.source, "layer_us": {}}
+            rec = records.setdefault(key, blank)
+            rec["layer_us"][str(t)] = {"current": round(current, 1), "fused": round(fused, 1)}
+            with open(a.json, "w") as f:  # after every case: a time limit keeps what was measured
+                json.dump({"meta": _meta(), "prefill_fused": records}, f, indent=1)
 
 
-def probe_case(shape: str, t: int, max_tokens: int, t_end: float, unfused_baseline: bool = True) -> None:
+def _meta() -> dict:
+    from moehal_cuda.tuning import _meta as tuning_meta
+
+    meta = tuning_meta(torch.cuda.get_device_name())
+    meta["method"] = "whole layer, CUDA-graph replays after 0.5 s of replays (tools/fused_prefill_probe.py)"
+    return meta
+
+
+def probe_case(
+    shape: str, t: int, max_tokens: int, t_end: float, unfused_baseline: bool = True
+) -> tuple[str, float, float] | None:
+    """Prints the ranking; returns (GEMM1 key, the faster baseline capture's us, the first tile's
+    fused us), or None if the first tile did not run."""
     import moehal
     import moehal_cuda.deepgemm_experts as dx
     from glue_sweep import print_ranked, random_case, timed  # tools/ is this script's directory
-    from moehal.kernels.tiles import TileConfig
-    from moehal_cuda.gemm_choice import GemmChoice, GemmChooser
+    from moehal_cuda.gemm_choice import GemmChoice, GemmChooser, entry_key
 
     dev = torch.device("cuda")
     choose, table_rule = GemmChooser.choose, GemmChooser.prefill_fused
@@ -95,6 +121,11 @@ def probe_case(shape: str, t: int, max_tokens: int, t_end: float, unfused_baseli
         torch.cuda.empty_cache()
     bases.append(layer_us())
     print_ranked("current", bases, [(us, f"fused GEMM1+act tile {tile}") for us, tile in rows])
+    first = [us for us, tile in rows if tile == TILES[0]]
+    if not first:
+        return None
+    # the record keeps the faster baseline capture: fusion must beat the table's choice at its best
+    return entry_key(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, "bf16"), min(bases), first[0]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""A/B of code paths timed exactly as `moehal bench` times a row (`moehal.bench.bench_one`: its
+weights, routing, warm-up and CUDA-graph replays), the variants interleaved A B A B in one
+process so that clocks and routing are shared. A diagnostic for #4: session 8's prefill probe
+(`tools/fused_prefill_probe.py`, its own timing) measured fusion 4.6% faster at Qwen3 4096
+tokens, while the benchmark of record moved by 1%.
+
+    python3 tools/bench_ab.py --cases qwen3_30b_a3b:bf16:2048,4096 --variants shipped,no-prefill-fusion
+
+Variants:
+  shipped             the code as it is
+  no-prefill-fusion   the tuned tables' whole-layer prefill fusion records ignored
+  hint=N              DeepGEMM's masked GEMMs get expected_m=N instead of the mean rows per expert
+  deepgemm-only       no tuned Triton GEMMs and no prefill fusion: DeepGEMM runs every masked GEMM
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[None]:
+    from moehal_cuda.deepgemm_experts import DeepGemmOps
+    from moehal_cuda.gemm_choice import DEEPGEMM, GemmChooser
+
+    if name == "shipped":
+        yield
+    elif name == "no-prefill-fusion":
+        rule = GemmChooser.prefill_fused
+        GemmChooser.prefill_fused = lambda *a, **k: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            GemmChooser.prefill_fused = rule  # type: ignore[method-assign]
+    elif name == "deepgemm-only":
+        choose, rule = GemmChooser.choose, GemmChooser.prefill_fused
+        GemmChooser.choose = lambda *a, **k: DEEPGEMM  # type: ignore[method-assign]
+        GemmChooser.prefill_fused = lambda *a, **k: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            GemmChooser.choose, GemmChooser.prefill_fused = choose, rule  # type: ignore[method-assign]
+    elif name.startswith("hint="):
+        hint, masked = int(name.split("=", 1)[1]), DeepGemmOps.masked
+
+        def hinted(self, a, sa, w, sw, d, mm, em):  # noqa: ANN001, ANN202
+            return masked(self, a, sa, w, sw, d, mm, hint)
+
+        DeepGemmOps.masked = hinted  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            DeepGemmOps.masked = masked  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"unknown variant {name!r}")
+
+
+def main() -> None:
+    import moehal
+    from moehal.bench import SHAPES, Ceilings, bench_one
+    from moehal.quant import QuantScheme
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default="qwen3_30b_a3b:bf16:2048,4096", help="SHAPE:QUANT:TOKENS[,TOKENS] ...")
+    p.add_argument("--variants", default="shipped,no-prefill-fusion")
+    p.add_argument("--rounds", type=int, default=2, help="times each variant is measured, interleaved")
+    p.add_argument("--reps", type=int, default=30, help="samples of 10 replays (after 50 ms of warm-up)")
+    p.add_argument("--max-tokens", type=int, default=0, help="build layers for this many tokens (0: the row's)")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    registry = moehal.discover()
+    ceil = Ceilings(1.0, 1.0, torch.cuda.get_device_name())  # times only: no roofline here
+    variants = a.variants.split(",")
+    print(ceil.device)
+    for case in a.cases.split():
+        shape, q, tokens = case.split(":")
+        for t in map(int, tokens.split(",")):
+            cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(t, a.max_tokens))
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(a.rounds):
+                for v in variants:
+                    with variant(v):
+                        row = bench_one(shape, cfg, QuantScheme.parse(q), "cuda", t, dev, ceil, a.reps, registry)
+                    times[v].append(row.time_us)
+                    torch.cuda.empty_cache()
+            base = statistics.median(times[variants[0]])
+            print(f"== {shape} {q} T={t}")
+            for v in variants:
+                med = statistics.median(times[v])
+                runs = ", ".join(f"{x:.1f}" for x in times[v])
+                print(f"  {v:20s} {med:9.1f} us  {100 * (med / base - 1):+6.1f}%  ({runs})")
+
+
+if __name__ == "__main__":
+    main()

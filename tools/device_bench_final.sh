@@ -4,7 +4,8 @@
 # tokens as an engine builds it (--max-tokens), and diagnostics (an fp8 replayed-step trace,
 # the host floor with the shapes in reverse order). At most 8 files land in $OUT.
 # PRETUNE="SHAPES TOKENS" first re-tunes those bf16 rows of this device's table, merged into the
-# installed copy (and kept as $OUT/pretune.json), and then the diagnostics are skipped.
+# installed copy (and kept as $OUT/pretune.json), and then the diagnostics are skipped, as they
+# are with PYTEST="tests/..." (GPU tests after the benchmark).
 #   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_bench_final.sh
 set -u
 source tools/device_setup.sh
@@ -24,7 +25,11 @@ step bench "${BENCH_LIMIT:-300}" python3 "$repo/tools/sglang_peer.py" bench --sh
 step bench-engine "${ENGINE_LIMIT:-120}" python3 "$repo/tools/sglang_peer.py" bench --shapes $shapes \
   --tokens 1,2,4,8,16,128 --quant bf16 --backends cuda,sglang --reps 20 --max-tokens 4096 --out "$OUT/bench-engine"
 rm -f "$OUT/bench-engine.png"
-[ -n "${PRETUNE:-}" ] && { cat "$OUT/steps.txt"; grep -E "│" "$OUT/bench-engine.log" | head -40; exit 0; }
+if [ -n "${PYTEST:-}" ]; then  # GPU tests after the benchmark (the diagnostics are skipped)
+  step pytest-gpu "${TEST_LIMIT:-160}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" $repo/$PYTEST
+  tail -3 "$OUT/pytest-gpu.log"
+fi
+[ -n "${PRETUNE:-}${PYTEST:-}" ] && { cat "$OUT/steps.txt"; grep -E "│" "$OUT/bench-engine.log" | head -40; exit 0; }
 step diag-trace 120 python3 "$repo/tools/graph_trace.py" --shape qwen3_30b_a3b --tokens 1024,4096 --quant fp8_block
 step diag-host 90 python3 "$repo/tools/host_floor.py" --shapes deepseek_v3_ep8,qwen3_30b_a3b --tokens 16,1
 cat "$OUT/diag-host.log" >> "$OUT/diag-trace.log" && rm -f "$OUT/diag-host.log" && mv "$OUT/diag-trace.log" "$OUT/diagnostics.log"

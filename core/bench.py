@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 
 import moehal
 import torch
+from moehal.clock_sampler import ClockSampler
 from moehal.errors import MoEHalError
 from moehal.hardware import detect
 from moehal.quant import QuantScheme
@@ -71,6 +73,10 @@ class Row:
     host_graph_new_us: float = float("nan")
     # ... and the same input tensors and output buffer (`out=`) at every call: one replay
     host_graph_out_us: float = float("nan")
+    # CUDA with nvidia-smi: median SM clock and board power while the row was timed
+    # (`moehal.clock_sampler`; a row at its power cap runs well under boost clocks)
+    sm_mhz: float = float("nan")
+    power_w: float = float("nan")
 
 
 def _sync(dev: torch.device) -> None:
@@ -255,6 +261,7 @@ def bench_one(
     reps: int,
     registry: moehal.Registry,
     breakdown: bool = False,
+    sampler: ClockSampler | None = None,
 ) -> Row:
     w13, w2, weights = _weights(shape, cfg, quant, dev)
     h = cfg.hidden_size
@@ -304,7 +311,11 @@ def bench_one(
     parts = kernel_breakdown(fn, dev) if breakdown else None
     if dev.type == "cuda" and capturable:
         fn, timing = _graphed(fn), "graph"
+    t0 = time.time()
     t = time_call(fn, dev, reps, per_sample=GRAPH_REPLAYS_PER_SAMPLE if timing == "graph" else 1)
+    # the clocks from the second half of the settling on: a decode row's samples alone are
+    # shorter than the sampling period
+    mhz, watts = sampler.medians(t0 + SETTLE_S / 2, time.time()) if sampler is not None else (math.nan, math.nan)
     touched = int(torch.unique(ids).numel())
     wbytes = int(_weight_bytes_per_expert(weights) * touched)
     flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
@@ -328,6 +339,8 @@ def bench_one(
         host_graph * 1e6,
         host_graph_new * 1e6,
         host_graph_out * 1e6,
+        mhz,
+        watts,
     )
 
 
@@ -386,7 +399,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from moehal.integrations.sglang import sglang_version
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     p = argparse.ArgumentParser(prog="moehal bench", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -418,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     dev = detect(args.device).device
     registry = moehal.discover()
+    sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
     ceil = measure_ceilings(dev)
     console.print(
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
@@ -481,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             args.reps,
                             registry,
                             args.breakdown,
+                            sampler,
                         )
                     )
                     save()
@@ -496,11 +510,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.advance(task)
         except KeyboardInterrupt:
             console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+        finally:
+            if sampler is not None:
+                sampler.close()
+    console.print(results_table(rows))
+    if args.breakdown:
+        console.print(breakdown_table(rows))
+    if out is not None:
+        save()
+        png = plot(rows, out.with_suffix(".png"))
+        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
+    return 0
+
+
+def results_table(rows: Sequence[Row]) -> Any:
+    """One line per row; the clock columns only where a sampler recorded them."""
+    from rich.table import Table
+
     t = Table(title="moehal bench (whole layer)", title_justify="left")
     cols = ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s")
-    for col in (*cols, "host us", "host us (graphs)", "host us (graphs, new inputs)", "host us (graphs, out=)"):
+    clocks = any(r.sm_mhz == r.sm_mhz for r in rows)  # NaN != NaN: no sample
+    for col in (*cols, *(("SM MHz", "W") if clocks else ()), "host us", "host us (graphs)",
+                "host us (graphs, new inputs)", "host us (graphs, out=)"):  # fmt: skip
         t.add_column(col)
     for r in rows:
+        sampled = (_num(r.sm_mhz, "{:.0f}"), _num(r.power_w, "{:.0f}")) if clocks else ()
         t.add_row(
             r.shape,
             r.backend,
@@ -511,16 +545,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.pct_roofline:.0f}",
             f"{r.tb_per_s:.2f}",
             f"{r.tflop_per_s:.1f}",
-            "-" if r.host_us != r.host_us else f"{r.host_us:.1f}",  # NaN off CUDA
-            "-" if r.host_graph_us != r.host_graph_us else f"{r.host_graph_us:.1f}",
-            "-" if r.host_graph_new_us != r.host_graph_new_us else f"{r.host_graph_new_us:.1f}",
-            "-" if r.host_graph_out_us != r.host_graph_out_us else f"{r.host_graph_out_us:.1f}",
+            *sampled,
+            _num(r.host_us, "{:.1f}"),  # NaN off CUDA
+            _num(r.host_graph_us, "{:.1f}"),
+            _num(r.host_graph_new_us, "{:.1f}"),
+            _num(r.host_graph_out_us, "{:.1f}"),
         )
-    console.print(t)
-    if args.breakdown:
-        console.print(breakdown_table(rows))
-    if out is not None:
-        save()
-        png = plot(rows, out.with_suffix(".png"))
-        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
-    return 0
+    return t
+
+
+def _num(x: float, fmt: str) -> str:
+    return "-" if x != x else fmt.format(x)  # NaN: not measured

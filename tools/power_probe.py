@@ -5,7 +5,7 @@ its power cap, so a path that needs fewer joules per forward keeps higher clocks
     python3 tools/power_probe.py [--cases qwen3_30b_a3b:4096 deepseek_v3_ep8:1024] [--seconds 3]
 
 For each path: the forward captured into a CUDA graph, replayed for `--seconds` while
-nvidia-smi samples power and SM clock every 100 ms. The first half of the run settles the
+`moehal.clock_sampler` samples power and SM clock every 100 ms. The first half of the run settles the
 clocks; the time per forward (CUDA events) and the medians of power and clock are taken over
 the second half. Energy per forward = median power x time per forward. SGLang comes in through
 `tools/sglang_peer.py` (its Triton fused MoE, bf16 only), on the same weights and routing.
@@ -14,25 +14,15 @@ the second half. Energy per forward = median power x time per forward. SGLang co
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from moehal.clock_sampler import ClockSampler
 
 
-def sample_smi(t0: float, t1: float, lines: list[str]) -> tuple[float, float]:
-    """Median power (W) and SM clock (MHz) of the samples taken between wall times t0 and t1."""
-    got = [ln.split(",") for ln in lines]
-    sel = [(float(p), float(c)) for ts, p, c in got if t0 <= float(ts) <= t1]
-    if not sel:
-        return float("nan"), float("nan")
-    return statistics.median(p for p, _ in sel), statistics.median(c for _, c in sel)
-
-
-def run_path(replay: Callable[[], Any], seconds: float, lines: list[str]) -> tuple[float, float, float]:
+def run_path(replay: Callable[[], Any], seconds: float, sampler: ClockSampler) -> tuple[float, float, float]:
     """(us per forward, median W, median MHz) over the second half of `seconds` of replays."""
     t_start = time.time()
     while time.time() - t_start < seconds / 2:
@@ -49,13 +39,11 @@ def run_path(replay: Callable[[], Any], seconds: float, lines: list[str]) -> tup
         n += 5
         end.record()
         end.synchronize()
-    t1 = time.time()
-    time.sleep(0.3)  # the sampler's last lines
-    watts, mhz = sample_smi(t0 + 0.2, t1, lines)
+    mhz, watts = sampler.medians(t0, time.time())
     return start.elapsed_time(end) * 1e3 / n, watts, mhz
 
 
-def probe_case(shape: str, t: int, seconds: float, fp8: bool, lines: list[str]) -> None:
+def probe_case(shape: str, t: int, seconds: float, fp8: bool, sampler: ClockSampler) -> None:
     """moehal bf16, SGLang bf16 and (fp8) moehal fp8_block at one shape and token count."""
     import moehal
     from moehal.bench import SHAPES, _weights
@@ -80,7 +68,7 @@ def probe_case(shape: str, t: int, seconds: float, fp8: bool, lines: list[str]) 
             paths.append(("sglang bf16", lambda call=call: call(xd, ids, wts)))
         for name, fn in paths:
             graph, _ = capture(fn, dev, warmup=2)
-            us, watts, mhz = run_path(graph.replay, seconds, lines)
+            us, watts, mhz = run_path(graph.replay, seconds, sampler)
             mj = watts * us / 1e3
             print(f"{shape + ':' + str(t):28s} {name:16s} {us:9.1f} {watts:6.0f} {mhz:6.0f} {mj:7.1f}", flush=True)
             del graph
@@ -89,8 +77,6 @@ def probe_case(shape: str, t: int, seconds: float, fp8: bool, lines: list[str]) 
 
 
 def main() -> None:
-    import threading
-
     import sglang_peer  # tools/ is this script's directory
 
     p = argparse.ArgumentParser()
@@ -101,34 +87,17 @@ def main() -> None:
     dev = torch.device("cuda")
     sglang_peer._load()
     sglang_peer._resolve_silu(dev)
-    smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=timestamp,power.draw,clocks.sm", "--format=csv,noheader,nounits", "-lms", "100"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-
-    def reader() -> None:
-        import datetime as dt
-
-        assert smi.stdout is not None
-        for ln in smi.stdout:
-            ts, pw, clk = (x.strip() for x in ln.split(","))
-            try:
-                t = dt.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                lines.append(f"{t},{float(pw)},{float(clk)}")
-            except ValueError:
-                pass
-
-    threading.Thread(target=reader, daemon=True).start()
+    sampler = ClockSampler.start(dev)
+    if sampler is None:
+        raise SystemExit("no clock and power samples here (needs an NVIDIA GPU and nvidia-smi)")
     print(torch.cuda.get_device_name(), f"{a.seconds:g} s per path, medians over its second half")
     print(f"{'case':28s} {'path':16s} {'us/fwd':>9s} {'W':>6s} {'MHz':>6s} {'mJ/fwd':>7s}")
     try:
         for case in a.cases:
             shape, tokens = case.split(":")
-            probe_case(shape, int(tokens), a.seconds, a.fp8, lines)
+            probe_case(shape, int(tokens), a.seconds, a.fp8, sampler)
     finally:
-        smi.terminate()
+        sampler.close()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from moehal.bench import main
 
 
@@ -71,3 +72,44 @@ def test_bench_breakdown_names_where_the_time_goes(tmp_path):
     assert any("mm" in name for name in parts), parts
     assert all(v > 0 for v in parts.values())
     assert len(parts) <= 9  # the top 8 plus "(other)"
+
+
+def test_bench_on_cpu_records_no_clocks(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--shapes", "tiny", "--tokens", "2", "--backends", "reference", "--reps", "1", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["settle_s"] > 0
+    (row,) = data["rows"]
+    assert row["sm_mhz"] != row["sm_mhz"] and row["power_w"] != row["power_w"], "no GPU sampled: NaN"
+
+
+def test_clock_samples_parse_and_window():
+    import datetime as dt
+
+    from moehal.clock_sampler import ClockSampler, parse_sample, window_medians
+
+    stamp = dt.datetime(2026, 11, 23, 8, 19, 10, 193000).timestamp()
+    assert parse_sample("2026/11/23 08:19:10.193, 1980, 325.26\n") == (stamp, 1980.0, 325.26)
+    assert parse_sample("2026/11/23 08:19:10.193, 1980, [N/A]") is None  # boards without power readings
+    assert parse_sample("No devices were found") is None
+    samples = [(stamp + 0.1 * i, 1980.0 - 100 * i, 300.0 + 100 * i) for i in range(6)]
+    # the samples stamped inside the window only: i = 2, 3, 4
+    assert window_medians(samples, stamp + 0.15, stamp + 0.45) == (1680.0, 600.0)
+    nan_mhz, nan_w = window_medians(samples, stamp + 10, stamp + 11)
+    assert nan_mhz != nan_mhz and nan_w != nan_w
+    assert ClockSampler.start(torch.device("cpu")) is None, "nothing to sample off CUDA"
+
+
+def test_results_table_shows_clocks_only_where_sampled():
+    from moehal.bench import Row, results_table
+
+    def row(mhz: float) -> Row:
+        return Row("tiny", "cuda", "p", "bf16", 8, 10.0, "graph", 1, 1, 5.0, 50.0, 1.0, 1.0, sm_mhz=mhz, power_w=690.0)
+
+    def header(rows: list) -> list[str]:
+        return [c.header for c in results_table(rows).columns]
+
+    assert "SM MHz" not in header([row(float("nan"))])
+    t = results_table([row(1485.0), row(float("nan"))])
+    cols = {c.header: list(c.cells) for c in t.columns}
+    assert cols["SM MHz"] == ["1485", "-"] and cols["W"] == ["690", "690"]

@@ -156,9 +156,8 @@ def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5, settle_s: 
     """Median microseconds per launch of a CUDA graph replaying `launches` once each, timed after
     `settle_s` of back-to-back replays (default `moehal.bench.SETTLE_S`): at the clocks the GPU
     holds under this kernel, not the boost clocks of its first tens of milliseconds."""
-    from moehal.bench import SETTLE_S
+    from moehal.bench import SETTLE_S, settle
 
-    settle_s = SETTLE_S if settle_s is None else settle_s
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -172,11 +171,7 @@ def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5, settle_s: 
             f()
     graph.replay()
     torch.cuda.synchronize()
-    t_end = time.monotonic() + settle_s
-    while time.monotonic() < t_end:
-        for _ in range(4):
-            graph.replay()
-        torch.cuda.synchronize()
+    settle(graph.replay, torch.device("cuda"), SETTLE_S if settle_s is None else settle_s, batch=4)
     times = []
     for _ in range(reps):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -98,6 +98,18 @@ GRAPH_REPLAYS_PER_SAMPLE = 10
 SETTLE_S = 0.5
 
 
+def settle(fn: Callable[[], Any], dev: torch.device, seconds: float = SETTLE_S, batch: int = 10) -> None:
+    """On CUDA, `fn` back to back (synchronizing every `batch` calls) for `seconds`: what is
+    timed next runs at the clocks the GPU holds under this work (see `SETTLE_S`)."""
+    if dev.type != "cuda":
+        return
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(batch):
+            fn()
+        _sync(dev)
+
+
 def time_call(
     fn: Callable[[], Any],
     dev: torch.device,
@@ -114,12 +126,7 @@ def time_call(
     for _ in range(warmup):
         fn()
     _sync(dev)
-    if dev.type == "cuda":
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < warmup_s:
-            for _ in range(10):
-                fn()
-            _sync(dev)
+    settle(fn, dev, warmup_s)
     samples = []
     if dev.type == "cuda":
         for _ in range(reps):

@@ -8,7 +8,7 @@ weigh the activation kernel that fusion removes.
 Each variant builds its own layer (GEMM choices are cached per layer), captures the forward
 into a CUDA graph and times its replays. "current" is the table's choice with its own prefill
 fusion records switched off (`GemmChooser.prefill_fused`), timed before and after the variants.
-Every timing follows half a second of the same replays (`glue_sweep.settle`), as the benchmark
+Every timing follows half a second of the same replays (`moehal.bench.settle`), as the benchmark
 times its rows. `--json` writes the first tile's results as the tables' `"prefill_fused"`
 records (`tools/merge_tuned.py` merges them into the shipped table).
 """

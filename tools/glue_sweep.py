@@ -17,24 +17,13 @@ from collections.abc import Callable
 import torch
 
 
-def settle(replay: Callable[[], object]) -> None:
-    """Replays back to back for `moehal.bench.SETTLE_S`: what follows is timed at the clocks the
-    GPU holds under this work (its power cap, for prefill sizes), as the benchmark times."""
-    from moehal.bench import SETTLE_S
-
-    t_end = time.monotonic() + SETTLE_S
-    while time.monotonic() < t_end:
-        for _ in range(4):
-            replay()
-        torch.cuda.synchronize()
-
-
 def timed(fn: Callable[[], torch.Tensor]) -> float:
     from graph_trace import replay_us  # tools/ is this script's directory
+    from moehal.bench import settle
     from moehal.graphs import capture
 
     graph, _ = capture(fn, torch.device("cuda"), warmup=1)
-    settle(graph.replay)
+    settle(graph.replay, torch.device("cuda"), batch=4)  # timed as the benchmark times: settled clocks
     us = replay_us(graph, samples=7, per_sample=5)
     del graph
     return us

@@ -24,11 +24,9 @@ from moehal.clock_sampler import ClockSampler
 
 def run_path(replay: Callable[[], Any], seconds: float, sampler: ClockSampler) -> tuple[float, float, float]:
     """(us per forward, median W, median MHz) over the second half of `seconds` of replays."""
-    t_start = time.time()
-    while time.time() - t_start < seconds / 2:
-        for _ in range(5):
-            replay()
-        torch.cuda.synchronize()
+    from moehal.bench import settle
+
+    settle(replay, torch.device("cuda"), seconds / 2, batch=5)
     t0 = time.time()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     n = 0

@@ -92,7 +92,7 @@ GRAPH_REPLAYS_PER_SAMPLE = 10
 # Every CUDA timing (the ceilings, each row, SGLang's rows) starts after this long of the same
 # work back to back, so that it is taken where the GPU settles under that load. An H100 under
 # prefill-sized MoE layers reaches its 700 W cap within about 0.3 s and then clocks down from
-# 1980 MHz to 1100-1500 MHz (nvidia-smi at 50 ms, docs/device-runs/2026-11-23-session9): a
+# 1980 MHz to 1100-1750 MHz (nvidia-smi at 50 ms, docs/device-runs/2026-11-23-session9): a
 # timing of a few tens of milliseconds measures boost clocks that no sustained run keeps, and
 # one that straddles the transition depends on what ran before it.
 SETTLE_S = 0.5

@@ -15,6 +15,7 @@ lags the work (a benchmark row's window is at least `SETTLE_S / 2` plus its samp
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import math
 import shutil
@@ -91,6 +92,7 @@ class ClockSampler:
         if not sampler.samples:
             sampler.close()
             return None
+        atexit.register(sampler.close)  # the child must not outlive a run that stops early
         return sampler
 
     def medians(self, t0: float, t1: float) -> tuple[float, float]:
@@ -99,6 +101,8 @@ class ClockSampler:
         return window_medians(self.samples, t0, t1)
 
     def close(self) -> None:
+        if self._proc.poll() is not None:
+            return
         self._proc.terminate()
         try:
             self._proc.wait(timeout=2)

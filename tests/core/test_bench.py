@@ -113,3 +113,20 @@ def test_results_table_shows_clocks_only_where_sampled():
     t = results_table([row(1485.0), row(float("nan"))])
     cols = {c.header: list(c.cells) for c in t.columns}
     assert cols["SM MHz"] == ["1485", "-"] and cols["W"] == ["690", "690"]
+
+
+def test_clock_sampler_reads_its_child_and_stops_it():
+    import sys
+    import time
+
+    from moehal.clock_sampler import ClockSampler
+
+    lines = "".join(f"print('2026/11/23 08:19:10.{i}00, {1980 - i}, 300.5', flush=True)\n" for i in range(3))
+    sampler = ClockSampler([sys.executable, "-c", lines + "import time\ntime.sleep(60)"])
+    t_end = time.monotonic() + 10
+    while len(sampler.samples) < 3 and time.monotonic() < t_end:
+        time.sleep(0.02)
+    assert [mhz for _, mhz, _ in sampler.samples] == [1980.0, 1979.0, 1978.0]
+    sampler.close()
+    assert sampler._proc.poll() is not None, "the sampling child is stopped"
+    sampler.close()  # twice (atexit after an explicit close): no error

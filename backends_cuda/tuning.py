@@ -152,11 +152,11 @@ def precompile(jobs: Sequence[tuple[int, int, int, bool, list[TileConfig]]], wor
     return failed
 
 
-def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5, settle_s: float | None = None) -> float:
+def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5) -> float:
     """Median microseconds per launch of a CUDA graph replaying `launches` once each, timed after
-    `settle_s` of back-to-back replays (default `moehal.bench.SETTLE_S`): at the clocks the GPU
-    holds under this kernel, not the boost clocks of its first tens of milliseconds."""
-    from moehal.bench import SETTLE_S, settle
+    `moehal.bench.SETTLE_S` of back-to-back replays: at the clocks the GPU holds under this
+    kernel, not the boost clocks of its first tens of milliseconds."""
+    from moehal.bench import settle
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -171,7 +171,7 @@ def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5, settle_s: 
             f()
     graph.replay()
     torch.cuda.synchronize()
-    settle(graph.replay, torch.device("cuda"), SETTLE_S if settle_s is None else settle_s, batch=4)
+    settle(graph.replay, torch.device("cuda"), batch=4)
     times = []
     for _ in range(reps):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

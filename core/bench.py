@@ -257,6 +257,17 @@ def _pipeline_named(
     raise moehal.NoBackendError(f"{qualname} declines this shape: {why[0] if why else 'not registered'}")
 
 
+def bench_inputs(cfg: moehal.MoEConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The benchmark's inputs for one row, on the CPU and seeded by the token count (so every run,
+    and `tools/tile_padding_bound.py`, sees the same routing): hidden states `[T, H]` float32,
+    top-k ids `[T, K]` int64 drawn uniformly without replacement per token, weights `[T, K]`."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
+    # argsort of noise: top-k without replacement, vectorized (no Python loop over tokens)
+    ids = torch.rand(tokens, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
+    return x, ids, torch.rand(tokens, cfg.top_k, generator=gen) + 0.1
+
+
 def bench_one(
     shape: str,
     cfg: moehal.MoEConfig,
@@ -272,11 +283,8 @@ def bench_one(
 ) -> Row:
     w13, w2, weights = _weights(shape, cfg, quant, dev)
     h = cfg.hidden_size
-    gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, h, generator=gen)
-    # Random top-k without replacement per token (argsort of noise: vectorized, no Python loop).
-    ids = torch.rand(tokens, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
-    ids, wts = ids.to(dev, torch.int32), (torch.rand(tokens, cfg.top_k, generator=gen) + 0.1).to(dev)
+    x, ids, wts = bench_inputs(cfg, tokens)
+    ids, wts = ids.to(dev, torch.int32), wts.to(dev)
     xd = x.to(dev, cfg.dtype)
     capturable = False
     layer: moehal.MoELayer | None = None

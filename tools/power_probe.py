@@ -44,17 +44,15 @@ def run_path(replay: Callable[[], Any], seconds: float, sampler: ClockSampler) -
 def probe_case(shape: str, t: int, seconds: float, fp8: bool, sampler: ClockSampler) -> None:
     """moehal bf16, SGLang bf16 and (fp8) moehal fp8_block at one shape and token count."""
     import moehal
-    from moehal.bench import SHAPES, _weights
+    from moehal.bench import SHAPES, _weights, bench_inputs
     from moehal.graphs import capture
     from moehal.integrations import sglang
     from moehal.quant import QuantScheme
 
     dev = torch.device("cuda")
     cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=t)
-    gen = torch.Generator().manual_seed(t)  # the benchmark's routing for this row
-    x = torch.randn(t, cfg.hidden_size, generator=gen)
-    ids = torch.rand(t, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
-    ids, wts = ids.to(dev, torch.int32), (torch.rand(t, cfg.top_k, generator=gen) + 0.1).to(dev)
+    x, ids, wts = bench_inputs(cfg, t)  # the benchmark's routing for this row
+    ids, wts = ids.to(dev, torch.int32), wts.to(dev)
     xd = x.to(dev, cfg.dtype)
     for q in ("bf16", "fp8_block") if fp8 else ("bf16",):
         w13, w2, weights = _weights(shape, cfg, QuantScheme.parse(q), dev)

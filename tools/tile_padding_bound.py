@@ -1,0 +1,76 @@
+"""Markdown table: each prefill row of `moehal bench --out` JSON files beside the ceilings that
+whole row tiles put under its roofline (`moehal.tile_bounds`), and what #4's prefill goals
+(75% of roofline; 1.2x the SGLang peer) would ask of the GEMMs.
+
+Runs anywhere (CPU): it re-draws the benchmark's routing for each row (`moehal.bench.bench_inputs`)
+and takes the ceilings the run measured from its JSON.
+
+    python tools/tile_padding_bound.py docs/device-runs/.../record-bench.json [more.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+import moehal
+import torch
+from moehal.bench import SHAPES, bench_inputs
+from moehal.tile_bounds import tile_bound
+
+GOAL_PCT = 75.0  # of roofline, at 1024-4096 tokens
+GOAL_VS_PEER = 1.2  # times faster than SGLang's tuned Triton path
+
+
+def _rate(x: float) -> str:
+    return "impossible (glue alone)" if x == float("inf") else f"{100 * x:.0f}%"
+
+
+def table(path: str, min_tokens: int = 512) -> str:
+    data = json.loads(open(path).read())
+    ceil = data["ceilings"]
+    rows = {(r["shape"], r["tokens"], r["backend"], r["quant"]): r for r in data["rows"]}
+    keys = sorted({(s, t) for s, t, b, q in rows if b == "cuda" and q == "bf16" and t >= min_tokens and s in SHAPES})
+    out = [
+        f"`{path}`: {ceil.get('device', '?')}, {data['date']}; ceilings {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+        f"{ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (bf16)",
+        "",
+        "| shape | tokens | rows per expert (mean / max) | 128-row tile efficiency | ceiling: 128-row tiles "
+        "| + glue | 64-row tiles + glue | measured | GEMMs ran at >= | 75% needs GEMMs at | 1.2x SGLang = "
+        "| which needs GEMMs at |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for shape, tokens in keys:
+        cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
+        _, ids, _ = bench_inputs(cfg, tokens)
+        counts = torch.bincount(ids.flatten(), minlength=cfg.num_experts)
+        b = tile_bound(cfg, counts, ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"], block_m=128)
+        b64 = tile_bound(cfg, counts, ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"], block_m=64)
+        ours, peer = rows[(shape, tokens, "cuda", "bf16")], rows.get((shape, tokens, "sglang", "bf16"))
+        if abs(ours["roofline_us"] - b.roofline_us) > 1e-3 * b.roofline_us:  # another routing or formula
+            raise SystemExit(f"{path}: {shape} {tokens}: roofline {ours['roofline_us']:.1f} != {b.roofline_us:.1f} us")
+        vs_peer = vs_peer_rate = "-"
+        if peer is not None:
+            pct = 100 * b.roofline_us / (peer["time_us"] / GOAL_VS_PEER)
+            vs_peer, vs_peer_rate = f"{pct:.0f}%", _rate(b.gemm_rate_needed(pct))
+        out.append(
+            f"| {shape} | {tokens} | {b.mean_rows:.0f} / {b.max_rows} | {b.tile_efficiency:.2f} | {b.tiles_pct:.0f}% "
+            f"| {b.pipeline_pct:.0f}% | {b64.pipeline_pct:.0f}% | {ours['pct_roofline']:.0f}% "
+            f"| {_rate(b.gemm_rate_at(ours['time_us']))} | {_rate(b.gemm_rate_needed(GOAL_PCT))} "
+            f"| {vs_peer} | {vs_peer_rate} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bench_json", nargs="+")
+    ap.add_argument("--min-tokens", type=int, default=512, help="rows from this token count up (default 512)")
+    args = ap.parse_args(argv)
+    print("\n\n".join(table(p, args.min_tokens) for p in args.bench_json))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

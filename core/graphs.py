@@ -11,9 +11,13 @@ What a replay costs and assumes:
 - Inputs at the addresses of an earlier call of this token count (persistent buffers, or a
   steady loop whose allocations repeat) replay a graph captured on those very tensors: no
   copy. Other inputs are copied into a graph's own static inputs (one `torch._foreach_copy_`).
-  The output is cloned either way, so the returned tensor is the caller's to keep, as in an
-  ordinary eager call; unless the caller passes `out=` (an engine's persistent output
-  buffer): a direct graph then writes into `out` itself, and the call costs one replay.
+  The returned tensor is the caller's to keep, as in an ordinary eager call: each call
+  allocates its output, and where that address repeats too (a caller that drops each result
+  before the next call, as a decode loop's residual add does) a direct graph captured on it
+  writes the result there; otherwise the graph's output is copied into it. A caller that
+  passes `out=` (an engine's persistent output buffer) gets a direct graph that writes into
+  `out` itself. Either way the call costs one replay, and no graph keeps a reference to an
+  output: a graph writes an address only when this call's own output sits there.
   `MoELayer.forward` tries that direct graph before its input checks (`replay_direct`): the
   graph's signature pins everything the checks look at.
   Host cost of each part on an H100 host: docs/device-runs/2026-11-23-session5 and -session6.
@@ -36,7 +40,7 @@ import torch
 class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # static inputs; () for a graph that reads the caller's tensors
-    output: torch.Tensor
+    output: torch.Tensor | None  # None for a graph that writes the caller's `out`
 
 
 # Graphs per token count that read the caller's own input tensors (see `GraphCache`).
@@ -50,7 +54,7 @@ class GraphCache:
 
     - **copying** (one per token count and input dtypes): reads static input buffers of its
       own, into which each call copies the caller's tensors first.
-    - **direct** (at most `DIRECT_PER_TOKEN_COUNT` per token count): captured on the caller's
+    - **direct** (at most `DIRECT_PER_TOKEN_COUNT` per token count, with and without `out=`): captured on the caller's
       own tensors, for a caller that passes tensors at the same addresses call after call (an
       engine's persistent input buffers, or a steady decode loop whose allocations repeat).
       It is captured the second time in a row one token count arrives at the same addresses,
@@ -58,8 +62,10 @@ class GraphCache:
       strides, it was captured on: it then reads what the caller passed now, as an eager call
       would, with no copy. It keeps no reference to the caller's tensors and never writes to
       them (the forward only reads its inputs), so a freed and reused address is only ever
-      read when the caller passes a tensor there. With `out=`, the output buffer is one more
-      captured address: the graph writes the result there, and nothing is cloned.
+      read when the caller passes a tensor there. The output's address is one more captured
+      address, where it repeats: the caller's `out=`, or the output this call allocated (the
+      graph writes the result there, and nothing is copied); where it does not, the graph's
+      own output is copied into this call's.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
@@ -69,7 +75,9 @@ class GraphCache:
         self._graphs: dict[tuple, _Captured] = {}  # key -> copying graph
         self._direct: dict[tuple, _Captured] = {}  # where -> direct graph
         self._direct_per_key: dict[tuple, int] = {}
-        self._last: dict[tuple, tuple] = {}  # key -> where the previous call's inputs were
+        self._last: dict[tuple, tuple] = {}  # key -> where the previous call's inputs and output were
+        self._last_output: dict[tuple, tuple] = {}  # inputs' signature -> where its last 2 outputs were
+        self._missed: tuple | None = None  # (signature, out, output) `replay_direct` found no graph for
         self._pool: object | None = None
 
     @property
@@ -82,11 +90,19 @@ class GraphCache:
         """How many graphs read the caller's tensors in place (no input copy)."""
         return len(self._direct)
 
+    @property
+    def output_writing_graphs(self) -> int:
+        """How many direct graphs write the result into the call's output itself (`out=`, or a
+        new output whose address recurs) instead of copying it out."""
+        return sum(cap.output is None for cap in self._direct.values())
+
     def clear(self) -> None:
         self._graphs.clear()
         self._direct.clear()
         self._direct_per_key.clear()
         self._last.clear()
+        self._last_output.clear()
+        self._missed = None
         self._pool = None
 
     def replay_direct(self, inputs: tuple, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -101,34 +117,93 @@ class GraphCache:
         if not self._direct:
             return None
         try:
-            cap = self._direct.get(self.where(inputs, out))
+            sig = self.where(inputs)
         except (AttributeError, TypeError):  # None or a non-tensor among the inputs
             return None
-        if cap is None or (self._on_cuda and torch.cuda.is_current_stream_capturing()):
+        if self._on_cuda and torch.cuda.is_current_stream_capturing():
             return None  # inside someone else's capture the forward runs as usual
-        cap.graph.replay()
-        return cap.output.clone() if out is None else out
+        return self._replay_known(inputs, sig, out)
 
     def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        where = self.where(inputs, out)
-        cap = self._direct.get(where)  # the hot case first: one signature, one lookup
-        if cap is not None:  # direct: reads the caller's inputs (and writes `out`) in place
-            cap.graph.replay()
-            return cap.output.clone() if out is None else out
+        sig = self.where(inputs)
+        target = self._take_missed(sig, out)
+        if target is None:  # called directly, not right after `replay_direct` missed
+            y = self._replay_known(inputs, sig, out)
+            if y is not None:
+                return y
+            target = self._take_missed(sig, out)
+        fresh = out is None
+        if target is None:
+            target = out if out is not None else self._fresh_output(inputs)
+        full = sig + self._sig(target)
         base = self.key(inputs)
-        key = base if out is None else (*base, "out")  # the last call's addresses, per kind of call
-        if self._last.get(key) == where and self._direct_per_key.get(key, 0) < DIRECT_PER_TOKEN_COUNT:
-            cap = self._direct[where] = self._capture(inputs, copy_inputs=False, out=out)
-            self._direct_per_key[key] = self._direct_per_key.get(key, 0) + 1
-            cap.graph.replay()
-            return cap.output.clone() if out is None else out
-        self._last[key] = where
-        cap = self._graphs.get(base)  # copying graphs serve calls with and without `out`
+        key = (*base, "fresh" if fresh else "out")  # the last call's addresses, per kind of call
+        last_sig, last_full = self._last.get(key, ((), ()))
+        self._last[key] = (sig, full)
+        if self._direct_per_key.get(key, 0) < DIRECT_PER_TOKEN_COUNT:
+            if last_full == full:  # inputs and output where they were: a graph that writes the output
+                self._capture_direct(key, full, inputs, target).graph.replay()
+                return target
+            if fresh and last_sig == sig:  # inputs in place, each output kept by the caller
+                cap = self._capture_direct(key, sig, inputs, None)
+                cap.graph.replay()
+                return target.copy_(cap.output)
+        cap = self._graphs.get(base)  # copying graphs serve every kind of call
         if cap is None:
             cap = self._graphs[base] = self._capture(inputs, copy_inputs=True)
         torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
         cap.graph.replay()
-        return cap.output.clone() if out is None else out.copy_(cap.output)
+        return target.copy_(cap.output)
+
+    def _replay_known(self, inputs: tuple, sig: tuple, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Replay a direct graph for these inputs, if one was captured: the one that writes
+        `out`, or without `out`, the one that writes this call's new output where the allocator
+        put it, else the one that reads the inputs in place (its output then copied out).
+        On a miss, remembers the signature and output for the `__call__` that follows."""
+        if not self._direct:
+            return None
+        target = out if out is not None else self._fresh_output(inputs)
+        target_sig = self._sig(target)
+        cap = self._direct.get(sig + target_sig)
+        if cap is not None:
+            cap.graph.replay()
+            return target
+        cap = self._direct.get(sig) if out is None else None
+        if cap is None:
+            self._missed = (sig, out, target)
+            return None
+        recent = self._last_output.get(sig, ())
+        if target_sig in recent:  # the output's address recurs as well (alternating between two
+            # buffers included, as a residual add's does): a graph that writes there copies nothing
+            key = (*self.key(inputs), "fresh")
+            if self._direct_per_key.get(key, 0) < DIRECT_PER_TOKEN_COUNT:
+                self._capture_direct(key, sig + target_sig, inputs, target).graph.replay()
+                return target
+        self._last_output[sig] = (target_sig, *recent[:1])
+        cap.graph.replay()
+        return target.copy_(cap.output)
+
+    def _take_missed(self, sig: tuple, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The output `replay_direct` allocated (or was given) for this very call when it found
+        no graph, so the checked path neither looks up nor allocates twice; None otherwise."""
+        missed, self._missed = self._missed, None
+        if missed is None or missed[1] is not out or missed[0] != sig:
+            return None
+        return missed[2]
+
+    def _capture_direct(
+        self, key: tuple, where: tuple, inputs: tuple[torch.Tensor, ...], out: torch.Tensor | None
+    ) -> _Captured:
+        cap = self._direct[where] = self._capture(inputs, copy_inputs=False, out=out)
+        self._direct_per_key[key] = self._direct_per_key.get(key, 0) + 1
+        return cap
+
+    @staticmethod
+    def _fresh_output(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A new output for one call: the forward's output has its first input's shape and
+        dtype (`_capture` checks it)."""
+        x = inputs[0]
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
     @staticmethod
     def key(inputs: tuple[torch.Tensor, ...]) -> tuple:
@@ -144,9 +219,11 @@ class GraphCache:
         sig: list = []
         for t in inputs:
             sig += (t.data_ptr(), t.dtype, t.shape, t.stride())
-        if out is not None:
-            sig += (out.data_ptr(), out.dtype, out.shape, out.stride())
-        return tuple(sig)
+        return tuple(sig) if out is None else (*sig, *GraphCache._sig(out))
+
+    @staticmethod
+    def _sig(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), t.dtype, t.shape, t.stride())
 
     def _capture(
         self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool, out: torch.Tensor | None = None
@@ -156,7 +233,12 @@ class GraphCache:
             self._pool = torch.cuda.graph_pool_handle()
         fn = (lambda: self._fn(*static)) if out is None else (lambda: out.copy_(self._fn(*static)))
         graph, output = capture(fn, self._device, pool=self._pool)
-        return _Captured(graph, static if copy_inputs else (), output)
+        x = inputs[0]
+        if output.shape != x.shape or output.dtype != x.dtype:  # what `_fresh_output` relies on
+            raise TypeError(f"graphed forward returned {output.dtype} {tuple(output.shape)}, not its input's")
+        # A graph that writes `out` keeps no reference to it: a fresh output, once the caller
+        # drops it, must go back to the allocator (its address coming back is what hits).
+        return _Captured(graph, static if copy_inputs else (), output if out is None else None)
 
 
 def capture(

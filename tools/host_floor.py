@@ -156,6 +156,8 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     report(f"{tag}:   copying the inputs in (foreach)", host_us(lambda: torch._foreach_copy_(cap.inputs, inp)))
     report(f"{tag}:   CUDAGraph.replay()", host_us(cap.graph.replay))
     report(f"{tag}:   cloning the output", host_us(cap.output.clone))
+    if hasattr(cache, "_fresh_output"):  # absent in older moehal (A/B runs)
+        report(f"{tag}:   allocating an output (torch.empty)", host_us(lambda: cache._fresh_output(inp)))
     report(f"{tag}:   GraphCache call, same tensors", host_us(lambda: cache(*inp)))
     report(f"{tag}:   layer.forward, same tensors (no Module.__call__)", host_us(lambda: layer.forward(*inp)))
     print(f"{tag}: direct graphs {getattr(cache, 'direct_graphs', 0)}")

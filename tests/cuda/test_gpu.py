@@ -110,28 +110,51 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
         outs.append((y, y.clone(), ref(x, ids, w)))
     torch.cuda.synchronize()
     assert layer._graphs_topk.captured_token_counts == [5, 17]  # 32 > 20 ran eagerly
+    cache = layer._graphs_topk
+
+    def rel_err(y: torch.Tensor, yr: torch.Tensor) -> float:
+        return ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item()
+
     # a caller that refills the same input tensors in place: after two calls the layer replays a
     # graph captured on them (no input copy), which must read their contents at every call
     x, ids, w = _inputs(cfg, 5, 10)
-    for seed in range(11, 15):
+    for seed in range(11, 15):  # each output stays alive into the next call: a new address each time
         nx, nids, nw = _inputs(cfg, 5, seed)
         x.copy_(nx), ids.copy_(nids), w.copy_(nw)
         y = layer(x, ids, w)
-        yr = ref(x, ids, w)
-        assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
-    assert layer._graphs_topk.direct_graphs == 1
+        assert rel_err(y, ref(x, ids, w)) < 3e-2
+        outs.append((y, y.clone(), ref(x, ids, w)))
+    assert cache.direct_graphs >= 1
+    writing = cache.output_writing_graphs
+    # a caller that drops each result before the next call (allocated first, everything freed
+    # by the next call): the output's address recurs too, and a graph captured on it writes
+    # the result there (no copy out)
+    for seed in range(15, 21):
+        nx, nids, nw = _inputs(cfg, 5, seed)
+        x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+        assert rel_err(layer(x, ids, w), ref(x, ids, w)) < 3e-2
+    assert cache.output_writing_graphs > writing
+    kept = layer(x, ids, w)  # a result the caller keeps: later calls must not write it
+    outs.append((kept, kept.clone(), ref(x, ids, w)))
     # and with the caller's output buffer: the direct graph writes it, the call returns it
+    writing = cache.output_writing_graphs
     out = torch.empty_like(x)
-    for seed in range(15, 19):
+    for seed in range(21, 25):
         nx, nids, nw = _inputs(cfg, 5, seed)
         x.copy_(nx), ids.copy_(nids), w.copy_(nw)
         assert layer(x, ids, w, out=out) is out
-        yr = ref(x, ids, w)
-        assert ((out.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
-    assert layer._graphs_topk.direct_graphs == 2
+        assert rel_err(out, ref(x, ids, w)) < 3e-2
+    assert cache.output_writing_graphs == writing + 1
+    # `kept` holds an address a graph writes: these calls' outputs land elsewhere, are right,
+    # and leave `kept` and every earlier output alone
+    for seed in range(25, 29):
+        nx, nids, nw = _inputs(cfg, 5, seed)
+        x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+        assert rel_err(layer(x, ids, w), ref(x, ids, w)) < 3e-2
+    torch.cuda.synchronize()
     for y, y_then, yr in outs:
         assert torch.equal(y, y_then), "a later replay overwrote an earlier output"
-        assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
+        assert rel_err(y, yr) < 3e-2
 
 
 def test_small_batches_run_token_major(monkeypatch):

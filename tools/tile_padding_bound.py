@@ -5,7 +5,7 @@ whole row tiles put under its roofline (`moehal.tile_bounds`), and what #4's pre
 Runs anywhere (CPU): it re-draws the benchmark's routing for each row (`moehal.bench.bench_inputs`)
 and takes the ceilings the run measured from its JSON.
 
-    python tools/tile_padding_bound.py docs/device-runs/.../record-bench.json [more.json ...]
+    python tools/tile_padding_bound.py docs/device-runs/.../record-bench.json [more.json ...] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -63,12 +63,56 @@ def table(path: str, min_tokens: int = 512) -> str:
     return "\n".join(out)
 
 
+def plot(path: str, png: str) -> None:
+    """Per shape: % of roofline against tokens, measured (ours, SGLang) beside the ceilings of
+    128- and 64-row tiles with the glue floor, and the 75% goal from 1024 tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(open(path).read())
+    ceil = data["ceilings"]
+    rows = [r for r in data["rows"] if r["quant"] == "bf16" and r["shape"] in SHAPES]
+    shapes = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        tokens = sorted({r["tokens"] for r in rows if r["shape"] == shape})
+        for backend, style in (("cuda", "o-"), ("sglang", "s--")):
+            mine = [r for r in rows if (r["shape"], r["backend"]) == (shape, backend)]
+            pts = sorted((r["tokens"], r["pct_roofline"]) for r in mine)
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"measured: {'moehal' if backend == 'cuda' else 'SGLang'} bf16")
+        for block_m, style in ((128, "k-"), (64, "k:")):
+            ceilings = []
+            for t in tokens:
+                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=t)
+                counts = torch.bincount(bench_inputs(cfg, t)[1].flatten(), minlength=cfg.num_experts)
+                b = tile_bound(cfg, counts, ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"], block_m=block_m)
+                ceilings.append(b.pipeline_pct)
+            ax.plot(tokens, ceilings, style, lw=1, label=f"ceiling: {block_m}-row tiles + glue")
+        ax.hlines(GOAL_PCT, 1024, max(tokens + [1024]), colors="tab:red", lw=1, label="goal from 1024 tokens")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 105)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("% of roofline")
+        ax.legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"{ceil.get('device', '?')}, {data['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_json", nargs="+")
     ap.add_argument("--min-tokens", type=int, default=512, help="rows from this token count up (default 512)")
+    ap.add_argument("--plot", metavar="PNG", help="also plot the first JSON's rows and ceilings into PNG")
     args = ap.parse_args(argv)
     print("\n\n".join(table(p, args.min_tokens) for p in args.bench_json))
+    if args.plot:
+        plot(args.bench_json[0], args.plot)
     return 0
 
 

@@ -13,7 +13,10 @@ Two ceilings per row, both in % of the roofline:
   each touched expert's weights once at copy bandwidth), with nothing else in the layer.
 - `pipeline_pct`: the same GEMMs plus the glue of a pipeline that permutes, activates and
   combines in separate passes, each moving its bytes at copy bandwidth (moehal's CUDA
-  pipeline; a design that gathers rows inside its GEMM skips the permute's copy).
+  pipeline).
+- `gathered_pct`: the same without the permute's copy, for a design that gathers each row
+  inside its first GEMM (SGLang's and vLLM's Triton fused MoE) and still activates and
+  combines in passes of their own.
 Both assume bf16 activations and weights (2 bytes) unless told otherwise.
 """
 
@@ -39,6 +42,7 @@ class TileBound:
     glue_floor_us: float
     tiles_pct: float
     pipeline_pct: float
+    gathered_pct: float
 
     def gemm_rate_needed(self, pct: float) -> float:
         """The fraction of the measured ceilings the two GEMMs must run at, on whole tiles,
@@ -65,17 +69,18 @@ def padded_rows(counts: torch.Tensor, block_m: int) -> int:
     return int(((counts.long() + block_m - 1) // block_m * block_m).sum())
 
 
-def glue_bytes(cfg: MoEConfig, tokens: int, elem_bytes: int = 2) -> int:
-    """Bytes the three glue passes of an unfused pipeline read and write at least:
-    permute (read each token once, write its top-k rows), activation (read the GEMM1 output
-    rows, write half as many for gated activations) and combine (read the GEMM2 rows, write
-    one row per token). Routing ids and weights are left out: they are small beside these."""
+def glue_bytes(cfg: MoEConfig, tokens: int, elem_bytes: int = 2, permute: bool = True) -> int:
+    """Bytes the glue passes of an unfused pipeline read and write at least:
+    permute (read each token once, write its top-k rows; left out with `permute=False`),
+    activation (read the GEMM1 output rows, write half as many for gated activations) and
+    combine (read the GEMM2 rows, write one row per token). Routing ids and weights are left
+    out: they are small beside these."""
     routed = tokens * cfg.top_k
     h, i = cfg.hidden_size, cfg.intermediate_size
-    permute = tokens * h + routed * h
+    copy = tokens * h + routed * h if permute else 0
     activation = routed * cfg.w13_rows + routed * i
     combine = routed * h + tokens * h
-    return (permute + activation + combine) * elem_bytes
+    return (copy + activation + combine) * elem_bytes
 
 
 def tile_bound(
@@ -102,6 +107,7 @@ def tile_bound(
     padded = padded_rows(counts, block_m)
     gemm = max(weight_bytes / copy_bytes_per_s, padded * flops_per_row / matmul_flops_per_s)
     glue = glue_bytes(cfg, tokens, elem_bytes) / copy_bytes_per_s
+    gathered = glue_bytes(cfg, tokens, elem_bytes, permute=False) / copy_bytes_per_s
     return TileBound(
         tokens=tokens,
         block_m=block_m,
@@ -113,4 +119,5 @@ def tile_bound(
         glue_floor_us=glue * 1e6,
         tiles_pct=100 * roof / gemm,
         pipeline_pct=100 * roof / (gemm + glue),
+        gathered_pct=100 * roof / (gemm + gathered),
     )

@@ -37,9 +37,9 @@ def table(path: str, min_tokens: int = 512) -> str:
         f"{ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (bf16)",
         "",
         "| shape | tokens | rows per expert (mean / max) | 128-row tile efficiency | ceiling: 128-row tiles "
-        "| + glue | 64-row tiles + glue | measured | GEMMs ran at >= | 75% needs GEMMs at | 1.2x SGLang = "
-        "| which needs GEMMs at |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| + glue | + glue, no permute copy | 64-row tiles + glue | measured | GEMMs ran at >= | 75% needs GEMMs at "
+        "| 1.2x SGLang = | which needs GEMMs at |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, tokens in keys:
         cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens)
@@ -56,7 +56,7 @@ def table(path: str, min_tokens: int = 512) -> str:
             vs_peer, vs_peer_rate = f"{pct:.0f}%", _rate(b.gemm_rate_needed(pct))
         out.append(
             f"| {shape} | {tokens} | {b.mean_rows:.0f} / {b.max_rows} | {b.tile_efficiency:.2f} | {b.tiles_pct:.0f}% "
-            f"| {b.pipeline_pct:.0f}% | {b64.pipeline_pct:.0f}% | {ours['pct_roofline']:.0f}% "
+            f"| {b.pipeline_pct:.0f}% | {b.gathered_pct:.0f}% | {b64.pipeline_pct:.0f}% | {ours['pct_roofline']:.0f}% "
             f"| {_rate(b.gemm_rate_at(ours['time_us']))} | {_rate(b.gemm_rate_needed(GOAL_PCT))} "
             f"| {vs_peer} | {vs_peer_rate} |"
         )

@@ -41,6 +41,7 @@ def test_glue_bytes_counts_each_pass():
     combine = t * k * h + t * h
     assert glue_bytes(cfg, t) == 2 * (permute + activation + combine)
     assert glue_bytes(cfg, t, elem_bytes=1) == permute + activation + combine
+    assert glue_bytes(cfg, t, permute=False) == 2 * (activation + combine)
 
 
 def test_aligned_rows_reach_the_roofline_and_one_extra_row_costs_a_tile():
@@ -48,7 +49,7 @@ def test_aligned_rows_reach_the_roofline_and_one_extra_row_costs_a_tile():
     full = tile_bound(cfg, torch.full((8,), 256), **H100_LIKE)
     assert full.tile_efficiency == 1.0 and full.tiles_pct == pytest.approx(100.0)
     assert full.tokens == 1024 and full.mean_rows == 256 and full.max_rows == 256
-    assert full.pipeline_pct < full.tiles_pct  # the glue costs something
+    assert full.pipeline_pct < full.gathered_pct < full.tiles_pct  # the glue costs something
     over = tile_bound(cfg, torch.full((8,), 257), **H100_LIKE)
     assert over.tile_efficiency == pytest.approx(257 / 384)
     assert over.tiles_pct == pytest.approx(100 * 257 / 384)  # FLOP-bound here: pure padding

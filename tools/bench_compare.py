@@ -1,5 +1,6 @@
 """Markdown tables from `moehal bench --out` JSON files: per shape and token count, each
-backend's time and % of roofline, ours against the SGLang peer, and fp8_block against bf16.
+backend's time and % of roofline, ours against the SGLang peer, and fp8_block against bf16;
+and the SM clock each row held, where the run sampled it.
 
     python tools/bench_compare.py docs/device-runs/.../bench.json [more.json ...]
 """
@@ -7,8 +8,14 @@ backend's time and % of roofline, ours against the SGLang peer, and fp8_block ag
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import defaultdict
+
+
+def _mhz(r: dict | None) -> str:
+    x = r.get("sm_mhz", math.nan) if r else math.nan
+    return f"{x:.0f}" if math.isfinite(x) else "-"
 
 
 def table(path: str) -> str:
@@ -23,6 +30,10 @@ def table(path: str) -> str:
         "| shape | tokens | bf16 us (% roofline) | SGLang bf16 us (%) | vs SGLang | fp8_block us (%) | fp8 vs bf16 |",
         "|---|---|---|---|---|---|---|",
     ]
+    clocks = any(math.isfinite(r.get("sm_mhz", math.nan)) for r in data["rows"])
+    if clocks:  # runs that sampled clocks (moehal.clock_sampler): the SM clock each row held
+        lines[-2] += " bf16 / SGLang / fp8 SM MHz |"
+        lines[-1] += "---|"
     for (shape, tokens), rows in sorted(t.items()):
         ours, peer, fp8 = rows.get(("cuda", "bf16")), rows.get(("sglang", "bf16")), rows.get(("cuda", "fp8_block"))
 
@@ -31,7 +42,10 @@ def table(path: str) -> str:
 
         vs = f"{peer['time_us'] / ours['time_us']:.2f}x" if ours and peer else "-"
         f8 = f"{ours['time_us'] / fp8['time_us']:.2f}x" if ours and fp8 else "-"
-        lines.append(f"| {shape} | {tokens} | {cell(ours)} | {cell(peer)} | {vs} | {cell(fp8)} | {f8} |")
+        line = f"| {shape} | {tokens} | {cell(ours)} | {cell(peer)} | {vs} | {cell(fp8)} | {f8} |"
+        if clocks:
+            line += " " + " / ".join(_mhz(r) for r in (ours, peer, fp8)) + " |"
+        lines.append(line)
     return "\n".join(lines)
 
 

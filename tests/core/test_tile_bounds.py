@@ -92,3 +92,44 @@ def test_gemm_rate_needed():
     assert math.isinf(b.gemm_rate_needed(glue_only * 1.01))
     with pytest.raises(ValueError, match="no routed rows"):
         tile_bound(cfg, torch.zeros(8), **H100_LIKE)
+
+
+def _bench_json(path, shape: str, tokens: tuple[int, ...]) -> None:
+    """A `moehal bench --out` JSON in miniature: ceilings, and moehal and SGLang bf16 rows whose
+    roofline is the benchmark's for its routing."""
+    import json
+
+    ceil = {"copy_bytes_per_s": 3.0e12, "matmul_flops_per_s": 700e12, "device": "test device"}
+    rows = []
+    for t in tokens:
+        cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=t)
+        counts = torch.bincount(bench_inputs(cfg, t)[1].flatten(), minlength=cfg.num_experts)
+        roof = tile_bound(cfg, counts, ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"]).roofline_us
+        for backend, pct in (("cuda", 70.0), ("sglang", 50.0)):
+            rows.append(dict(shape=shape, tokens=t, backend=backend, quant="bf16", roofline_us=roof,
+                             time_us=roof * 100 / pct, pct_roofline=pct))  # fmt: skip
+    path.write_text(json.dumps({"ceilings": ceil, "date": "today", "rows": rows}))
+
+
+def test_the_bound_tool_reads_a_benchmark_json(tmp_path, capsys):
+    """`tools/tile_padding_bound.py`: one table line per prefill row, and a plot."""
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).parents[2] / "tools" / "tile_padding_bound.py"
+    spec = importlib.util.spec_from_file_location("tile_padding_bound", tool)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    bench = tmp_path / "bench.json"
+    _bench_json(bench, "mixtral_8x7b", (16, 1024))
+    png = tmp_path / "bounds.png"
+    assert mod.main([str(bench), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| mixtral_8x7b")]
+    assert len(rows) == 1 and rows[0].startswith("| mixtral_8x7b | 1024 | 256 / ")  # 16 < --min-tokens
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[8] == "70%"  # measured
+    # 1.2x SGLang at 50% of roofline is 60%
+    assert cells[11] == "60%"
+    assert png.stat().st_size > 10_000

@@ -12,15 +12,16 @@ What a replay costs and assumes:
   steady loop whose allocations repeat) replay a graph captured on those very tensors: no
   copy. Other inputs are copied into a graph's own static inputs (one `torch._foreach_copy_`).
   The returned tensor is the caller's to keep, as in an ordinary eager call: each call
-  allocates its output, and where that address repeats too (a caller that drops each result
-  before the next call, as a decode loop's residual add does) a direct graph captured on it
-  writes the result there; otherwise the graph's output is copied into it. A caller that
+  allocates its output, and where that address recurs too (a caller that drops each result
+  before the next call, or alternates between two buffers, as a residual add does) a direct
+  graph captured on it writes the result there; otherwise the graph's output is copied into it. A caller that
   passes `out=` (an engine's persistent output buffer) gets a direct graph that writes into
   `out` itself. Either way the call costs one replay, and no graph keeps a reference to an
   output: a graph writes an address only when this call's own output sits there.
   `MoELayer.forward` tries that direct graph before its input checks (`replay_direct`): the
   graph's signature pins everything the checks look at.
-  Host cost of each part on an H100 host: docs/device-runs/2026-11-23-session5 and -session6.
+  Host cost of each part on H100 hosts: docs/device-runs/2026-11-23-session5, -session6 and
+  -session10 (the in-place output).
 - One capture per distinct token count (plus up to `DIRECT_PER_TOKEN_COUNT` direct ones),
   sharing one memory pool per layer; engines bucket their batch sizes, so the set stays small.
   Larger batches run eagerly: their GPU time dwarfs the launch overhead.

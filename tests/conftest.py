@@ -21,3 +21,29 @@ def registry():
     reg = moehal.Registry(moehal.Settings())
     reg.load_entry_points()
     return reg
+
+
+class FakeCudaGraph:
+    """Stands in for a CUDA graph on the CPU: replay reruns the captured function and writes
+    the captured output in place, as a graph writes where it was captured writing."""
+
+    def __init__(self, fn, output: torch.Tensor) -> None:
+        self._fn, self._output, self.replays = fn, output, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self._output.copy_(self._fn())
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """`moehal.graphs.capture` (and the graph memory pool) stood in for on the CPU, so
+    `GraphCache`'s own bookkeeping runs there unchanged."""
+    from moehal import graphs
+
+    def capture(fn, device=None, warmup: int = 1, pool=None):
+        output = fn()
+        return FakeCudaGraph(fn, output), output
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())

@@ -1,30 +1,15 @@
 """`moehal.graphs.GraphCache`'s choices, on the CPU: which graph a call captures or replays,
 where its result lands, and that a miss allocates once. CUDA graphs are stood in for by a
-replay that reruns the captured function into the captured output, and the allocator by a
-script of output buffers; `tests/cuda/test_gpu.py` runs the real thing on a GPU."""
+replay that reruns the captured function into the captured output (`fake_cuda_graphs`), and,
+where addresses matter, the allocator by a script of output buffers; `tests/cuda/test_gpu.py`
+runs the real thing on a GPU."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-import pytest
 import torch
-from moehal import graphs
-from moehal.graphs import DIRECT_PER_TOKEN_COUNT, GraphCache
-
-
-class _FakeGraph:
-    def __init__(self, fn, output: torch.Tensor) -> None:
-        self._fn, self._output, self.replays = fn, output, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self._output.copy_(self._fn())  # a CUDA graph writes where it was captured writing
-
-
-def _fake_capture(fn, device=None, warmup: int = 1, pool=None):
-    output = fn()
-    return _FakeGraph(fn, output), output
+from moehal.graphs import DIRECT_PER_TOKEN_COUNT, GraphCache, should_replay
 
 
 class _Allocator:
@@ -40,12 +25,6 @@ class _Allocator:
 
 def _forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x * 2 + w.sum(dim=1, keepdim=True)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    monkeypatch.setattr(graphs, "capture", _fake_capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
 
 
 def _cache(monkeypatch, buffers: list[torch.Tensor], cycle: bool = True) -> tuple[GraphCache, _Allocator]:
@@ -66,7 +45,7 @@ def _call(cache: GraphCache, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor
     return y if y is not None else cache(x, w, out=out)
 
 
-def test_an_output_address_that_recurs_gets_a_graph_that_writes_it(monkeypatch, fake_cuda):
+def test_an_output_address_that_recurs_gets_a_graph_that_writes_it(monkeypatch, fake_cuda_graphs):
     a = torch.empty(3, 4)
     cache, alloc = _cache(monkeypatch, [a])  # the caller drops each result: same address every call
     x, w = torch.randn(3, 4), torch.randn(3, 2)
@@ -81,7 +60,7 @@ def test_an_output_address_that_recurs_gets_a_graph_that_writes_it(monkeypatch, 
     assert cache.captured_token_counts == [3]
 
 
-def test_outputs_the_caller_keeps_are_copied_out_and_never_written_again(monkeypatch, fake_cuda):
+def test_outputs_the_caller_keeps_are_copied_out_and_never_written_again(monkeypatch, fake_cuda_graphs):
     bufs = [torch.empty(3, 4) for _ in range(5)]
     cache, _ = _cache(monkeypatch, bufs, cycle=False)  # every output at a new address
     x, w = torch.randn(3, 4), torch.randn(3, 2)
@@ -97,7 +76,7 @@ def test_outputs_the_caller_keeps_are_copied_out_and_never_written_again(monkeyp
         assert torch.equal(y, then)
 
 
-def test_outputs_alternating_between_two_buffers_are_written_in_place(monkeypatch, fake_cuda):
+def test_outputs_alternating_between_two_buffers_are_written_in_place(monkeypatch, fake_cuda_graphs):
     """A residual add keeps the previous result alive while the next is allocated."""
     a, b = torch.empty(3, 4), torch.empty(3, 4)
     cache, _ = _cache(monkeypatch, [a, b])
@@ -115,7 +94,7 @@ def test_outputs_alternating_between_two_buffers_are_written_in_place(monkeypatc
     assert sum(g.replays for g in writers) == sum(replays) + 1  # served by a writing graph
 
 
-def test_out_gets_its_own_graph_and_new_inputs_are_copied_in(monkeypatch, fake_cuda):
+def test_out_gets_its_own_graph_and_new_inputs_are_copied_in(monkeypatch, fake_cuda_graphs):
     cache, alloc = _cache(monkeypatch, [torch.empty(3, 4)])
     x, w = torch.randn(3, 4), torch.randn(3, 2)
     out = torch.empty(3, 4)
@@ -131,13 +110,81 @@ def test_out_gets_its_own_graph_and_new_inputs_are_copied_in(monkeypatch, fake_c
     assert cache.direct_graphs == 1
 
 
-def test_direct_graphs_per_token_count_are_bounded(monkeypatch, fake_cuda):
-    bufs = [torch.empty(3, 4) for _ in range(4 * DIRECT_PER_TOKEN_COUNT + 4)]
-    cache, _ = _cache(monkeypatch, bufs)
-    for _ in range(2 * DIRECT_PER_TOKEN_COUNT + 2):  # new input tensors, each passed twice in a row
-        x, w = torch.randn(3, 4), torch.randn(3, 2)
-        for _ in range(2):
-            assert torch.equal(_call(cache, x, w), _forward(x, w))
+def test_graph_cache_replays_with_new_inputs_on_cpu_semantics(fake_cuda_graphs):
+    """The cache's bookkeeping (one capture per token count, inputs copied in, output copied
+    out) without a GPU: a stand-in graph object that records and re-runs the function."""
+    cache = GraphCache(lambda x, y: x * 2 + y, torch.device("cpu"))
+    a = cache(torch.ones(3), torch.zeros(3))
+    b = cache(torch.full((3,), 5.0), torch.ones(3))
+    c = cache(torch.ones(2), torch.ones(2))
+    d = cache(torch.ones(2, dtype=torch.float64), torch.ones(2))  # another dtype: another graph
+    assert d.dtype == torch.float64 and len(cache._graphs) == 3
+    assert a.tolist() == [2.0] * 3, "an earlier output must not change when the graph replays again"
+    assert b.tolist() == [11.0] * 3 and c.tolist() == [3.0] * 2
+    assert cache.captured_token_counts == [2, 3]
+    assert not should_replay(64, torch.ones(3, 4))  # CPU tensors never replay
+
+
+def test_graph_cache_reads_inputs_in_place_when_the_caller_reuses_its_tensors(fake_cuda_graphs):
+    """A caller that passes the same tensors again gets a graph captured on them (no copy in);
+    it reads what they hold at each call, and other tensors still take the copying graph."""
+    cache = GraphCache(lambda x, y: x * 2 + y, torch.device("cpu"))
+    x, y = torch.ones(3), torch.zeros(3)
+    first = cache(x, y)  # new addresses: the copying graph
+    assert cache.direct_graphs == 0
+    second = cache(x, y)  # the same addresses twice in a row: captured on x and y themselves
+    assert cache.direct_graphs == 1
+    x.fill_(5.0)  # the caller refills its buffer in place
+    third = cache(x, y)
+    assert third.tolist() == [10.0] * 3 and cache.direct_graphs == 1
+    static = cache._graphs[cache.key((x, y))].inputs[0]
+    assert static.tolist() == [1.0] * 3, "a direct replay must not copy into the copying graph's inputs"
+    other = cache(torch.full((3,), 2.0), torch.ones(3))  # other tensors: copied in
+    assert other.tolist() == [5.0] * 3
+    assert first.tolist() == second.tolist() == [2.0] * 3, "outputs stay the caller's"
+    assert cache._direct[cache.where((x, y))].inputs == (), "no reference kept"
+    y_t = torch.zeros(3, 2)[:, 0]  # same shape, other strides: never the direct graph of y
+    assert cache.where((x, y_t)) != cache.where((x, y))
+    for _ in range(3 * DIRECT_PER_TOKEN_COUNT):  # at most this many direct graphs per count
+        u, v = torch.rand(3), torch.rand(3)
+        assert torch.allclose(cache(u, v), u * 2 + v) and torch.allclose(cache(u, v), u * 2 + v)
     assert cache.direct_graphs == DIRECT_PER_TOKEN_COUNT
     cache.clear()
     assert cache.direct_graphs == 0 and cache.captured_token_counts == []
+
+
+def test_graph_cache_writes_into_the_callers_output_buffer(fake_cuda_graphs):
+    """`out=`: a direct graph captured with the caller's output buffer writes the result there
+    (the call returns that very tensor, nothing cloned); other calls copy into it."""
+    cache = GraphCache(lambda x, y: x * 2 + y, torch.device("cpu"))
+    x, y, out = torch.ones(3), torch.zeros(3), torch.empty(3)
+    assert cache(x, y, out=out) is out and out.tolist() == [2.0] * 3  # copying graph, copied out
+    assert cache(x, y, out=out) is out and cache.direct_graphs == 1  # captured on x, y and out
+    x.fill_(4.0)
+    assert cache(x, y, out=out) is out and out.tolist() == [8.0] * 3
+    cap = next(iter(cache._direct.values()))
+    assert cap.output is None, "a graph that writes `out` keeps no reference to it"
+    other = torch.empty(3)  # another output buffer: not the direct graph's
+    assert cache(x, y, out=other) is other and other.tolist() == [8.0] * 3
+    plain = cache(x, y)  # no out: a fresh tensor, as before
+    assert plain is not out and plain.tolist() == [8.0] * 3
+
+
+def test_replay_direct_serves_only_the_exact_tensors_it_was_captured_on(fake_cuda_graphs):
+    """`replay_direct` is the forward's first step, before the input checks, so it must miss for
+    anything the checks would look at: another shape at the same address, other strides,
+    another dtype, another output buffer, or a non-tensor."""
+    cache = GraphCache(lambda x, y: x * 2 + y, torch.device("cpu"))
+    x, y, out = torch.ones(4, 6), torch.zeros(4, 6), torch.empty(4, 6)
+    assert cache.replay_direct((x, y), out) is None, "nothing captured yet"
+    cache(x, y, out=out)
+    cache(x, y, out=out)  # the same addresses twice: the direct graph
+    x.fill_(3.0)
+    assert cache.replay_direct((x, y), out) is out and out.tolist() == [[6.0] * 6] * 4
+    assert cache.replay_direct((x[:, :4], y[:, :4]), out[:, :4]) is None, "a narrower view at the same address"
+    assert cache.replay_direct((x[:2], y[:2]), out[:2]) is None, "fewer tokens at the same address"
+    assert cache.replay_direct((x, y.t().contiguous().t()), out) is None, "other strides"
+    assert cache.replay_direct((x, y), torch.empty(4, 6)) is None, "another output buffer"
+    assert cache.replay_direct((x, y), None) is None, "no direct graph for calls without out= yet"
+    assert cache.replay_direct((x, None), out) is None and cache.replay_direct((x, 3), out) is None
+    assert cache.captured_token_counts == [4]

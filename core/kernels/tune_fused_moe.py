@@ -1,0 +1,317 @@
+"""Tune the portable Triton fused MoE (`moehal.kernels.triton_fused_moe`) on this GPU: the table
+its `select_configs` reads, per expert shape and token count.
+
+    python -m moehal.kernels.tune_fused_moe --shapes qwen3_30b_a3b,mixtral_8x7b \\
+        --tokens 1,16,128,1024,4096 --quant bf16 [--out triton_fused_moe.<device-slug>.json]
+
+Why: without a table the kernel runs heuristic tiles. Tuned tiles decide how close a Triton
+fused MoE gets to its roofline (SGLang's Triton fused MoE reaches 90-100% where it ships tuned
+configs and 23-33% where it does not, issue #4), and the ROCm backend runs this kernel on every
+AMD GPU, where no table ships. Vendors and users tune on their own hardware with this module.
+
+How: for each shape (`moehal.bench.SHAPES`) and token count, on the benchmark's routing
+(`moehal.bench.bench_inputs`), the whole fused forward is timed as `moehal bench` times a row
+(`moehal.bench.time_call`: after `SETTLE_S` of the same work, CUDA-graph replays on a GPU).
+Per tile height (BLOCK_M, which both GEMMs share), GEMM1's tile is searched with GEMM2's at
+the heuristic's, then GEMM2's with GEMM1's at the best found. The heuristic pair is the first
+candidate, so an entry is never slower than the heuristic, and the JSON keeps both times.
+Every candidate's output is compared with the heuristic's: a tile that computes something else
+(or fails to compile or launch) is rejected and counted, never chosen.
+
+The result loads with `moehal.kernels.triton_fused_moe.register_tuned_configs(device_name,
+table)`, or as `triton_fused_moe.<device-slug>.json` beside that module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from moehal.kernels.tiles import TileConfig
+
+# The GEMMs' candidate tiles, per tile height: N and K blocks, then (warps, stages) pairs.
+_BLOCK_N = (64, 128, 256)
+_BLOCK_K = (64, 128)
+_WARPS_STAGES_NV = ((4, 3), (4, 4), (8, 3), (8, 4))
+_WARPS_STAGES_ROCM = ((4, 2), (8, 2))  # AMD's stream pipeliner wants num_stages=2
+# Largest error (max |diff| / max |ref|) against the heuristic tile's output: tiles only change
+# the order of fp32 accumulation, so anything above these computed something else.
+_TOLERANCE = {"none": 3e-2, "fp8_block": 6e-2, "int8": 6e-2}
+
+
+def block_heights(rows_per_expert: float) -> tuple[int, ...]:
+    """Tile heights worth trying for this many routed rows per expert (the kernel pads each
+    expert's rows to a multiple of BLOCK_M)."""
+    if rows_per_expert <= 16:
+        return (16, 32)
+    if rows_per_expert <= 64:
+        return (16, 32, 64)
+    if rows_per_expert <= 256:
+        return (32, 64, 128)
+    return (64, 128)
+
+
+def gemm_candidates(block_m: int, rows_per_expert: float, is_rocm: bool) -> list[TileConfig]:
+    """One GEMM's tiles at height `block_m` (`select_configs` clamps them to the problem)."""
+    group_m = 1 if rows_per_expert <= 16 else 8  # grouped order pays where M tiles share weights
+    pairs = _WARPS_STAGES_ROCM if is_rocm else _WARPS_STAGES_NV
+    return [TileConfig(block_m, bn, bk, group_m, w, s) for bn in _BLOCK_N for bk in _BLOCK_K for w, s in pairs]
+
+
+@dataclass
+class Entry:
+    """One tuned (shape, token count): the table entry and how it was found."""
+
+    gemm1: TileConfig
+    gemm2: TileConfig
+    us: float
+    heuristic_us: float
+    tried: int
+    rejected: dict[str, int]  # why -> how many: 'wrong output', or the Triton error's type
+
+    def as_table_entry(self) -> dict[str, Any]:
+        return {
+            "gemm1": self.gemm1.as_dict(),
+            "gemm2": self.gemm2.as_dict(),
+            "us": round(self.us, 2),
+            "heuristic_us": round(self.heuristic_us, 2),
+            "tried": self.tried,
+            "rejected": self.rejected,
+        }
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12))
+
+
+def tune_entry(
+    run: Callable[[tuple[TileConfig, TileConfig]], torch.Tensor],
+    heuristic: tuple[TileConfig, TileConfig],
+    rows_per_expert: float,
+    time_fn: Callable[[Callable[[], Any]], float],
+    quant: str = "none",
+    is_rocm: bool = False,
+    budget_s: float = math.inf,
+    max_candidates: int | None = None,
+    on_candidate: Callable[[], None] | None = None,
+) -> Entry:
+    """Search (GEMM1, GEMM2) tiles for one problem.
+
+    run(configs) runs the forward with these tiles and returns its output; time_fn(fn) returns
+    seconds per call of `fn`. The search stops trying new candidates after `budget_s` seconds
+    (or `max_candidates` per GEMM and height) and keeps the best found so far.
+    """
+    from triton.runtime.errors import TritonError  # compile errors, PTXAS, out of shared memory
+
+    t0 = time.perf_counter()
+    ref = run(heuristic)  # outside the catch below: a problem that fails here is the caller's to see
+    tol = _TOLERANCE[quant]
+    tried = 0
+    rejected: dict[str, int] = {}
+
+    def measure(pair: tuple[TileConfig, TileConfig]) -> float:
+        nonlocal tried
+        tried += 1
+        if on_candidate is not None:
+            on_candidate()
+        try:
+            y = run(pair)
+        except TritonError as exc:  # a tile that does not compile or fit on this GPU
+            rejected[type(exc).__name__] = rejected.get(type(exc).__name__, 0) + 1
+            return math.inf
+        if _rel_err(y, ref) > tol:
+            rejected["wrong output"] = rejected.get("wrong output", 0) + 1
+            return math.inf
+        return time_fn(lambda: run(pair))
+
+    best, best_t = heuristic, measure(heuristic)
+    heuristic_t = best_t
+    for bm in block_heights(rows_per_expert):
+        g1_base, g2_base = _at_height(heuristic, bm)
+        cands = gemm_candidates(bm, rows_per_expert, is_rocm)[:max_candidates]
+        g1_best, t1 = g1_base, math.inf
+        for g1 in cands:  # GEMM1's tile, GEMM2 at the heuristic's tile of this height
+            if time.perf_counter() - t0 > budget_s:
+                break
+            t = measure((g1, g2_base))
+            if t < t1:
+                g1_best, t1 = g1, t
+        pair, t_pair = (g1_best, g2_base), t1
+        for g2 in cands:  # then GEMM2's, GEMM1 at the best found
+            if time.perf_counter() - t0 > budget_s:
+                break
+            t = measure((g1_best, g2))
+            if t < t_pair:
+                pair, t_pair = (g1_best, g2), t
+        if t_pair < best_t:
+            best, best_t = pair, t_pair
+    if not math.isfinite(best_t):
+        raise RuntimeError("no tile, the heuristic's included, ran correctly")
+    return Entry(best[0], best[1], best_t * 1e6, heuristic_t * 1e6, tried, rejected)
+
+
+def _at_height(pair: tuple[TileConfig, TileConfig], block_m: int) -> tuple[TileConfig, TileConfig]:
+    g1, g2 = pair
+    return (
+        TileConfig(block_m, g1.block_n, g1.block_k, g1.group_m, g1.num_warps, g1.num_stages),
+        TileConfig(block_m, g2.block_n, g2.block_k, g2.group_m, g2.num_warps, g2.num_stages),
+    )
+
+
+def _problem(shape: str, quant_name: str, tokens: int, dev: torch.device) -> tuple[Any, ...]:
+    """The fused kernel's inputs for one benchmark row: (hidden, ids, weights, TritonMoEWeights, cfg)."""
+    import moehal
+    from moehal.bench import SHAPES, _weights, bench_inputs
+    from moehal.hardware import detect
+    from moehal.interfaces import BuildRequest
+    from moehal.kernels.triton_experts import TritonWeightProcessor
+    from moehal.quant import QuantScheme
+
+    quant = QuantScheme.parse(quant_name)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the interpreter's bf16 dot is wrong
+    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=tokens, dtype=dtype)
+    _, _, weights = _weights(shape, cfg, quant, dev)
+    w = TritonWeightProcessor(devices=frozenset({dev.type})).process(weights, BuildRequest(cfg, quant, detect(dev)))
+    x, ids, wts = bench_inputs(cfg, tokens)
+    return x.to(dev, dtype), ids.to(dev, torch.int32), wts.to(dev), w, cfg
+
+
+def _runner(
+    k: Any, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: Any, cfg: Any, kquant: str, is_rocm: bool
+) -> Callable[[tuple[TileConfig, TileConfig]], torch.Tensor]:
+    """The fused forward of one problem with the given (GEMM1, GEMM2) tiles, clamped as
+    `select_configs` clamps a table's entry."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+
+    def run(pair: tuple[TileConfig, TileConfig]) -> torch.Tensor:
+        configs = (k._fit(pair[0], i, h, kquant), k._fit(pair[1], h, i, kquant))
+        return k.fused_moe(
+            x, ids, wts, w, activation=cfg.activation.value, gated=cfg.gated, out_dtype=cfg.dtype,
+            all_local=True, configs=configs, is_rocm=is_rocm,
+        )  # fmt: skip
+
+    return run
+
+
+def tune(
+    shapes: Sequence[str],
+    tokens: Sequence[int],
+    quant_name: str,
+    dev: torch.device,
+    budget_s: float = 120.0,
+    reps: int = 10,
+    settle_s: float | None = None,
+    max_candidates: int | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Tune every (shape, token count); returns the table (`select_configs`' format)."""
+    from moehal.bench import SETTLE_S, time_call
+    from moehal.graphs import capture
+    from moehal.kernels import triton_fused_moe as k
+
+    is_rocm = torch.version.hip is not None
+    settle = SETTLE_S if settle_s is None else settle_s
+
+    def time_fn(fn: Callable[[], Any]) -> float:
+        if dev.type == "cuda":  # graph replays, as `moehal bench` times a capturable forward
+            graph, _ = capture(fn, dev)
+            return time_call(graph.replay, dev, reps, warmup_s=settle, per_sample=10)
+        return time_call(fn, dev, reps, warmup=1, warmup_s=settle)
+
+    table: dict[str, Any] = {}
+    for shape in shapes:
+        for t in tokens:
+            x, ids, wts, w, cfg = _problem(shape, quant_name, t, dev)
+            kquant = w.quant  # the kernel's name for the scheme: 'none', 'fp8_block' or 'int8'
+            e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+            dname = k._DTYPE_NAMES[cfg.dtype]
+            heuristic = k.select_configs(t, e, h, i, cfg.top_k, kquant, dname, None, is_rocm)
+            key = k.table_key(e, h, i, dname if kquant == "none" else kquant)  # as `select_configs` looks up
+            run = _runner(k, x, ids, wts, w, cfg, kquant, is_rocm)
+            rows = t * cfg.top_k / e
+            task, advance = None, None
+            if progress is not None:
+                heights = block_heights(rows)
+                total = 1 + 2 * sum(len(gemm_candidates(bm, rows, is_rocm)[:max_candidates]) for bm in heights)
+                task = progress.add_task(f"{shape} {quant_name} T={t}", total=total)
+                advance = lambda task=task: progress.advance(task)  # noqa: E731
+            entry = tune_entry(run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance)
+            if task is not None:
+                progress.remove_task(task)
+            table.setdefault(key, {})[str(t)] = entry.as_table_entry()
+    return table
+
+
+def _meta(dev: torch.device, settle_s: float) -> dict[str, Any]:
+    import triton
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET)"
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "settle_s": settle_s,
+        "note": "per (shape, tokens): the tiles, the fused forward's time with them and with the heuristic's",
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from moehal.bench import SETTLE_S, SHAPES
+    from moehal.hardware import device_slug
+    from rich.console import Console
+    from rich.progress import Progress
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen3_30b_a3b", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--tokens", default="1,16,128,1024,4096")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block", "fp8_block:ue8m0", "w8a8_int8"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="seconds per (shape, tokens) at most")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--settle-s", type=float, default=None, help=f"warm-up per timing (default {SETTLE_S})")
+    ap.add_argument("--max-candidates", type=int, default=None, help="per GEMM and tile height (smoke tests)")
+    ap.add_argument("--out", default=None, help="JSON to write (merged into if it exists)")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    console = Console(stderr=True)
+    if dev.type == "cpu":
+        from moehal.kernels.host import interpreting
+
+        if not interpreting():
+            console.print("[red]no GPU: the kernels run on the CPU only under TRITON_INTERPRET=1 (a smoke test)")
+            return 2
+    settle = SETTLE_S if args.settle_s is None else args.settle_s
+    with Progress(console=console, transient=True) as progress:
+        table = tune(
+            args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.quant, dev,
+            args.budget_s, args.reps, settle, args.max_candidates, progress,
+        )  # fmt: skip
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    out = Path(args.out or f"triton_fused_moe.{device_slug(name)}.json")
+    merged: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
+    for key, rows in table.items():
+        merged.setdefault(key, {}).update(rows)
+    merged["_meta"] = _meta(dev, settle)
+    out.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    for key, rows in table.items():
+        for t, r in sorted(rows.items(), key=lambda kv: int(kv[0])):
+            gain = r["heuristic_us"] / r["us"] if r["us"] > 0 else math.nan
+            console.print(
+                f"{key} T={t}: {r['us']:.1f} us (heuristic {r['heuristic_us']:.1f} us, {gain:.2f}x), "
+                f"{r['tried']} tried, rejected: {r['rejected'] or 'none'}"
+            )
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

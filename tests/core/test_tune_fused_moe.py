@@ -1,0 +1,102 @@
+"""`moehal.kernels.tune_fused_moe`: the search on stand-in timings, and the whole tuner on the
+CPU (Triton's interpreter: timings there mean nothing, the machinery is what is checked)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from moehal.kernels.host import interpreting
+from moehal.kernels.tiles import TileConfig
+from moehal.kernels.tune_fused_moe import block_heights, gemm_candidates, tune_entry
+
+HEURISTIC = (TileConfig(64, 64, 64, 8, 4, 3), TileConfig(64, 128, 64, 8, 8, 3))
+
+
+def _search(times, wrong=(), fails=(), **kw):
+    """tune_entry on a problem whose output is right unless the pair is in `wrong`, whose
+    launch fails for pairs in `fails`, and whose time per pair comes from `times(pair)`."""
+    from triton.runtime.errors import OutOfResources
+
+    ref = torch.ones(4)
+    current = {}
+
+    def run(pair):
+        if pair in fails:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        current["pair"] = pair
+        return ref * (2.0 if pair in wrong else 1.0)
+
+    def time_fn(fn):
+        fn()
+        return times(current["pair"])
+
+    return tune_entry(run, HEURISTIC, rows_per_expert=256, time_fn=time_fn, **kw)
+
+
+def test_candidates_by_rows_per_expert():
+    assert block_heights(1) == (16, 32) and block_heights(256) == (32, 64, 128) and block_heights(1024) == (64, 128)
+    nv, amd = gemm_candidates(128, 1024, is_rocm=False), gemm_candidates(128, 1024, is_rocm=True)
+    assert all(c.block_m == 128 and c.group_m == 8 for c in nv) and len(nv) == 24
+    assert {c.num_stages for c in amd} == {2} and len(amd) == 12
+    assert {c.group_m for c in gemm_candidates(16, 4, is_rocm=False)} == {1}
+
+
+def test_search_finds_the_fastest_correct_pair_and_never_loses_to_the_heuristic():
+    fast1 = TileConfig(128, 256, 64, 8, 8, 4)  # GEMM1's best at height 128
+    fast2 = TileConfig(128, 128, 128, 8, 4, 3)  # GEMM2's best given fast1
+    wrong = (TileConfig(64, 64, 128, 8, 4, 3), HEURISTIC[1])  # tried at height 64, GEMM2 at the heuristic's
+
+    def times(pair):
+        g1, g2 = pair
+        t = 10.0
+        t -= 3.0 if g1 == fast1 else 0.0
+        t -= 2.0 if g2 == fast2 else 0.0
+        if pair == wrong:
+            t = 0.1  # the fastest of all, but computes something else
+        return t * 1e-6
+
+    e = _search(times, wrong=(wrong,), fails=((TileConfig(64, 256, 128, 8, 8, 4), HEURISTIC[1]),))
+    assert (e.gemm1, e.gemm2) == (fast1, fast2)
+    assert e.us == pytest.approx(5.0) and e.heuristic_us == pytest.approx(10.0)
+    assert e.rejected == {"wrong output": 1, "OutOfResources": 1}
+    assert e.tried == 1 + 2 * 24 * len(block_heights(256))
+    table = e.as_table_entry()
+    assert TileConfig.from_dict(table["gemm1"]) == fast1 and table["us"] == 5.0
+
+
+def test_search_budget_and_candidate_cap():
+    flat = lambda pair: 1e-5  # noqa: E731 - nothing beats the heuristic
+    only = _search(flat, budget_s=0.0)
+    assert only.tried == 1 and (only.gemm1, only.gemm2) == HEURISTIC and only.us == only.heuristic_us
+    capped = _search(flat, max_candidates=2)
+    assert capped.tried == 1 + 2 * 2 * len(block_heights(256))
+
+
+def test_search_refuses_a_problem_whose_heuristic_fails():
+    from triton.runtime.errors import OutOfResources
+
+    with pytest.raises(OutOfResources):
+        _search(lambda pair: math.inf, fails=(HEURISTIC,))
+
+
+@pytest.mark.skipif(not interpreting(), reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
+def test_the_tuner_writes_a_table_select_configs_reads(tmp_path, capsys):
+    from moehal.kernels import triton_fused_moe as k
+    from moehal.kernels.tune_fused_moe import main
+
+    out = tmp_path / "table.json"
+    argv = ["--shapes", "tiny", "--tokens", "4", "--max-candidates", "1", "--settle-s", "0", "--reps", "1"]
+    assert main([*argv, "--device", "cpu", "--out", str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert table["_meta"]["device"].startswith("cpu")
+    key = k.table_key(8, 128, 64, "fp32")  # the tiny shape; fp32 on the CPU (the interpreter's bf16 dot is wrong)
+    entry = table[key]["4"]
+    assert entry["tried"] == 1 + 2 * len(block_heights(4 * 2 / 8)) and entry["us"] <= entry["heuristic_us"]
+    k.register_tuned_configs("Tuned test GPU", {key: table[key]})
+    g1, g2 = k.select_configs(4, 8, 128, 64, 2, "none", "fp32", "Tuned test GPU")
+    assert g1 == k._fit(TileConfig.from_dict(entry["gemm1"]), 64, 128, "none")
+    assert g2 == k._fit(TileConfig.from_dict(entry["gemm2"]), 128, 64, "none")
+    assert "wrote" in capsys.readouterr().err

@@ -189,7 +189,7 @@ def select_configs(
 
 
 # ----------------------------------------------------------------------------------------------
-# moe_align_block_size (torch, sync-free)
+# moe_align_block_size (Triton, sync-free; its torch-op reference below)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -210,7 +210,77 @@ def moe_align_block_size(
       expert_ids int32 `[ceil(len/block_m)]`: the expert of each M block, -1 past the end;
       num_tokens_post_padded int32 `[1]`: length of the live prefix (a multiple of block_m).
     Slots of non-local experts appear nowhere. No host synchronization; stable in slot order.
+
+    Two or three launches: the permute's per-expert positions (`expert_positions`), then one
+    kernel that places each slot, fills the padding and labels the blocks. Equal, element for
+    element, to `moe_align_block_size_torch` (about twenty small torch ops).
     """
+    from moehal.kernels.triton_permute import expert_positions
+
+    s, e = topk_ids.numel(), num_experts
+    if s == 0 or e == 0:
+        return moe_align_block_size_torch(topk_ids, block_m, num_experts)
+    dev = topk_ids.device
+    length, nblocks = align_sizes(s, e, block_m)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    slot_pos, counts = expert_positions(ids, e)
+    sorted_ids = torch.empty(length, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(nblocks, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    e_p = next_power_of_2(e)
+    block = max(16, min(1024, 4096 // e_p))  # a [block, E] comparison per program
+    slot_programs = cdiv(s, block)
+    _align_finish[(slot_programs + cdiv(length, block),)](
+        ids, slot_pos, counts, sorted_ids, expert_ids, num_post, s, length, e, slot_programs,
+        BLOCK_M=block_m, E_P=e_p, BLOCK=block,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, num_post
+
+
+@triton.jit
+def _align_finish(
+    ids_ptr, slot_pos_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, S, L, E, slot_programs,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Programs [0, slot_programs) write each local slot at its expert's segment start plus
+    its position; the others each take BLOCK positions of the sorted array, write the pad
+    value S where no slot goes, and label the M block that starts at each multiple of BLOCK_M
+    with its expert (-1 past the live prefix). Disjoint writes: no ordering between programs."""
+    pid = tl.program_id(0)
+    ce = tl.arange(0, E_P)
+    cnt = tl.load(counts_ptr + ce, mask=ce < E, other=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    if pid < slot_programs:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < S
+        ex = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32)
+        local = inb & (ex >= 0) & (ex < E)
+        pos = tl.load(slot_pos_ptr + offs, mask=local, other=0)
+        seg = tl.sum(tl.where(ce[None, :] == ex[:, None], starts[None, :], 0), axis=1)
+        tl.store(sorted_ptr + seg + pos, offs.to(tl.int32), mask=local)
+    else:
+        p = (pid - slot_programs) * BLOCK + tl.arange(0, BLOCK)
+        inb = p < L
+        # the expert whose padded segment holds position p: how many segments end at or before it
+        owner = tl.sum(((ends[None, :] <= p[:, None]) & (ce[None, :] < E)).to(tl.int32), axis=1)
+        seg = tl.sum(tl.where(ce[None, :] == owner[:, None], starts[None, :], 0), axis=1)
+        live = tl.sum(tl.where(ce[None, :] == owner[:, None], cnt[None, :], 0), axis=1)
+        pad = (owner >= E) | (p - seg >= live)
+        tl.store(sorted_ptr + p, tl.zeros_like(p) + S, mask=inb & pad)
+        first = inb & (p % BLOCK_M == 0)
+        tl.store(expert_ids_ptr + p // BLOCK_M, tl.where(owner < E, owner, -1), mask=first)
+        if pid == slot_programs:
+            tl.store(num_post_ptr, tl.sum(padded, axis=0))
+
+
+def moe_align_block_size_torch(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align_block_size` in torch ops: its reference (and the path for zero slots or experts)."""
     dev = topk_ids.device
     s = topk_ids.numel()
     e = num_experts

@@ -558,6 +558,39 @@ def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
     return ScatterTile(block_s, min(8 * block_h, cdiv(h, block_h) * block_h))
 
 
+def expert_positions(
+    ids: torch.Tensor, num_local_experts: int, expert_start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For flat expert ids `[S]` (contiguous), on the device and without a host sync:
+    slot_pos int32 `[max(S, 1)]`, each local slot's position among its expert's slots (stable in
+    slot order; other slots' entries are left unwritten), and counts int32 `[E]`, the local
+    experts' slot counts. Ids outside [expert_start, expert_start + E) belong to no expert."""
+    s, e, dev = ids.numel(), num_local_experts, ids.device
+    counts = torch.empty(e, dtype=torch.int32, device=dev)
+    slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+    # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
+    # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
+    # scan steps per expert)
+    chunk = min(POSITION_CHUNK, max(256, next_power_of_2(s)))
+    n_chunks = cdiv(s, chunk)
+    chunk_counts = counts
+    if n_chunks > 1:
+        chunk_counts = torch.empty(e * n_chunks, dtype=torch.int32, device=dev)
+        _expert_chunk_counts[(e, n_chunks)](ids, chunk_counts, s, expert_start, n_chunks, CHUNK=chunk)
+    _expert_positions[(e, n_chunks)](
+        ids,
+        slot_pos,
+        counts,
+        chunk_counts,
+        s,
+        expert_start,
+        n_chunks,
+        CHUNK=chunk,
+        C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1,
+    )
+    return slot_pos, counts
+
+
 def permute(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -584,31 +617,13 @@ def permute(
     if x.stride(-1) != 1:
         x = x.contiguous()
     quant = dest.scales is not None
-    counts = torch.empty(e, dtype=torch.int32, device=dev)
-    slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
-    if not fused_pos:
-        # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
-        # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
-        # scan steps per expert)
-        chunk = min(POSITION_CHUNK, max(256, next_power_of_2(s)))
-        n_chunks = cdiv(s, chunk)
-        chunk_counts = counts
-        if n_chunks > 1:
-            chunk_counts = torch.empty(e * n_chunks, dtype=torch.int32, device=dev)
-            _expert_chunk_counts[(e, n_chunks)](ids, chunk_counts, s, expert_start, n_chunks, CHUNK=chunk)
-        _expert_positions[(e, n_chunks)](
-            ids,
-            slot_pos,
-            counts,
-            chunk_counts,
-            s,
-            expert_start,
-            n_chunks,
-            CHUNK=chunk,
-            C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1,
-        )
+    if fused_pos:  # the scatter kernel's programs compare the slot ids themselves
+        counts = torch.empty(e, dtype=torch.int32, device=dev)
+        slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+    else:
+        slot_pos, counts = expert_positions(ids, e, expert_start)
     out = dest.hidden
     if masked:
         max_m = out.shape[1]

@@ -30,12 +30,13 @@ def routing(draw):
     return ids, e, block
 
 
+@needs_triton
 @settings(max_examples=150, deadline=None)
 @given(routing())
 def test_align_invariants(case):
     ids, e, block = case
     k = _kernel()
-    sorted_ids, expert_ids, num_post = k.moe_align_block_size(ids, block, e)
+    sorted_ids, expert_ids, num_post = (r.cpu() for r in k.moe_align_block_size(ids.to(DEVICE), block, e))
     t, top_k = ids.shape
     s = t * top_k
     length, nblocks = k.align_sizes(s, e, block)
@@ -68,6 +69,33 @@ def test_align_invariants(case):
     # experts appear in ascending order over the live blocks
     live_experts = expert_ids[: n // block].tolist()
     assert live_experts == sorted(live_experts)
+
+
+@needs_triton
+@settings(max_examples=80, deadline=None)
+@given(routing())
+def test_align_kernels_equal_the_torch_ops(case):
+    """The Triton align (positions, then one placing kernel) against its torch-op reference,
+    element for element: remote ids, empty experts, block 1, and zero tokens included."""
+    ids, e, block = case
+    k = _kernel()
+    got = k.moe_align_block_size(ids.to(DEVICE), block, e)
+    want = k.moe_align_block_size_torch(ids, block, e)
+    for g, w, name in zip(got, want, ("sorted_ids", "expert_ids", "num_post")):
+        assert g.dtype == w.dtype and torch.equal(g.cpu(), w), name
+
+
+@needs_triton
+def test_align_kernels_at_prefill_size():
+    """Several position chunks (a counts pass first) and 128 experts, as at Qwen3-30B-A3B prefill."""
+    k = _kernel()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.rand(1024, 128, generator=gen).argsort(dim=1)[:, :8].to(torch.int32)
+    ids[::7, 0] = -1  # a few remote slots
+    for block in (16, 64, 128):
+        got = k.moe_align_block_size(ids.to(DEVICE), block, 128)
+        want = k.moe_align_block_size_torch(ids, block, 128)
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), block
 
 
 @needs_triton

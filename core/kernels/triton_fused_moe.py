@@ -544,7 +544,8 @@ def _group_quant_fp8_kernel(
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.maximum(amax, 1e-12) / QMAX
+    # div_rn: Triton's `/` is approximate on GPUs; the scale is the reference's, bit for bit.
+    scale = tl.div_rn(tl.maximum(amax, 1e-12), QMAX)
     if UE8M0:
         scale = tl.exp2(tl.ceil(tl.log2(scale)))
     q = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)

@@ -77,11 +77,12 @@ def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
     instead of one per element, and no min/max per element (the quantizing scatter kept the
     ALU pipe busier than it kept memory: docs/device-runs/2026-11-23-session8). |v| <= amax,
     so q exceeds 448 by rounding only, and the cast to e4m3 rounds that back to 448.
-    Triton's fp32 division is approximate on the GPU anyway, so neither form is bitwise
-    torch's; the GPU tests bound the difference to rare one-step flips. Interpreted
+    The scale is exact (div_rn); q is not bitwise torch's on the GPU, and the GPU tests bound
+    the difference to rare one-step flips. Interpreted
     (EXACT_ROUND): the reference's division and clamp, bit for bit."""
     amax = tl.max(tl.abs(v), axis=1)
-    sc = tl.maximum(amax, 1e-12) / 448.0
+    # div_rn (IEEE, once per group): the scale is the reference's bit for bit on the GPU too.
+    sc = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
     if UE8M0:
         sc = tl.exp2(tl.ceil(tl.log2(sc)))
     if EXACT_ROUND:

@@ -12,9 +12,11 @@ AMD GPU, where no table ships. Vendors and users tune on their own hardware with
 How: for each shape (`moehal.bench.SHAPES`) and token count, on the benchmark's routing
 (`moehal.bench.bench_inputs`), the whole fused forward is timed as `moehal bench` times a row
 (`moehal.bench.time_call`: after `SETTLE_S` of the same work, CUDA-graph replays on a GPU).
-Per tile height (BLOCK_M, which both GEMMs share), GEMM1's tile is searched with GEMM2's at
-the heuristic's, then GEMM2's with GEMM1's at the best found. The heuristic pair is the first
-candidate, so an entry is never slower than the heuristic, and the JSON keeps both times.
+The heuristic pair is the first candidate, so an entry is never slower than the heuristic (the
+JSON keeps both times); seeds (`--seed`, or `--seed-config` with another engine's shipped
+config file) come next. Then per tile height (BLOCK_M, which both GEMMs share), GEMM1's tile
+is searched with GEMM2's at the heuristic's, then GEMM2's with GEMM1's at the best found; the
+time budget is shared out over the heights, so a short one still reaches the tall tiles.
 Every candidate's output is compared with the heuristic's: a tile that computes something else
 (or fails to compile or launch) is rejected and counted, never chosen.
 
@@ -102,16 +104,21 @@ def tune_entry(
     budget_s: float = math.inf,
     max_candidates: int | None = None,
     on_candidate: Callable[[], None] | None = None,
+    seeds: Sequence[tuple[TileConfig, TileConfig]] = (),
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Entry:
     """Search (GEMM1, GEMM2) tiles for one problem.
 
     run(configs) runs the forward with these tiles and returns its output; time_fn(fn) returns
-    seconds per call of `fn`. The search stops trying new candidates after `budget_s` seconds
-    (or `max_candidates` per GEMM and height) and keeps the best found so far.
+    seconds per call of `fn`. `seeds` (e.g. another engine's shipped tiles) are measured right
+    after the heuristic. The budget (`budget_s` seconds) is shared out over the tile heights,
+    what one height leaves unused going to the next, half of a height's share to each GEMM's
+    search: a short budget still looks at every height, not only the first. `max_candidates`
+    caps the candidates per GEMM and height. The best pair found so far is kept.
     """
     from triton.runtime.errors import TritonError  # compile errors, PTXAS, out of shared memory
 
-    t0 = time.perf_counter()
+    t0 = clock()
     ref = run(heuristic)  # outside the catch below: a problem that fails here is the caller's to see
     tol = _TOLERANCE[quant]
     tried = 0
@@ -134,19 +141,28 @@ def tune_entry(
 
     best, best_t = heuristic, measure(heuristic)
     heuristic_t = best_t
-    for bm in block_heights(rows_per_expert):
+    for seed in seeds:
+        if seed != heuristic and clock() - t0 <= budget_s:
+            t = measure(seed)
+            if t < best_t:
+                best, best_t = seed, t
+    heights = block_heights(rows_per_expert)
+    for j, bm in enumerate(heights):
+        start = clock()
+        share = (t0 + budget_s - start) / (len(heights) - j)
+        g1_end, g2_end = start + share / 2, start + share
         g1_base, g2_base = _at_height(heuristic, bm)
         cands = gemm_candidates(bm, rows_per_expert, is_rocm)[:max_candidates]
         g1_best, t1 = g1_base, math.inf
         for g1 in cands:  # GEMM1's tile, GEMM2 at the heuristic's tile of this height
-            if time.perf_counter() - t0 > budget_s:
+            if clock() > g1_end:
                 break
             t = measure((g1, g2_base))
             if t < t1:
                 g1_best, t1 = g1, t
         pair, t_pair = (g1_best, g2_base), t1
         for g2 in cands:  # then GEMM2's, GEMM1 at the best found
-            if time.perf_counter() - t0 > budget_s:
+            if clock() > g2_end:
                 break
             t = measure((g1_best, g2))
             if t < t_pair:
@@ -154,6 +170,23 @@ def tune_entry(
         if t_pair < best_t:
             best, best_t = pair, t_pair
     return Entry(best[0], best[1], best_t * 1e6, heuristic_t * 1e6, tried, rejected)
+
+
+def nearest_tile(config: dict[str, Any], tokens: int) -> TileConfig:
+    """The tile a vLLM / SGLang fused-MoE config file (token count -> tile) gives `tokens`:
+    the entry at the nearest token count, as those engines pick it."""
+    counts = [k for k in config if k.isdigit()]
+    if not counts:
+        raise ValueError("not a fused-MoE config: no token-count keys")
+    return TileConfig.from_dict(config[min(counts, key=lambda k: abs(int(k) - tokens))])
+
+
+def parse_tile(text: str) -> TileConfig:
+    """'BLOCK_M,BLOCK_N,BLOCK_K,GROUP_M,num_warps,num_stages' (the last three optional)."""
+    parts = [int(p) for p in text.split(",")]
+    if not 3 <= len(parts) <= 6:
+        raise ValueError(f"a tile is 3 to 6 comma-separated integers, got {text!r}")
+    return TileConfig(*parts)
 
 
 def _at_height(pair: tuple[TileConfig, TileConfig], block_m: int) -> tuple[TileConfig, TileConfig]:
@@ -209,8 +242,14 @@ def tune(
     settle_s: float | None = None,
     max_candidates: int | None = None,
     progress: Any = None,
+    seed_tiles: Sequence[TileConfig] = (),
+    seed_configs: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Tune every (shape, token count); returns the table (`select_configs`' format)."""
+    """Tune every (shape, token count); returns the table (`select_configs`' format).
+
+    seed_tiles: tiles tried first for both GEMMs. seed_configs: vLLM / SGLang fused-MoE config
+    files (token count -> tile), whose tile at the nearest token count, as those engines pick
+    it, is tried first for both GEMMs (their convention without a `_down` file)."""
     from moehal.bench import SETTLE_S, time_call
     from moehal.graphs import capture
     from moehal.kernels import triton_fused_moe as k
@@ -238,10 +277,15 @@ def tune(
             task, advance = None, None
             if progress is not None:
                 heights = block_heights(rows)
-                total = 1 + 2 * sum(len(gemm_candidates(bm, rows, is_rocm)[:max_candidates]) for bm in heights)
+                per_height = [len(gemm_candidates(bm, rows, is_rocm)[:max_candidates]) for bm in heights]
+                total = 1 + len(seed_tiles) + len(seed_configs) + 2 * sum(per_height)
                 task = progress.add_task(f"{shape} {quant_name} T={t}", total=total)
                 advance = lambda task=task: progress.advance(task)  # noqa: E731
-            entry = tune_entry(run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance)
+            tiles = [*seed_tiles, *(nearest_tile(sc, t) for sc in seed_configs)]
+            seeds = [(k._fit(c, i, h, kquant), k._fit(c, h, i, kquant)) for c in tiles]
+            entry = tune_entry(
+                run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance, seeds
+            )  # fmt: skip
             if task is not None:
                 progress.remove_task(task)
             table.setdefault(key, {})[str(t)] = entry.as_table_entry()
@@ -278,6 +322,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=None, help=f"warm-up per timing (default {SETTLE_S})")
     ap.add_argument("--max-candidates", type=int, default=None, help="per GEMM and tile height (smoke tests)")
     ap.add_argument("--out", default=None, help="JSON to write (merged into if it exists)")
+    ap.add_argument(
+        "--seed", action="append", default=[], type=parse_tile, metavar="BM,BN,BK[,GM,W,S]",
+        help="a tile tried first for both GEMMs (repeatable)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--seed-config", action="append", default=[], type=Path, metavar="JSON",
+        help="a vLLM / SGLang fused-MoE config file: its tile for each token count is tried first",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     console = Console(stderr=True)
@@ -292,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = tune(
             args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.quant, dev,
             args.budget_s, args.reps, settle, args.max_candidates, progress,
+            args.seed, [json.loads(p.read_text()) for p in args.seed_config],
         )  # fmt: skip
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     out = Path(args.out or f"triton_fused_moe.{device_slug(name)}.json")

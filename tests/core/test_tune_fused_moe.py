@@ -10,7 +10,7 @@ import pytest
 import torch
 from moehal.kernels.host import interpreting
 from moehal.kernels.tiles import TileConfig
-from moehal.kernels.tune_fused_moe import block_heights, gemm_candidates, tune_entry
+from moehal.kernels.tune_fused_moe import block_heights, gemm_candidates, nearest_tile, parse_tile, tune_entry
 
 HEURISTIC = (TileConfig(64, 64, 64, 8, 4, 3), TileConfig(64, 128, 64, 8, 8, 3))
 
@@ -75,6 +75,52 @@ def test_search_budget_and_candidate_cap():
     assert capped.tried == 1 + 2 * 2 * len(block_heights(256))
 
 
+def test_a_short_budget_is_shared_over_every_tile_height():
+    """Each measurement takes one (fake) second: 13 s for 3 heights gives each height 4 s (2 per
+    GEMM), so every height gets candidates, where a first-come budget spent all on height 32."""
+    clock = {"now": 0.0}
+    seen = []
+
+    def times(pair):
+        clock["now"] += 1.0
+        seen.append(pair)
+        return 1e-5
+
+    e = _search(times, budget_s=13.0, clock=lambda: clock["now"])
+    heights = {p[0].block_m for p in seen[1:]}
+    assert heights == set(block_heights(256)) and e.tried == len(seen) < 1 + 2 * 24 * 3
+
+
+def test_seeds_are_tried_first_and_can_win():
+    seed = (TileConfig(128, 256, 64, 1, 8, 4), TileConfig(128, 256, 64, 1, 8, 4))  # not among the candidates
+    order = []
+
+    def times(pair):
+        order.append(pair)
+        return (1.0 if pair == seed else 10.0) * 1e-6
+
+    e = _search(times, seeds=[seed, HEURISTIC], budget_s=math.inf)
+    assert order[:2] == [HEURISTIC, seed]  # the heuristic again as a seed is not measured twice
+    assert (e.gemm1, e.gemm2) == seed and e.us == pytest.approx(1.0)
+
+
+def test_seed_tiles_from_text_and_from_an_engine_config():
+    assert parse_tile("128,256,64") == TileConfig(128, 256, 64)
+    assert parse_tile("64,128,64,16,8,4") == TileConfig(64, 128, 64, 16, 8, 4)
+    with pytest.raises(ValueError):
+        parse_tile("64,128")
+
+    def sgl(m, n, k, g, w, st):
+        blocks = {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k, "GROUP_SIZE_M": g}
+        return {**blocks, "num_warps": w, "num_stages": st}
+
+    sglang = {"16": sgl(16, 128, 128, 1, 8, 5), "1024": sgl(64, 128, 64, 1, 4, 3)}  # SGLang / vLLM spelling
+    assert nearest_tile(sglang, 100) == TileConfig(16, 128, 128, 1, 8, 5)
+    assert nearest_tile(sglang, 4096) == TileConfig(64, 128, 64, 1, 4, 3)
+    with pytest.raises(ValueError, match="no token-count keys"):
+        nearest_tile({"_meta": {}}, 16)
+
+
 def test_search_refuses_a_problem_whose_heuristic_fails():
     from triton.runtime.errors import OutOfResources
 
@@ -100,3 +146,11 @@ def test_the_tuner_writes_a_table_select_configs_reads(tmp_path, capsys):
     assert g1 == k._fit(TileConfig.from_dict(entry["gemm1"]), 64, 128, "none")
     assert g2 == k._fit(TileConfig.from_dict(entry["gemm2"]), 128, 64, "none")
     assert "wrote" in capsys.readouterr().err
+
+    # Seeds (a tile, and an engine's config file) are measured before the search.
+    cfg_file = tmp_path / "E=8,N=64.json"
+    cfg_file.write_text(json.dumps({"4": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32}}))
+    seeded = ["--seed", "16,64,64,1,4,1", "--seed-config", str(cfg_file)]
+    assert main([*argv, *seeded, "--device", "cpu", "--out", str(tmp_path / "seeded.json")]) == 0
+    entry = json.loads((tmp_path / "seeded.json").read_text())[key]["4"]
+    assert entry["tried"] == 3 + 2 * len(block_heights(4 * 2 / 8))

@@ -154,3 +154,26 @@ def test_the_tuner_writes_a_table_select_configs_reads(tmp_path, capsys):
     assert main([*argv, *seeded, "--device", "cpu", "--out", str(tmp_path / "seeded.json")]) == 0
     entry = json.loads((tmp_path / "seeded.json").read_text())[key]["4"]
     assert entry["tried"] == 3 + 2 * len(block_heights(4 * 2 / 8))
+
+
+def test_shipped_tables_are_tuner_output_select_configs_reads():
+    """Every `triton_fused_moe.<device>.json` in the package: written by the tuner on that
+    device (its `_meta`), each entry no slower than the heuristic it was measured against, and
+    each read by `select_configs` for that device's name."""
+    from pathlib import Path
+
+    from moehal.kernels import triton_fused_moe as k
+
+    tables = sorted(Path(k.__file__).parent.glob("triton_fused_moe.*.json"))
+    assert tables, "the H100 table ships with the package"
+    for path in tables:
+        table = json.loads(path.read_text())
+        device = table.pop("_meta")["device"]
+        assert path.name == f"triton_fused_moe.{k.device_slug(device)}.json"
+        for key, rows in table.items():
+            e, h, i = (int(part.split("=")[1]) for part in key.split(",")[:3])
+            for tokens, entry in rows.items():
+                assert entry["us"] <= entry["heuristic_us"], (path.name, key, tokens)
+                want = k._fit(TileConfig.from_dict(entry["gemm1"]), i, h, "none")
+                got = k.select_configs(int(tokens), e, h, i, 8, "none", key.split("dtype=")[1], device)
+                assert got[0] == want, (path.name, key, tokens)

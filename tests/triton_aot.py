@@ -29,7 +29,10 @@ TARGETS = {  # name -> (backend, arch, warp size, the binary that must come out)
 
 def _type_name(value: Any) -> str:
     import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if isinstance(value, TensorDescriptor):  # a host-side TMA descriptor: dtype and block shape
+        return f"tensordesc<{_type_name(value.base)[1:]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         names = {
             torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
@@ -99,7 +102,13 @@ def compile_for(
             raise RuntimeError(f"{fn.fn.__name__} {consts} {opts} does not compile for {target_name}: {exc}") from exc
         if binary not in out.asm:
             raise RuntimeError(f"{fn.fn.__name__}: no {binary} for {target_name}")
-        done.append(fn.fn.__name__)
+        name = fn.fn.__name__
+        if any(v.startswith("tensordesc") for v in sig.values()):
+            # A host-side descriptor argument: on NVIDIA it must have become TMA copies.
+            if backend == "cuda" and "cp.async.bulk.tensor" not in out.asm["ptx"]:
+                raise RuntimeError(f"{name} {consts}: a tensor descriptor, but no TMA copy in the PTX")
+            name += "[tensordesc]"
+        done.append(name)
     return done
 
 

@@ -23,9 +23,12 @@ class TileConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # Weight tiles by TMA (Hopper's tensor memory accelerator): read by the fused-MoE kernel
+    # only, where the GPU and the weights allow it (`triton_fused_moe.tma_weights_ok`).
+    tma: bool = False
 
     def as_dict(self) -> dict[str, int]:
-        return {
+        d = {
             "BLOCK_M": self.block_m,
             "BLOCK_N": self.block_n,
             "BLOCK_K": self.block_k,
@@ -33,10 +36,14 @@ class TileConfig:
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
+        if self.tma:
+            d["USE_TMA"] = 1  # SGLang's spelling: written only when set, so older tables read the same
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, int]) -> TileConfig:
-        """From either spelling; vLLM-style configs default to 2 stages (as vLLM does)."""
+        """From either spelling; vLLM-style configs default to 2 stages (as vLLM does). SGLang's
+        `USE_TMA` (weight tiles by TMA) is read in both."""
         vllm = "BLOCK_SIZE_M" in d
         key = (lambda s: f"BLOCK_SIZE_{s}") if vllm else (lambda s: f"BLOCK_{s}")
         return cls(
@@ -46,6 +53,7 @@ class TileConfig:
             int(d.get("GROUP_SIZE_M" if vllm else "GROUP_M", 1)),
             int(d.get("num_warps", 4)),
             int(d.get("num_stages", 2 if vllm else 3)),
+            bool(d.get("USE_TMA", False)),
         )
 
     def fits(self, n: int, k: int, fp8: bool) -> bool:

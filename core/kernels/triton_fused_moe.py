@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -125,7 +125,7 @@ def _fit(cfg: TileConfig, n: int, k: int, quant: str) -> TileConfig:
     bk = max(16, min(cfg.block_k, next_power_of_2(k)))
     if quant == "fp8_block":
         bk = min(bk, GROUP)  # a K tile must not straddle two 128-wide scale groups
-    return TileConfig(cfg.block_m, bn, bk, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return replace(cfg, block_n=bn, block_k=bk)
 
 
 def heuristic_configs(
@@ -184,7 +184,7 @@ def select_configs(
     if g1 is None or g2 is None:
         g1, g2 = heuristic_configs(m, e, h, i, top_k, quant, is_rocm)
     if g2.block_m != g1.block_m:
-        g2 = TileConfig(g1.block_m, g2.block_n, g2.block_k, g2.group_m, g2.num_warps, g2.num_stages)
+        g2 = replace(g2, block_m=g1.block_m)
     return _fit(g1, i, h, quant), _fit(g2, h, i, quant)
 
 
@@ -361,6 +361,7 @@ def _fused_moe_kernel(
     a_ptr,
     a_scale_ptr,
     b_ptr,
+    b_desc,  # B_TMA: a TensorDescriptor of b, blocks [1, BLOCK_N, BLOCK_K]; else unused
     b_scale_ptr,
     bias_ptr,
     c_ptr,
@@ -401,6 +402,7 @@ def _fused_moe_kernel(
     ACT: tl.constexpr,
     QUANT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    B_TMA: tl.constexpr,  # weight tiles by TMA (Hopper)
     UPCAST: tl.constexpr,  # interpreter only: fp32 dot operands (BF16 tl.dot is wrong there)
     IEEE: tl.constexpr,  # fp32 layers: full-precision dot (no TF32)
     FIX_BF16: tl.constexpr,  # interpreter only: see `_to`
@@ -447,9 +449,18 @@ def _fused_moe_kernel(
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
-        bg = tl.load(bg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if GATED:
-            bu = tl.load(bu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if B_TMA:
+            # Rows past the tensor's end read as zeros; gate rows past N read up rows, into
+            # output columns that are never stored.
+            n0 = pid_n * BLOCK_N
+            bg = b_desc.load([expert.to(tl.int32), n0, kb * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).trans()
+            if GATED:
+                bu = b_desc.load([expert.to(tl.int32), n0 + up_offset, kb * BLOCK_K])
+                bu = bu.reshape(BLOCK_N, BLOCK_K).trans()
+        else:
+            bg = tl.load(bg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if GATED:
+                bu = tl.load(bu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             if QUANT != 2:
                 a = a.to(tl.float32)
@@ -696,6 +707,34 @@ class TritonMoEWeights:
         return self.w13.dtype
 
 
+def tma_weights_ok(b: torch.Tensor, cfg: TileConfig) -> bool:
+    """Whether weights `[E, N, K]` can be read by TMA with this tile: an NVIDIA GPU of SM90 or
+    newer (or the interpreter, which emulates descriptors), a Triton with host-side tensor
+    descriptors, the last dim contiguous, the other strides and the base 16-byte aligned, and
+    blocks of at most 256 per dim and at least 16 bytes along K (the TMA box limits). Where
+    not, a TMA tile runs with pointer loads: the same result, only the load path differs."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    if b.dim() != 3 or b.stride(2) != 1 or cfg.block_n > 256 or cfg.block_k > 256:
+        return False
+    size = b.element_size()
+    if (b.stride(0) * size) % 16 or (b.stride(1) * size) % 16 or b.data_ptr() % 16 or cfg.block_k * size < 16:
+        return False
+    if b.device.type == "cpu":
+        return interpreting()
+    return b.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(b.device)[0] >= 9
+
+
+def _weight_descriptor(b: torch.Tensor, cfg: TileConfig) -> Any:
+    """The TMA descriptor of weights `[E, N, K]` for `[1, BLOCK_N, BLOCK_K]` tiles (a small host
+    object; its CUtensorMap is encoded at launch and, in a CUDA graph, kept by the graph)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(b, list(b.shape), list(b.stride()), [1, cfg.block_n, cfg.block_k])
+
+
 def _launch_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -732,10 +771,12 @@ def _launch_gemm(
         bse = bsn = bsk = 0
     bias_t = bias if bias is not None else dummy
     bie, bin_ = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    b_tma = cfg.tma and tma_weights_ok(b, cfg)
     _fused_moe_kernel[grid](
         a,
         a_s,
         b,
+        _weight_descriptor(b, cfg) if b_tma else dummy,
         b_s,
         bias_t,
         c,
@@ -776,6 +817,7 @@ def _launch_gemm(
         ACT=act,
         QUANT=quant,
         HAS_BIAS=bias is not None,
+        B_TMA=b_tma,
         UPCAST=INTERPRETED,
         IEEE=a.dtype == torch.float32,
         FIX_BF16=INTERPRETED,

@@ -32,7 +32,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +61,19 @@ def block_heights(rows_per_expert: float) -> tuple[int, ...]:
     return (64, 128)
 
 
-def gemm_candidates(block_m: int, rows_per_expert: float, is_rocm: bool) -> list[TileConfig]:
-    """One GEMM's tiles at height `block_m` (`select_configs` clamps them to the problem)."""
+def gemm_candidates(block_m: int, rows_per_expert: float, is_rocm: bool, tma: bool = False) -> list[TileConfig]:
+    """One GEMM's tiles at height `block_m` (`select_configs` clamps them to the problem);
+    with `tma` (a GPU whose weights TMA can read) each also with its weight tiles by TMA."""
     group_m = 1 if rows_per_expert <= 16 else 8  # grouped order pays where M tiles share weights
     pairs = _WARPS_STAGES_ROCM if is_rocm else _WARPS_STAGES_NV
-    return [TileConfig(block_m, bn, bk, group_m, w, s) for bn in _BLOCK_N for bk in _BLOCK_K for w, s in pairs]
+    loads = (False, True) if tma else (False,)
+    return [
+        TileConfig(block_m, bn, bk, group_m, w, s, t)
+        for bn in _BLOCK_N
+        for bk in _BLOCK_K
+        for w, s in pairs
+        for t in loads
+    ]
 
 
 @dataclass
@@ -106,6 +114,7 @@ def tune_entry(
     on_candidate: Callable[[], None] | None = None,
     seeds: Sequence[tuple[TileConfig, TileConfig]] = (),
     clock: Callable[[], float] = time.perf_counter,
+    tma: bool = False,
 ) -> Entry:
     """Search (GEMM1, GEMM2) tiles for one problem.
 
@@ -152,7 +161,7 @@ def tune_entry(
         share = (t0 + budget_s - start) / (len(heights) - j)
         g1_end, g2_end = start + share / 2, start + share
         g1_base, g2_base = _at_height(heuristic, bm)
-        cands = gemm_candidates(bm, rows_per_expert, is_rocm)[:max_candidates]
+        cands = gemm_candidates(bm, rows_per_expert, is_rocm, tma)[:max_candidates]
         g1_best, t1 = g1_base, math.inf
         for g1 in cands:  # GEMM1's tile, GEMM2 at the heuristic's tile of this height
             if clock() > g1_end:
@@ -192,8 +201,8 @@ def parse_tile(text: str) -> TileConfig:
 def _at_height(pair: tuple[TileConfig, TileConfig], block_m: int) -> tuple[TileConfig, TileConfig]:
     g1, g2 = pair
     return (
-        TileConfig(block_m, g1.block_n, g1.block_k, g1.group_m, g1.num_warps, g1.num_stages),
-        TileConfig(block_m, g2.block_n, g2.block_k, g2.group_m, g2.num_warps, g2.num_stages),
+        replace(g1, block_m=block_m),
+        replace(g2, block_m=block_m),
     )
 
 
@@ -274,17 +283,19 @@ def tune(
             key = k.table_key(e, h, i, dname if kquant == "none" else kquant)  # as `select_configs` looks up
             run = _runner(k, x, ids, wts, w, cfg, kquant, is_rocm)
             rows = t * cfg.top_k / e
+            # TMA weight loads are candidates where this GPU and these weights allow them.
+            tma = dev.type == "cuda" and k.tma_weights_ok(w.w13, heuristic[0]) and k.tma_weights_ok(w.w2, heuristic[1])
             task, advance = None, None
             if progress is not None:
                 heights = block_heights(rows)
-                per_height = [len(gemm_candidates(bm, rows, is_rocm)[:max_candidates]) for bm in heights]
+                per_height = [len(gemm_candidates(bm, rows, is_rocm, tma)[:max_candidates]) for bm in heights]
                 total = 1 + len(seed_tiles) + len(seed_configs) + 2 * sum(per_height)
                 task = progress.add_task(f"{shape} {quant_name} T={t}", total=total)
                 advance = lambda task=task: progress.advance(task)  # noqa: E731
             tiles = [*seed_tiles, *(nearest_tile(sc, t) for sc in seed_configs)]
             seeds = [(k._fit(c, i, h, kquant), k._fit(c, h, i, kquant)) for c in tiles]
             entry = tune_entry(
-                run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance, seeds
+                run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance, seeds, tma=tma
             )  # fmt: skip
             if task is not None:
                 progress.remove_task(task)

@@ -39,6 +39,31 @@ def _fused_moe_calls(fp8_dtype: torch.dtype, is_rocm: bool) -> None:
 
 def drive_nvidia() -> None:
     _fused_moe_calls(torch.float8_e4m3fn, is_rocm=False)
+    _tma_calls()
+
+
+def _tma_calls() -> None:
+    """The fused MoE with its weight tiles by TMA (SM90), bf16 and fp8: the host-side check
+    says no on this GPU-less machine, so it is told yes (what it answers on an H100)."""
+    from dataclasses import replace
+
+    from moehal.kernels import triton_fused_moe as k
+    from moehal.kernels.tiles import TileConfig
+
+    k.tma_weights_ok = lambda b, cfg: True
+    e, h, i, top_k, t = 16, 512, 256, 4, 512
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    ids = torch.randint(0, e, (t, top_k), generator=g, dtype=torch.int32)
+    wts = torch.rand(t, top_k, generator=g)
+    tiles = (TileConfig(128, 64, 64, 8, 8, 3, True), TileConfig(128, 128, 64, 8, 4, 3, True))
+    k.fused_moe(x, ids, wts, k.TritonMoEWeights(w13.bfloat16(), w2.bfloat16()), configs=tiles)
+    fp8 = k.TritonMoEWeights(
+        w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn), "fp8_block",
+        torch.ones(e, 2 * i // 128, h // 128), torch.ones(e, h // 128, i // 128),
+    )  # fmt: skip
+    k.fused_moe(x, ids, wts, fp8, configs=tuple(replace(c, block_k=128) for c in tiles))
 
 
 def drive_amd() -> None:
@@ -56,3 +81,5 @@ def test_portable_kernels_compile(tmp_path, drive, target):
     compiled = set(line[2:])
     assert {"_fused_moe_kernel", "_align_finish", "_expert_positions", "_moe_sum_kernel"} <= compiled, report
     assert {"_group_quant_fp8_kernel", "_token_quant_int8_kernel"} <= compiled, report
+    if target == "sm90":  # the weight tiles by TMA, compiled to TMA copies
+        assert "_fused_moe_kernel[tensordesc]" in compiled, report

@@ -19,6 +19,10 @@ The algorithm is the one vLLM and SGLang use (written afresh here):
    (MUL_ROUTED_WEIGHT) and plus the w2 bias.
 5. `_moe_sum_kernel`: sum over k of the weighted rows, skipping slots of non-local experts.
 
+Weight tiles can be read by TMA (a tile's `tma`, SGLang's `USE_TMA`) on SM90 and newer, through
+a host-side tensor descriptor of the `[E, N, K]` weights; elsewhere the same tile uses pointer
+loads. Only a tuned table turns it on (the heuristic never does).
+
 Quantization: bf16/fp16/fp32 (fp32 accumulate); fp8 block scale (weights 128x128 blocks,
 activations 1x128 groups, quantized here); int8 W8A8 (per-channel weight scale, dynamic
 per-token activation scale, int32 accumulate).
@@ -724,7 +728,13 @@ def tma_weights_ok(b: torch.Tensor, cfg: TileConfig) -> bool:
         return False
     if b.device.type == "cpu":
         return interpreting()
-    return b.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(b.device)[0] >= 9
+    return b.device.type == "cuda" and torch.version.hip is None and _cuda_major(b.device.index) >= 9
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_major(index: int | None) -> int:
+    """The compute capability's major version (asked once per device: a launch asks it)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _weight_descriptor(b: torch.Tensor, cfg: TileConfig) -> Any:

@@ -5,7 +5,7 @@
 # package ships), that table installed, and `cuda` vs `cuda.triton` vs SGLang benched.
 # At most 8 files land in $OUT.
 #   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_triton_prefill.sh
-#   env: TESTS, FIRST, TOKENS (1024,4096), TUNE_BUDGET (s per entry, 100)
+#   env: TESTS, FIRST (no file: start empty), SEED=0 (no seed), TOKENS (1024,4096), TUNE_BUDGET (s per entry, 100)
 set -u
 source tools/device_setup.sh
 record_env
@@ -18,9 +18,11 @@ slug=$(python3 -c "import torch; from moehal.hardware import device_slug; print(
 table="triton_fused_moe.$slug.json"
 first=${FIRST:-$repo/core/kernels/$table}
 [ -f "$first" ] && cp "$first" "$OUT/$table"
-sgl=$(ls /tmp/site/sglang/srt/layers/moe/moe_runner/triton_utils/configs/triton_3_7_1/"E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3.json")
+seed=()  # SGLang's shipped config for this shape and GPU, unless SEED=0
+sgl=/tmp/site/sglang/srt/layers/moe/moe_runner/triton_utils/configs/triton_3_7_1/"E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3.json"
+[ "${SEED:-1}" = 1 ] && [ -f "$sgl" ] && seed=(--seed-config "$sgl")
 step tune "${TUNE_LIMIT:-260}" python3 -m moehal.kernels.tune_fused_moe --shapes qwen3_30b_a3b \
-  --tokens "${TOKENS:-1024,4096}" --quant bf16 --budget-s "${TUNE_BUDGET:-100}" --seed-config "$sgl" --out "$OUT/$table"
+  --tokens "${TOKENS:-1024,4096}" --quant bf16 --budget-s "${TUNE_BUDGET:-100}" "${seed[@]}" --out "$OUT/$table"
 [ -f "$OUT/$table" ] && cp "$OUT/$table" /tmp/site/moehal/kernels/
 step bench "${BENCH_LIMIT:-100}" python3 "$repo/tools/sglang_peer.py" bench --shapes qwen3_30b_a3b \
   --tokens "${TOKENS:-1024,4096}" --quant bf16 --backends cuda,cuda.triton,sglang --reps 20 --out "$OUT/bench"

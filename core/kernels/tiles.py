@@ -15,6 +15,15 @@ from moehal.kernels.host import next_power_of_2
 FP8_GROUP = 128  # FP8 block-scale group along K
 
 
+def nearest_count(table: dict[str, object], tokens: int) -> str:
+    """The key of a table keyed by token count (other keys, such as `_meta`, are skipped)
+    nearest to `tokens`: how vLLM and SGLang pick a fused-MoE config, and so do we."""
+    counts = [k for k in table if k.isdigit()]
+    if not counts:
+        raise ValueError("no token-count keys")
+    return min(counts, key=lambda k: abs(int(k) - tokens))
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 from moehal.hardware import device_slug
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
-from moehal.kernels.tiles import TileConfig
+from moehal.kernels.tiles import TileConfig, nearest_count
 
 # ----------------------------------------------------------------------------------------------
 # Environment and capabilities
@@ -182,7 +182,7 @@ def select_configs(
     if device_name:
         entry = _file_table(device_slug(device_name)).get(table_key(e, h, i, key_dtype))
         if entry:
-            best = min(entry, key=lambda k: abs(int(k) - m))
+            best = nearest_count(entry, m)
             g1 = TileConfig.from_dict(entry[best]["gemm1"])
             g2 = TileConfig.from_dict(entry[best].get("gemm2", entry[best]["gemm1"]))
     if g1 is None or g2 is None:

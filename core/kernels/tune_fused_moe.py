@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from moehal.kernels.tiles import TileConfig
+from moehal.kernels.tiles import TileConfig, nearest_count
 
 # The GEMMs' candidate tiles, per tile height: N and K blocks, then (warps, stages) pairs.
 _BLOCK_N = (64, 128, 256)
@@ -184,10 +184,7 @@ def tune_entry(
 def nearest_tile(config: dict[str, Any], tokens: int) -> TileConfig:
     """The tile a vLLM / SGLang fused-MoE config file (token count -> tile) gives `tokens`:
     the entry at the nearest token count, as those engines pick it."""
-    counts = [k for k in config if k.isdigit()]
-    if not counts:
-        raise ValueError("not a fused-MoE config: no token-count keys")
-    return TileConfig.from_dict(config[min(counts, key=lambda k: abs(int(k) - tokens))])
+    return TileConfig.from_dict(config[nearest_count(config, tokens)])
 
 
 def parse_tile(text: str) -> TileConfig:

@@ -14,9 +14,10 @@ How: for each shape (`moehal.bench.SHAPES`) and token count, on the benchmark's 
 (`moehal.bench.time_call`: after `SETTLE_S` of the same work, CUDA-graph replays on a GPU).
 The heuristic pair is the first candidate, so an entry is never slower than the heuristic (the
 JSON keeps both times); seeds (`--seed`, or `--seed-config` with another engine's shipped
-config file) come next. Then per tile height (BLOCK_M, which both GEMMs share), GEMM1's tile
-is searched with GEMM2's at the heuristic's, then GEMM2's with GEMM1's at the best found; the
-time budget is shared out over the heights, so a short one still reaches the tall tiles.
+config file, its tiles translated to this kernel's convention by `EngineConfig.seed`) come
+next. Then per tile height (BLOCK_M, which both GEMMs share), GEMM1's tile is searched with
+GEMM2's at the heuristic's, then GEMM2's with GEMM1's at the best found; the time budget is
+shared out over the heights, so a short one still reaches the tall tiles.
 Every candidate's output is compared with the heuristic's: a tile that computes something else
 (or fails to compile or launch) is rejected and counted, never chosen.
 
@@ -187,6 +188,31 @@ def nearest_tile(config: dict[str, Any], tokens: int) -> TileConfig:
     return TileConfig.from_dict(config[nearest_count(config, tokens)])
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """Another engine's fused-MoE config files for one shape, as seeds: `up` for GEMM1 and
+    `down` (SGLang's `..._down.json`, absent in vLLM) for GEMM2, where given; else `up` for both."""
+
+    up: dict[str, Any]
+    down: dict[str, Any] | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> EngineConfig:
+        """`path` and, where it exists beside it, its `<stem>_down.json` (SGLang's convention)."""
+        down = path.with_name(f"{path.stem}_down{path.suffix}")
+        return cls(json.loads(path.read_text()), json.loads(down.read_text()) if down.is_file() else None)
+
+    def seed(self, tokens: int, gated: bool) -> tuple[TileConfig, TileConfig]:
+        """(GEMM1, GEMM2) tiles in this kernel's convention. vLLM's and SGLang's GEMM1 writes the
+        `[rows, 2I]` gate-and-up product, one N tile spanning both halves' columns; ours holds
+        the gate and the up tile side by side (two accumulators, activation in the epilogue),
+        so their N tile of a gated GEMM1 is our `BLOCK_N / 2` (same registers, same shared memory)."""
+        g1 = nearest_tile(self.up, tokens)
+        if gated:
+            g1 = replace(g1, block_n=max(16, g1.block_n // 2))
+        return g1, nearest_tile(self.down if self.down is not None else self.up, tokens)
+
+
 def parse_tile(text: str) -> TileConfig:
     """'BLOCK_M,BLOCK_N,BLOCK_K,GROUP_M,num_warps,num_stages' (the last three optional)."""
     parts = [int(p) for p in text.split(",")]
@@ -249,13 +275,14 @@ def tune(
     max_candidates: int | None = None,
     progress: Any = None,
     seed_tiles: Sequence[TileConfig] = (),
-    seed_configs: Sequence[dict[str, Any]] = (),
+    seed_configs: Sequence[EngineConfig] = (),
 ) -> dict[str, Any]:
     """Tune every (shape, token count); returns the table (`select_configs`' format).
 
-    seed_tiles: tiles tried first for both GEMMs. seed_configs: vLLM / SGLang fused-MoE config
-    files (token count -> tile), whose tile at the nearest token count, as those engines pick
-    it, is tried first for both GEMMs (their convention without a `_down` file)."""
+    seed_tiles: tiles tried first for both GEMMs, in this kernel's convention (a gated GEMM1's
+    `BLOCK_N` counts the columns of one half). seed_configs: vLLM / SGLang fused-MoE configs,
+    whose tiles at the nearest token count, as those engines pick them, are tried first
+    (translated by `EngineConfig.seed`)."""
     from moehal.bench import SETTLE_S, time_call
     from moehal.graphs import capture
     from moehal.kernels import triton_fused_moe as k
@@ -289,8 +316,8 @@ def tune(
                 total = 1 + len(seed_tiles) + len(seed_configs) + 2 * sum(per_height)
                 task = progress.add_task(f"{shape} {quant_name} T={t}", total=total)
                 advance = lambda task=task: progress.advance(task)  # noqa: E731
-            tiles = [*seed_tiles, *(nearest_tile(sc, t) for sc in seed_configs)]
-            seeds = [(k._fit(c, i, h, kquant), k._fit(c, h, i, kquant)) for c in tiles]
+            pairs = [*((c, c) for c in seed_tiles), *(sc.seed(t, cfg.gated) for sc in seed_configs)]
+            seeds = [(k._fit(g1, i, h, kquant), k._fit(g2, h, i, kquant)) for g1, g2 in pairs]
             entry = tune_entry(
                 run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance, seeds, tma=tma
             )  # fmt: skip
@@ -332,11 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON to write (merged into if it exists)")
     ap.add_argument(
         "--seed", action="append", default=[], type=parse_tile, metavar="BM,BN,BK[,GM,W,S]",
-        help="a tile tried first for both GEMMs (repeatable)",
+        help="a tile tried first for both GEMMs (repeatable; a gated GEMM1's BN counts one half's columns)",
     )  # fmt: skip
     ap.add_argument(
         "--seed-config", action="append", default=[], type=Path, metavar="JSON",
-        help="a vLLM / SGLang fused-MoE config file: its tile for each token count is tried first",
+        help="a vLLM / SGLang fused-MoE config file (and its SGLang '_down' twin beside it, for GEMM2): "
+        "its tiles for each token count are tried first",
     )  # fmt: skip
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -352,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = tune(
             args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.quant, dev,
             args.budget_s, args.reps, settle, args.max_candidates, progress,
-            args.seed, [json.loads(p.read_text()) for p in args.seed_config],
+            args.seed, [EngineConfig.load(p) for p in args.seed_config],
         )  # fmt: skip
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     out = Path(args.out or f"triton_fused_moe.{device_slug(name)}.json")

@@ -121,6 +121,28 @@ def test_seed_tiles_from_text_and_from_an_engine_config():
         nearest_tile({"_meta": {}}, 16)
 
 
+def test_engine_configs_translate_to_this_kernels_tiles(tmp_path):
+    """SGLang's / vLLM's GEMM1 N tile spans gate and up columns; ours counts one half (two
+    accumulators side by side), so a gated seed halves it. SGLang's `_down` file seeds GEMM2."""
+    from moehal.kernels.tune_fused_moe import EngineConfig
+
+    def sgl(n, tma=False):
+        tile = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 64, "num_warps": 8, "num_stages": 4}
+        return {"4096": {**tile, "USE_TMA": True} if tma else tile}
+
+    up = tmp_path / "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3.json"
+    up.write_text(json.dumps(sgl(256)))
+    alone = EngineConfig.load(up)
+    assert alone.down is None
+    g1, g2 = alone.seed(4096, gated=True)
+    assert (g1.block_n, g2.block_n) == (128, 256)  # 256 columns of [gate | up] = 128 of each
+    assert alone.seed(4096, gated=False)[0].block_n == 256
+    (tmp_path / f"{up.stem}_down.json").write_text(json.dumps(sgl(128, tma=True)))
+    both = EngineConfig.load(up)
+    g1, g2 = both.seed(3000, gated=True)
+    assert g1 == TileConfig(128, 128, 64, 1, 8, 4) and g2 == TileConfig(128, 128, 64, 1, 8, 4, True)
+
+
 def test_search_refuses_a_problem_whose_heuristic_fails():
     from triton.runtime.errors import OutOfResources
 

@@ -116,6 +116,7 @@ def tune_entry(
     seeds: Sequence[tuple[TileConfig, TileConfig]] = (),
     clock: Callable[[], float] = time.perf_counter,
     tma: bool = False,
+    log: Callable[[tuple[TileConfig, TileConfig], float, str | None], None] | None = None,
 ) -> Entry:
     """Search (GEMM1, GEMM2) tiles for one problem.
 
@@ -124,7 +125,8 @@ def tune_entry(
     after the heuristic. The budget (`budget_s` seconds) is shared out over the tile heights,
     what one height leaves unused going to the next, half of a height's share to each GEMM's
     search: a short budget still looks at every height, not only the first. `max_candidates`
-    caps the candidates per GEMM and height. The best pair found so far is kept.
+    caps the candidates per GEMM and height. The best pair found so far is kept. `log(pair,
+    seconds, why)` hears every candidate: its time, or inf and why it was rejected.
     """
     from triton.runtime.errors import TritonError  # compile errors, PTXAS, out of shared memory
 
@@ -139,15 +141,19 @@ def tune_entry(
         tried += 1
         if on_candidate is not None:
             on_candidate()
+        why = None
         try:
             y = run(pair)
+            if _rel_err(y, ref) > tol:
+                why = "wrong output"
         except TritonError as exc:  # a tile that does not compile or fit on this GPU
-            rejected[type(exc).__name__] = rejected.get(type(exc).__name__, 0) + 1
-            return math.inf
-        if _rel_err(y, ref) > tol:
-            rejected["wrong output"] = rejected.get("wrong output", 0) + 1
-            return math.inf
-        return time_fn(lambda: run(pair))
+            why = type(exc).__name__
+        t = math.inf if why else time_fn(lambda: run(pair))
+        if why:
+            rejected[why] = rejected.get(why, 0) + 1
+        if log is not None:
+            log(pair, t, why)
+        return t
 
     best, best_t = heuristic, measure(heuristic)
     heuristic_t = best_t
@@ -276,13 +282,15 @@ def tune(
     progress: Any = None,
     seed_tiles: Sequence[TileConfig] = (),
     seed_configs: Sequence[EngineConfig] = (),
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     """Tune every (shape, token count); returns the table (`select_configs`' format).
 
     seed_tiles: tiles tried first for both GEMMs, in this kernel's convention (a gated GEMM1's
     `BLOCK_N` counts the columns of one half). seed_configs: vLLM / SGLang fused-MoE configs,
     whose tiles at the nearest token count, as those engines pick them, are tried first
-    (translated by `EngineConfig.seed`)."""
+    (translated by `EngineConfig.seed`). trace: a JSON-lines file that gets one line per
+    candidate (shape, tokens, both tiles, its microseconds or why it was rejected)."""
     from moehal.bench import SETTLE_S, time_call
     from moehal.graphs import capture
     from moehal.kernels import triton_fused_moe as k
@@ -318,13 +326,34 @@ def tune(
                 advance = lambda task=task: progress.advance(task)  # noqa: E731
             pairs = [*((c, c) for c in seed_tiles), *(sc.seed(t, cfg.gated) for sc in seed_configs)]
             seeds = [(k._fit(g1, i, h, kquant), k._fit(g2, h, i, kquant)) for g1, g2 in pairs]
+            log = _trace_logger(trace, shape, t) if trace is not None else None
             entry = tune_entry(
-                run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance, seeds, tma=tma
+                run, heuristic, rows, time_fn, kquant, is_rocm, budget_s, max_candidates, advance, seeds, tma=tma,
+                log=log,
             )  # fmt: skip
             if task is not None:
                 progress.remove_task(task)
             table.setdefault(key, {})[str(t)] = entry.as_table_entry()
     return table
+
+
+def _trace_logger(
+    path: Path, shape: str, tokens: int
+) -> Callable[[tuple[TileConfig, TileConfig], float, str | None], None]:
+    """`tune_entry`'s `log`, appending one JSON line per candidate to `path`."""
+
+    def log(pair: tuple[TileConfig, TileConfig], secs: float, why: str | None) -> None:
+        line: dict[str, Any] = {
+            "shape": shape,
+            "tokens": tokens,
+            "gemm1": pair[0].as_dict(),
+            "gemm2": pair[1].as_dict(),
+        }
+        line.update({"us": round(secs * 1e6, 2)} if why is None else {"rejected": why})
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    return log
 
 
 def _meta(dev: torch.device, settle_s: float) -> dict[str, Any]:
@@ -357,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=None, help=f"warm-up per timing (default {SETTLE_S})")
     ap.add_argument("--max-candidates", type=int, default=None, help="per GEMM and tile height (smoke tests)")
     ap.add_argument("--out", default=None, help="JSON to write (merged into if it exists)")
+    ap.add_argument("--trace", type=Path, default=None, help="JSON lines: every candidate's time (appended)")
     ap.add_argument(
         "--seed", action="append", default=[], type=parse_tile, metavar="BM,BN,BK[,GM,W,S]",
         help="a tile tried first for both GEMMs (repeatable; a gated GEMM1's BN counts one half's columns)",
@@ -380,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = tune(
             args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.quant, dev,
             args.budget_s, args.reps, settle, args.max_candidates, progress,
-            args.seed, [EngineConfig.load(p) for p in args.seed_config],
+            args.seed, [EngineConfig.load(p) for p in args.seed_config], args.trace,
         )  # fmt: skip
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     out = Path(args.out or f"triton_fused_moe.{device_slug(name)}.json")

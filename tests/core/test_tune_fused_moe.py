@@ -172,10 +172,16 @@ def test_the_tuner_writes_a_table_select_configs_reads(tmp_path, capsys):
     # Seeds (a tile, and an engine's config file) are measured before the search.
     cfg_file = tmp_path / "E=8,N=64.json"
     cfg_file.write_text(json.dumps({"4": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32}}))
-    seeded = ["--seed", "16,64,64,1,4,1", "--seed-config", str(cfg_file)]
+    seeded = ["--seed", "16,64,64,1,4,1", "--seed-config", str(cfg_file), "--trace", str(tmp_path / "trace.jsonl")]
     assert main([*argv, *seeded, "--device", "cpu", "--out", str(tmp_path / "seeded.json")]) == 0
     entry = json.loads((tmp_path / "seeded.json").read_text())[key]["4"]
     assert entry["tried"] == 3 + 2 * len(block_heights(4 * 2 / 8))
+    # The trace has every candidate, in order: the heuristic, then the seeds (the engine's
+    # GEMM1 N tile halved: the tiny shape is gated), each with a time or a reason.
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert len(lines) == entry["tried"] and all(("us" in x) != ("rejected" in x) for x in lines)
+    assert lines[1]["gemm1"]["BLOCK_N"] == 64 and lines[2]["gemm1"]["BLOCK_N"] == 16
+    assert lines[2]["gemm2"]["BLOCK_N"] == 32 and lines[0]["tokens"] == 4
 
 
 def test_shipped_tables_are_tuner_output_select_configs_reads():

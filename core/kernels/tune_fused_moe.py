@@ -15,9 +15,10 @@ How: for each shape (`moehal.bench.SHAPES`) and token count, on the benchmark's 
 The heuristic pair is the first candidate, so an entry is never slower than the heuristic (the
 JSON keeps both times); seeds (`--seed`, or `--seed-config` with another engine's shipped
 config file, its tiles translated to this kernel's convention by `EngineConfig.seed`) come
-next. Then per tile height (BLOCK_M, which both GEMMs share), GEMM1's tile is searched with
-GEMM2's at the heuristic's, then GEMM2's with GEMM1's at the best found; the time budget is
-shared out over the heights, so a short one still reaches the tall tiles.
+next, and a seed that beats the heuristic is refined one setting at a time. Then per tile
+height (BLOCK_M, which both GEMMs share), GEMM1's tile is searched with GEMM2's at the
+heuristic's, then GEMM2's with GEMM1's at the best found; the time budget is shared out over
+the heights, so a short one still reaches the tall tiles.
 Every candidate's output is compared with the heuristic's: a tile that computes something else
 (or fails to compile or launch) is rejected and counted, never chosen.
 
@@ -77,6 +78,25 @@ def gemm_candidates(block_m: int, rows_per_expert: float, is_rocm: bool, tma: bo
     ]
 
 
+def neighbours(
+    pair: tuple[TileConfig, TileConfig], is_rocm: bool, tma: bool = False
+) -> list[tuple[TileConfig, TileConfig]]:
+    """The pairs one step from `pair`: one GEMM's tile with one setting changed (its warps and
+    stages to another of the GPU's pairs, its K block, its N block halved or doubled, grouped
+    order on or off, TMA on or off where allowed); the tile height, which both share, is kept."""
+    ws = _WARPS_STAGES_ROCM if is_rocm else _WARPS_STAGES_NV
+    out: list[tuple[TileConfig, TileConfig]] = []
+    for j, c in enumerate(pair):
+        steps = [replace(c, num_warps=w, num_stages=s) for w, s in ws if (w, s) != (c.num_warps, c.num_stages)]
+        steps += [replace(c, block_k=k) for k in _BLOCK_K if k != c.block_k]
+        steps += [replace(c, block_n=n) for n in (c.block_n // 2, c.block_n * 2) if 16 <= n <= max(_BLOCK_N)]
+        steps.append(replace(c, group_m=8 if c.group_m == 1 else 1))
+        if tma or c.tma:
+            steps.append(replace(c, tma=not c.tma))
+        out += [(v, pair[1]) if j == 0 else (pair[0], v) for v in steps]
+    return out
+
+
 @dataclass
 class Entry:
     """One tuned (shape, token count): the table entry and how it was found."""
@@ -124,9 +144,11 @@ def tune_entry(
     seconds per call of `fn`. `seeds` (e.g. another engine's shipped tiles) are measured right
     after the heuristic. The budget (`budget_s` seconds) is shared out over the tile heights,
     what one height leaves unused going to the next, half of a height's share to each GEMM's
-    search: a short budget still looks at every height, not only the first. `max_candidates`
-    caps the candidates per GEMM and height. The best pair found so far is kept. `log(pair,
-    seconds, why)` hears every candidate: its time, or inf and why it was rejected.
+    search: a short budget still looks at every height, not only the first. A seed that beats
+    the heuristic is first refined (`neighbours`, hill-climbing in a third of the budget).
+    `max_candidates` caps the candidates per GEMM and height, and the climb's steps. The best
+    pair found so far is kept. `log(pair, seconds, why)` hears every candidate: its time, or
+    inf and why it was rejected.
     """
     from triton.runtime.errors import TritonError  # compile errors, PTXAS, out of shared memory
 
@@ -162,6 +184,23 @@ def tune_entry(
             t = measure(seed)
             if t < best_t:
                 best, best_t = seed, t
+    if best != heuristic:
+        # A seed won. Other engines' tiles lie off this search's grid (their grouping, their N
+        # blocks), so the sweep below would not look near it: climb from it one setting at a
+        # time, within the first third of the budget.
+        seen, improved, steps = {heuristic, *seeds}, True, 0
+        while improved:
+            improved = False
+            for pair in neighbours(best, is_rocm, tma):
+                if clock() - t0 > budget_s / 3 or (max_candidates is not None and steps >= max_candidates):
+                    break
+                if pair in seen:
+                    continue
+                seen.add(pair)
+                steps += 1
+                t = measure(pair)
+                if t < best_t:
+                    best, best_t, improved = pair, t, True
     heights = block_heights(rows_per_expert)
     for j, bm in enumerate(heights):
         start = clock()
@@ -322,6 +361,7 @@ def tune(
                 heights = block_heights(rows)
                 per_height = [len(gemm_candidates(bm, rows, is_rocm, tma)[:max_candidates]) for bm in heights]
                 total = 1 + len(seed_tiles) + len(seed_configs) + 2 * sum(per_height)
+                total += len(neighbours(heuristic, is_rocm, tma)) if seed_tiles or seed_configs else 0  # one climb step
                 task = progress.add_task(f"{shape} {quant_name} T={t}", total=total)
                 advance = lambda task=task: progress.advance(task)  # noqa: E731
             pairs = [*((c, c) for c in seed_tiles), *(sc.seed(t, cfg.gated) for sc in seed_configs)]

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from moehal.kernels.host import interpreting
 from moehal.kernels.tiles import TileConfig
-from moehal.kernels.tune_fused_moe import block_heights, gemm_candidates, nearest_tile, parse_tile, tune_entry
+from moehal.kernels.tune_fused_moe import (
+    block_heights,
+    gemm_candidates,
+    nearest_tile,
+    neighbours,
+    parse_tile,
+    tune_entry,
+)
 
 HEURISTIC = (TileConfig(64, 64, 64, 8, 4, 3), TileConfig(64, 128, 64, 8, 8, 3))
 
@@ -104,6 +112,41 @@ def test_seeds_are_tried_first_and_can_win():
     assert (e.gemm1, e.gemm2) == seed and e.us == pytest.approx(1.0)
 
 
+def test_neighbours_change_one_setting_of_one_gemm():
+    pair = (TileConfig(128, 128, 64, 1, 8, 4), TileConfig(128, 256, 64, 1, 8, 4, True))
+    near = neighbours(pair, is_rocm=False, tma=True)
+    assert len(set(near)) == len(near) and pair not in near
+    for g1, g2 in near:
+        changed = [(a, b) for a, b in zip(pair, (g1, g2)) if a != b]
+        assert len(changed) == 1  # one GEMM
+        old, new = changed[0]
+        assert new.block_m == old.block_m  # the height both GEMMs share is kept
+        fields = ("block_n", "block_k", "group_m", "tma")
+        diff = [f for f in fields if getattr(old, f) != getattr(new, f)]
+        warps_stages = (old.num_warps, old.num_stages) != (new.num_warps, new.num_stages)
+        assert len(diff) + warps_stages == 1
+    # GEMM2's N block 256 only halves (256 is the largest tried); without TMA allowed, TMA only turns off
+    assert (pair[0], TileConfig(128, 128, 64, 1, 8, 4, True)) in near
+    assert (pair[0], TileConfig(128, 512, 64, 1, 8, 4, True)) not in near
+    plain = neighbours(pair, is_rocm=False, tma=False)
+    assert (pair[0], replace(pair[1], tma=False)) in plain and (replace(pair[0], tma=True), pair[1]) not in plain
+    assert {(c.num_warps, c.num_stages) for p in neighbours(pair, is_rocm=True) for c in p} >= {(4, 2), (8, 2)}
+
+
+def test_a_winning_seed_is_refined_one_step_at_a_time():
+    """The seed beats the heuristic; two steps from it (GEMM1 with 3 stages, then GEMM2 grouped)
+    is faster still, and the climb gets there before the height sweep."""
+    seed = (TileConfig(128, 128, 64, 1, 8, 4), TileConfig(128, 256, 64, 1, 8, 4))
+    step1 = (replace(seed[0], num_stages=3), seed[1])
+    step2 = (step1[0], replace(seed[1], group_m=8))
+    times = {seed: 5.0, step1: 4.0, step2: 3.0}
+    e = _search(lambda pair: times.get(pair, 10.0) * 1e-6, seeds=[seed])
+    assert (e.gemm1, e.gemm2) == step2 and e.us == pytest.approx(3.0)
+    # no seed win, no climb: the same search as without seeds, plus the seed
+    flat = _search(lambda pair: 10e-6, seeds=[seed])
+    assert flat.tried == 2 + 2 * 24 * len(block_heights(256))
+
+
 def test_seed_tiles_from_text_and_from_an_engine_config():
     assert parse_tile("128,256,64") == TileConfig(128, 256, 64)
     assert parse_tile("64,128,64,16,8,4") == TileConfig(64, 128, 64, 16, 8, 4)
@@ -175,7 +218,8 @@ def test_the_tuner_writes_a_table_select_configs_reads(tmp_path, capsys):
     seeded = ["--seed", "16,64,64,1,4,1", "--seed-config", str(cfg_file), "--trace", str(tmp_path / "trace.jsonl")]
     assert main([*argv, *seeded, "--device", "cpu", "--out", str(tmp_path / "seeded.json")]) == 0
     entry = json.loads((tmp_path / "seeded.json").read_text())[key]["4"]
-    assert entry["tried"] == 3 + 2 * len(block_heights(4 * 2 / 8))
+    climbed = entry["tried"] - (3 + 2 * len(block_heights(4 * 2 / 8)))
+    assert climbed in (0, 1)  # one climb step at most (--max-candidates 1), if a seed won
     # The trace has every candidate, in order: the heuristic, then the seeds (the engine's
     # GEMM1 N tile halved: the tiny shape is gated), each with a time or a reason.
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]

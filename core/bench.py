@@ -280,6 +280,7 @@ def bench_one(
     registry: moehal.Registry,
     breakdown: bool = False,
     sampler: ClockSampler | None = None,
+    settle_s: float = SETTLE_S,
 ) -> Row:
     w13, w2, weights = _weights(shape, cfg, quant, dev)
     h = cfg.hidden_size
@@ -327,10 +328,10 @@ def bench_one(
     if dev.type == "cuda" and capturable:
         fn, timing = _graphed(fn), "graph"
     t0 = time.time()
-    t = time_call(fn, dev, reps, per_sample=GRAPH_REPLAYS_PER_SAMPLE if timing == "graph" else 1)
+    t = time_call(fn, dev, reps, warmup_s=settle_s, per_sample=GRAPH_REPLAYS_PER_SAMPLE if timing == "graph" else 1)
     # the clocks from the second half of the settling on: a decode row's samples alone are
     # shorter than the sampling period
-    mhz, watts = sampler.medians(t0 + SETTLE_S / 2, time.time()) if sampler is not None else (math.nan, math.nan)
+    mhz, watts = sampler.medians(t0 + settle_s / 2, time.time()) if sampler is not None else (math.nan, math.nan)
     touched = int(torch.unique(ids).numel())
     wbytes = int(_weight_bytes_per_expert(weights) * touched)
     flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
@@ -429,6 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
     p.add_argument("--device", default=None)
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=SETTLE_S,
+        help="seconds of each row's work back to back before it is timed, so clocks and power settle (an H100 at "
+        "its power cap can still be in its limiter's transient after the default)",
+    )
     p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
     p.add_argument(
@@ -480,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "layer_max_tokens": args.max_tokens or "each row's token count",
-            "settle_s": SETTLE_S,
+            "settle_s": args.settle_s,
             "rows": [asdict(r) for r in rows],
         }
         out.with_suffix(".json").write_text(json.dumps(data, indent=2))
@@ -510,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             registry,
                             args.breakdown,
                             sampler,
+                            args.settle_s,
                         )
                     )
                     save()

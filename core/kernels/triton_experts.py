@@ -67,8 +67,9 @@ def to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.T
 class TritonWeightProcessor(WeightProcessor):
     """Canonical weights -> `moehal.kernels.triton_fused_moe.TritonMoEWeights`.
 
-    The kernel reads the canonical `[E, N, K]` layout as is; this converts fp8 to the
-    hardware's flavour (e4m3fnuz on MI300) and biases to fp32. The CUDA backend registers its
+    The kernel reads the canonical `[E, N, K]` layout; this interleaves an unquantized gated
+    w13's gate and up rows (`pair_gate_up`: one GEMM1 dot per K step instead of two), converts
+    fp8 to the hardware's flavour (e4m3fnuz on MI300) and biases to fp32. The CUDA backend registers its
     own instance (`TritonWeightProcessor(devices=frozenset({'cuda'}))`) so that its Triton
     experts do not depend on this plugin being loaded.
     """
@@ -85,7 +86,7 @@ class TritonWeightProcessor(WeightProcessor):
             self.devices = frozenset(devices)  # type: ignore[misc]
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
-        from moehal.kernels.triton_fused_moe import TritonMoEWeights
+        from moehal.kernels.triton_fused_moe import TritonMoEWeights, pair_gate_up
 
         kind = req.quant.kind
         w13, w2, s13, s2 = weights.w13, weights.w2, weights.w13_scale, weights.w2_scale
@@ -93,8 +94,10 @@ class TritonWeightProcessor(WeightProcessor):
             assert s13 is not None and s2 is not None
             w13, s13 = to_fnuz(w13, s13)
             w2, s2 = to_fnuz(w2, s2)
+        # Unquantized gated w13: gate and up rows interleaved, so GEMM1 runs one dot per K step.
+        paired = kind is QuantKind.BF16 and req.config.gated
         return TritonMoEWeights(
-            w13=w13.contiguous(),
+            w13=pair_gate_up(w13) if paired else w13.contiguous(),
             w2=w2.contiguous(),
             quant=_KERNEL_QUANT[kind],
             w13_scale=_fp32(s13),
@@ -102,6 +105,7 @@ class TritonWeightProcessor(WeightProcessor):
             w13_bias=_fp32(weights.w13_bias),
             w2_bias=_fp32(weights.w2_bias),
             ue8m0=req.quant.scale_format is ScaleFormat.UE8M0,
+            w13_paired=paired,
         )
 
 

@@ -407,6 +407,7 @@ def _fused_moe_kernel(
     QUANT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     B_TMA: tl.constexpr,  # weight tiles by TMA (Hopper)
+    PAIRED: tl.constexpr,  # GEMM1, gated, unquantized, w13 rows interleaved [g0, u0, g1, u1, ...]: one dot
     UPCAST: tl.constexpr,  # interpreter only: fp32 dot operands (BF16 tl.dot is wrong there)
     IEEE: tl.constexpr,  # fp32 layers: full-precision dot (no TF32)
     FIX_BF16: tl.constexpr,  # interpreter only: see `_to`
@@ -436,6 +437,12 @@ def _fused_moe_kernel(
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
     bg_ptrs = b_base + offs_n[None, :] * stride_bn
     bu_ptrs = b_base + (offs_n[None, :] + up_offset) * stride_bn
+    if PAIRED:
+        # 2*BLOCK_N interleaved rows: the gate and up rows of this tile's BLOCK_N columns
+        offs_p = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        p_mask = offs_p < 2 * N
+        bp_ptrs = b_base + offs_p[None, :] * stride_bn
+        acc_p = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
 
     if QUANT == 2:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -453,7 +460,21 @@ def _fused_moe_kernel(
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
-        if B_TMA:
+        if PAIRED:
+            if B_TMA:
+                bp = b_desc.load([expert.to(tl.int32), pid_n * 2 * BLOCK_N, kb * BLOCK_K])
+                bp = bp.reshape(2 * BLOCK_N, BLOCK_K).trans()
+            else:
+                bp = tl.load(bp_ptrs, mask=k_mask[:, None] & p_mask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                bp = bp.to(tl.float32)
+            if IEEE:
+                acc_p += tl.dot(a, bp, input_precision="ieee")
+            else:
+                acc_p += tl.dot(a, bp)
+            bp_ptrs += BLOCK_K * stride_bk
+        elif B_TMA:
             # Rows past the tensor's end read as zeros; gate rows past N read up rows, into
             # output columns that are never stored.
             n0 = pid_n * BLOCK_N
@@ -465,13 +486,15 @@ def _fused_moe_kernel(
             bg = tl.load(bg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if GATED:
                 bu = tl.load(bu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
+        if UPCAST and not PAIRED:
             if QUANT != 2:
                 a = a.to(tl.float32)
                 bg = bg.to(tl.float32)
                 if GATED:
                     bu = bu.to(tl.float32)
-        if QUANT == 2:
+        if PAIRED:
+            pass  # accumulated above
+        elif QUANT == 2:
             acc_g += tl.dot(a, bg, out_dtype=tl.int32)
             if GATED:
                 acc_u += tl.dot(a, bu, out_dtype=tl.int32)
@@ -506,6 +529,9 @@ def _fused_moe_kernel(
             u = acc_u.to(tl.float32) * a_s[:, None] * bs_u[None, :]
         else:
             u = g
+    elif PAIRED:
+        # columns (2j, 2j+1) are (gate j, up j): a thread holds both in its registers
+        g, u = tl.split(tl.reshape(acc_p, (BLOCK_M, BLOCK_N, 2)))
     else:
         g = acc_g
         u = acc_u
@@ -695,7 +721,12 @@ class TritonMoEWeights:
     w2 `[E, H, I]`, i.e. `[E, N, K]` for both GEMMs), fp8 in the hardware's flavour.
 
     quant: 'none' | 'fp8_block' | 'int8'. Scales: fp8_block `[E, ceil(N/128), ceil(K/128)]`,
-    int8 `[E, N]`. Biases in fp32."""
+    int8 `[E, N]`. Biases in fp32.
+
+    w13_paired: w13's rows interleaved, `[g0, u0, g1, u1, ...]` (`pair_gate_up`; unquantized
+    gated weights only, biases stay canonical): GEMM1 then reads one `2*BLOCK_N`-row tile and
+    runs one dot per K step, where the canonical layout takes two (gate, up) that each read
+    the activation tile again."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -705,23 +736,32 @@ class TritonMoEWeights:
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
     ue8m0: bool = False
+    w13_paired: bool = False
 
     @property
     def fp8_dtype(self) -> torch.dtype:
         return self.w13.dtype
 
 
-def tma_weights_ok(b: torch.Tensor, cfg: TileConfig) -> bool:
+def pair_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """Canonical gated w13 `[E, 2I, H]` ([gate; up]) -> rows interleaved `[g0, u0, g1, u1, ...]`
+    (a new tensor): the layout `TritonMoEWeights.w13_paired` names."""
+    e, n2, h = w13.shape
+    return w13.view(e, 2, n2 // 2, h).transpose(1, 2).reshape(e, n2, h).contiguous()
+
+
+def tma_weights_ok(b: torch.Tensor, cfg: TileConfig, paired: bool = False) -> bool:
     """Whether weights `[E, N, K]` can be read by TMA with this tile: an NVIDIA GPU of SM90 or
     newer (or the interpreter, which emulates descriptors), a Triton with host-side tensor
     descriptors, the last dim contiguous, the other strides and the base 16-byte aligned, and
-    blocks of at most 256 per dim and at least 16 bytes along K (the TMA box limits). Where
-    not, a TMA tile runs with pointer loads: the same result, only the load path differs."""
+    blocks of at most 256 per dim and at least 16 bytes along K (the TMA box limits; a paired
+    GEMM1 tile holds `2*BLOCK_N` rows). Where not, a TMA tile runs with pointer loads: the
+    same result, only the load path differs."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
-    if b.dim() != 3 or b.stride(2) != 1 or cfg.block_n > 256 or cfg.block_k > 256:
+    if b.dim() != 3 or b.stride(2) != 1 or cfg.block_n * (2 if paired else 1) > 256 or cfg.block_k > 256:
         return False
     size = b.element_size()
     if (b.stride(0) * size) % 16 or (b.stride(1) * size) % 16 or b.data_ptr() % 16 or cfg.block_k * size < 16:
@@ -737,12 +777,14 @@ def _cuda_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def _weight_descriptor(b: torch.Tensor, cfg: TileConfig) -> Any:
-    """The TMA descriptor of weights `[E, N, K]` for `[1, BLOCK_N, BLOCK_K]` tiles (a small host
-    object; its CUtensorMap is encoded at launch and, in a CUDA graph, kept by the graph)."""
+def _weight_descriptor(b: torch.Tensor, cfg: TileConfig, paired: bool = False) -> Any:
+    """The TMA descriptor of weights `[E, N, K]` for `[1, BLOCK_N, BLOCK_K]` tiles (`2*BLOCK_N`
+    rows when paired; a small host object whose CUtensorMap is encoded at launch and, in a CUDA
+    graph, kept by the graph)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(b, list(b.shape), list(b.stride()), [1, cfg.block_n, cfg.block_k])
+    rows = cfg.block_n * (2 if paired else 1)
+    return TensorDescriptor(b, list(b.shape), list(b.stride()), [1, rows, cfg.block_k])
 
 
 def _launch_gemm(
@@ -766,6 +808,7 @@ def _launch_gemm(
     quant: int,
     alpha: float,
     limit: float,
+    paired: bool = False,
 ) -> None:
     k = a.shape[1]
     em = sorted_ids.shape[0]
@@ -781,12 +824,12 @@ def _launch_gemm(
         bse = bsn = bsk = 0
     bias_t = bias if bias is not None else dummy
     bie, bin_ = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
-    b_tma = cfg.tma and tma_weights_ok(b, cfg)
+    b_tma = cfg.tma and tma_weights_ok(b, cfg, paired)
     _fused_moe_kernel[grid](
         a,
         a_s,
         b,
-        _weight_descriptor(b, cfg) if b_tma else dummy,
+        _weight_descriptor(b, cfg, paired) if b_tma else dummy,
         b_s,
         bias_t,
         c,
@@ -828,6 +871,7 @@ def _launch_gemm(
         QUANT=quant,
         HAS_BIAS=bias is not None,
         B_TMA=b_tma,
+        PAIRED=paired,
         UPCAST=INTERPRETED,
         IEEE=a.dtype == torch.float32,
         FIX_BF16=INTERPRETED,
@@ -886,6 +930,8 @@ def fused_moe(
         dname = _DTYPE_NAMES.get(out_dtype, "bf16")
         configs = select_configs(t, e, h, i, top_k, w.quant, dname, device_name, is_rocm)
     cfg1, cfg2 = configs
+    if w.w13_paired and (w.quant != "none" or not gated or n13 != 2 * i):
+        raise ValueError("w13_paired holds unquantized gated weights only (gate and up rows interleaved)")
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg1.block_m, e)
     s = t * top_k
     if hidden_scales is None:
@@ -898,6 +944,7 @@ def fused_moe(
     _launch_gemm(
         a1, a1_s, w.w13, w.w13_scale, w.w13_bias, inter, None, sorted_ids, expert_ids, num_post, s, i, cfg1,
         top_k=top_k, gated=gated and n13 == 2 * i, act=act, quant=qcode, alpha=swiglu_alpha, limit=swiglu_limit,
+        paired=w.w13_paired,
     )  # fmt: skip
     ids = topk_ids.reshape(-1).to(torch.int32)
     a2, a2_s = _quantize_rows(inter, w, None if all_local else ids)  # rows of remote experts: never written

@@ -355,7 +355,8 @@ def tune(
             run = _runner(k, x, ids, wts, w, cfg, kquant, is_rocm)
             rows = t * cfg.top_k / e
             # TMA weight loads are candidates where this GPU and these weights allow them.
-            tma = dev.type == "cuda" and k.tma_weights_ok(w.w13, heuristic[0]) and k.tma_weights_ok(w.w2, heuristic[1])
+            tma = dev.type == "cuda" and k.tma_weights_ok(w.w13, heuristic[0], w.w13_paired)
+            tma = tma and k.tma_weights_ok(w.w2, heuristic[1])
             task, advance = None, None
             if progress is not None:
                 heights = block_heights(rows)

@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 
 def _fused_moe_calls(fp8_dtype: torch.dtype, is_rocm: bool) -> None:
-    """The fused MoE at a decode and a prefill size, in bf16, fp8 1x128 blocks and int8 W8A8."""
+    """The fused MoE at a decode and a prefill size, in bf16 (canonical and paired w13), fp8 1x128
+    blocks and int8 W8A8."""
     from moehal.kernels import triton_fused_moe as k
 
     e, h, i, top_k = 16, 512, 256, 4
@@ -20,6 +21,7 @@ def _fused_moe_calls(fp8_dtype: torch.dtype, is_rocm: bool) -> None:
     w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
     weights = {
         "bf16": k.TritonMoEWeights(w13.bfloat16(), w2.bfloat16()),
+        "bf16 paired": k.TritonMoEWeights(k.pair_gate_up(w13.bfloat16()), w2.bfloat16(), w13_paired=True),
         "fp8": k.TritonMoEWeights(
             w13.to(fp8_dtype), w2.to(fp8_dtype), "fp8_block",
             torch.ones(e, 2 * i // 128, h // 128), torch.ones(e, h // 128, i // 128),
@@ -50,7 +52,7 @@ def _tma_calls() -> None:
     from moehal.kernels import triton_fused_moe as k
     from moehal.kernels.tiles import TileConfig
 
-    k.tma_weights_ok = lambda b, cfg: True
+    k.tma_weights_ok = lambda *args: True
     e, h, i, top_k, t = 16, 512, 256, 4, 512
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
@@ -59,6 +61,8 @@ def _tma_calls() -> None:
     wts = torch.rand(t, top_k, generator=g)
     tiles = (TileConfig(128, 64, 64, 8, 8, 3, True), TileConfig(128, 128, 64, 8, 4, 3, True))
     k.fused_moe(x, ids, wts, k.TritonMoEWeights(w13.bfloat16(), w2.bfloat16()), configs=tiles)
+    paired = k.TritonMoEWeights(k.pair_gate_up(w13.bfloat16()), w2.bfloat16(), w13_paired=True)
+    k.fused_moe(x, ids, wts, paired, configs=tiles)  # a 2*BLOCK_N-row TMA box
     fp8 = k.TritonMoEWeights(
         w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn), "fp8_block",
         torch.ones(e, 2 * i // 128, h // 128), torch.ones(e, h // 128, i // 128),

@@ -11,9 +11,10 @@ The algorithm is the one vLLM and SGLang use (written afresh here):
    has `T*K + E*(BLOCK_M-1)` entries, the live prefix is `num_tokens_post_padded`.
    Slots of experts that are not local (id -1 in the STANDARD layout) are left out.
 2. `_fused_moe_kernel` (GEMM1): a grouped GEMM over the sorted tiles, A row = slot // top_k,
-   B = w13[expert]. The gate and up halves are computed in the same program (two
-   accumulators) and the activation (silu/gelu gated or not, swiglu_oai) is fused into the
-   epilogue, so the `[T*K, 2I]` intermediate never exists.
+   B = w13[expert]. The gate and up halves are computed in the same program and the activation
+   (silu/gelu gated or not, swiglu_oai) is fused into the epilogue, so the `[T*K, 2I]`
+   intermediate never exists. On paired weights (`pair_gate_up`, unquantized) that is one
+   `[BM, 2*BN]` dot per K step, split in the epilogue; otherwise two accumulators.
 3. Activation quantization for GEMM2 (fp8 1x128 groups or int8 per row), in Triton.
 4. `_fused_moe_kernel` (GEMM2): same kernel, A row = slot, times the router weight
    (MUL_ROUTED_WEIGHT) and plus the w2 bias.

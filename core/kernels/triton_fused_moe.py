@@ -748,7 +748,7 @@ def pair_gate_up(w13: torch.Tensor) -> torch.Tensor:
     """Canonical gated w13 `[E, 2I, H]` ([gate; up]) -> rows interleaved `[g0, u0, g1, u1, ...]`
     (a new tensor): the layout `TritonMoEWeights.w13_paired` names."""
     e, n2, h = w13.shape
-    return w13.view(e, 2, n2 // 2, h).transpose(1, 2).reshape(e, n2, h).contiguous()
+    return w13.reshape(e, 2, n2 // 2, h).transpose(1, 2).reshape(e, n2, h).contiguous()  # any strides in
 
 
 def tma_weights_ok(b: torch.Tensor, cfg: TileConfig, paired: bool = False) -> bool:

@@ -23,6 +23,8 @@ def test_pairing_interleaves_gate_and_up_rows():
     for j in range(i):
         assert torch.equal(p[:, 2 * j], w13[:, j])  # gate row j
         assert torch.equal(p[:, 2 * j + 1], w13[:, i + j])  # up row j
+    strided = w13.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    assert torch.equal(pair_gate_up(strided), p)
 
 
 def _case(gen: torch.Generator, e: int = 4, h: int = 128, i: int = 48, t: int = 9, top_k: int = 2):

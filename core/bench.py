@@ -96,6 +96,12 @@ GRAPH_REPLAYS_PER_SAMPLE = 10
 # timing of a few tens of milliseconds measures boost clocks that no sustained run keeps, and
 # one that straddles the transition depends on what ran before it.
 SETTLE_S = 0.5
+# `moehal bench`'s default for its rows and ceilings: half a second can still end inside the
+# limiter's transient. At Qwen3-30B-A3B 4096 tokens on an H100 it put one path at 1500 MHz and
+# another at 1658 MHz, 9% apart from what 2 s probes of the same paths measured; with 2 s the
+# bench agreed with them within 3% (docs/device-runs/2026-11-23-session12). The tile tuner keeps
+# `SETTLE_S`: it compares candidates, and 2 s each would cut its search by three.
+BENCH_SETTLE_S = 2.0
 
 
 def settle(fn: Callable[[], Any], dev: torch.device, seconds: float = SETTLE_S, batch: int = 10) -> None:
@@ -201,17 +207,17 @@ def _short_kernel_name(name: str) -> str:
     return head[-60:] if head else name[:60]
 
 
-def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
+def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S) -> Ceilings:
     """Copy bandwidth and dense matmul rate, each timed as the rows are (`time_call`: after
-    `SETTLE_S` of the same work, so at the clocks the GPU holds under it)."""
+    `settle_s` of the same work, so at the clocks the GPU holds under it)."""
     big = 1 << 28 if dev.type == "cuda" else 1 << 22  # elements
     src = torch.randn(big, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
-    t = time_call(lambda: dst.copy_(src), dev, reps=20 if dev.type == "cuda" else 5)
+    t = time_call(lambda: dst.copy_(src), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
     copy = 2 * src.numel() * src.element_size() / t
     n = 8192 if dev.type == "cuda" else 512
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3)
+    t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3, warmup_s=settle_s)
     return Ceilings(copy, 2 * n**3 / t, detect(dev).describe())
 
 
@@ -433,9 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--settle-s",
         type=float,
-        default=SETTLE_S,
-        help="seconds of each row's work back to back before it is timed, so clocks and power settle (an H100 at "
-        "its power cap can still be in its limiter's transient after the default)",
+        default=BENCH_SETTLE_S,
+        help="seconds of each row's (and each ceiling's) work back to back before it is timed, so clocks and "
+        "power settle (see moehal.bench.BENCH_SETTLE_S)",
     )
     p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
@@ -454,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = detect(args.device).device
     registry = moehal.discover()
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
-    ceil = measure_ceilings(dev)
+    ceil = measure_ceilings(dev, settle_s=args.settle_s)
     console.print(
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
         f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s (measured now)"

@@ -10,7 +10,7 @@ as a child process for the device by PCI bus id (right under `CUDA_VISIBLE_DEVIC
 there is no NVIDIA GPU or no `nvidia-smi`, `ClockSampler.start` returns None and nothing is
 recorded. The clock is read as it is at each sample. `power.draw` is the driver's reading, which
 on recent boards is averaged over about a second, so a window shorter than that shows power that
-lags the work (a benchmark row's window is at least `SETTLE_S / 2` plus its samples).
+lags the work (a benchmark row's window is at least half its settle time plus its samples).
 """
 
 from __future__ import annotations

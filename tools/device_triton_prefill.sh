@@ -7,7 +7,7 @@
 # (POWER_CASES), and `cuda` vs `cuda.triton` vs SGLang benched. At most 8 files land in $OUT.
 #   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_triton_prefill.sh
 #   env: TESTS, FIRST (no file: start empty), SEED=0 (no seed), TOKENS (tuned, 1024,4096),
-#        TUNE_BUDGET (s per entry, 100), BENCH_TOKENS (TOKENS), BENCH_SETTLE (s, 0.5),
+#        TUNE_BUDGET (s per entry, 100), BENCH_TOKENS (TOKENS), BENCH_SETTLE (s, 2),
 #        POWER_CASES ("qwen3_30b_a3b:4096 ...")
 set -u
 source tools/device_setup.sh
@@ -47,7 +47,7 @@ if [ -n "${POWER_CASES:-}" ]; then
 fi
 step bench "${BENCH_LIMIT:-100}" python3 "$repo/tools/sglang_peer.py" bench --shapes qwen3_30b_a3b \
   --tokens "${BENCH_TOKENS:-${TOKENS:-1024,4096}}" --quant bf16 --backends cuda,cuda.triton,sglang --reps 20 \
-  --settle-s "${BENCH_SETTLE:-0.5}" --out "$OUT/bench"
+  --settle-s "${BENCH_SETTLE:-2}" --out "$OUT/bench"
 rm -f "$OUT/bench.png"
 cat "$OUT/steps.txt"
 [ -f "$OUT/pytest-gpu.log" ] && tail -n 3 "$OUT/pytest-gpu.log"

@@ -251,9 +251,10 @@ class EngineConfig:
 
     def seed(self, tokens: int, gated: bool) -> tuple[TileConfig, TileConfig]:
         """(GEMM1, GEMM2) tiles in this kernel's convention. vLLM's and SGLang's GEMM1 writes the
-        `[rows, 2I]` gate-and-up product, one N tile spanning both halves' columns; ours holds
-        the gate and the up tile side by side (two accumulators, activation in the epilogue),
-        so their N tile of a gated GEMM1 is our `BLOCK_N / 2` (same registers, same shared memory)."""
+        `[rows, 2I]` gate-and-up product, one N tile spanning both halves' columns; ours counts
+        the columns of one half (its gate and up tiles side by side, the activation in the
+        epilogue), so their N tile of a gated GEMM1 is our `BLOCK_N / 2` (same registers, same
+        shared memory)."""
         g1 = nearest_tile(self.up, tokens)
         if gated:
             g1 = replace(g1, block_n=max(16, g1.block_n // 2))

@@ -286,7 +286,7 @@ def bench_one(
     registry: moehal.Registry,
     breakdown: bool = False,
     sampler: ClockSampler | None = None,
-    settle_s: float = SETTLE_S,
+    settle_s: float = BENCH_SETTLE_S,
 ) -> Row:
     w13, w2, weights = _weights(shape, cfg, quant, dev)
     h = cfg.hidden_size

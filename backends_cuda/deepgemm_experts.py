@@ -19,6 +19,7 @@ are; SM100 takes UE8M0 scales packed into int32, which the weight processor prep
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -273,6 +274,24 @@ def small_batch_tokens(num_experts: int, top_k: int, bytes_per_token: int = 0) -
     return max(1, num_experts // (4 * max(top_k, 1)))
 
 
+def portable_prefill_tokens(req: BuildRequest, override: int | None = None) -> int | None:
+    """Batches of at least this many tokens run the portable Triton fused MoE in place of the
+    grouped-GEMM pipeline (bf16 only; None: none). `override` None: this device's table decides
+    (`GemmChooser.portable_prefill_from`: whole-layer measurements per layer shape; on an H100,
+    Qwen3-30B-A3B measured 1.04-1.11x faster that way at 128-4096 tokens in session 12, where
+    DeepGEMM pads each expert's rows to 128-row tiles and the pipeline permutes, activates and
+    combines in passes of their own); 0: never; n > 0: from n tokens."""
+    c = req.config
+    if req.quant.kind is not QuantKind.BF16 or override == 0:
+        return None
+    if override is not None:
+        return override
+    if req.hardware.kind != "cuda":
+        return None
+    chooser = GemmChooser(req.hardware.name)
+    return chooser.portable_prefill_from(c.num_local_experts, c.hidden_size, c.intermediate_size, c.top_k, c.gated)
+
+
 # --- runner ---------------------------------------------------------------------------------------
 
 
@@ -284,8 +303,19 @@ class DeepGemmExpertsRunner(ExpertsRunner):
     # benchmark can compare both; the unfused path is what DeepGEMM GEMM1s always take)
     fuse_gemm1_activation: ClassVar[bool] = True
 
-    def __init__(self, req: BuildRequest, fmt: ActivationFormat, ops: Any, chooser: GemmChooser | None = None) -> None:
+    def __init__(
+        self,
+        req: BuildRequest,
+        fmt: ActivationFormat,
+        ops: Any,
+        chooser: GemmChooser | None = None,
+        small: SmallBatchFormat | None = None,
+    ) -> None:
         self.fmt, self.req, self.config, self.ops = fmt, req, req.config, ops
+        # token-major batches of at least this many tokens are prefill batches (the portable fused MoE)
+        pre = small.prefill_min_tokens if small is not None else None
+        self.prefill_min_tokens = pre if pre is not None else sys.maxsize
+        self._portable: Any = None  # the weights as the portable fused MoE reads them (bf16)
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
@@ -344,10 +374,37 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         token_gemm_combine(act, ids, wts, w.w2, w.w2_bias, out, scaling=c.routed_scaling_factor)
         return StandardOutput(out, scaled=True)
 
+    def _apply_portable(self, inp: StandardInput) -> StandardOutput:
+        """Prefill batches in the small-batch format: the portable Triton fused MoE (it gathers
+        rows by expert inside GEMM1, fuses the activation, and weights and sums the top-k rows),
+        on the same tensors as the grouped GEMMs: no second copy of the weights."""
+        from moehal.kernels.triton_fused_moe import TritonMoEWeights, fused_moe
+
+        w, c = self.w, self.config
+        assert w is not None
+        if self._portable is None:
+            self._portable = TritonMoEWeights(w.w13, w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias)
+        hw = self.req.hardware
+        out = fused_moe(
+            inp.hidden,
+            inp.topk_ids,
+            inp.topk_weights,
+            self._portable,
+            activation=c.activation.value,
+            gated=c.gated,
+            swiglu_alpha=c.swiglu_alpha,
+            swiglu_limit=c.swiglu_limit,
+            out_dtype=c.dtype,
+            all_local=c.ep_size == 1,
+            device_name=hw.name if hw.kind == "cuda" else None,
+        )
+        return StandardOutput(out)
+
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
             weights = prepare_weights(weights, self.req.quant, False, None)
         self.w = weights
+        self._portable = None
 
     def _buffers(self, lead: tuple[int, ...], device: torch.device) -> tuple[Any, Any, Any]:
         from moehal.kernels.triton_permute import contiguous_workspace, workspace
@@ -392,7 +449,10 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         w = self.w
         assert w is not None, "weights not loaded"
         if isinstance(inp, StandardInput):
-            return self._apply_tokens(inp)
+            t = inp.hidden.shape[0]
+            if t == 0:
+                return StandardOutput(inp.hidden.new_zeros(0, self.config.hidden_size), scaled=True)
+            return self._apply_portable(inp) if t >= self.prefill_min_tokens else self._apply_tokens(inp)
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
@@ -456,6 +516,9 @@ class DeepGemmExperts(Experts):
     # batches of at most this many tokens run the token-major decode kernels; None: the rule of
     # `small_batch_tokens`, 0: never (class-level, so a benchmark can compare both paths)
     small_batch_max_tokens: ClassVar[int | None] = None
+    # batches of at least this many tokens run the portable Triton fused MoE (bf16); None: where
+    # this device's table measured it faster (`GemmChooser.portable_prefill_from`), 0: never
+    portable_prefill_min_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         return sm_decision(req, SUPPORTED_SM, "DeepGEMM")
@@ -509,20 +572,27 @@ class DeepGemmExperts(Experts):
 
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
         """bf16 (and fp16) layers take token-major input at decode sizes: two Triton kernels
-        for the whole layer, no permute and no gather (`moehal.kernels.triton_token_moe`)."""
+        for the whole layer, no permute and no gather (`moehal.kernels.triton_token_moe`); and
+        at prefill sizes where this device's table measured the portable Triton fused MoE
+        faster for this layer shape (`portable_prefill_tokens`)."""
         c = req.config
-        if req.quant.kind is not QuantKind.BF16 or self.small_batch_max_tokens == 0:
+        if req.quant.kind is not QuantKind.BF16:
             return None
         per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * c.dtype.itemsize  # w13 + w2
-        n = self.small_batch_max_tokens or small_batch_tokens(c.num_local_experts, c.top_k, per_token)
-        if n == 0:
+        n = self.small_batch_max_tokens
+        if n is None:
+            n = small_batch_tokens(c.num_local_experts, c.top_k, per_token)
+        prefill = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
+        if n == 0 and prefill is None:
             return None
         fmt = ActivationFormat(Layout.STANDARD, c.dtype)
-        return SmallBatchFormat(fmt, n, "token-major decode kernels: no permute, no gather")
+        why = "token-major decode kernels: no permute, no gather" if n else "no decode batch runs token-major"
+        prefill_why = "the portable Triton fused MoE, measured faster here for this layer shape" if prefill else ""
+        return SmallBatchFormat(fmt, n, why, prefill, prefill_why)
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
         fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         sm100 = _is_sm100(req)
         # SM100 FP8 weight scales are packed UE8M0, which only DeepGEMM reads.
         chooser = None if (fp8 and sm100) else GemmChooser(req.hardware.name)
-        return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, sm100), chooser)
+        return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, sm100), chooser, self.small_batch_format(req))

@@ -26,6 +26,16 @@ plain GEMM1s, so they never weigh the activation kernel that fusion removes):
                          {"config": {BLOCK_M, ...}, "source": "...",
                           "layer_us": {"2048": {"current": 646.0, "fused": 607.8}, ...}}}
 
+`"prefill_portable"` holds whole-layer measurements of bf16 prefill batches run as the portable
+Triton fused MoE of `moehal.kernels.triton_fused_moe` (token-major input: it gathers rows inside
+its GEMM1, fuses the activation, and tiles experts' rows 64 high where DeepGEMM's contiguous
+and masked layouts pad them to 128), against the pipeline otherwise chosen, per layer shape
+(`tools/portable_prefill_probe.py`):
+
+    "prefill_portable": {"E=128,H=2048,I=768,top_k=8,gated=1,dtype=bf16":
+                            {"source": "...", "layer_us": {"1024": {"current": 530.6,
+                                                                    "portable": 486.4}, ...}}}
+
 No table, no entry,
 an entry saying "deepgemm", or a Triton win under `MIN_GAIN`: DeepGEMM runs, as before this
 module existed. A choice is
@@ -54,6 +64,11 @@ MIN_GAIN = 0.03
 def entry_key(e: int, n: int, k: int, dtype: str) -> str:
     """dtype: 'bf16' or 'fp8_block'."""
     return f"E={e},N={n},K={k},dtype={dtype}"
+
+
+def layer_key(e: int, h: int, i: int, top_k: int, gated: bool) -> str:
+    """A whole-layer record's key (bf16): experts, hidden and intermediate size, top-k, gating."""
+    return f"E={e},H={h},I={i},top_k={top_k},gated={int(gated)},dtype=bf16"
 
 
 def table_path(device_name: str, directory: pathlib.Path | None = None) -> pathlib.Path:
@@ -135,6 +150,23 @@ class GemmChooser:
         cfg = TileConfig.from_dict(rec["config"])
         return cfg if cfg.fits(n13 // 2, k, False) else None
 
+    def portable_prefill_from(self, e: int, h: int, i: int, top_k: int, gated: bool) -> int | None:
+        """The smallest measured token count from which the table's whole-layer measurements
+        have the portable Triton fused MoE at least `MIN_GAIN` faster than the pipeline
+        otherwise chosen at that count and at every larger measured count (so batches of at
+        least this many tokens run it); None without a record or where the largest measured
+        count does not favour it."""
+        rec = self.table.get("prefill_portable", {}).get(layer_key(e, h, i, top_k, gated)) if self.table else None
+        if not rec or not rec.get("layer_us"):
+            return None
+        start = None
+        for t in sorted((int(t) for t in rec["layer_us"]), reverse=True):
+            us = rec["layer_us"][str(t)]
+            if us["portable"] > (1.0 - MIN_GAIN) * us["current"]:
+                break
+            start = t
+        return start
+
 
 def _fused_tile(fused: dict[str, Any] | None, n: int, k: int) -> TileConfig | None:
     """The fused GEMM1 + activation tile of a row (`moehal_cuda.tuning.tune_fused`), where it
@@ -188,6 +220,19 @@ def main(argv: list[str] | None = None) -> int:
             for tokens, us in rec.get("layer_us", {}).items():
                 tile = chooser.prefill_fused(int(e), int(n), int(k), int(tokens))
                 t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['fused']:.1f}", "yes" if tile else "no")
+        Console().print(t)
+    port = chooser.table.get("prefill_portable", {})
+    if port:
+        t = Table(title="bf16 prefill: the portable Triton fused MoE in place of the pipeline (whole layer)")
+        for col in ("layer", "tokens", "current us", "portable us", "portable"):
+            t.add_column(col, justify="right" if col != "layer" else "left")
+        for key, rec in port.items():
+            f = dict(p.split("=") for p in key.split(","))
+            dims = (int(f["E"]), int(f["H"]), int(f["I"]), int(f["top_k"]))
+            start = chooser.portable_prefill_from(*dims, f["gated"] == "1")
+            for tokens, us in rec.get("layer_us", {}).items():
+                runs = "yes" if start is not None and int(tokens) >= start else "no"
+                t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['portable']:.1f}", runs)
         Console().print(t)
     return 0
 

@@ -82,18 +82,27 @@ class ActivationFormat:
 class SmallBatchFormat:
     """A second format an experts kernel consumes for batches of at most `max_tokens` tokens
     (decode steps), where another layout saves launches the main one needs (e.g. token-major
-    kernels skip the permute and the gather that grouping rows by expert costs).
+    kernels skip the permute and the gather that grouping rows by expert costs), and, when
+    `prefill_min_tokens` is set, for batches of at least that many tokens too (prefill, where
+    a kernel that gathers rows itself measured faster than permuting them first).
 
-    The layer dispatches a batch in this format when it has at most `max_tokens` tokens and
-    the pipeline's dispatcher can produce it exactly; otherwise in the main format. `why`
-    is shown by `moehal explain`."""
+    The layer dispatches a batch in this format when `takes(tokens)` and the pipeline's
+    dispatcher can produce it exactly; otherwise in the main format. `why` is shown by
+    `moehal explain`."""
 
     fmt: ActivationFormat
     max_tokens: int
     why: str = ""
+    prefill_min_tokens: int | None = None
+    prefill_why: str = ""
+
+    def takes(self, tokens: int) -> bool:
+        """Whether a batch of `tokens` tokens is dispatched in this format."""
+        return tokens <= self.max_tokens or (self.prefill_min_tokens is not None and tokens >= self.prefill_min_tokens)
 
     def __str__(self) -> str:
-        return f"{self.fmt} at <= {self.max_tokens} tokens"
+        large = f" and >= {self.prefill_min_tokens}" if self.prefill_min_tokens is not None else ""
+        return f"{self.fmt} at <= {self.max_tokens}{large} tokens"
 
 
 # --- dispatch outputs (experts inputs) ------------------------------------------------------

@@ -6,6 +6,7 @@ no search, and no host sync unless input validation with value checks is on).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -83,8 +84,10 @@ class MoELayer(torch.nn.Module):
         p = self.plan.pipeline
         self._fused: FusedRunner | None = None
         self._dispatch: DispatchRunner | None = None
-        self._small_dispatch: DispatchRunner | None = None  # batches of <= _small_tokens tokens
+        # batches of <= _small_tokens or >= _prefill_tokens tokens (`SmallBatchFormat.takes`)
+        self._small_dispatch: DispatchRunner | None = None
         self._small_tokens = -1
+        self._prefill_tokens = sys.maxsize
         self._adapter: QuantizeAdapter | None = None
         self._experts: ExpertsRunner | None = None
         if p.kind == "fused":
@@ -97,6 +100,8 @@ class MoELayer(torch.nn.Module):
             if p.small is not None:
                 self._small_dispatch = p.dispatcher.build(self.request, p.small.fmt)
                 self._small_tokens = p.small.max_tokens
+                if p.small.prefill_min_tokens is not None:
+                    self._prefill_tokens = p.small.prefill_min_tokens
             self._adapter = QuantizeAdapter(p.fmt) if p.adapter else None
             self._experts = p.experts.build(self.request, p.fmt)
             self._accepts_topk = True
@@ -243,7 +248,8 @@ class MoELayer(torch.nn.Module):
         if self._fused is not None:
             return self._fused.forward(hidden_states, topk, None)
         assert self._dispatch is not None and self._experts is not None
-        if hidden_states.shape[0] <= self._small_tokens:  # the experts' small-batch format
+        t = hidden_states.shape[0]
+        if t <= self._small_tokens or t >= self._prefill_tokens:  # the experts' small-batch format
             assert self._small_dispatch is not None
             dispatched, handle = self._small_dispatch.dispatch(hidden_states, topk)
             return self._small_dispatch.combine(self._experts.apply(dispatched), handle)
@@ -262,7 +268,8 @@ class MoELayer(torch.nn.Module):
         topk = TopK(topk_ids, topk_weights)
         self._check_hidden(hidden_states)
         self._check_topk(topk_ids, topk_weights, hidden_states)
-        small = hidden_states.shape[0] <= self._small_tokens
+        t = hidden_states.shape[0]
+        small = t <= self._small_tokens or t >= self._prefill_tokens
         disp = self._small_dispatch if small else self._dispatch
         assert disp is not None
         dispatched, handle = disp.dispatch(hidden_states, topk)

@@ -1,6 +1,7 @@
 """Merge rows of a tuning table measured on a device into the table shipped for that device:
 per GEMM shape, per token count, and likewise the `"prefill_fused"` records of
-`tools/fused_prefill_probe.py --json` (`python -m moehal_cuda.tuning --update` does the same on the
+`tools/fused_prefill_probe.py --json` and the `"prefill_portable"` records of
+`tools/portable_prefill_probe.py --json` (`python -m moehal_cuda.tuning --update` does the same on the
 device; this is for a table brought back from one).
 
     python tools/merge_tuned.py NEW.json [--into backends_cuda/tuned/masked_gemm.<slug>.json]
@@ -27,11 +28,12 @@ def merge(shipped: dict, new: dict) -> list[str]:
         shipped["entries"][key] = by_tokens(entry)
     # whole-layer records (tools/fused_prefill_probe.py): a shape's record is replaced as a whole,
     # so that one record never mixes counts measured by two methods or with two tiles
-    for key, rec in new.get("prefill_fused", {}).items():
-        pre = shipped.setdefault("prefill_fused", {})
-        if pre.get(key) != rec:
-            changed.append(f"prefill_fused {key}: {rec['layer_us']}")
-            pre[key] = {**rec, "layer_us": by_tokens(rec["layer_us"])}
+    for kind in ("prefill_fused", "prefill_portable"):  # (tools/portable_prefill_probe.py: the latter)
+        for key, rec in new.get(kind, {}).items():
+            pre = shipped.setdefault(kind, {})
+            if pre.get(key) != rec:
+                changed.append(f"{kind} {key}: {rec['layer_us']}")
+                pre[key] = {**rec, "layer_us": by_tokens(rec["layer_us"])}
     if changed:
         meta = shipped.setdefault("meta", {})
         run = {k: v for k, v in new.get("meta", {}).items() if k != "earlier_runs"}

@@ -142,7 +142,7 @@ class MaskedOnlyDispatcher(ReferenceDispatcher):
         return super().can_produce(fmt, req)
 
 
-def _registry(*dispatchers):
+def _registry(*dispatchers, experts=None):
     reg = moehal.Registry(moehal.Settings())
 
     class Plugin:
@@ -152,7 +152,7 @@ def _registry(*dispatchers):
 
         @moehal.hookimpl
         def moehal_experts(self):
-            return [SmallBatchExperts()]
+            return [experts or SmallBatchExperts()]
 
         @moehal.hookimpl
         def moehal_dispatchers(self):
@@ -201,3 +201,39 @@ def test_a_dispatcher_that_cannot_produce_the_small_format_says_why():
     assert layer.plan.pipeline.dispatcher.name == "masked_only" and layer.plan.pipeline.small is None
     why = [d for d in layer.plan.decisions if "at <= 2 tokens" in d.name]
     assert why and not why[0].ok and "moves masked batches only" in why[0].reason
+
+
+class PrefillTooExperts(SmallBatchExperts):
+    """Token-major input up to 2 tokens and from 6 tokens (a prefill range), masked between."""
+
+    name = "prefill_too"
+    priority = 60
+
+    def small_batch_format(self, req):
+        return SmallBatchFormat(ActivationFormat(Layout.STANDARD, req.config.dtype), 2, "test", 6, "prefill test")
+
+
+def test_a_prefill_range_sends_large_batches_to_the_small_format_too():
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens=16)
+    reg = _registry(ReferenceDispatcher(), experts=PrefillTooExperts())
+    layer = moehal.MoELayer(cfg, "bf16", device="cpu", registry=reg)
+    p = layer.plan.pipeline
+    assert p.experts.name == "prefill_too" and p.small.prefill_min_tokens == 6
+    assert "prefill      at >= 6 tokens: standard[bfloat16] (prefill test)" in str(layer.plan)
+    assert layer.plan.as_dict()["pipeline"]["small_batch_prefill_min_tokens"] == 6
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 16)
+    layer.load_weights(weights)
+    for t, want in (
+        (2, "StandardInput"),
+        (3, "MaskedInput"),
+        (5, "MaskedInput"),
+        (6, "StandardInput"),
+        (16, "StandardInput"),
+    ):
+        SmallBatchExperts.calls.clear()
+        out = layer(x[:t], ids[:t], wts[:t])
+        ref, _ = _reference(cfg, weights, x[:t], ids[:t], wts[:t])
+        assert SmallBatchExperts.calls == [want], t
+        assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+        SmallBatchExperts.calls.clear()
+        assert type(layer.trace(x[:t], ids[:t], wts[:t])["dispatched"]).__name__ == want  # trace agrees

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moehal.config import MoEConfig
-from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput
+from moehal.formats import ActivationFormat, Layout, ScaleKind, SmallBatchFormat, StandardInput
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
 from moehal.kernels.tiles import TileConfig
@@ -123,6 +123,7 @@ def _check_layer(quant_name, layout, extra) -> int:
     chooser = choosers.get(extra.pop("gemm", None), lambda: None)()
     steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
     small = extra.pop("small_batch", 0)  # batches of <= this many tokens go token-major
+    prefill = extra.pop("portable_prefill", None)  # ... and batches of >= this many (the portable fused MoE)
     kw = dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=max(steps))
     cfg = MoEConfig(**{**kw, **extra})
     quant = QuantScheme.parse(quant_name)
@@ -138,7 +139,9 @@ def _check_layer(quant_name, layout, extra) -> int:
     fp8 = fmt.is_quantized
     disp = CudaPermuteDispatcher().build(req, fmt)
     small_disp = CudaPermuteDispatcher().build(req, ActivationFormat(Layout.STANDARD, cfg.dtype))
-    ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8), chooser)
+    std = ActivationFormat(Layout.STANDARD, cfg.dtype)
+    small_fmt = SmallBatchFormat(std, small, "", prefill) if small or prefill is not None else None
+    ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8), chooser, small_fmt)
     ex.load(weights)
     rdisp = ReferenceDispatcher().build(req, fmt)
     rex = ReferenceExperts().build(req, fmt)
@@ -148,7 +151,8 @@ def _check_layer(quant_name, layout, extra) -> int:
         x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(t)]).int().to(DEV)
         topk = TopK(ids, (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(DEV))
-        d = small_disp if t <= small else disp
+        token_major = small_fmt is not None and small_fmt.takes(t)
+        d = small_disp if token_major else disp
         inp, handle = d.dispatch(x, topk)
         out = ex.apply(inp)
         y = d.combine(out, handle)
@@ -158,8 +162,10 @@ def _check_layer(quant_name, layout, extra) -> int:
         tol = 2e-2 if not fp8 else 4e-2
         err = ((y.float() - ry.float()).abs().max() / scale).item()
         assert err < tol, f"call {step}: rel err {err:.4f}"
-        if t <= small:
-            assert isinstance(inp, StandardInput) and out.scaled  # routed scaling inside
+        if token_major:
+            assert isinstance(inp, StandardInput)
+            # the decode kernels apply routed scaling inside; the portable fused MoE leaves it to combine
+            assert out.scaled == (t <= small)
             small_calls += 1
             continue
         # experts' contract: padding rows of the output are zero
@@ -220,6 +226,25 @@ def test_small_batches_run_token_major_between_masked_calls(extra):
     assert small_calls == 3  # the 1-, 2- and 1-token calls ran token-major, checked against the oracle
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(small_batch=2),
+        dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5),
+        dict(activation="gelu", gated=False, ep_rank=1, ep_size=2, small_batch=1),
+    ],
+    ids=["silu-decode-too", "swiglu-bias-scaled", "gelu-ep-slice"],
+)
+def test_prefill_batches_run_the_portable_fused_moe_between_masked_calls(extra):
+    """Prefill-sized calls (here >= 9 tokens) in the token-major format run the portable Triton
+    fused MoE on the grouped GEMMs' own weight tensors, between masked calls (and decode calls)
+    whose stale-row bookkeeping they must leave intact; every call checked against the oracle."""
+    steps = (12, 1, 5, 9, 2, 7, 16)
+    token_major = _check_layer("bf16", Layout.MASKED, {**extra, "portable_prefill": 9, "steps": steps})
+    small = extra.get("small_batch", 0)
+    assert token_major == 3 + sum(t <= small for t in steps)  # 12, 9 and 16 tokens ran the portable kernel
+
+
 def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
     from moehal_cuda.deepgemm_experts import DeepGemmExperts, small_batch_tokens
 
@@ -234,6 +259,55 @@ def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), hw)) is None
     monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 0)
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw)) is None
+    assert small.prefill_min_tokens is None  # on a CPU no table measured anything: no prefill range
+
+
+def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):
+    """A prefill range comes from the device's whole-layer measurements (or the class-level
+    override a benchmark sets), for bf16 only; it is declared even where no decode batch runs
+    token-major (DeepSeek-V3's EP8 slice), and shown by `moehal explain` through the plan."""
+    import json
+
+    import moehal_cuda.gemm_choice as gc
+    from moehal.hardware import HardwareInfo
+    from moehal_cuda.deepgemm_experts import DeepGemmExperts
+
+    cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=256, intermediate_size=128)
+    big = MoEConfig(num_experts=32, top_k=8, hidden_size=7168, intermediate_size=2048)
+    gpu = HardwareInfo("cuda", torch.device("cuda", 0), "Test GPU 80GB", (9, 0))
+    us = {"64": (100.0, 99.0), "128": (100.0, 90.0), "1024": (100.0, 80.0), "4096": (100.0, 96.0)}
+    rec = {"layer_us": {t: {"current": c, "portable": p} for t, (c, p) in us.items()}}
+    table = {"entries": {}, "prefill_portable": {gc.layer_key(128, 256, 128, 8, True): rec}}
+    (tmp_path / "masked_gemm.test_gpu_80gb.json").write_text(json.dumps(table))
+    monkeypatch.setattr(gc, "TUNED_DIR", tmp_path)
+    small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), gpu))
+    # 64 tokens gained 1% (< MIN_GAIN): the range starts at 128, where every larger count gained >= 3%
+    assert small is not None and small.prefill_min_tokens == 128 and small.max_tokens == 4
+    assert [small.takes(t) for t in (4, 5, 127, 128, 8192)] == [True, False, False, True, True]
+    assert str(small) == "standard[bfloat16] at <= 4 and >= 128 tokens"
+    assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), gpu)) is None
+    # a shape the table has no record of: decode only
+    other = MoEConfig(num_experts=64, top_k=8, hidden_size=256, intermediate_size=128)
+    assert (
+        DeepGemmExperts().small_batch_format(BuildRequest(other, QuantScheme.parse("bf16"), gpu)).prefill_min_tokens
+        is None
+    )
+    # the largest measured count losing means no range at all (the rule never extrapolates a win)
+    rec["layer_us"]["4096"] = {"current": 100.0, "portable": 99.0}
+    (tmp_path / "masked_gemm.test_gpu_80gb.json").write_text(json.dumps(table))
+    gc.load_table.cache_clear()
+    assert gc.GemmChooser("Test GPU 80GB").portable_prefill_from(128, 256, 128, 8, True) is None
+    assert (
+        gc.GemmChooser("Test GPU 80GB").portable_prefill_from(128, 256, 128, 8, False) is None
+    )  # non-gated: no record
+    gc.load_table.cache_clear()
+    # the override: no decode range for DeepSeek-V3's slice, a prefill range all the same
+    monkeypatch.setattr(DeepGemmExperts, "portable_prefill_min_tokens", 512)
+    small = DeepGemmExperts().small_batch_format(BuildRequest(big, QuantScheme.parse("bf16"), gpu))
+    assert small is not None and small.max_tokens == 0 and small.prefill_min_tokens == 512
+    assert [small.takes(t) for t in (0, 1, 511, 512)] == [True, False, False, True]
+    monkeypatch.setattr(DeepGemmExperts, "portable_prefill_min_tokens", 0)
+    assert DeepGemmExperts().small_batch_format(BuildRequest(big, QuantScheme.parse("bf16"), gpu)) is None
 
 
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])

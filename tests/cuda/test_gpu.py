@@ -157,6 +157,29 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
         assert rel_err(y, yr) < 3e-2
 
 
+def test_prefill_batches_run_the_portable_fused_moe(monkeypatch):
+    """bf16 prefill batches (forced here from 16 tokens) run the portable Triton fused MoE on the
+    DeepGEMM experts' own weights, decode batches the token-major kernels and the batches
+    between the masked grouped GEMMs, on one layer, eagerly and replayed from CUDA graphs."""
+    why = _deepgemm_usable()
+    if why:
+        pytest.skip(why)
+    from moehal_cuda.deepgemm_experts import DeepGemmExperts
+
+    monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 2)
+    monkeypatch.setattr(DeepGemmExperts, "portable_prefill_min_tokens", 16)
+    cfg, layer, ref = _layers("bf16", None, activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)
+    small = layer.plan.pipeline.small
+    assert small is not None and small.prefill_min_tokens == 16 and layer.plan.pipeline.fmt.layout_name == "masked"
+    for graphs in (0, 32):
+        layer.cuda_graph_tokens = graphs
+        for step, t in enumerate((32, 1, 8, 16, 2, 20, 5)):
+            x, ids, w = _inputs(cfg, t, 200 * graphs + step)
+            y, yr = layer(x, ids, w), ref(x, ids, w)
+            err = ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item()
+            assert err < 3e-2, f"{t} tokens, graphs {graphs}: rel err {err:.4f}"
+
+
 def test_small_batches_run_token_major(monkeypatch):
     """bf16 decode batches take the token-major kernels, larger ones the masked path, on one
     layer, eagerly and replayed from CUDA graphs (limit raised to 4 tokens to check several)."""

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU call for the portable Triton fused MoE at prefill inside the `cuda` pipeline (session
+# 13): GPU tests of the prefill range, then whole-layer measurements per shape and token count
+# (tools/portable_prefill_probe.py) merged into the installed masked-GEMM table, so that the
+# bench that follows runs `cuda` with the range the measurements give; `cuda` vs `cuda.triton`
+# vs SGLang benched. At most 8 files land in $OUT.
+#   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_portable_prefill.sh
+#   env: TESTS ("" for none), CASES (probed: SHAPE:TOKENS,... ...), ROUNDS (2), BENCH_TOKENS, BENCH_SETTLE (2), SRC
+set -u
+source tools/device_setup.sh
+record_env
+if [ -n "${TESTS-x}" ]; then
+  # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+  step pytest-gpu "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+    ${TESTS:-tests/cuda/test_gpu.py -k "prefill or small_batch or deepgemm_layer"}
+fi
+export COLUMNS=240
+slug=$(python3 -c "import torch; from moehal.hardware import device_slug; print(device_slug(torch.cuda.get_device_name()))")
+table=/tmp/site/moehal_cuda/tuned/masked_gemm.$slug.json
+# shellcheck disable=SC2086  # CASES is a list of SHAPE:TOKENS
+step probe "${PROBE_LIMIT:-330}" python3 tools/portable_prefill_probe.py --cases ${CASES:-qwen3_30b_a3b:128,1024} \
+  --rounds "${ROUNDS:-2}" --json "$OUT/portable.json" --source "${SRC:-}"
+if [ -f "$OUT/portable.json" ]; then
+  python3 tools/merge_tuned.py "$OUT/portable.json" --into "$table" >> "$OUT/probe.log" 2>&1
+  cp "$table" "$OUT/masked_gemm.$slug.json"
+  python3 -m moehal_cuda.gemm_choice >> "$OUT/probe.log" 2>&1
+fi
+cd /tmp
+step bench "${BENCH_LIMIT:-150}" python3 "$repo/tools/sglang_peer.py" bench --shapes qwen3_30b_a3b \
+  --tokens "${BENCH_TOKENS:-1,16,128,256,512,1024,2048,4096}" --quant bf16 --backends cuda,cuda.triton,sglang \
+  --reps 20 --settle-s "${BENCH_SETTLE:-2}" --out "$OUT/bench"
+rm -f "$OUT/bench.png"
+cat "$OUT/steps.txt"
+[ -f "$OUT/pytest-gpu.log" ] && tail -n 3 "$OUT/pytest-gpu.log"
+grep -E "T=|Error|error" "$OUT/probe.log" | tail -30
+grep -E "│" "$OUT/bench.log" | head -30
+exit 0

@@ -5,7 +5,7 @@
 # bench that follows runs `cuda` with the range the measurements give; `cuda` vs `cuda.triton`
 # vs SGLang benched. At most 8 files land in $OUT.
 #   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_portable_prefill.sh
-#   env: TESTS ("" for none), CASES (probed: SHAPE:TOKENS,... ...), ROUNDS (2), BENCH_TOKENS, BENCH_SETTLE (2), SRC
+#   env: TESTS ("" for none), TUNE_TOKENS (retuned first; TUNE_BUDGET s each), CASES (probed: SHAPE:TOKENS,... ...), ROUNDS (2), BENCH_TOKENS, BENCH_SETTLE (2), SRC
 set -u
 source tools/device_setup.sh
 record_env
@@ -17,11 +17,33 @@ fi
 export COLUMNS=240
 slug=$(python3 -c "import torch; from moehal.hardware import device_slug; print(device_slug(torch.cuda.get_device_name()))")
 table=/tmp/site/moehal_cuda/tuned/masked_gemm.$slug.json
+if [ -n "${TUNE_TOKENS:-}" ]; then
+  # retune the portable kernel's rows at these counts (Qwen3-30B-A3B), seeded with the config
+  # SGLang would load on this GPU (this Triton's, else the newest), into the shipped table
+  ftable=triton_fused_moe.$slug.json
+  cp "$repo/core/kernels/$ftable" "$OUT/$ftable" 2>/dev/null
+  sgl=$(python3 - <<'PY'
+import pathlib, torch, triton
+root = pathlib.Path("/tmp/site/sglang/srt/layers/moe/moe_runner/triton_utils/configs")
+name = "E=128,N=768,device_name=" + torch.cuda.get_device_name().replace(" ", "_") + ".json"
+ver = lambda d: tuple(int(x) for x in d.name.removeprefix("triton_").split("_"))
+dirs = sorted(root.glob("triton_*"), key=ver, reverse=True)
+mine = [d for d in dirs if d.name == "triton_" + triton.__version__.replace(".", "_")]
+print(next((str(d / name) for d in mine + dirs if (d / name).is_file()), ""))
+PY
+)
+  echo "seed config: ${sgl:-none}" >> "$OUT/env.txt"
+  seed=()
+  [ -n "$sgl" ] && seed=(--seed-config "$sgl")
+  (cd /tmp && step tune "${TUNE_LIMIT:-200}" python3 -m moehal.kernels.tune_fused_moe --shapes qwen3_30b_a3b \
+    --tokens "$TUNE_TOKENS" --quant bf16 --budget-s "${TUNE_BUDGET:-100}" "${seed[@]}" --out "$OUT/$ftable")
+  [ -f "$OUT/$ftable" ] && cp "$OUT/$ftable" /tmp/site/moehal/kernels/
+fi
 # shellcheck disable=SC2086  # CASES is a list of SHAPE:TOKENS
 step probe "${PROBE_LIMIT:-330}" python3 tools/portable_prefill_probe.py --cases ${CASES:-qwen3_30b_a3b:128,1024} \
-  --rounds "${ROUNDS:-2}" --json "$OUT/portable.json" --source "${SRC:-}"
-if [ -f "$OUT/portable.json" ]; then
-  python3 tools/merge_tuned.py "$OUT/portable.json" --into "$table" >> "$OUT/probe.log" 2>&1
+  --rounds "${ROUNDS:-2}" --json /tmp/portable.json --source "${SRC:-}"
+if [ -f /tmp/portable.json ]; then  # (the merged table comes back, with these records in it)
+  python3 tools/merge_tuned.py /tmp/portable.json --into "$table" >> "$OUT/probe.log" 2>&1
   cp "$table" "$OUT/masked_gemm.$slug.json"
   python3 -m moehal_cuda.gemm_choice >> "$OUT/probe.log" 2>&1
 fi

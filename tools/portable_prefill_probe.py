@@ -92,6 +92,8 @@ def probe_case(shape: str, t: int, max_tokens: int, rounds: int, settle_s: float
     graphs, outs = {}, {}
     for name, layer in layers.items():
         graphs[name], outs[name] = capture(lambda layer=layer: layer(x, ids, wts), dev, warmup=1)
+        graphs[name].replay()  # a captured output holds nothing until a replay writes it
+    torch.cuda.synchronize()
     ref = outs["current"].float()
     diff = ((outs["portable"].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
     us: dict[str, list[float]] = {name: [] for name in graphs}

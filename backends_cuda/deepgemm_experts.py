@@ -274,22 +274,24 @@ def small_batch_tokens(num_experts: int, top_k: int, bytes_per_token: int = 0) -
     return max(1, num_experts // (4 * max(top_k, 1)))
 
 
-def portable_prefill_tokens(req: BuildRequest, override: int | None = None) -> int | None:
-    """Batches of at least this many tokens run the portable Triton fused MoE in place of the
-    grouped-GEMM pipeline (bf16 only; None: none). `override` None: this device's table decides
-    (`GemmChooser.portable_prefill_from`: whole-layer measurements per layer shape; on an H100,
-    Qwen3-30B-A3B measured 1.04-1.11x faster that way at 128-4096 tokens in session 12, where
-    DeepGEMM pads each expert's rows to 128-row tiles and the pipeline permutes, activates and
-    combines in passes of their own); 0: never; n > 0: from n tokens."""
+def portable_prefill_tokens(req: BuildRequest, override: int | None = None) -> tuple[int, int | None] | None:
+    """The batch sizes (lo, hi; hi None: no bound) that run the portable Triton fused MoE in
+    place of the grouped-GEMM pipeline (bf16 only; None: none). `override` None: this device's
+    table decides (`GemmChooser.portable_prefill_range`: whole-layer measurements per layer
+    shape; in session 13 Qwen3-30B-A3B measured 1.03-1.09x faster that way at 64-4096 tokens on
+    an H100 and 1.02-1.07x at 64-512 on an H200, where DeepGEMM pads each expert's rows to
+    128-row tiles and the pipeline permutes, activates and combines in passes of their own,
+    while DeepSeek-V3's EP8 slice and Mixtral-8x7B ran 21-28% slower); 0: never; n > 0: from n
+    tokens up."""
     c = req.config
     if req.quant.kind is not QuantKind.BF16 or override == 0:
         return None
     if override is not None:
-        return override
+        return override, None
     if req.hardware.kind != "cuda":
         return None
     chooser = GemmChooser(req.hardware.name)
-    return chooser.portable_prefill_from(c.num_local_experts, c.hidden_size, c.intermediate_size, c.top_k, c.gated)
+    return chooser.portable_prefill_range(c.num_local_experts, c.hidden_size, c.intermediate_size, c.top_k, c.gated)
 
 
 # --- runner ---------------------------------------------------------------------------------------
@@ -312,9 +314,9 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         small: SmallBatchFormat | None = None,
     ) -> None:
         self.fmt, self.req, self.config, self.ops = fmt, req, req.config, ops
-        # token-major batches of at least this many tokens are prefill batches (the portable fused MoE)
-        pre = small.prefill_min_tokens if small is not None else None
-        self.prefill_min_tokens = pre if pre is not None else sys.maxsize
+        # token-major batches above the decode range are prefill batches (the portable fused MoE)
+        prefill = small is not None and small.prefill_min_tokens is not None
+        self.decode_max_tokens = small.max_tokens if small is not None and prefill else sys.maxsize
         self._portable: Any = None  # the weights as the portable fused MoE reads them (bf16)
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
@@ -452,7 +454,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             t = inp.hidden.shape[0]
             if t == 0:
                 return StandardOutput(inp.hidden.new_zeros(0, self.config.hidden_size), scaled=True)
-            return self._apply_portable(inp) if t >= self.prefill_min_tokens else self._apply_tokens(inp)
+            return self._apply_portable(inp) if t > self.decode_max_tokens else self._apply_tokens(inp)
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
@@ -517,7 +519,7 @@ class DeepGemmExperts(Experts):
     # `small_batch_tokens`, 0: never (class-level, so a benchmark can compare both paths)
     small_batch_max_tokens: ClassVar[int | None] = None
     # batches of at least this many tokens run the portable Triton fused MoE (bf16); None: where
-    # this device's table measured it faster (`GemmChooser.portable_prefill_from`), 0: never
+    # this device's table measured it faster (`GemmChooser.portable_prefill_range`), 0: never
     portable_prefill_min_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:
@@ -582,13 +584,15 @@ class DeepGemmExperts(Experts):
         n = self.small_batch_max_tokens
         if n is None:
             n = small_batch_tokens(c.num_local_experts, c.top_k, per_token)
-        prefill = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
-        if n == 0 and prefill is None:
+        band = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
+        if n == 0 and band is None:
             return None
         fmt = ActivationFormat(Layout.STANDARD, c.dtype)
         why = "token-major decode kernels: no permute, no gather" if n else "no decode batch runs token-major"
-        prefill_why = "the portable Triton fused MoE, measured faster here for this layer shape" if prefill else ""
-        return SmallBatchFormat(fmt, n, why, prefill, prefill_why)
+        if band is None:
+            return SmallBatchFormat(fmt, n, why)
+        prefill_why = "the portable Triton fused MoE, measured faster here for this layer shape"
+        return SmallBatchFormat(fmt, n, why, band[0], prefill_why, band[1])
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
         fp8 = req.quant.kind is QuantKind.FP8_BLOCK

@@ -155,22 +155,41 @@ class GemmChooser:
         cfg = TileConfig.from_dict(rec["config"])
         return cfg if cfg.fits(n13 // 2, k, False) else None
 
-    def portable_prefill_from(self, e: int, h: int, i: int, top_k: int, gated: bool) -> int | None:
-        """The smallest measured token count from which the table's whole-layer measurements
-        have the portable Triton fused MoE at least `PORTABLE_MIN_GAIN` faster than the pipeline
-        otherwise chosen at that count and at every larger measured count (so batches of at
-        least this many tokens run it); None without a record or where the largest measured
-        count does not favour it."""
+    def portable_prefill_range(self, e: int, h: int, i: int, top_k: int, gated: bool) -> tuple[int, int | None] | None:
+        """The token counts (lo, hi; hi None: no bound) at which bf16 batches of this layer shape
+        run the portable Triton fused MoE: the longest run of consecutive measured counts where
+        the table's whole-layer measurements have it at least `PORTABLE_MIN_GAIN` faster than
+        the pipeline otherwise chosen (ties: the larger counts). A bound next to a measured
+        count that lost lies halfway between the two on a log scale (each batch goes the way its
+        nearest measured count went); the run's smallest count is its lower bound where nothing
+        smaller was measured, and a run up to the largest measured count has no upper bound.
+        None without a record or a win."""
         rec = self.table.get("prefill_portable", {}).get(layer_key(e, h, i, top_k, gated)) if self.table else None
         if not rec or not rec.get("layer_us"):
             return None
-        start = None
-        for t in sorted((int(t) for t in rec["layer_us"]), reverse=True):
+        counts = sorted(int(t) for t in rec["layer_us"])
+        wins = []
+        for t in counts:
             us = rec["layer_us"][str(t)]
-            if us["portable"] > (1.0 - PORTABLE_MIN_GAIN) * us["current"]:
-                break
-            start = t
-        return start
+            wins.append(us["portable"] <= (1.0 - PORTABLE_MIN_GAIN) * us["current"])
+        best: tuple[int, int] | None = None  # (first, last) index of the longest run
+        j = 0
+        while j < len(counts):
+            if not wins[j]:
+                j += 1
+                continue
+            k = j
+            while k + 1 < len(counts) and wins[k + 1]:
+                k += 1
+            if best is None or k - j >= best[1] - best[0]:
+                best = (j, k)
+            j = k + 1
+        if best is None:
+            return None
+        first, last = best
+        lo = counts[first] if first == 0 else math.isqrt(counts[first - 1] * counts[first]) + 1
+        hi = None if last == len(counts) - 1 else math.isqrt(counts[last] * counts[last + 1])
+        return lo, hi
 
 
 def _fused_tile(fused: dict[str, Any] | None, n: int, k: int) -> TileConfig | None:
@@ -234,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         for key, rec in port.items():
             f = dict(p.split("=") for p in key.split(","))
             dims = (int(f["E"]), int(f["H"]), int(f["I"]), int(f["top_k"]))
-            start = chooser.portable_prefill_from(*dims, f["gated"] == "1")
+            band = chooser.portable_prefill_range(*dims, f["gated"] == "1")
             for tokens, us in rec.get("layer_us", {}).items():
-                runs = "yes" if start is not None and int(tokens) >= start else "no"
+                inside = band is not None and band[0] <= int(tokens) <= (band[1] or int(tokens))
+                runs = "yes" if inside else "no"
                 t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['portable']:.1f}", runs)
         Console().print(t)
     return 0

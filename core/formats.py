@@ -83,8 +83,9 @@ class SmallBatchFormat:
     """A second format an experts kernel consumes for batches of at most `max_tokens` tokens
     (decode steps), where another layout saves launches the main one needs (e.g. token-major
     kernels skip the permute and the gather that grouping rows by expert costs), and, when
-    `prefill_min_tokens` is set, for batches of at least that many tokens too (prefill, where
-    a kernel that gathers rows itself measured faster than permuting them first).
+    `prefill_min_tokens` is set, for batches of `prefill_min_tokens` to `prefill_max_tokens`
+    tokens too (None: no upper bound; prefill, where a kernel that gathers rows itself measured
+    faster than permuting them first).
 
     The layer dispatches a batch in this format when `takes(tokens)` and the pipeline's
     dispatcher can produce it exactly; otherwise in the main format. `why` is shown by
@@ -95,13 +96,25 @@ class SmallBatchFormat:
     why: str = ""
     prefill_min_tokens: int | None = None
     prefill_why: str = ""
+    prefill_max_tokens: int | None = None
 
     def takes(self, tokens: int) -> bool:
         """Whether a batch of `tokens` tokens is dispatched in this format."""
-        return tokens <= self.max_tokens or (self.prefill_min_tokens is not None and tokens >= self.prefill_min_tokens)
+        if tokens <= self.max_tokens:
+            return True
+        lo, hi = self.prefill_min_tokens, self.prefill_max_tokens
+        return lo is not None and tokens >= lo and (hi is None or tokens <= hi)
+
+    @property
+    def prefill_range(self) -> str:
+        """The prefill band in words ('' when none): '>= 64' or '64-724'."""
+        lo, hi = self.prefill_min_tokens, self.prefill_max_tokens
+        if lo is None:
+            return ""
+        return f">= {lo}" if hi is None else f"{lo}-{hi}"
 
     def __str__(self) -> str:
-        large = f" and >= {self.prefill_min_tokens}" if self.prefill_min_tokens is not None else ""
+        large = f" and {self.prefill_range}" if self.prefill_min_tokens is not None else ""
         return f"{self.fmt} at <= {self.max_tokens}{large} tokens"
 
 

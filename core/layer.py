@@ -84,10 +84,10 @@ class MoELayer(torch.nn.Module):
         p = self.plan.pipeline
         self._fused: FusedRunner | None = None
         self._dispatch: DispatchRunner | None = None
-        # batches of <= _small_tokens or >= _prefill_tokens tokens (`SmallBatchFormat.takes`)
+        # batches of <= _small_tokens tokens or of _prefill_lo to _prefill_hi (`SmallBatchFormat.takes`)
         self._small_dispatch: DispatchRunner | None = None
         self._small_tokens = -1
-        self._prefill_tokens = sys.maxsize
+        self._prefill_lo = self._prefill_hi = sys.maxsize
         self._adapter: QuantizeAdapter | None = None
         self._experts: ExpertsRunner | None = None
         if p.kind == "fused":
@@ -101,7 +101,8 @@ class MoELayer(torch.nn.Module):
                 self._small_dispatch = p.dispatcher.build(self.request, p.small.fmt)
                 self._small_tokens = p.small.max_tokens
                 if p.small.prefill_min_tokens is not None:
-                    self._prefill_tokens = p.small.prefill_min_tokens
+                    self._prefill_lo = p.small.prefill_min_tokens
+                    self._prefill_hi = p.small.prefill_max_tokens or sys.maxsize
             self._adapter = QuantizeAdapter(p.fmt) if p.adapter else None
             self._experts = p.experts.build(self.request, p.fmt)
             self._accepts_topk = True
@@ -249,7 +250,7 @@ class MoELayer(torch.nn.Module):
             return self._fused.forward(hidden_states, topk, None)
         assert self._dispatch is not None and self._experts is not None
         t = hidden_states.shape[0]
-        if t <= self._small_tokens or t >= self._prefill_tokens:  # the experts' small-batch format
+        if t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi:  # the experts' small-batch format
             assert self._small_dispatch is not None
             dispatched, handle = self._small_dispatch.dispatch(hidden_states, topk)
             return self._small_dispatch.combine(self._experts.apply(dispatched), handle)
@@ -269,7 +270,7 @@ class MoELayer(torch.nn.Module):
         self._check_hidden(hidden_states)
         self._check_topk(topk_ids, topk_weights, hidden_states)
         t = hidden_states.shape[0]
-        small = t <= self._small_tokens or t >= self._prefill_tokens
+        small = t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi
         disp = self._small_dispatch if small else self._dispatch
         assert disp is not None
         dispatched, handle = disp.dispatch(hidden_states, topk)

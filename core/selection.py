@@ -130,6 +130,7 @@ class Pipeline:
             "small_batch_format": str(self.small.fmt) if self.small else None,
             "small_batch_max_tokens": self.small.max_tokens if self.small else None,
             "small_batch_prefill_min_tokens": self.small.prefill_min_tokens if self.small else None,
+            "small_batch_prefill_max_tokens": self.small.prefill_max_tokens if self.small else None,
             "adapter": self.adapter,
             "weight_processor": self.processor.qualname if self.processor else None,
             "weight_layout": self.main.weight_layout,  # type: ignore[attr-defined]
@@ -163,7 +164,7 @@ class Plan:
                 lines.append(f"  small batch  at <= {p.small.max_tokens} tokens: {p.small.fmt}{why}")
                 if p.small.prefill_min_tokens is not None:
                     why = f" ({p.small.prefill_why})" if p.small.prefill_why else ""
-                    lines.append(f"  prefill      at >= {p.small.prefill_min_tokens} tokens: {p.small.fmt}{why}")
+                    lines.append(f"  prefill      at {p.small.prefill_range} tokens: {p.small.fmt}{why}")
         layout = p.main.weight_layout  # type: ignore[attr-defined]
         proc = f"{layout} via {p.processor.qualname}" if p.processor else f"{layout} (no processing)"
         lines.append(f"  weights      {proc}")

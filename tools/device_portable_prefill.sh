@@ -5,7 +5,7 @@
 # bench that follows runs `cuda` with the range the measurements give; `cuda` vs `cuda.triton`
 # vs SGLang benched. At most 8 files land in $OUT.
 #   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_portable_prefill.sh
-#   env: TESTS ("" for none), TUNE_TOKENS (retuned first; TUNE_BUDGET s each), CASES (probed: SHAPE:TOKENS,... ...), ROUNDS (2), BENCH_TOKENS, BENCH_SETTLE (2), SRC
+#   env: TESTS ("" for none), TUNE_TOKENS (retuned first; TUNE_BUDGET s each), CASES (probed: SHAPE:TOKENS,... ...; "" for none), BACKENDS, ROUNDS (2), BENCH_TOKENS, BENCH_SETTLE (2), SRC
 set -u
 source tools/device_setup.sh
 record_env
@@ -39,9 +39,11 @@ PY
     --tokens "$TUNE_TOKENS" --quant bf16 --budget-s "${TUNE_BUDGET:-100}" "${seed[@]}" --out "$OUT/$ftable")
   [ -f "$OUT/$ftable" ] && cp "$OUT/$ftable" /tmp/site/moehal/kernels/
 fi
-# shellcheck disable=SC2086  # CASES is a list of SHAPE:TOKENS
-step probe "${PROBE_LIMIT:-330}" python3 tools/portable_prefill_probe.py --cases ${CASES:-qwen3_30b_a3b:128,1024} \
-  --rounds "${ROUNDS:-2}" --json /tmp/portable.json --source "${SRC:-}"
+if [ -n "${CASES-x}" ]; then
+  # shellcheck disable=SC2086  # CASES is a list of SHAPE:TOKENS
+  step probe "${PROBE_LIMIT:-330}" python3 tools/portable_prefill_probe.py --cases ${CASES:-qwen3_30b_a3b:128,1024} \
+    --rounds "${ROUNDS:-2}" --json /tmp/portable.json --source "${SRC:-}"
+fi
 if [ -f /tmp/portable.json ]; then  # (the merged table comes back, with these records in it)
   python3 tools/merge_tuned.py /tmp/portable.json --into "$table" >> "$OUT/probe.log" 2>&1
   cp "$table" "$OUT/masked_gemm.$slug.json"
@@ -49,11 +51,12 @@ if [ -f /tmp/portable.json ]; then  # (the merged table comes back, with these r
 fi
 cd /tmp
 step bench "${BENCH_LIMIT:-150}" python3 "$repo/tools/sglang_peer.py" bench --shapes qwen3_30b_a3b \
-  --tokens "${BENCH_TOKENS:-1,16,128,256,512,1024,2048,4096}" --quant bf16 --backends cuda,cuda.triton,sglang \
+  --tokens "${BENCH_TOKENS:-1,16,128,256,512,1024,2048,4096}" --quant bf16 --backends "${BACKENDS:-cuda,cuda.triton,sglang}" \
   --reps 20 --settle-s "${BENCH_SETTLE:-2}" --out "$OUT/bench"
 rm -f "$OUT/bench.png"
 cat "$OUT/steps.txt"
 [ -f "$OUT/pytest-gpu.log" ] && tail -n 3 "$OUT/pytest-gpu.log"
-grep -E "T=|Error|error" "$OUT/probe.log" | tail -30
+[ -f "$OUT/probe.log" ] && grep -E "T=|Error|error" "$OUT/probe.log" | tail -30
+grep -m1 -E "pipeline|cuda.deepgemm" "$OUT/bench.log"
 grep -E "│" "$OUT/bench.log" | head -30
 exit 0

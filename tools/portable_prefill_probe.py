@@ -1,7 +1,7 @@
 """Whole-layer time of bf16 prefill batches run as the portable Triton fused MoE (token-major:
 `DeepGemmExperts.portable_prefill_min_tokens`) against the pipeline otherwise chosen (masked or
 contiguous grouped GEMMs with the permute, activation and combine passes), per benchmark shape
-and token count: the measurements `GemmChooser.portable_prefill_from` decides by.
+and token count: the measurements `GemmChooser.portable_prefill_range` decides by.
 
     python3 tools/portable_prefill_probe.py [--cases qwen3_30b_a3b:64,...,4096 mixtral_8x7b:1024 ...] \\
         [--rounds 2] [--settle-s 2] [--json out.json --source docs/device-runs/...]

@@ -204,23 +204,24 @@ def test_a_dispatcher_that_cannot_produce_the_small_format_says_why():
 
 
 class PrefillTooExperts(SmallBatchExperts):
-    """Token-major input up to 2 tokens and from 6 tokens (a prefill range), masked between."""
+    """Token-major input up to 2 tokens and at 6-12 tokens (a prefill band), masked otherwise."""
 
     name = "prefill_too"
     priority = 60
 
     def small_batch_format(self, req):
-        return SmallBatchFormat(ActivationFormat(Layout.STANDARD, req.config.dtype), 2, "test", 6, "prefill test")
+        return SmallBatchFormat(ActivationFormat(Layout.STANDARD, req.config.dtype), 2, "test", 6, "prefill test", 12)
 
 
-def test_a_prefill_range_sends_large_batches_to_the_small_format_too():
+def test_a_prefill_band_sends_large_batches_to_the_small_format_too():
     cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens=16)
     reg = _registry(ReferenceDispatcher(), experts=PrefillTooExperts())
     layer = moehal.MoELayer(cfg, "bf16", device="cpu", registry=reg)
     p = layer.plan.pipeline
     assert p.experts.name == "prefill_too" and p.small.prefill_min_tokens == 6
-    assert "prefill      at >= 6 tokens: standard[bfloat16] (prefill test)" in str(layer.plan)
+    assert "prefill      at 6-12 tokens: standard[bfloat16] (prefill test)" in str(layer.plan)
     assert layer.plan.as_dict()["pipeline"]["small_batch_prefill_min_tokens"] == 6
+    assert layer.plan.as_dict()["pipeline"]["small_batch_prefill_max_tokens"] == 12
     weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 16)
     layer.load_weights(weights)
     for t, want in (
@@ -228,7 +229,8 @@ def test_a_prefill_range_sends_large_batches_to_the_small_format_too():
         (3, "MaskedInput"),
         (5, "MaskedInput"),
         (6, "StandardInput"),
-        (16, "StandardInput"),
+        (12, "StandardInput"),
+        (13, "MaskedInput"),
     ):
         SmallBatchExperts.calls.clear()
         out = layer(x[:t], ids[:t], wts[:t])

@@ -263,7 +263,7 @@ def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
 
 
 def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):
-    """A prefill range comes from the device's whole-layer measurements (or the class-level
+    """A prefill band comes from the device's whole-layer measurements (or the class-level
     override a benchmark sets), for bf16 only; it is declared even where no decode batch runs
     token-major (DeepSeek-V3's EP8 slice), and shown by `moehal explain` through the plan."""
     import json
@@ -275,31 +275,39 @@ def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):
     cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=256, intermediate_size=128)
     big = MoEConfig(num_experts=32, top_k=8, hidden_size=7168, intermediate_size=2048)
     gpu = HardwareInfo("cuda", torch.device("cuda", 0), "Test GPU 80GB", (9, 0))
-    us = {"64": (100.0, 99.5), "128": (100.0, 90.0), "1024": (100.0, 80.0), "4096": (100.0, 98.0)}
-    rec = {"layer_us": {t: {"current": c, "portable": p} for t, (c, p) in us.items()}}
-    table = {"entries": {}, "prefill_portable": {gc.layer_key(128, 256, 128, 8, True): rec}}
-    (tmp_path / "masked_gemm.test_gpu_80gb.json").write_text(json.dumps(table))
+    path = tmp_path / "masked_gemm.test_gpu_80gb.json"
     monkeypatch.setattr(gc, "TUNED_DIR", tmp_path)
+
+    def band(portable: dict[int, float], gated: bool = True):
+        """The band for whole-layer times `portable` (the pipeline's: 100 us at every count)."""
+        rec = {"layer_us": {str(t): {"current": 100.0, "portable": us} for t, us in portable.items()}}
+        path.write_text(json.dumps({"entries": {}, "prefill_portable": {gc.layer_key(128, 256, 128, 8, True): rec}}))
+        gc.load_table.cache_clear()
+        return gc.GemmChooser("Test GPU 80GB").portable_prefill_range(128, 256, 128, 8, gated)
+
+    # 64 tokens gained 0.5% (< PORTABLE_MIN_GAIN); from 128 on every count gained >= 1%: no upper bound,
+    # and the lower one halfway (log scale) between the measured 64 and 128
+    assert band({64: 99.5, 128: 90.0, 1024: 80.0, 4096: 98.0}) == (91, None)
+    # an H200-like record: 64-512 win, 1024 does not, 2048 wins alone, 4096 loses
+    h200 = {64: 95.0, 128: 94.0, 256: 98.0, 512: 93.0, 1024: 99.5, 2048: 98.7, 4096: 103.0}
+    assert band(h200) == (64, 724)  # the longest run; 724 ~ sqrt(512 * 1024)
+    assert band({64: 99.5, 4096: 99.5}) is None  # no count won
+    assert band({64: 99.0, 4096: 101.0}) == (64, 512)  # a lone win at the smallest count
+    assert band({64: 99.0}, gated=False) is None  # no record for this layer shape
+    band({64: 99.5, 128: 90.0, 1024: 80.0, 4096: 98.0})
     small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), gpu))
-    # 64 tokens gained 0.5% (< PORTABLE_MIN_GAIN): the range starts at 128, every larger count gained >= 1%
-    assert small is not None and small.prefill_min_tokens == 128 and small.max_tokens == 4
-    assert [small.takes(t) for t in (4, 5, 127, 128, 8192)] == [True, False, False, True, True]
-    assert str(small) == "standard[bfloat16] at <= 4 and >= 128 tokens"
+    assert small is not None and (small.prefill_min_tokens, small.prefill_max_tokens) == (91, None)
+    assert small.max_tokens == 4 and [small.takes(t) for t in (4, 5, 90, 91, 8192)] == [True, False, False, True, True]
+    assert str(small) == "standard[bfloat16] at <= 4 and >= 91 tokens"
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), gpu)) is None
+    band(h200)
+    small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), gpu))
+    assert [small.takes(t) for t in (63, 64, 724, 725, 2048)] == [False, True, True, False, False]
+    assert str(small) == "standard[bfloat16] at <= 4 and 64-724 tokens"
     # a shape the table has no record of: decode only
     other = MoEConfig(num_experts=64, top_k=8, hidden_size=256, intermediate_size=128)
-    assert (
-        DeepGemmExperts().small_batch_format(BuildRequest(other, QuantScheme.parse("bf16"), gpu)).prefill_min_tokens
-        is None
-    )
-    # the largest measured count losing means no range at all (the rule never extrapolates a win)
-    rec["layer_us"]["4096"] = {"current": 100.0, "portable": 99.5}
-    (tmp_path / "masked_gemm.test_gpu_80gb.json").write_text(json.dumps(table))
-    gc.load_table.cache_clear()
-    assert gc.GemmChooser("Test GPU 80GB").portable_prefill_from(128, 256, 128, 8, True) is None
-    assert (
-        gc.GemmChooser("Test GPU 80GB").portable_prefill_from(128, 256, 128, 8, False) is None
-    )  # non-gated: no record
+    small = DeepGemmExperts().small_batch_format(BuildRequest(other, QuantScheme.parse("bf16"), gpu))
+    assert small is not None and small.prefill_min_tokens is None
     gc.load_table.cache_clear()
     # the override: no decode range for DeepSeek-V3's slice, a prefill range all the same
     monkeypatch.setattr(DeepGemmExperts, "portable_prefill_min_tokens", 512)
@@ -308,6 +316,18 @@ def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):
     assert [small.takes(t) for t in (0, 1, 511, 512)] == [True, False, False, True]
     monkeypatch.setattr(DeepGemmExperts, "portable_prefill_min_tokens", 0)
     assert DeepGemmExperts().small_batch_format(BuildRequest(big, QuantScheme.parse("bf16"), gpu)) is None
+
+
+def test_shipped_tables_send_qwen3_prefill_to_the_portable_kernel_where_measured():
+    """The session-13 records as shipped: Qwen3-30B-A3B from 64 tokens up on an H100 and at
+    64-724 tokens on an H200; DeepSeek-V3's EP8 slice and Mixtral never (measured slower)."""
+    from moehal_cuda.gemm_choice import GemmChooser
+
+    h100, h200 = GemmChooser("NVIDIA H100 80GB HBM3"), GemmChooser("NVIDIA H200")
+    assert h100.portable_prefill_range(128, 2048, 768, 8, True) == (64, None)
+    assert h200.portable_prefill_range(128, 2048, 768, 8, True) == (64, 724)
+    assert h100.portable_prefill_range(32, 7168, 2048, 8, True) is None
+    assert h100.portable_prefill_range(8, 4096, 14336, 2, True) is None
 
 
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])

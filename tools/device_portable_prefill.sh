@@ -22,16 +22,7 @@ if [ -n "${TUNE_TOKENS:-}" ]; then
   # SGLang would load on this GPU (this Triton's, else the newest), into the shipped table
   ftable=triton_fused_moe.$slug.json
   cp "$repo/core/kernels/$ftable" "$OUT/$ftable" 2>/dev/null
-  sgl=$(python3 - <<'PY'
-import pathlib, torch, triton
-root = pathlib.Path("/tmp/site/sglang/srt/layers/moe/moe_runner/triton_utils/configs")
-name = "E=128,N=768,device_name=" + torch.cuda.get_device_name().replace(" ", "_") + ".json"
-ver = lambda d: tuple(int(x) for x in d.name.removeprefix("triton_").split("_"))
-dirs = sorted(root.glob("triton_*"), key=ver, reverse=True)
-mine = [d for d in dirs if d.name == "triton_" + triton.__version__.replace(".", "_")]
-print(next((str(d / name) for d in mine + dirs if (d / name).is_file()), ""))
-PY
-)
+  sgl=$(sglang_seed_config)
   echo "seed config: ${sgl:-none}" >> "$OUT/env.txt"
   seed=()
   [ -n "$sgl" ] && seed=(--seed-config "$sgl")

@@ -29,3 +29,17 @@ step() {
   rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
 }
+
+# sglang_seed_config: the path of SGLang's shipped fused-MoE config for Qwen3-30B-A3B's experts
+# (E=128, N=768) on this GPU, as SGLang picks it (this Triton's folder, else the newest), or "".
+sglang_seed_config() {
+  python3 - <<'PY'
+import pathlib, torch, triton
+root = pathlib.Path("/tmp/site/sglang/srt/layers/moe/moe_runner/triton_utils/configs")
+name = "E=128,N=768,device_name=" + torch.cuda.get_device_name().replace(" ", "_") + ".json"
+ver = lambda d: tuple(int(x) for x in d.name.removeprefix("triton_").split("_"))
+dirs = sorted(root.glob("triton_*"), key=ver, reverse=True)
+mine = [d for d in dirs if d.name == "triton_" + triton.__version__.replace(".", "_")]
+print(next((str(d / name) for d in mine + dirs if (d / name).is_file()), ""))
+PY
+}

@@ -24,16 +24,7 @@ table="triton_fused_moe.$slug.json"
 first=${FIRST:-$repo/core/kernels/$table}
 [ -f "$first" ] && cp "$first" "$OUT/$table"
 seed=()  # SGLang's shipped config for this shape and GPU, as SGLang picks it (this Triton's, else the newest), unless SEED=0
-sgl=$(python3 - <<'PY'
-import pathlib, torch, triton
-root = pathlib.Path("/tmp/site/sglang/srt/layers/moe/moe_runner/triton_utils/configs")
-name = "E=128,N=768,device_name=" + torch.cuda.get_device_name().replace(" ", "_") + ".json"
-ver = lambda d: tuple(int(x) for x in d.name.removeprefix("triton_").split("_"))
-dirs = sorted(root.glob("triton_*"), key=ver, reverse=True)
-mine = [d for d in dirs if d.name == "triton_" + triton.__version__.replace(".", "_")]
-print(next((str(d / name) for d in mine + dirs if (d / name).is_file()), ""))
-PY
-)
+sgl=$(sglang_seed_config)
 echo "seed config: ${sgl:-none}" >> "$OUT/env.txt"
 [ "${SEED:-1}" = 1 ] && [ -n "$sgl" ] && seed=(--seed-config "$sgl")
 step tune "${TUNE_LIMIT:-260}" python3 -m moehal.kernels.tune_fused_moe --shapes qwen3_30b_a3b \

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moehal.config import MoEConfig
 from moehal.formats import ActivationFormat, Layout, ScaleKind, SmallBatchFormat, StandardInput
 from moehal.hardware import detect
@@ -451,3 +453,39 @@ def test_misaligned_masked_input_is_refused_not_computed():
     )
     with pytest.raises(ValueError, match="not a multiple of 64"):
         ex.apply(inp)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=90.0, max_value=110.0), min_size=1, max_size=8))
+def test_prefill_band_is_the_longest_run_of_measured_wins(portable_us):
+    """For any record: every measured count inside the band won by the margin, the band holds
+    exactly the longest run of wins (the larger one on a tie), and no band means no win."""
+    import math
+
+    from moehal_cuda import gemm_choice as gc
+
+    counts = [2 ** (5 + j) for j in range(len(portable_us))]  # 32, 64, ...
+    rec = {"layer_us": {str(t): {"current": 100.0, "portable": us} for t, us in zip(counts, portable_us)}}
+    chooser = gc.GemmChooser(None)
+    chooser.table = {"prefill_portable": {gc.layer_key(8, 64, 32, 2, True): rec}}
+    band = chooser.portable_prefill_range(8, 64, 32, 2, True)
+    wins = [us <= (1.0 - gc.PORTABLE_MIN_GAIN) * 100.0 for us in portable_us]
+    if band is None:
+        assert not any(wins)
+        return
+    lo, hi = band
+    inside = [j for j, t in enumerate(counts) if lo <= t <= (hi if hi is not None else math.inf)]
+    assert inside and all(wins[j] for j in inside)
+    assert inside == list(range(inside[0], inside[-1] + 1))  # one run of measured counts
+    runs, j = [], 0
+    while j < len(wins):  # every run of wins, as (length, start)
+        if wins[j]:
+            k = j
+            while k + 1 < len(wins) and wins[k + 1]:
+                k += 1
+            runs.append((k - j + 1, j))
+            j = k + 1
+        else:
+            j += 1
+    assert (len(inside), inside[0]) == max(runs)  # the longest, the larger counts on a tie
+    assert (hi is None) == (inside[-1] == len(counts) - 1)

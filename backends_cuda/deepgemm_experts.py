@@ -317,7 +317,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         # token-major batches above the decode range are prefill batches (the portable fused MoE)
         prefill = small is not None and small.prefill_min_tokens is not None
         self.decode_max_tokens = small.max_tokens if small is not None and prefill else sys.maxsize
-        self._portable: Any = None  # the weights as the portable fused MoE reads them (bf16)
+        self._portable: Any = None  # the portable fused MoE's runner, on these weights (bf16)
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
@@ -379,28 +379,17 @@ class DeepGemmExpertsRunner(ExpertsRunner):
     def _apply_portable(self, inp: StandardInput) -> StandardOutput:
         """Prefill batches in the small-batch format: the portable Triton fused MoE (it gathers
         rows by expert inside GEMM1, fuses the activation, and weights and sums the top-k rows),
-        on the same tensors as the grouped GEMMs: no second copy of the weights."""
-        from moehal.kernels.triton_fused_moe import TritonMoEWeights, fused_moe
-
-        w, c = self.w, self.config
-        assert w is not None
+        run by its own experts runner on the same tensors as the grouped GEMMs: no second copy
+        of the weights."""
         if self._portable is None:
-            self._portable = TritonMoEWeights(w.w13, w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias)
-        hw = self.req.hardware
-        out = fused_moe(
-            inp.hidden,
-            inp.topk_ids,
-            inp.topk_weights,
-            self._portable,
-            activation=c.activation.value,
-            gated=c.gated,
-            swiglu_alpha=c.swiglu_alpha,
-            swiglu_limit=c.swiglu_limit,
-            out_dtype=c.dtype,
-            all_local=c.ep_size == 1,
-            device_name=hw.name if hw.kind == "cuda" else None,
-        )
-        return StandardOutput(out)
+            from moehal.kernels.triton_experts import TritonExpertsRunner
+            from moehal.kernels.triton_fused_moe import TritonMoEWeights
+
+            w = self.w
+            assert w is not None
+            self._portable = TritonExpertsRunner(self.req, ActivationFormat(Layout.STANDARD, self.config.dtype))
+            self._portable.load(TritonMoEWeights(w.w13, w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias))
+        return self._portable.apply(inp)
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)

@@ -455,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--breakdown", action="store_true", help="also profile each row: device time per kernel (CPU: per operator)"
     )
+    p.add_argument(
+        "--goals", action="store_true", help="also check this run's rows against the goals (moehal.bench_goals)"
+    )
     args = p.parse_args(argv)
     console = Console()
     dev = detect(args.device).device
@@ -546,6 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(results_table(rows))
     if args.breakdown:
         console.print(breakdown_table(rows))
+    if args.goals:
+        from moehal.bench_goals import check_goals, goals_table
+
+        checks = check_goals(rows, ceil.device)
+        console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
     if out is not None:
         save()
         png = plot(rows, out.with_suffix(".png"))

@@ -1,4 +1,4 @@
-"""`moehal` command line: doctor, explain, list, conformance, bench."""
+"""`moehal` command line: doctor, explain, list, conformance, bench, goals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moehal.cli import doctor, explain, listing
+from moehal.cli import doctor, explain, goals, listing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(sub)
     explain.add_parser(sub)
     listing.add_parser(sub)
+    goals.add_parser(sub)
     conf = sub.add_parser("conformance", help="run the conformance suite against a backend", add_help=False)
     conf.set_defaults(func=_conformance)
     bench = sub.add_parser("bench", help="benchmark MoE layer forward", add_help=False)

@@ -2,6 +2,8 @@
 
 `<!-- reports:DIR -->` in a page becomes a table of the files under docs/DIR (newest first),
 so a report committed by a device run appears without editing the page.
+`<!-- goals:FILE.json FILE.json ... -->` (paths under docs/) becomes the performance goals'
+summary computed from those `moehal bench` runs (`moehal.bench_goals`), never typed by hand.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 _MARK = re.compile(r"<!-- reports:([\w\-/]+) -->")
+_GOALS = re.compile(r"<!-- goals:([^>]+?) -->")
 _KINDS = {".md": "report", ".json": "machine-readable", ".log": "log", ".png": "plot", ".txt": "text"}
 
 
@@ -26,9 +29,17 @@ def _table(docs_dir: Path, page_dir: Path, sub: str) -> str:
     return "\n".join(rows)
 
 
+def _goals(docs_dir: Path, paths: str) -> str:
+    from moehal.bench_goals import check_runs, goals_markdown
+
+    return goals_markdown(check_runs([docs_dir / p for p in paths.split()]), cells=False)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    docs_dir = Path(config["docs_dir"])
+    if "<!-- goals:" in markdown:
+        markdown = _GOALS.sub(lambda m: _goals(docs_dir, m.group(1)), markdown)
     if "<!-- reports:" not in markdown:
         return markdown
-    docs_dir = Path(config["docs_dir"])
     page_dir = (docs_dir / page.file.src_path).parent
     return _MARK.sub(lambda m: _table(docs_dir, page_dir, m.group(1)), markdown)

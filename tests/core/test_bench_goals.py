@@ -1,0 +1,146 @@
+"""`moehal.bench_goals`: goals checked against benchmark rows, synthetic and committed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from moehal.bench_goals import (
+    HOST_US,
+    ISSUE_4_GOALS,
+    PCT_ROOFLINE,
+    VS_PEER,
+    Goal,
+    check_goals,
+    check_runs,
+    goals_markdown,
+    load_runs,
+    summarize,
+)
+from moehal.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+SESSION14 = REPO / "docs/device-runs/2026-11-23-session14"
+
+
+def row(backend: str, tokens: int, time_us: float, quant: str = "bf16", shape: str = "s", **kw: float) -> dict:
+    return {"backend": backend, "quant": quant, "shape": shape, "tokens": tokens, "time_us": time_us, **kw}
+
+
+def by_cell(checks):
+    return {(c.goal.name, c.backend, c.shape, c.tokens): c for c in checks}
+
+
+def test_each_metric_reads_the_right_rows():
+    rows = [
+        row("cuda", 4, 10.0, pct_roofline=50.0, host_graph_out_us=12.0, host_us=300.0),
+        row("sglang", 4, 11.0),
+        row("cuda", 256, 20.0, pct_roofline=95.0),  # covered by no goal
+        row("cuda", 128, 30.0, pct_roofline=89.9, host_graph_out_us=20.5, host_us=float("nan")),
+        row("cuda", 2048, 100.0, pct_roofline=80.0),
+        row("sglang", 2048, 119.0),
+        row("cuda", 2048, 60.0, quant="fp8_block", pct_roofline=70.0),
+        row("cuda", 8192, 400.0),
+        row("cuda", 8192, 250.0, quant="fp8_block"),
+    ]
+    c = by_cell(check_goals(rows, "dev"))
+    assert c["decode_vs_peer", "cuda", "s", 4].value == pytest.approx(1.1) and c["decode_vs_peer", "cuda", "s", 4].met
+    assert c["small_roofline", "cuda", "s", 128].status == "not met"  # 89.9 < 90
+    assert c["prefill_roofline", "cuda", "s", 2048].met
+    vs = c["prefill_vs_peer", "cuda", "s", 2048]
+    assert vs.value == pytest.approx(1.19) and vs.status == "not met" and vs.value_text == "1.19x"
+    assert c["fp8_vs_bf16", "cuda", "s", 2048].value == pytest.approx(100 / 60)
+    assert c["fp8_vs_bf16", "cuda", "s", 8192].value == pytest.approx(1.6), "no upper bound on tokens"
+    assert c["host_graphs", "cuda", "s", 4].met and not c["host_graphs", "cuda", "s", 128].met  # at most 20 us
+    assert c["host_eager", "cuda", "s", 4].status == "not met"
+    assert c["host_eager", "cuda", "s", 128].status == "not measured", "NaN: not measured (e.g. on CPU)"
+    assert not any(k[1] == "sglang" for k in c), "the peer is compared against, never checked"
+    assert not any(k[3] == 256 for k in c)
+    assert all(x.device == "dev" for x in c.values())
+
+
+def test_a_missing_peer_or_bf16_row_is_not_measured_never_met():
+    c = by_cell(check_goals([row("cuda", 1, 5.0), row("cuda", 1024, 50.0, quant="fp8_block")]))
+    assert c["decode_vs_peer", "cuda", "s", 1].status == "not measured"
+    assert c["fp8_vs_bf16", "cuda", "s", 1024].status == "not measured"
+    (s,) = [s for s in summarize(c.values()) if s.goal.name == "decode_vs_peer"]
+    assert (s.status, s.measured, s.unmeasured) == ("not measured", 0, 1)
+
+
+def test_goals_take_dataclass_rows_as_moehal_bench_makes_them():
+    from moehal.bench import Row
+
+    r = Row("s", "cuda", "p", "bf16", 16, 10.0, "graph", 1, 1, 9.5, 95.0, 1.0, 1.0)
+    (check,) = [x for x in check_goals([r]) if x.goal.metric == PCT_ROOFLINE]
+    assert check.goal.name == "small_roofline" and check.met and check.value_text == "95%"
+
+
+def test_a_goal_must_name_a_known_metric():
+    with pytest.raises(ValueError, match="unknown metric"):
+        Goal("g", "text", "bf16", 1, 2, "speed", 1.0)
+    g = Goal("g", "text", "bf16", 16, None, HOST_US, 20.0, at_most=True)
+    assert g.covers("bf16", 10**6) and not g.covers("bf16", 8) and not g.covers("fp8_block", 16)
+    assert g.met_by(20.0) and not g.met_by(20.1) and g.tokens_text == "16+"
+    assert {x.metric for x in ISSUE_4_GOALS} >= {PCT_ROOFLINE, VS_PEER}
+
+
+def test_runs_merge_per_device_and_the_later_file_wins(tmp_path):
+    def run(name: str, device: str, rows: list[dict]) -> Path:
+        p = tmp_path / name
+        p.write_text(json.dumps({"ceilings": {"device": device}, "rows": rows}))
+        return p
+
+    a = run("a.json", "gpu0", [row("cuda", 2048, 100.0, pct_roofline=80.0)])
+    b = run("b.json", "gpu0", [row("cuda", 2048, 50.0, quant="fp8_block", pct_roofline=90.0)])
+    c = run("c.json", "gpu1", [row("cuda", 2048, 90.0, pct_roofline=70.0)])
+    d = run("d.json", "gpu0", [row("cuda", 2048, 75.0, pct_roofline=81.0)])  # a rerun of a's row
+    runs = load_runs([a, b, c, d])
+    assert sorted(runs) == ["gpu0", "gpu1"] and len(runs["gpu0"]) == 2
+    cells = {(x.goal.name, x.device): x for x in check_runs([a, b, c, d])}
+    assert cells["fp8_vs_bf16", "gpu0"].value == pytest.approx(1.5), "fp8 against the same device's bf16"
+    assert cells["prefill_roofline", "gpu0"].value == 81.0 and not cells["prefill_roofline", "gpu1"].met
+
+
+def test_committed_h100_record_reads_as_its_readme_says():
+    """The session-14 H100 record: what its README states, computed from its JSON."""
+    files = [SESSION14 / "h100/call2/bench.json", SESSION14 / "h100/call2/bench-fp8.json"]
+    c = {(x.goal.name, x.shape, x.tokens): x for x in check_runs(files)}
+    assert c["prefill_roofline", "deepseek_v3_ep8", 4096].met
+    assert c["prefill_roofline", "qwen3_30b_a3b", 1024].met
+    assert c["prefill_vs_peer", "qwen3_30b_a3b", 4096].status == "not met"
+    assert c["prefill_vs_peer", "mixtral_8x7b", 1024].met
+    assert all(x.met for (g, _, _), x in c.items() if g in ("decode_vs_peer", "small_roofline"))
+    md = goals_markdown(list(c.values()))
+    assert "| 1024-4096 tokens: at least 75% of roofline | >= 75% |" in md
+    cell = "| prefill_vs_peer | cuda:0 NVIDIA H100 80GB HBM3 sm90 | cuda | qwen3_30b_a3b | 4096 | 1.02x | not met |"
+    assert cell in md and cell not in goals_markdown(list(c.values()), cells=False)
+
+
+def test_cli_goals_markdown_json_and_table(capsys):
+    files = [str(SESSION14 / "h200/call3/bench.json"), str(SESSION14 / "h200/call3/bench-fp8.json")]
+    assert main(["goals", *files, "--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)
+    assert {c["goal"] for c in cells} == {g.name for g in ISSUE_4_GOALS}
+    assert {c["status"] for c in cells} <= {"met", "not met", "not measured"}
+    assert main(["goals", *files, "--markdown"]) == 0
+    assert "| goal | target | device | backend | status | cells met | where not met |" in capsys.readouterr().out
+    assert main(["goals", *files]) == 0
+    assert "prefill_vs_peer" in capsys.readouterr().out
+
+
+def test_cli_goals_says_when_nothing_is_covered(tmp_path, capsys):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"ceilings": {"device": "d"}, "rows": [row("cuda", 256, 1.0)]}))
+    assert main(["goals", str(p)]) == 1
+    assert "no row" in capsys.readouterr().err
+
+
+def test_bench_goals_flag_checks_the_runs_own_rows(capsys):
+    from moehal.bench import main as bench_main
+
+    argv = ["--shapes", "tiny", "--tokens", "1,16", "--backends", "reference", "--reps", "1", "--goals"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "goals: reference on" in out and "small_roofline" in out
+    assert "decode_vs_peer" in out and "unmeasured" in out, "no SGLang row in this run: not measured"

@@ -276,22 +276,28 @@ def small_batch_tokens(num_experts: int, top_k: int, bytes_per_token: int = 0) -
 
 def portable_prefill_tokens(req: BuildRequest, override: int | None = None) -> tuple[int, int | None] | None:
     """The batch sizes (lo, hi; hi None: no bound) that run the portable Triton fused MoE in
-    place of the grouped-GEMM pipeline (bf16 only; None: none). `override` None: this device's
-    table decides (`GemmChooser.portable_prefill_range`: whole-layer measurements per layer
-    shape; in session 13 Qwen3-30B-A3B measured 1.03-1.09x faster that way at 64-4096 tokens on
+    place of the grouped-GEMM pipeline (None: none), for bf16 and, on SM90, fp8 block-scale
+    weights (the kernel reads DeepGEMM's fp32 `[E, N/128, K/128]` scales as they are; SM100's
+    packed UE8M0 scales only DeepGEMM reads). `override` None: this device's table decides
+    (`GemmChooser.portable_prefill_range`: whole-layer measurements per layer shape and scheme;
+    in session 13 Qwen3-30B-A3B bf16 measured 1.03-1.09x faster that way at 64-4096 tokens on
     an H100 and 1.02-1.07x at 64-512 on an H200, where DeepGEMM pads each expert's rows to
     128-row tiles and the pipeline permutes, activates and combines in passes of their own,
     while DeepSeek-V3's EP8 slice and Mixtral-8x7B ran 21-28% slower); 0: never; n > 0: from n
     tokens up."""
     c = req.config
-    if req.quant.kind is not QuantKind.BF16 or override == 0:
+    kind = req.quant.kind
+    if override == 0 or not (kind is QuantKind.BF16 or (kind is QuantKind.FP8_BLOCK and not _is_sm100(req))):
         return None
     if override is not None:
         return override, None
     if req.hardware.kind != "cuda":
         return None
     chooser = GemmChooser(req.hardware.name)
-    return chooser.portable_prefill_range(c.num_local_experts, c.hidden_size, c.intermediate_size, c.top_k, c.gated)
+    dtype = "bf16" if kind is QuantKind.BF16 else "fp8_block"
+    return chooser.portable_prefill_range(
+        c.num_local_experts, c.hidden_size, c.intermediate_size, c.top_k, c.gated, dtype
+    )
 
 
 # --- runner ---------------------------------------------------------------------------------------
@@ -317,7 +323,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         # token-major batches above the decode range are prefill batches (the portable fused MoE)
         prefill = small is not None and small.prefill_min_tokens is not None
         self.decode_max_tokens = small.max_tokens if small is not None and prefill else sys.maxsize
-        self._portable: Any = None  # the portable fused MoE's runner, on these weights (bf16)
+        self._portable: Any = None  # the portable fused MoE's runner, on these weights
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
@@ -378,9 +384,9 @@ class DeepGemmExpertsRunner(ExpertsRunner):
 
     def _apply_portable(self, inp: StandardInput) -> StandardOutput:
         """Prefill batches in the small-batch format: the portable Triton fused MoE (it gathers
-        rows by expert inside GEMM1, fuses the activation, and weights and sums the top-k rows),
-        run by its own experts runner on the same tensors as the grouped GEMMs: no second copy
-        of the weights."""
+        rows by expert inside GEMM1, fuses the activation, quantizes fp8 activations in 1x128
+        groups itself, and weights and sums the top-k rows), run by its own experts runner on
+        the same tensors as the grouped GEMMs: no second copy of the weights or their scales."""
         if self._portable is None:
             from moehal.kernels.triton_experts import TritonExpertsRunner
             from moehal.kernels.triton_fused_moe import TritonMoEWeights
@@ -388,7 +394,12 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             w = self.w
             assert w is not None
             self._portable = TritonExpertsRunner(self.req, ActivationFormat(Layout.STANDARD, self.config.dtype))
-            self._portable.load(TritonMoEWeights(w.w13, w.w2, w13_bias=w.w13_bias, w2_bias=w.w2_bias))
+            self._portable.load(
+                TritonMoEWeights(
+                    w.w13, w.w2, quant="fp8_block" if self.fp8 else "none", w13_scale=w.w13_scale,
+                    w2_scale=w.w2_scale, w13_bias=w.w13_bias, w2_bias=w.w2_bias, ue8m0=self.ue8m0,
+                )
+            )  # fmt: skip
         return self._portable.apply(inp)
 
     def load(self, weights: Any) -> None:
@@ -507,7 +518,7 @@ class DeepGemmExperts(Experts):
     # batches of at most this many tokens run the token-major decode kernels; None: the rule of
     # `small_batch_tokens`, 0: never (class-level, so a benchmark can compare both paths)
     small_batch_max_tokens: ClassVar[int | None] = None
-    # batches of at least this many tokens run the portable Triton fused MoE (bf16); None: where
+    # batches of at least this many tokens run the portable Triton fused MoE (bf16, SM90 fp8); None: where
     # this device's table measured it faster (`GemmChooser.portable_prefill_range`), 0: never
     portable_prefill_min_tokens: ClassVar[int | None] = None
 
@@ -563,17 +574,19 @@ class DeepGemmExperts(Experts):
 
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
         """bf16 (and fp16) layers take token-major input at decode sizes: two Triton kernels
-        for the whole layer, no permute and no gather (`moehal.kernels.triton_token_moe`); and
-        at prefill sizes where this device's table measured the portable Triton fused MoE
-        faster for this layer shape (`portable_prefill_tokens`)."""
+        for the whole layer, no permute and no gather (`moehal.kernels.triton_token_moe`); bf16
+        and SM90 fp8 layers also at prefill sizes where this device's table measured the
+        portable Triton fused MoE faster for this layer shape (`portable_prefill_tokens`). The
+        input is unquantized either way: the portable kernel quantizes fp8 activations itself."""
         c = req.config
-        if req.quant.kind is not QuantKind.BF16:
-            return None
-        per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * c.dtype.itemsize  # w13 + w2
-        n = self.small_batch_max_tokens
-        if n is None:
-            n = small_batch_tokens(c.num_local_experts, c.top_k, per_token)
         band = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
+        if req.quant.kind is not QuantKind.BF16:
+            n = 0  # the decode kernels read bf16 weights only
+        else:
+            per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * c.dtype.itemsize  # w13 + w2
+            n = self.small_batch_max_tokens
+            if n is None:
+                n = small_batch_tokens(c.num_local_experts, c.top_k, per_token)
         if n == 0 and band is None:
             return None
         fmt = ActivationFormat(Layout.STANDARD, c.dtype)

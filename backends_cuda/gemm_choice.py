@@ -71,9 +71,10 @@ def entry_key(e: int, n: int, k: int, dtype: str) -> str:
     return f"E={e},N={n},K={k},dtype={dtype}"
 
 
-def layer_key(e: int, h: int, i: int, top_k: int, gated: bool) -> str:
-    """A whole-layer record's key (bf16): experts, hidden and intermediate size, top-k, gating."""
-    return f"E={e},H={h},I={i},top_k={top_k},gated={int(gated)},dtype=bf16"
+def layer_key(e: int, h: int, i: int, top_k: int, gated: bool, dtype: str = "bf16") -> str:
+    """A whole-layer record's key: experts, hidden and intermediate size, top-k, gating, and the
+    weights' scheme ('bf16' or 'fp8_block')."""
+    return f"E={e},H={h},I={i},top_k={top_k},gated={int(gated)},dtype={dtype}"
 
 
 def table_path(device_name: str, directory: pathlib.Path | None = None) -> pathlib.Path:
@@ -155,16 +156,19 @@ class GemmChooser:
         cfg = TileConfig.from_dict(rec["config"])
         return cfg if cfg.fits(n13 // 2, k, False) else None
 
-    def portable_prefill_range(self, e: int, h: int, i: int, top_k: int, gated: bool) -> tuple[int, int | None] | None:
-        """The token counts (lo, hi; hi None: no bound) at which bf16 batches of this layer shape
-        run the portable Triton fused MoE: the longest run of consecutive measured counts where
-        the table's whole-layer measurements have it at least `PORTABLE_MIN_GAIN` faster than
-        the pipeline otherwise chosen (ties: the larger counts). A bound next to a measured
-        count that lost lies halfway between the two on a log scale (each batch goes the way its
-        nearest measured count went); the run's smallest count is its lower bound where nothing
-        smaller was measured, and a run up to the largest measured count has no upper bound.
-        None without a record or a win."""
-        rec = self.table.get("prefill_portable", {}).get(layer_key(e, h, i, top_k, gated)) if self.table else None
+    def portable_prefill_range(
+        self, e: int, h: int, i: int, top_k: int, gated: bool, dtype: str = "bf16"
+    ) -> tuple[int, int | None] | None:
+        """The token counts (lo, hi; hi None: no bound) at which batches of this layer shape and
+        weight scheme (`dtype`: 'bf16' or 'fp8_block') run the portable Triton fused MoE: the
+        longest run of consecutive measured counts where the table's whole-layer measurements
+        have it at least `PORTABLE_MIN_GAIN` faster than the pipeline otherwise chosen (ties: the
+        larger counts). A bound next to a measured count that lost lies halfway between the two
+        on a log scale (each batch goes the way its nearest measured count went); the run's
+        smallest count is its lower bound where nothing smaller was measured, and a run up to
+        the largest measured count has no upper bound. None without a record or a win."""
+        key = layer_key(e, h, i, top_k, gated, dtype)
+        rec = self.table.get("prefill_portable", {}).get(key) if self.table else None
         if not rec or not rec.get("layer_us"):
             return None
         counts = sorted(int(t) for t in rec["layer_us"])
@@ -247,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         Console().print(t)
     port = chooser.table.get("prefill_portable", {})
     if port:
-        t = Table(title="bf16 prefill: the portable Triton fused MoE in place of the pipeline (whole layer)")
+        t = Table(title="prefill: the portable Triton fused MoE in place of the pipeline (whole layer)")
         for col in ("layer", "tokens", "current us", "portable us", "portable"):
             t.add_column(col, justify="right" if col != "layer" else "left")
         for key, rec in port.items():
             f = dict(p.split("=") for p in key.split(","))
             dims = (int(f["E"]), int(f["H"]), int(f["I"]), int(f["top_k"]))
-            band = chooser.portable_prefill_range(*dims, f["gated"] == "1")
+            band = chooser.portable_prefill_range(*dims, f["gated"] == "1", f.get("dtype", "bf16"))
             for tokens, us in rec.get("layer_us", {}).items():
                 inside = band is not None and band[0] <= int(tokens) <= (band[1] or int(tokens))
                 runs = "yes" if inside else "no"

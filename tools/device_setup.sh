@@ -30,13 +30,14 @@ step() {
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
 }
 
-# sglang_seed_config: the path of SGLang's shipped fused-MoE config for Qwen3-30B-A3B's experts
-# (E=128, N=768) on this GPU, as SGLang picks it (this Triton's folder, else the newest), or "".
+# sglang_seed_config [SUFFIX]: the path of SGLang's shipped fused-MoE config for Qwen3-30B-A3B's
+# experts (E=128, N=768) on this GPU, as SGLang picks it (this Triton's folder, else the newest),
+# or "". SUFFIX names the scheme as SGLang does, e.g. ",dtype=fp8_w8a8,block_shape=[128, 128]".
 sglang_seed_config() {
-  python3 - <<'PY'
-import pathlib, torch, triton
+  SUFFIX="${1:-}" python3 - <<'PY'
+import os, pathlib, torch, triton
 root = pathlib.Path("/tmp/site/sglang/srt/layers/moe/moe_runner/triton_utils/configs")
-name = "E=128,N=768,device_name=" + torch.cuda.get_device_name().replace(" ", "_") + ".json"
+name = "E=128,N=768,device_name=" + torch.cuda.get_device_name().replace(" ", "_") + os.environ["SUFFIX"] + ".json"
 ver = lambda d: tuple(int(x) for x in d.name.removeprefix("triton_").split("_"))
 dirs = sorted(root.glob("triton_*"), key=ver, reverse=True)
 mine = [d for d in dirs if d.name == "triton_" + triton.__version__.replace(".", "_")]

@@ -1,17 +1,18 @@
-"""Whole-layer time of bf16 prefill batches run as the portable Triton fused MoE (token-major:
+"""Whole-layer time of prefill batches run as the portable Triton fused MoE (token-major:
 `DeepGemmExperts.portable_prefill_min_tokens`) against the pipeline otherwise chosen (masked or
 contiguous grouped GEMMs with the permute, activation and combine passes), per benchmark shape
 and token count: the measurements `GemmChooser.portable_prefill_range` decides by.
 
     python3 tools/portable_prefill_probe.py [--cases qwen3_30b_a3b:64,...,4096 mixtral_8x7b:1024 ...] \\
-        [--rounds 2] [--settle-s 2] [--json out.json --source docs/device-runs/...]
+        [--quant bf16|fp8_block] [--rounds 2] [--settle-s 2] [--json out.json --source docs/device-runs/...]
 
 Both variants are built on the same weight tensors (the portable kernel reads the grouped
 GEMMs' own), captured into CUDA graphs and timed in turns, `--rounds` times each, every timing
 after `--settle-s` seconds of the same replays (as `moehal bench` times its rows: a shorter
 settle can end inside an H100's power-limiter transient). The record keeps each variant's
 fastest round. The two outputs are compared too (relative max difference; both are bf16 sums
-of the same products in different orders), so a wrong kernel cannot win on time.
+of the same products in different orders, and for fp8 the activations are quantized by each
+path in its own kernels), so a wrong kernel cannot win on time.
 `--json` writes `"prefill_portable"` records (`tools/merge_tuned.py` merges them).
 """
 
@@ -36,6 +37,7 @@ def main() -> None:
         ],
         help="SHAPE:TOKENS,... (benchmark shapes of moehal.bench.SHAPES)",
     )
+    p.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block"))
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--settle-s", type=float, default=2.0)
@@ -47,7 +49,7 @@ def main() -> None:
     for case in a.cases:
         shape, tokens = case.split(":")
         for t in (int(x) for x in tokens.split(",")):
-            key, current, portable = probe_case(shape, t, max(t, a.max_tokens), a.rounds, a.settle_s)
+            key, current, portable = probe_case(shape, t, max(t, a.max_tokens), a.rounds, a.settle_s, a.quant)
             torch.cuda.empty_cache()
             rec = records.setdefault(key, {"source": a.source, "layer_us": {}})
             rec["layer_us"][str(t)] = {"current": round(current, 1), "portable": round(portable, 1)}
@@ -67,7 +69,14 @@ def _meta(settle_s: float) -> dict:
     return meta
 
 
-def probe_case(shape: str, t: int, max_tokens: int, rounds: int, settle_s: float) -> tuple[str, float, float]:
+# the outputs of the two paths may differ by this much (relative max difference): bf16 sums in
+# another order; for fp8 also an activation value rounded to the next fp8 step by one path only
+MAX_DIFF = {"bf16": 2e-2, "fp8_block": 5e-2}
+
+
+def probe_case(
+    shape: str, t: int, max_tokens: int, rounds: int, settle_s: float, quant: str = "bf16"
+) -> tuple[str, float, float]:
     import moehal
     from glue_sweep import random_case  # tools/ is this script's directory
     from graph_trace import replay_us
@@ -78,13 +87,13 @@ def probe_case(shape: str, t: int, max_tokens: int, rounds: int, settle_s: float
 
     dev = torch.device("cuda")
     cfg, w13, w2, x, ids, wts = random_case(shape, t, max_tokens, dev)
-    weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse("bf16"), w13.to(dev), w2.to(dev))
+    weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13.to(dev), w2.to(dev))
     layers = {}
     old = DeepGemmExperts.portable_prefill_min_tokens
     try:
         for name, start in (("current", 0), ("portable", 1)):
             DeepGemmExperts.portable_prefill_min_tokens = start
-            layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
+            layer = moehal.MoELayer(cfg, quant, device=dev, validate=False)
             layer.load_weights(weights)
             layers[name] = layer
     finally:
@@ -105,14 +114,14 @@ def probe_case(shape: str, t: int, max_tokens: int, rounds: int, settle_s: float
     best = {name: min(v) for name, v in us.items()}
     pipe = layers["current"].plan.pipeline.name
     print(
-        f"{shape:16s} T={t:5d}  current {best['current']:8.1f} us  portable {best['portable']:8.1f} us"
+        f"{shape:16s} {quant} T={t:5d}  current {best['current']:8.1f} us  portable {best['portable']:8.1f} us"
         f"  x{best['current'] / best['portable']:.3f}  rel diff {diff:.2e}  rounds {us}"
         f"  ({time.monotonic() - t0:.0f} s; current = {pipe})",
         flush=True,
     )
-    if diff > 2e-2:
+    if diff > MAX_DIFF[quant]:
         raise SystemExit(f"{shape} T={t}: the portable output differs from the pipeline's by {diff:.2e}")
-    key = layer_key(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.gated)
+    key = layer_key(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.gated, quant)
     return key, best["current"], best["portable"]
 
 

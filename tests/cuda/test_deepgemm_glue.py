@@ -247,6 +247,23 @@ def test_prefill_batches_run_the_portable_fused_moe_between_masked_calls(extra):
     assert token_major == 3 + sum(t <= small for t in steps)  # 12, 9 and 16 tokens ran the portable kernel
 
 
+@pytest.mark.parametrize(
+    "quant_name,extra",
+    [
+        ("fp8_block", dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5)),
+        ("fp8_block:ue8m0", dict(activation="gelu", gated=False, ep_rank=1, ep_size=2)),
+    ],
+    ids=["fp8-swiglu-bias-scaled", "fp8-ue8m0-gelu-ep-slice"],
+)
+def test_fp8_prefill_batches_run_the_portable_fused_moe_on_deepgemms_scales(quant_name, extra):
+    """fp8 layers (SM90 scales): prefill-sized calls reach the experts unquantized and run the
+    portable fused MoE on DeepGEMM's fp8 weights and fp32 block scales (it quantizes the
+    activations in 1x128 groups itself), between masked fp8 calls; no decode range (the decode
+    kernels read bf16 weights only)."""
+    steps = (12, 3, 9, 5, 16)
+    assert _check_layer(quant_name, Layout.MASKED, {**extra, "portable_prefill": 9, "steps": steps}) == 3
+
+
 def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
     from moehal_cuda.deepgemm_experts import DeepGemmExperts, small_batch_tokens
 
@@ -302,6 +319,17 @@ def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):
     assert small.max_tokens == 4 and [small.takes(t) for t in (4, 5, 90, 91, 8192)] == [True, False, False, True, True]
     assert str(small) == "standard[bfloat16] at <= 4 and >= 91 tokens"
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), gpu)) is None
+    # fp8 records are their own (dtype=fp8_block in the key): a band, and no decode range
+    rec = {"layer_us": {"1024": {"current": 100.0, "portable": 90.0}, "4096": {"current": 100.0, "portable": 101.0}}}
+    table = json.loads(path.read_text())
+    table["prefill_portable"][gc.layer_key(128, 256, 128, 8, True, "fp8_block")] = rec
+    path.write_text(json.dumps(table))
+    gc.load_table.cache_clear()
+    fp8 = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), gpu))
+    assert fp8 is not None and (fp8.max_tokens, fp8.prefill_min_tokens, fp8.prefill_max_tokens) == (0, 1024, 2048)
+    assert fp8.fmt == ActivationFormat(Layout.STANDARD, cfg.dtype), "unquantized: the kernel quantizes"
+    sm100 = HardwareInfo("cuda", torch.device("cuda", 0), "Test GPU 80GB", (10, 0))
+    assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), sm100)) is None
     band(h200)
     small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), gpu))
     assert [small.takes(t) for t in (63, 64, 724, 725, 2048)] == [False, True, True, False, False]

@@ -157,10 +157,12 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
         assert rel_err(y, yr) < 3e-2
 
 
-def test_prefill_batches_run_the_portable_fused_moe(monkeypatch):
-    """bf16 prefill batches (forced here from 16 tokens) run the portable Triton fused MoE on the
-    DeepGEMM experts' own weights, decode batches the token-major kernels and the batches
-    between the masked grouped GEMMs, on one layer, eagerly and replayed from CUDA graphs."""
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
+def test_prefill_batches_run_the_portable_fused_moe(monkeypatch, quant):
+    """Prefill batches (forced here from 16 tokens) run the portable Triton fused MoE on the
+    DeepGEMM experts' own weights (fp8: and their block scales), decode batches the token-major
+    kernels (bf16 only) and the batches between the masked grouped GEMMs, on one layer,
+    eagerly and replayed from CUDA graphs."""
     why = _deepgemm_usable()
     if why:
         pytest.skip(why)
@@ -168,9 +170,10 @@ def test_prefill_batches_run_the_portable_fused_moe(monkeypatch):
 
     monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 2)
     monkeypatch.setattr(DeepGemmExperts, "portable_prefill_min_tokens", 16)
-    cfg, layer, ref = _layers("bf16", None, activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)
+    cfg, layer, ref = _layers(quant, None, activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)
     small = layer.plan.pipeline.small
     assert small is not None and small.prefill_min_tokens == 16 and layer.plan.pipeline.fmt.layout_name == "masked"
+    assert small.max_tokens == (2 if quant == "bf16" else 0)
     for graphs in (0, 32):
         layer.cuda_graph_tokens = graphs
         for step, t in enumerate((32, 1, 8, 16, 2, 20, 5)):

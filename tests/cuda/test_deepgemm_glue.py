@@ -350,7 +350,8 @@ def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):
 
 def test_shipped_tables_send_qwen3_prefill_to_the_portable_kernel_where_measured():
     """The session-13 records as shipped: Qwen3-30B-A3B from 64 tokens up on an H100 and at
-    64-724 tokens on an H200; DeepSeek-V3's EP8 slice and Mixtral never (measured slower)."""
+    64-724 tokens on an H200; DeepSeek-V3's EP8 slice and Mixtral never (measured slower); and
+    session 14's fp8 record on the H200: never (the portable kernel 19-38% slower there)."""
     from moehal_cuda.gemm_choice import GemmChooser
 
     h100, h200 = GemmChooser("NVIDIA H100 80GB HBM3"), GemmChooser("NVIDIA H200")
@@ -358,6 +359,9 @@ def test_shipped_tables_send_qwen3_prefill_to_the_portable_kernel_where_measured
     assert h200.portable_prefill_range(128, 2048, 768, 8, True) == (64, 724)
     assert h100.portable_prefill_range(32, 7168, 2048, 8, True) is None
     assert h100.portable_prefill_range(8, 4096, 14336, 2, True) is None
+    assert "fp8_block" in str(h200.table["prefill_portable"])  # measured, and lost at every count
+    assert h200.portable_prefill_range(128, 2048, 768, 8, True, "fp8_block") is None
+    assert h100.portable_prefill_range(128, 2048, 768, 8, True, "fp8_block") is None  # not measured
 
 
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])

@@ -180,7 +180,7 @@ def test_prefill_batches_run_the_portable_fused_moe(monkeypatch, quant):
             x, ids, w = _inputs(cfg, t, 200 * graphs + step)
             y, yr = layer(x, ids, w), ref(x, ids, w)
             err = ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item()
-            assert err < 3e-2, f"{t} tokens, graphs {graphs}: rel err {err:.4f}"
+            assert err < (3e-2 if quant == "bf16" else 6e-2), f"{t} tokens, graphs {graphs}: rel err {err:.4f}"
 
 
 def test_small_batches_run_token_major(monkeypatch):

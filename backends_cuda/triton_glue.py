@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
 from moehal.kernels.host import cdiv, next_power_of_2
+from moehal.kernels.launch import fast_launch
 from moehal.kernels.triton_grouped_gemm import num_m_tiles
 from moehal.kernels.triton_permute import (
     INTERPRETED,
@@ -102,6 +103,7 @@ def nvfp4_qdq(v, gs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_ROUND: 
     return tl.reshape(q * sf[:, :, None] / gs, (BLOCK_R, BLOCK_C))
 
 
+@fast_launch
 @triton.jit
 def _qdq_rows(
     x_ptr,
@@ -141,6 +143,7 @@ def _qdq_rows(
             tl.store(o_ptr + e64 * s_oe + m64 * s_om + cols[None, :], v.to(o_ptr.dtype.element_ty), mask=mk)
 
 
+@fast_launch
 @triton.jit
 def _act_rows(
     h_ptr,
@@ -287,6 +290,7 @@ def _act_rows(
         tl.store(bit, live.to(tl.int8), mask=rin)
 
 
+@fast_launch
 @triton.jit
 def _bias_rows(
     y_ptr,

@@ -92,6 +92,42 @@ def floor(report: Callable[[str, float], None]) -> None:
         report("Triton launch, 16 args (CompiledKernel.run)", host_us(direct))
     except Exception as exc:  # the launcher's signature differs across Triton releases
         print(f"direct launch failed: {type(exc).__name__}: {exc}")
+    try:
+        from moehal.kernels.launch import Launcher
+    except ImportError:  # an older moehal (A/B runs)
+        return
+    fast = Launcher(_add_one_wide)
+    fast[(1,)](*args, BLOCK=64)
+    report("Triton launch, 16 args (moehal.kernels.launch)", host_us(lambda: fast[(1,)](*args, BLOCK=64)))
+    deepgemm_floor(report)
+
+
+def deepgemm_floor(report: Callable[[str, float], None]) -> None:
+    """One DeepGEMM masked bf16 GEMM at a decode shape (Qwen3-30B-A3B GEMM1, 16 tokens): its
+    host time as a call, and replayed from a one-kernel CUDA graph."""
+    try:
+        import deep_gemm
+    except Exception as exc:  # noqa: BLE001
+        print(f"no DeepGEMM floor: {type(exc).__name__}: {exc}")
+        return
+    e, m, n, k = 128, 64, 1536, 2048
+    a = torch.randn(e, m, k, device="cuda").bfloat16()
+    b = torch.randn(e, n, k, device="cuda").bfloat16()
+    d = torch.empty(e, m, n, device="cuda", dtype=torch.bfloat16)
+    mm = torch.full((e,), 1, device="cuda", dtype=torch.int32)
+    fn = getattr(deep_gemm, "m_grouped_bf16_gemm_nt_masked", None) or deep_gemm.bf16_m_grouped_gemm_nt_masked
+    call = lambda: fn(a, b, d, mm, 1)  # noqa: E731
+    report("DeepGEMM masked bf16 GEMM, one call", host_us(call))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        call()
+    g.replay()
+    report("DeepGEMM masked bf16 GEMM, replayed from a graph", host_us(g.replay))
 
 
 def print_profile(fn: Callable[[], Any], top: int, calls: int = 200) -> None:
@@ -124,6 +160,16 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     tag = f"{shape} T={tokens} {quant}"
     print(f"layer: {layer.plan.pipeline.name}")
     report(f"{tag}: eager forward", host_us(lambda: layer(x, ids, wts)))
+    try:
+        from moehal.kernels import launch
+    except ImportError:  # an older moehal (A/B runs)
+        launch = None
+    if launch is not None:
+        launch.ENABLED = False
+        slow = host_us(lambda: layer(x, ids, wts))
+        report(f"{tag}: eager forward, Triton's launch path (launch.ENABLED = False)", slow)
+        launch.ENABLED = True
+        report(f"{tag}: eager forward, fast launches again", host_us(lambda: layer(x, ids, wts)))
     disp, exp = layer._dispatch, layer._experts
     topk = TopK(ids, wts)
     if disp is not None and exp is not None:

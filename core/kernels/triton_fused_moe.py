@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 from moehal.hardware import device_slug
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.launch import fast_launch
 from moehal.kernels.tiles import TileConfig, nearest_count
 
 # ----------------------------------------------------------------------------------------------
@@ -244,6 +245,7 @@ def moe_align_block_size(
     return sorted_ids, expert_ids, num_post
 
 
+@fast_launch
 @triton.jit
 def _align_finish(
     ids_ptr, slot_pos_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, S, L, E, slot_programs,
@@ -361,6 +363,7 @@ def _activation(g, u, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr):
     return a
 
 
+@fast_launch
 @triton.jit
 def _fused_moe_kernel(
     a_ptr,
@@ -558,6 +561,7 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, _to(g, out_ty, FIX_BF16), mask=c_mask)
 
 
+@fast_launch
 @triton.jit
 def _group_quant_fp8_kernel(
     x_ptr,
@@ -603,6 +607,7 @@ def _group_quant_fp8_kernel(
     tl.store(s_ptr + row * stride_sm + grp, scale)
 
 
+@fast_launch
 @triton.jit
 def _token_quant_int8_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, row_ids_ptr, HAS_ROW_IDS: tl.constexpr, BLOCK: tl.constexpr
@@ -627,6 +632,7 @@ def _token_quant_int8_kernel(
     tl.store(s_ptr + row, scale)
 
 
+@fast_launch
 @triton.jit
 def _moe_sum_kernel(
     c_ptr,

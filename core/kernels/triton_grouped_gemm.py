@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.launch import fast_launch
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
 from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
@@ -188,6 +189,7 @@ def _gemm1_act(
     return _activation(g, u, alpha, limit, ACT, GATED)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _masked_gemm_kernel(
     a_ptr,
@@ -241,6 +243,7 @@ def _masked_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _masked_gemm_act_kernel(
     a_ptr,

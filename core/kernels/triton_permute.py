@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
+from moehal.kernels.launch import fast_launch
 
 QUANT_GROUP = 128
 
@@ -163,6 +164,7 @@ def masked_row_tile(t, masked_m_ptr, E: tl.constexpr, E_P: tl.constexpr, BLOCK_R
     return e, m, m < rows  # past the last tile, rows == 0 (e >= E)
 
 
+@fast_launch
 @triton.jit
 def _expert_chunk_counts(ids_ptr, chunk_counts_ptr, num_slots, expert_start, n_chunks, CHUNK: tl.constexpr):
     """chunk_counts[e, c] = slots of local expert e among slots [c*CHUNK, (c+1)*CHUNK)."""
@@ -173,6 +175,7 @@ def _expert_chunk_counts(ids_ptr, chunk_counts_ptr, num_slots, expert_start, n_c
     tl.store(chunk_counts_ptr + e * n_chunks + c, tl.sum((ids == e).to(tl.int32), axis=0))
 
 
+@fast_launch
 @triton.jit
 def _expert_positions(
     ids_ptr,
@@ -207,6 +210,7 @@ def _expert_positions(
         tl.store(counts_ptr + e, total)
 
 
+@fast_launch
 @triton.jit
 def _scatter_rows(
     x_ptr,
@@ -348,6 +352,7 @@ def _scatter_rows(
         tl.store(written_ptr + r, new_valid.to(tl.int8), mask=rin)
 
 
+@fast_launch
 @triton.jit
 def _combine_rows(
     y_ptr,

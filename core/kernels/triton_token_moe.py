@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.launch import fast_launch
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
@@ -36,6 +37,7 @@ _BLOCK_M = 16
 
 
 # the token count is a plain argument (one compile serves every decode size a graph captures)
+@fast_launch
 @triton.jit(do_not_specialize=["num_slots"])
 def _token_gemm_act_kernel(
     x_ptr,
@@ -87,6 +89,7 @@ def _token_gemm_act_kernel(
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_tokens"])
 def _token_gemm_combine_kernel(
     act_ptr,

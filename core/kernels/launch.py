@@ -1,0 +1,140 @@
+"""Fast Triton launches: `kernel[grid](*args, **kwargs)` through the compiled kernel's own
+launcher once Triton has compiled and launched that specialization (a diagnostic for #4's
+"host overhead under 20 us per forward outside graphs").
+
+Why: on the device hosts one `JITFunction.run` cost 19-30 us of host time, the compiled
+kernel's launcher alone 9 us (`tools/host_floor.py`, docs/device-runs/2026-11-23-session10).
+Most of the difference is per launch and not per argument: option strings and cache keys, knob
+reads, the global-value check, launch metadata. An eager forward makes 4-6 launches.
+
+How it stays exact: each launch is keyed by what Triton specializes a kernel on, with the
+NVIDIA backend's rules (`triton.backends.compiler.BaseBackend`): per tensor its dtype and
+whether its address is 16-byte aligned; per int whether it is 1, a multiple of 16, and its
+integer width; per constexpr its value; plus the launch options and the current device. A key
+never seen goes through `JITFunction.run` (compiling if needed), and the kernel it returns is
+kept under the key. The key is at least as fine as Triton's, so a kept kernel is the one Triton
+would pick. Anything else (other backends, the interpreter, tuple or descriptor arguments,
+launch hooks such as a profiler's, a callable grid) takes `JITFunction.run` every time.
+`VERIFY = True` (the GPU tests) asks Triton for its own choice at every hit and raises on a
+difference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from moehal.kernels.host import INTERPRETED
+
+ENABLED = True  # diagnostics (A/B of host time): False sends every launch through JITFunction.run
+VERIFY = False  # tests: check each fast launch against Triton's own choice of compiled kernel
+
+
+class _NoKey(Exception):
+    """An argument whose specialization this module does not model: take Triton's path."""
+
+
+def _spec(value: Any) -> Any:
+    """What Triton's NVIDIA backend specializes a non-constexpr argument on, or finer."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, not (value.data_ptr() & 15))
+    kind = type(value)
+    if kind is int:  # 1 -> constexpr; % 16 -> divisibility; the width -> i32 / i64 / u64
+        return (value == 1, not (value & 15), -0x80000000 <= value < 0x80000000, value >= 1 << 63)
+    if kind is float or kind is bool or value is None:  # fp32 / u1 / constexpr None: no value attribute
+        return kind
+    raise _NoKey
+
+
+class Launcher:
+    """Wraps a `@triton.jit` kernel: `Launcher(kernel)[grid](*args, **kwargs)` launches exactly
+    as `kernel[grid](...)` does, with less host time once a specialization has been launched.
+    `hits` and `misses` count fast and Triton-path launches."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "kernel")
+        self.__doc__ = getattr(fn, "__doc__", None)
+        params = fn.params
+        self._constexpr = tuple(p.is_constexpr for p in params)
+        self._names = tuple(p.name for p in params)
+        self._kw_spec = {p.name: not p.is_constexpr for p in params}  # by name: spec (True) or value
+        self._defaults = {p.name: p.default for p in params if p.has_default}
+        self._cache: dict[Any, tuple[Any, ...]] = {}
+        self._driver: Any = None  # (get_current_device, get_current_stream) or False: Triton's path only
+        self.hits = 0
+        self.misses = 0
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return functools.partial(self._launch, grid)
+
+    def _drivers(self) -> Any:
+        try:
+            from triton import knobs
+            from triton.runtime import driver
+
+            active = driver.active
+            ok = active.get_current_target().backend == "cuda"
+            self._driver = (active.get_current_device, active.get_current_stream, knobs.runtime) if ok else False
+        except Exception:  # no GPU here (AOT compiles record launches without one): Triton's path
+            self._driver = False
+        return self._driver
+
+    def _key(self, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        const = self._constexpr
+        parts: list[Any] = [device, len(args)]
+        for i, a in enumerate(args):
+            parts.append(a if const[i] else _spec(a))
+        by_spec = self._kw_spec
+        for name, v in kwargs.items():  # a launch option (num_warps, ...) or a constexpr: its value
+            parts.append((name, _spec(v) if by_spec.get(name, False) else v))
+        return tuple(parts)
+
+    def _slow(self, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.misses += 1
+        return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def _launch(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
+        drivers = self._driver if self._driver is not None else self._drivers()
+        if drivers is False or type(grid) is not tuple or not ENABLED:
+            return self._slow(grid, args, kwargs)
+        get_device, get_stream, runtime = drivers
+        if runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+            return self._slow(grid, args, kwargs)  # a profiler's hooks want Triton's launch path
+        device = get_device()
+        try:
+            key = self._key(device, args, kwargs)
+            entry = self._cache.get(key)
+        except (_NoKey, TypeError):  # an argument we do not model, or an unhashable constexpr
+            return self._slow(grid, args, kwargs)
+        if entry is None:
+            kernel = self._slow(grid, args, kwargs)
+            if kernel is not None and not hasattr(kernel, "result"):  # compiled and launched
+                tail = self._names[len(args) :]  # parameters not given positionally
+                self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail, kernel)
+            return kernel
+        run, function, metadata, tail, kernel = entry
+        if VERIFY:
+            expected = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
+            if expected is not kernel:
+                raise RuntimeError(f"fast launch of {self.__name__} picked another compiled kernel than Triton")
+        if tail:
+            defaults = self._defaults
+            args = (*args, *(kwargs[n] if n in kwargs else defaults[n] for n in tail))
+        n = len(grid)
+        run(
+            grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, get_stream(device),
+            function, metadata, None, None, None, *args,
+        )  # fmt: skip
+        self.hits += 1
+        return kernel
+
+
+def fast_launch(fn: Any) -> Any:
+    """Decorator under `@triton.jit`: the kernel launches through a `Launcher`. Under Triton's
+    interpreter the kernel is returned as it is (there is no compiled kernel to launch)."""
+    if INTERPRETED or not hasattr(fn, "params"):
+        return fn
+    return Launcher(fn)

@@ -1,0 +1,165 @@
+"""`moehal.kernels.launch`: which launches take the compiled kernel's launcher, in what argument
+order, and when Triton's own path is kept. A stand-in kernel records both paths (CPU); the GPU
+tests run every real kernel with `VERIFY` on (tests/cuda/test_fast_launch.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from moehal.kernels import launch
+from triton.backends.compiler import BaseBackend
+
+
+@dataclass
+class Param:
+    name: str
+    is_constexpr: bool = False
+    default: Any = None
+    has_default: bool = False
+
+
+@dataclass
+class Compiled:
+    """A compiled kernel: `run` is its launcher; one per specialization."""
+
+    spec: tuple[Any, ...]
+    launches: list[tuple[Any, ...]] = field(default_factory=list)
+    function: str = "cufunction"
+    packed_metadata: str = "meta"
+
+    def run(self, *launch_args: Any) -> None:
+        self.launches.append(launch_args)
+
+
+class FakeJit:
+    """`JITFunction`'s surface: params, and run() compiling per Triton's NVIDIA specialization."""
+
+    def __init__(self, params: list[Param]) -> None:
+        self.params = params
+        self.__name__ = "fake_kernel"
+        self.compiled: dict[tuple[Any, ...], Compiled] = {}
+        self.jit_launches: list[tuple[Any, ...]] = []
+
+    def _triton_spec(self, bound: dict[str, Any], options: dict[str, Any]) -> tuple[Any, ...]:
+        from triton._C.libtriton import native_specialize_impl
+
+        def spec(v: Any) -> Any:
+            return native_specialize_impl(BaseBackend, v, False, True, True)
+
+        out = [("constexpr", bound[p.name]) if p.is_constexpr else spec(bound[p.name]) for p in self.params]
+        return (*out, tuple(sorted(options.items())))
+
+    def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Compiled:
+        names = [p.name for p in self.params]
+        bound = dict(zip(names, args, strict=False))
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        for p in self.params[len(args) :]:
+            bound[p.name] = kwargs.get(p.name, p.default)
+        spec = self._triton_spec(bound, options)
+        kernel = self.compiled.setdefault(spec, Compiled(spec))
+        if not warmup:
+            self.jit_launches.append((grid, *bound.values()))
+        return kernel
+
+
+class Runtime:
+    launch_enter_hook: Any = None
+    launch_exit_hook: Any = None
+
+
+@pytest.fixture
+def kernel():
+    fn = FakeJit([Param("x"), Param("n"), Param("w"), Param("BLOCK", True), Param("FLAG", True, 7, True)])
+    runner = launch.Launcher(fn)
+    runtime = Runtime()
+    runner._driver = (lambda: 0, lambda device: 1000 + device, runtime)  # device 0, stream 1000
+    return fn, runner, runtime
+
+
+def test_second_launch_takes_the_compiled_launcher_with_arguments_in_signature_order(kernel):
+    fn, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    assert runner[(3,)](x, 64, w, BLOCK=32) is runner[(3,)](x, 64, w, BLOCK=32)
+    assert (runner.misses, runner.hits, len(fn.jit_launches)) == (1, 1, 1)
+    (compiled,) = fn.compiled.values()
+    # grid padded to three dims, the current stream, no launch metadata or hooks, then every
+    # parameter in order, the defaulted constexpr included
+    assert compiled.launches == [(3, 1, 1, 1000, "cufunction", "meta", None, None, None, x, 64, w, 32, 7)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda x, n, w: (x[1:], n, w, {}), id="misaligned-tensor"),
+        pytest.param(lambda x, n, w: (x.double(), n, w, {}), id="tensor-dtype"),
+        pytest.param(lambda x, n, w: (x, 65, w, {}), id="int-not-multiple-of-16"),
+        pytest.param(lambda x, n, w: (x, 1, w, {}), id="int-equal-to-1"),
+        pytest.param(lambda x, n, w: (x, 2**40, w, {}), id="int-64-bit"),
+        pytest.param(lambda x, n, w: (x, n, w, {"FLAG": 8}), id="constexpr-value"),
+        pytest.param(lambda x, n, w: (x, n, w, {"num_warps": 8}), id="launch-option"),
+        pytest.param(lambda x, n, w: (x, n, None, {}), id="tensor-to-none"),
+    ],
+)
+def test_every_change_triton_specializes_on_is_a_new_key(kernel, change):
+    fn, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    runner[(1,)](x, 64, w, BLOCK=32)
+    x2, n2, w2, extra = change(x, 64, w)
+    got = runner[(1,)](x2, n2, w2, BLOCK=32, **extra)
+    assert runner.misses == 2 and runner.hits == 0  # Triton's path chose the kernel
+    assert got is fn.compiled[next(reversed(fn.compiled))]
+    assert len(fn.compiled) == 2  # and it was another specialization: the key had to differ
+    runner[(1,)](x2, n2, w2, BLOCK=32, **extra)
+    assert runner.hits == 1
+
+
+def test_values_triton_does_not_specialize_on_share_the_kernel(kernel):
+    fn, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    runner[(1,)](x, 32, w, BLOCK=32)
+    runner[(1,)](x, 48, w, BLOCK=32)  # another multiple of 16: same specialization, same key
+    runner[(1,)](torch.zeros(64), 32, w, BLOCK=32)  # another aligned tensor
+    assert (runner.misses, runner.hits, len(fn.compiled)) == (1, 2, 1)
+
+
+def test_unmodelled_arguments_hooks_and_callable_grids_keep_tritons_path(kernel, monkeypatch):
+    fn, runner, runtime = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    for _ in range(2):
+        runner[(1,)](x, 64, (w, w), BLOCK=32)  # a tuple argument: not modelled
+        runner[lambda meta: (1,)](x, 64, w, BLOCK=32)
+    runtime.launch_enter_hook = print  # a profiler's hook
+    for _ in range(2):
+        runner[(1,)](x, 64, w, BLOCK=32)
+    runtime.launch_enter_hook = None
+    monkeypatch.setattr(launch, "ENABLED", False)
+    runner[(1,)](x, 64, w, BLOCK=32)
+    assert runner.hits == 0 and runner.misses == 7 and len(fn.jit_launches) == 7
+
+
+def test_verify_raises_when_the_kept_kernel_is_not_tritons_choice(kernel, monkeypatch):
+    fn, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    runner[(1,)](x, 64, w, BLOCK=32)
+    monkeypatch.setattr(launch, "VERIFY", True)
+    runner[(1,)](x, 64, w, BLOCK=32)  # agrees
+    for key in list(runner._cache):  # corrupt the kept kernel: verification must notice
+        entry = runner._cache[key]
+        runner._cache[key] = (*entry[:4], Compiled(("other",)))
+    with pytest.raises(RuntimeError, match="another compiled kernel"):
+        runner[(1,)](x, 64, w, BLOCK=32)
+
+
+def test_without_a_gpu_or_under_the_interpreter_launches_go_through_triton():
+    fn = FakeJit([Param("x"), Param("BLOCK", True)])
+    runner = launch.Launcher(fn)
+    runner._driver = None
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the driver check would pass")
+    runner[(1,)](torch.zeros(4), BLOCK=4)
+    assert runner._driver is False and runner.misses == 1
+    # under TRITON_INTERPRET the decorator leaves the kernel as it is
+    assert launch.fast_launch(fn) is fn if launch.INTERPRETED else isinstance(launch.fast_launch(fn), launch.Launcher)

@@ -224,7 +224,7 @@ def tune(
     failed = precompile(jobs, workers)
     ntiles = sum(len(j[4]) for j in jobs)
     log(f"compiled {ntiles} tiles in {time.monotonic() - t0:.0f}s ({len(failed)} do not fit this GPU)")
-    ops = {fp8: DeepGemmOps(fp8, False) for fp8 in {p[-1] for p in problems}}
+    ops = {fp8: DeepGemmOps(fp8, False, replay_graphs=False) for fp8 in {p[-1] for p in problems}}
     for shape, e, n, k, top_k, fp8 in problems:
         key = entry_key(e, n, k, "fp8_block" if fp8 else "bf16")
         prob = Problem(e, n, k, max(tokens), fp8, dev)

@@ -264,3 +264,82 @@ def should_replay(limit: int, hidden: torch.Tensor) -> bool:
     return (
         limit > 0 and hidden.is_cuda and 0 < hidden.shape[0] <= limit and not torch.cuda.is_current_stream_capturing()
     )
+
+
+def _signature(value: object) -> object:
+    """What a launch reads of one argument: a tensor's address, shape, strides and dtype (the
+    device is in the address: unified addressing); a tuple's items; any other value itself."""
+    if isinstance(value, torch.Tensor):
+        return (value.data_ptr(), value.shape, value.stride(), value.dtype)
+    if isinstance(value, tuple):
+        return tuple(_signature(v) for v in value)
+    return value
+
+
+class LaunchMemo:
+    """One launch sequence `fn(*args) -> None`, replayed from a CUDA graph where it is called
+    again on the same tensors and host arguments. For calls whose host path costs far more than
+    a replay: DeepGEMM's C++ host code took 27.6 us per grouped GEMM on an H100 host, a replay
+    of its one kernel 4.3 us (docs/device-runs/2026-11-24-session15).
+
+    Exact by construction, as `GraphCache`'s direct graphs: a graph is captured on the tensors
+    of a call, the second time in a row that the same signature arrives (a decode loop; a
+    one-off shape never pays a capture), and replayed only for a call whose every tensor has
+    the address, shape, strides and dtype, and whose every other argument the value, that it
+    was captured with (and `context()`, for host state `fn` reads besides its arguments). It
+    then reads and writes what a direct call would. `fn` must read its tensors' contents only
+    on the GPU (DeepGEMM's masked row counts, for instance), never on the host. No graph keeps
+    a reference to a tensor. Inside someone else's capture (an engine's, or `GraphCache`'s)
+    `fn` runs as usual. A capture that fails (the library synced or allocated in a way capture
+    forbids) switches the memo off, with the reason kept in `off_reason`; the call itself still
+    runs directly. At most `capacity` graphs are kept, the oldest dropped first.
+    """
+
+    def __init__(
+        self, fn: Callable[..., None], capacity: int = 16, context: Callable[[], object] | None = None
+    ) -> None:
+        self._fn = fn
+        self._context = context  # host state fn reads besides its arguments (DeepGEMM's SM count)
+        self._capacity = capacity
+        self._graphs: dict[object, torch.cuda.CUDAGraph] = {}  # insertion order: oldest first
+        self._last: object = None
+        self._pool: object = None
+        self._side: torch.cuda.Stream | None = None
+        self.off_reason: str | None = None
+        self.replays = 0
+
+    def __call__(self, *args: object) -> None:
+        if self.off_reason is not None or torch.cuda.is_current_stream_capturing():
+            self._fn(*args)
+            return
+        sig = _signature(args) if self._context is None else (_signature(args), self._context())
+        graph = self._graphs.get(sig)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        self._fn(*args)  # this call's result, directly; a capture records without running
+        if sig == self._last:
+            self._capture(sig, args)
+        self._last = sig
+
+    def _capture(self, sig: object, args: tuple[object, ...]) -> None:
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        self._side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(self._side):
+                graph.capture_begin(self._pool, capture_error_mode="thread_local")
+                try:
+                    self._fn(*args)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - any capture failure: stop trying, say why
+            self.off_reason = f"capture failed: {type(exc).__name__}: {exc}"
+            return
+        torch.cuda.current_stream().wait_stream(self._side)
+        if len(self._graphs) >= self._capacity:
+            del self._graphs[next(iter(self._graphs))]
+        self._graphs[sig] = graph

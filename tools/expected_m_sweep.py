@@ -39,7 +39,7 @@ def main() -> None:
     hints = [int(h) for h in a.hints.split(",") if h]
     dev = torch.device("cuda")
     fp8 = a.quant == "fp8_block"
-    ops = DeepGemmOps(fp8, False)
+    ops = DeepGemmOps(fp8, False, replay_graphs=False)
     tokens = [int(t) for t in a.tokens.split(",")]
     for shape in a.shapes.split(","):
         s = SHAPES[shape]

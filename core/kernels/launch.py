@@ -48,6 +48,12 @@ def _spec(value: Any) -> Any:
     raise _NoKey
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: Triton 3.6+ keeps a `HookChain` (empty: none) where older
+    releases kept None or a function."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class Launcher:
     """Wraps a `@triton.jit` kernel: `Launcher(kernel)[grid](*args, **kwargs)` launches exactly
     as `kernel[grid](...)` does, with less host time once a specialization has been launched.
@@ -101,7 +107,7 @@ class Launcher:
         if drivers is False or type(grid) is not tuple or not ENABLED:
             return self._slow(grid, args, kwargs)
         get_device, get_stream, runtime = drivers
-        if runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             return self._slow(grid, args, kwargs)  # a profiler's hooks want Triton's launch path
         device = get_device()
         try:

@@ -65,9 +65,17 @@ class FakeJit:
         return kernel
 
 
+class HookChain:
+    """Triton 3.6+'s hook holder: never None, empty when no hook is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+
 class Runtime:
-    launch_enter_hook: Any = None
-    launch_exit_hook: Any = None
+    def __init__(self) -> None:
+        self.launch_enter_hook: Any = HookChain()
+        self.launch_exit_hook: Any = None  # older Triton: None when unset
 
 
 @pytest.fixture
@@ -131,13 +139,20 @@ def test_unmodelled_arguments_hooks_and_callable_grids_keep_tritons_path(kernel,
     for _ in range(2):
         runner[(1,)](x, 64, (w, w), BLOCK=32)  # a tuple argument: not modelled
         runner[lambda meta: (1,)](x, 64, w, BLOCK=32)
-    runtime.launch_enter_hook = print  # a profiler's hook
+    runtime.launch_enter_hook.calls.append(print)  # a profiler's hook, Triton 3.6+
     for _ in range(2):
         runner[(1,)](x, 64, w, BLOCK=32)
-    runtime.launch_enter_hook = None
+    runtime.launch_enter_hook.calls.clear()
+    runtime.launch_exit_hook = print  # the same, older Triton
+    runner[(1,)](x, 64, w, BLOCK=32)
+    runtime.launch_exit_hook = None
     monkeypatch.setattr(launch, "ENABLED", False)
     runner[(1,)](x, 64, w, BLOCK=32)
-    assert runner.hits == 0 and runner.misses == 7 and len(fn.jit_launches) == 7
+    assert runner.hits == 0 and runner.misses == 8 and len(fn.jit_launches) == 8
+    monkeypatch.setattr(launch, "ENABLED", True)
+    for _ in range(2):  # no hooks: the first keeps the kernel, the second takes its launcher
+        runner[(1,)](x, 64, w, BLOCK=32)
+    assert runner.hits == 1 and runner.misses == 9
 
 
 def test_verify_raises_when_the_kept_kernel_is_not_tritons_choice(kernel, monkeypatch):

@@ -20,9 +20,9 @@ def _launchers():
     return [v for m in mods for v in vars(m).values() if isinstance(v, launch.Launcher)]
 
 
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", ["cuda", "cuda.triton"])
 @pytest.mark.parametrize("tokens", [2, 16, 96])
-def test_fast_launches_give_the_same_bits_as_tritons_path(backend, tokens, monkeypatch):
+def test_fast_launches_give_the_same_bits_as_tritons_path(backend, tokens, monkeypatch, registry):
     import moehal
     from moehal.kernels import launch
 
@@ -30,7 +30,12 @@ def test_fast_launches_give_the_same_bits_as_tritons_path(backend, tokens, monke
     g = torch.Generator(device="cuda").manual_seed(tokens)
     w13 = torch.randn(16, cfg.w13_rows, 512, device="cuda", generator=g) / 512**0.5
     w2 = torch.randn(16, 512, 256, device="cuda", generator=g) / 256**0.5
-    layer = moehal.MoELayer(cfg, "bf16", backend=backend, device="cuda")
+    pipe = None
+    if backend == "cuda.triton":  # the portable fused MoE (prefill-sized batches use it too)
+        from moehal.bench import _pipeline_named
+
+        pipe = _pipeline_named(backend, cfg, moehal.QuantScheme.parse("bf16"), torch.device("cuda"), registry)
+    layer = moehal.MoELayer(cfg, "bf16", backend="cuda", device="cuda", registry=registry, pipeline=pipe)
     layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13, w2))
     x = torch.randn(tokens, 512, device="cuda", generator=g).bfloat16()
     wts, ids = torch.rand(tokens, 16, device="cuda", generator=g).topk(4, dim=-1)

@@ -1,0 +1,66 @@
+"""DeepGEMM calls replayed from one-kernel CUDA graphs (`moehal.graphs.LaunchMemo` in
+`DeepGemmOps`) give the bits of direct calls, with new contents and row counts at every call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible)"),
+]
+
+
+def _ops():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the bf16 DeepGEMM calls here are SM90's")
+    try:
+        from moehal_cuda.deepgemm_experts import DeepGemmOps
+        from moehal_cuda.support import import_deep_gemm
+
+        import_deep_gemm()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"deep_gemm not importable: {exc}")
+    return DeepGemmOps(False, False), DeepGemmOps(False, False, replay_graphs=False)
+
+
+def test_masked_gemm_replays_match_direct_calls():
+    memo, direct = _ops()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, m, n, k = 4, 64, 256, 512
+    a = torch.empty(e, m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", generator=g).bfloat16()
+    d1 = torch.zeros(e, m, n, device="cuda", dtype=torch.bfloat16)
+    d2 = torch.zeros_like(d1)
+    mm = torch.empty(e, device="cuda", dtype=torch.int32)
+    for _ in range(5):
+        a.copy_(torch.randn(e, m, k, device="cuda", generator=g))
+        mm.copy_(torch.randint(0, m + 1, (e,), device="cuda", generator=g))
+        memo.masked(a, None, w, None, d1, mm, 32)
+        direct.masked(a, None, w, None, d2, mm, 32)
+        for i, rows in enumerate(mm.tolist()):
+            assert torch.equal(d1[i, :rows], d2[i, :rows])
+    assert memo.memos is not None and memo.memos[0].off_reason is None
+    assert memo.memos[0].replays == 3  # calls 1-2 direct (the second also captures), 3-5 replay
+
+
+def test_contiguous_gemm_replays_match_direct_calls():
+    memo, direct = _ops()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    e, n, k, rows = 4, 256, 512, 512
+    a = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", generator=g).bfloat16()
+    d1 = torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16)
+    d2 = torch.zeros_like(d1)
+    layout = torch.empty(rows, device="cuda", dtype=torch.int32)
+    for _ in range(5):
+        a.copy_(torch.randn(rows, k, device="cuda", generator=g))
+        # 128-row blocks, each one expert's or padding (-1): DeepGEMM's contiguous layout
+        block = torch.randint(-1, e, (rows // 128,), device="cuda", generator=g, dtype=torch.int32)
+        layout.copy_(block.repeat_interleave(128))
+        memo.contiguous(a, None, w, None, d1, layout)
+        direct.contiguous(a, None, w, None, d2, layout)
+        keep = layout >= 0
+        assert torch.equal(d1[keep], d2[keep])
+    assert memo.memos is not None and memo.memos[1].replays == 3

@@ -266,6 +266,10 @@ def should_replay(limit: int, hidden: torch.Tensor) -> bool:
     )
 
 
+# Diagnostics (A/B of host time): False makes every `LaunchMemo` call its function directly.
+MEMO_ENABLED = True
+
+
 def _signature(value: object) -> object:
     """What a launch reads of one argument: a tensor's address, shape, strides and dtype (the
     device is in the address: unified addressing); a tuple's items; any other value itself."""
@@ -309,7 +313,7 @@ class LaunchMemo:
         self.replays = 0
 
     def __call__(self, *args: object) -> None:
-        if self.off_reason is not None or torch.cuda.is_current_stream_capturing():
+        if self.off_reason is not None or not MEMO_ENABLED or torch.cuda.is_current_stream_capturing():
             self._fn(*args)
             return
         sig = _signature(args) if self._context is None else (_signature(args), self._context())

@@ -51,6 +51,27 @@ def _add_one_wide(x_ptr, a1, a2, a3, a4, a5, a6, a7, n, s1, s2, s3, s4, s5, s6, 
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
 
+def host_interleaved(
+    fn: Callable[[], Any], modes: dict[str, tuple[bool, bool]], setter: Callable[..., None], calls: int = 200
+) -> dict[str, float]:
+    """Median host us of `fn` under each mode, the modes taking turns call by call."""
+    for mode in modes.values():  # warm each mode (captures, first launches)
+        setter(*mode)
+        for _ in range(3):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(calls):
+        for name, mode in modes.items():
+            setter(*mode)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    setter(True, True)
+    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
+
+
 def floor(report: Callable[[str, float], None]) -> None:
     dev = torch.device("cuda")
     a, b = torch.zeros(64, device=dev), torch.ones(64, device=dev)
@@ -161,15 +182,24 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     print(f"layer: {layer.plan.pipeline.name}")
     report(f"{tag}: eager forward", host_us(lambda: layer(x, ids, wts)))
     try:
+        from moehal import graphs
         from moehal.kernels import launch
     except ImportError:  # an older moehal (A/B runs)
         launch = None
-    if launch is not None:
-        launch.ENABLED = False
-        slow = host_us(lambda: layer(x, ids, wts))
-        report(f"{tag}: eager forward, Triton's launch path (launch.ENABLED = False)", slow)
-        launch.ENABLED = True
-        report(f"{tag}: eager forward, fast launches again", host_us(lambda: layer(x, ids, wts)))
+    if launch is not None and hasattr(graphs, "MEMO_ENABLED"):
+
+        def fast(on: bool, memo: bool) -> None:
+            launch.ENABLED, graphs.MEMO_ENABLED = on, memo
+
+        # interleaved, call by call: this host's times drift by tens of us between back-to-back
+        # measurements of one call (session 15), so separate medians would compare drifts
+        modes = {
+            "Triton's launch path, DeepGEMM called": (False, False),
+            "fast launches, DeepGEMM called": (True, False),
+            "fast launches, DeepGEMM replayed (default)": (True, True),
+        }
+        for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, fast).items():
+            report(f"{tag}: eager forward, {name}", us)
     disp, exp = layer._dispatch, layer._experts
     topk = TopK(ids, wts)
     if disp is not None and exp is not None:

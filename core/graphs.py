@@ -284,7 +284,7 @@ class LaunchMemo:
     """One launch sequence `fn(*args) -> None`, replayed from a CUDA graph where it is called
     again on the same tensors and host arguments. For calls whose host path costs far more than
     a replay: DeepGEMM's C++ host code took 27.6 us per grouped GEMM on an H100 host, a replay
-    of its one kernel 4.3 us (docs/device-runs/2026-11-24-session15).
+    of its one kernel 4.3 us (docs/device-runs/2026-11-23-session15).
 
     Exact by construction, as `GraphCache`'s direct graphs: a graph is captured on the tensors
     of a call, the second time in a row that the same signature arrives (a decode loop; a

@@ -3,7 +3,7 @@
 # host cost of one forward beside this host's floor costs (tools/host_floor.py). At most 8 files
 # land in $OUT (the device tool returns no more).
 #   usage (from the repo root, .whl carried): OUT=/tmp/out bash tools/device_verify.sh
-#   env: TESTS (pytest arguments), HOST=0 (no host-floor step), TEST_LIMIT, CONF_LIMIT, HOST_LIMIT
+#   env: TESTS (pytest arguments), HOST=0 (no host-floor step), HOST_ARGS, TEST_LIMIT, CONF_LIMIT, HOST_LIMIT
 set -u
 source tools/device_setup.sh
 record_env
@@ -13,7 +13,8 @@ step pytest-gpu "${TEST_LIMIT:-330}" python3 -m pytest -q -p no:cacheprovider -o
 cd /tmp
 step conformance "${CONF_LIMIT:-220}" python3 -m moehal.cli.main conformance --backend cuda --quick --report "$OUT/conformance-cuda"
 if [ "${HOST:-1}" = 1 ]; then
-  step host-floor "${HOST_LIMIT:-120}" python3 "$repo/tools/host_floor.py" --shapes qwen3_30b_a3b,deepseek_v3_ep8 --tokens 1,16
+  # shellcheck disable=SC2086  # HOST_ARGS is a list of arguments
+  step host-floor "${HOST_LIMIT:-120}" python3 "$repo/tools/host_floor.py" ${HOST_ARGS:---shapes qwen3_30b_a3b,deepseek_v3_ep8 --tokens 1,16}
 fi
 if [ "${TRACE:-0}" = 1 ]; then  # where a replayed decode step's time goes, beside SGLang's
   step graph-trace 120 python3 "$repo/tools/graph_trace.py" --tokens 1,4

@@ -51,6 +51,23 @@ def _add_one_wide(x_ptr, a1, a2, a3, a4, a5, a6, a7, n, s1, s2, s3, s4, s5, s6, 
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
 
+def host_us_queued(fn: Callable[[], Any], queued: int = 16, rounds: int = 30) -> float:
+    """Median host us per call of `queued` calls made back to back from an idle GPU (each
+    returns once its kernels are queued): an eager engine's steady state, where the host runs
+    ahead of the GPU, against `host_us`'s single call from idle."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(queued):
+            fn()
+        samples.append((time.perf_counter() - t0) / queued)
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
+
+
 def host_interleaved(
     fn: Callable[[], Any], modes: dict[str, tuple[bool, bool]], setter: Callable[..., None], calls: int = 200
 ) -> dict[str, float]:
@@ -181,6 +198,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     tag = f"{shape} T={tokens} {quant}"
     print(f"layer: {layer.plan.pipeline.name}")
     report(f"{tag}: eager forward", host_us(lambda: layer(x, ids, wts)))
+    report(f"{tag}: eager forward, back to back (per call, 16 queued)", host_us_queued(lambda: layer(x, ids, wts)))
     try:
         from moehal import graphs
         from moehal.kernels import launch

@@ -67,6 +67,8 @@ class Launcher:
         self._constexpr = tuple(p.is_constexpr for p in params)
         self._names = tuple(p.name for p in params)
         self._kw_spec = {p.name: not p.is_constexpr for p in params}  # by name: spec (True) or value
+        self._spec_names = frozenset(p.name for p in params if not p.is_constexpr)
+        self._keyers: dict[int, Callable[..., tuple[Any, ...]]] = {}  # positional count -> key function
         self._defaults = {p.name: p.default for p in params if p.has_default}
         self._cache: dict[Any, tuple[Any, ...]] = {}
         self._driver: Any = None  # (get_current_device, get_current_stream) or False: Triton's path only
@@ -89,14 +91,44 @@ class Launcher:
         return self._driver
 
     def _key(self, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        const = self._constexpr
-        parts: list[Any] = [device, len(args)]
-        for i, a in enumerate(args):
-            parts.append(a if const[i] else _spec(a))
-        by_spec = self._kw_spec
-        for name, v in kwargs.items():  # a launch option (num_warps, ...) or a constexpr: its value
-            parts.append((name, _spec(v) if by_spec.get(name, False) else v))
-        return tuple(parts)
+        """The launch's key: (device, positional count, each positional argument's `_spec` or
+        constexpr value, ((keyword, its `_spec` or value), ...)). A launch option (num_warps,
+        ...) or a constexpr counts by value."""
+        if self._spec_names.isdisjoint(kwargs):  # the usual call: keywords are constexprs and options
+            keyer = self._keyers.get(len(args))
+            if keyer is None:
+                keyer = self._keyers[len(args)] = self._make_keyer(len(args))
+            return keyer(device, args, kwargs)
+        return self._key_generic(device, args, kwargs)
+
+    def _key_generic(self, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        const, by_spec = self._constexpr, self._kw_spec
+        named = tuple((name, _spec(v) if by_spec.get(name, False) else v) for name, v in kwargs.items())
+        return (device, len(args), *(a if const[i] else _spec(a) for i, a in enumerate(args)), named)
+
+    def _make_keyer(self, n: int) -> Callable[..., tuple[Any, ...]]:
+        """`_key` for calls with `n` positional arguments and value keywords, as one generated
+        expression (as Triton generates its binder): the per-argument function calls and the
+        loop cost about a third of the key on the device hosts (session 15)."""
+        if n > len(self._constexpr):
+            raise TypeError(f"{self.__name__} takes {len(self._constexpr)} arguments")  # Triton's path says so
+        names = [f"a{i}" for i in range(n)]
+        parts = []
+        for i, a in enumerate(names):
+            if self._constexpr[i]:
+                parts.append(a)
+            else:  # `_spec`, inlined for tensors and ints
+                parts.append(
+                    f"(({a}.dtype, not ({a}.data_ptr() & 15)) if {a}.__class__ is Tensor else "
+                    f"({a} == 1, not ({a} & 15), -0x80000000 <= {a} < 0x80000000, {a} >= 1 << 63) "
+                    f"if {a}.__class__ is int else spec({a}))"
+                )
+        unpack = f"    ({', '.join(names)},) = args\n" if n else ""
+        items = "".join(p + ", " for p in parts)
+        body = f"def key(device, args, kwargs):\n{unpack}    return (device, {n}, {items}tuple(kwargs.items()))\n"
+        scope: dict[str, Any] = {"Tensor": torch.Tensor, "spec": _spec}
+        exec(body, scope)  # noqa: S102 - generated from the kernel's parameter list only
+        return scope["key"]
 
     def _slow(self, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.misses += 1

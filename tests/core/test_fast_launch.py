@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moehal.kernels import launch
 from triton.backends.compiler import BaseBackend
 
@@ -178,3 +180,33 @@ def test_without_a_gpu_or_under_the_interpreter_launches_go_through_triton():
     assert runner._driver is False and runner.misses == 1
     # under TRITON_INTERPRET the decorator leaves the kernel as it is
     assert launch.fast_launch(fn) is fn if launch.INTERPRETED else isinstance(launch.fast_launch(fn), launch.Launcher)
+
+
+_values = st.one_of(
+    st.integers(min_value=-(2**64), max_value=2**64),
+    st.sampled_from([0, 1, 16, 17, 2**31 - 1, 2**31, 2**63 - 1, 2**63, -(2**31), -(2**31) - 1]),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.none(),
+    st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int32, torch.uint8]), st.integers(0, 7)).map(
+        lambda dt_off: torch.zeros(16, dtype=dt_off[0])[dt_off[1] :]  # offsets: aligned and not
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(args=st.lists(_values, min_size=0, max_size=5), block=st.integers(1, 256), warps=st.sampled_from([4, 8]))
+def test_the_generated_key_equals_the_per_argument_key(args, block, warps):
+    """The generated key function (`_make_keyer`) and the per-argument loop agree on every
+    argument kind: one key, however it is computed."""
+    params = [Param(f"p{i}") for i in range(len(args))] + [Param("BLOCK", True), Param("FLAG", True, 7, True)]
+    runner = launch.Launcher(FakeJit(params))
+    kwargs = {"BLOCK": block, "num_warps": warps}
+    generated = runner._make_keyer(len(args))(0, tuple(args), kwargs)
+    assert generated == runner._key_generic(0, tuple(args), kwargs)
+    assert runner._key(0, tuple(args), kwargs) == generated
+    # a non-constexpr parameter passed by keyword takes the per-argument path, same format
+    if args:
+        head, last = tuple(args[:-1]), args[-1]
+        by_name = runner._key(0, head, {f"p{len(args) - 1}": last, **kwargs})
+        assert by_name[-1][0] == (f"p{len(args) - 1}", launch._spec(last))

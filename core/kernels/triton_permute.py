@@ -430,6 +430,10 @@ class PaddedBuffer:
     scales: torch.Tensor | None  # [E, M, H/128] or [M, H/128] view, MN-major
     written: torch.Tensor  # contiguous: int8 [M * bitmap_cols] written-rows bitmap; masked: empty
     expert_rows: torch.Tensor | None = None  # masked: int32 [2, E] (live rows per expert, arrivals)
+    # masked: int32 [E], where each dispatch writes its rows per expert (the experts' masked_m).
+    # Persistent like `hidden`, so a decode loop hands the GEMMs the same tensors every call and
+    # their host calls can be replayed from graphs (`moehal.graphs.LaunchMemo`).
+    counts: torch.Tensor | None = None
     _prefixes: dict[int, PaddedBuffer] = field(default_factory=dict, repr=False)
 
     @property
@@ -469,7 +473,8 @@ def alloc_padded(
         scales = raw.transpose(-1, -2)[..., :m, :]
     if len(lead) == 2:  # masked: live rows are a prefix per expert, one count each suffices
         state = torch.zeros(2, lead[0], dtype=torch.int32, device=device)
-        return PaddedBuffer(hidden, scales, torch.zeros(0, dtype=torch.int8, device=device), state)
+        counts = torch.zeros(lead[0], dtype=torch.int32, device=device)
+        return PaddedBuffer(hidden, scales, torch.zeros(0, dtype=torch.int8, device=device), state, counts)
     return PaddedBuffer(hidden, scales, torch.zeros(lead[0] * bitmap_cols, dtype=torch.int8, device=device))
 
 
@@ -565,14 +570,16 @@ def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
 
 
 def expert_positions(
-    ids: torch.Tensor, num_local_experts: int, expert_start: int = 0
+    ids: torch.Tensor, num_local_experts: int, expert_start: int = 0, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For flat expert ids `[S]` (contiguous), on the device and without a host sync:
     slot_pos int32 `[max(S, 1)]`, each local slot's position among its expert's slots (stable in
     slot order; other slots' entries are left unwritten), and counts int32 `[E]`, the local
-    experts' slot counts. Ids outside [expert_start, expert_start + E) belong to no expert."""
+    experts' slot counts (written into `counts` when given). Ids outside
+    [expert_start, expert_start + E) belong to no expert."""
     s, e, dev = ids.numel(), num_local_experts, ids.device
-    counts = torch.empty(e, dtype=torch.int32, device=dev)
+    if counts is None:
+        counts = torch.empty(e, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
     # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
@@ -625,11 +632,12 @@ def permute(
     quant = dest.scales is not None
     slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
+    kept = dest.counts if masked and dest.counts is not None and dest.counts.numel() == e else None
     if fused_pos:  # the scatter kernel's programs compare the slot ids themselves
-        counts = torch.empty(e, dtype=torch.int32, device=dev)
+        counts = kept if kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
         slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     else:
-        slot_pos, counts = expert_positions(ids, e, expert_start)
+        slot_pos, counts = expert_positions(ids, e, expert_start, kept)
     out = dest.hidden
     if masked:
         max_m = out.shape[1]

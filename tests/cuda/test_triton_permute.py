@@ -50,6 +50,7 @@ def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep):
         idx = P.index_slots(ids.cpu(), start, e)
         ref, counts = P.to_masked(x.cpu(), idx, max_m)
         assert torch.equal(r.counts.cpu(), counts)
+        assert r.counts is buf.counts  # persistent: the GEMMs see one masked_m tensor call after call
         live = torch.arange(max_m)[None, :] < counts[:, None]
         got = r.hidden.cpu()
         assert (got.float()[~live] == 0).all(), "padding rows must be zero"
@@ -166,6 +167,7 @@ def test_positions_over_several_chunks(monkeypatch, masked):
     idx = P.index_slots(ids.cpu(), start, e)
     v = idx.valid
     assert torch.equal(r.counts.cpu().long(), torch.bincount(idx.slot_expert[v], minlength=e))
+    assert (r.counts is buf.counts) == masked  # the positions pass writes the masked buffer's counts
     if masked:
         want = idx.slot_expert[v] * buf.hidden.shape[1] + idx.slot_pos[v]
     else:

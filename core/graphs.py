@@ -266,8 +266,12 @@ def should_replay(limit: int, hidden: torch.Tensor) -> bool:
     )
 
 
-# Diagnostics (A/B of host time): False makes every `LaunchMemo` call its function directly.
-MEMO_ENABLED = True
+# Off by default: every `LaunchMemo` calls its function directly. One DeepGEMM call replayed
+# alone took 5 us of host time against 19-38 us called, yet in the layer (the H100's decode
+# paths that call DeepGEMM, 128 tokens) forwards measured 13-32 us slower with replays, in all
+# four A/B runs of session 15 (docs/device-runs/2026-11-23-session15); why is not known. Set
+# True to measure again (`tools/host_floor.py` does, in its A/B).
+MEMO_ENABLED = False
 
 
 def _signature(value: object) -> object:
@@ -283,8 +287,9 @@ def _signature(value: object) -> object:
 class LaunchMemo:
     """One launch sequence `fn(*args) -> None`, replayed from a CUDA graph where it is called
     again on the same tensors and host arguments. For calls whose host path costs far more than
-    a replay: DeepGEMM's C++ host code took 27.6 us per grouped GEMM on an H100 host, a replay
-    of its one kernel 4.3 us (docs/device-runs/2026-11-23-session15).
+    a replay: DeepGEMM's C++ host code took 19-38 us per grouped GEMM on H100 hosts, a replay
+    of its one kernel 4-7 us (docs/device-runs/2026-11-23-session15). Off unless
+    `MEMO_ENABLED` (see there: in the layer it measured slower).
 
     Exact by construction, as `GraphCache`'s direct graphs: a graph is captured on the tensors
     of a call, the second time in a row that the same signature arrives (a decode loop; a

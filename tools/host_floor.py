@@ -85,7 +85,7 @@ def host_interleaved(
             fn()
             samples[name].append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    setter(True, True)
+    setter(True, False)  # the defaults
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
@@ -213,8 +213,8 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         # measurements of one call (session 15), so separate medians would compare drifts
         modes = {
             "Triton's launch path, DeepGEMM called": (False, False),
-            "fast launches, DeepGEMM called": (True, False),
-            "fast launches, DeepGEMM replayed (default)": (True, True),
+            "fast launches, DeepGEMM called (default)": (True, False),
+            "fast launches, DeepGEMM replayed (graphs.MEMO_ENABLED)": (True, True),
         }
         for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, fast).items():
             report(f"{tag}: eager forward, {name}", us)

@@ -43,6 +43,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["outer_capture"])
+    monkeypatch.setattr(graphs, "MEMO_ENABLED", True)  # off by default (measured slower in the layer)
     FakeGraph.capturing = None
     return state
 
@@ -158,3 +159,13 @@ def test_the_context_joins_the_signature_and_capacity_drops_the_oldest(fake_cuda
     sms[0] = 100  # an engine gave DeepGEMM fewer SMs: the graph of 132 no longer applies
     memo(a, d, mm, 3)
     assert memo.replays == 1 and gemm.direct == 7
+
+
+def test_off_by_default_every_call_runs_directly(fake_cuda, monkeypatch):
+    monkeypatch.setattr(graphs, "MEMO_ENABLED", False)
+    gemm = Gemm()
+    memo = graphs.LaunchMemo(gemm)
+    a, d, mm = torch.randn(8, 4), torch.zeros(8, 4), torch.tensor([8])
+    for _ in range(3):
+        memo(a, d, mm, 1)
+    assert (gemm.direct, memo.replays, len(memo._graphs)) == (3, 0, 0)

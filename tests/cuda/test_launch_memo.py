@@ -1,5 +1,6 @@
 """DeepGEMM calls replayed from one-kernel CUDA graphs (`moehal.graphs.LaunchMemo` in
-`DeepGemmOps`) give the bits of direct calls, with new contents and row counts at every call."""
+`DeepGemmOps`, with `graphs.MEMO_ENABLED` on) give the bits of direct calls, with new contents
+and row counts at every call."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def _ops():
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"deep_gemm not importable: {exc}")
     return DeepGemmOps(False, False), DeepGemmOps(False, False, replay_graphs=False)
+
+
+@pytest.fixture(autouse=True)
+def _memo_on(monkeypatch):
+    from moehal import graphs
+
+    monkeypatch.setattr(graphs, "MEMO_ENABLED", True)  # off by default (measured slower in the layer)
 
 
 def test_masked_gemm_replays_match_direct_calls():

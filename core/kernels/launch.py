@@ -1,11 +1,12 @@
 """Fast Triton launches: `kernel[grid](*args, **kwargs)` through the compiled kernel's own
-launcher once Triton has compiled and launched that specialization (a diagnostic for #4's
-"host overhead under 20 us per forward outside graphs").
+launcher once Triton has compiled and launched that specialization (for #4's "host overhead
+under 20 us per forward outside graphs").
 
-Why: on the device hosts one `JITFunction.run` cost 19-30 us of host time, the compiled
-kernel's launcher alone 9 us (`tools/host_floor.py`, docs/device-runs/2026-11-23-session10).
-Most of the difference is per launch and not per argument: option strings and cache keys, knob
-reads, the global-value check, launch metadata. An eager forward makes 4-6 launches.
+Why: on the device hosts one `JITFunction.run` cost 18-33 us of host time, the compiled
+kernel's launcher alone 7-11 us (`tools/host_floor.py`). Most of the difference is per launch
+and not per argument: option strings and cache keys, knob reads, the global-value check,
+launch metadata, two empty hook chains. An eager forward makes 4-6 launches; with this module
+it took 15-24% less host time on H100 hosts (docs/device-runs/2026-11-23-session15).
 
 How it stays exact: each launch is keyed by what Triton specializes a kernel on, with the
 NVIDIA backend's rules (`triton.backends.compiler.BaseBackend`): per tensor its dtype and

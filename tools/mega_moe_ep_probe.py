@@ -1,0 +1,166 @@
+"""DeepGEMM's SM90 FP8 Mega MoE across GPUs (expert parallelism over symmetric memory), against
+moehal's reference: does it run, which fp8 scheme does it match, how fast is it?
+
+    torchrun --nproc-per-node 2 tools/mega_moe_ep_probe.py [--shapes qwen3_30b_a3b] [--tokens 128,1024]
+
+Every rank holds `E / world` experts and its own tokens; the kernel moves tokens between ranks
+itself. Per shape and tokens per rank, two numerics are tried:
+
+- `float`: 128x128 weight blocks with float scales, activations quantized by the library's
+  `mega_moe_pre_dispatch_sm90` (float scales), compared with the `fp8_block` reference;
+- `ue8m0`: power-of-two weight and activation scales (the activations quantized by
+  `moehal.quant.fp8.quantize_group(ue8m0=True)` into the kernel's buffer), compared with the
+  `fp8_block:ue8m0` reference. The kernel quantizes its intermediate activation with
+  power-of-two scales itself (`sm90_fp8_mega_moe_get_e4m3_sf_and_sf_inv`).
+
+The reference runs on each rank over all ranks' tokens (gathered) and all experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import types
+
+import torch
+import torch.distributed as dist
+
+BLOCK = 128
+
+
+def symm_buffer(group: dist.ProcessGroup | None, e: int, tokens: int, top_k: int, h: int, i: int) -> object:
+    """The kernel's buffer: the library's symmetric one across ranks, an ordinary allocation on one."""
+    import deep_gemm as dg
+
+    if group is not None and dist.get_world_size(group) > 1:
+        return dg.get_symm_buffer_for_sm90_mega_moe(group, e, tokens, top_k, h, i, True, "swiglu")
+    align = dg._C.get_token_alignment_for_mega_moe()
+    tokens = -(-tokens // align) * align
+    nbytes, slicer = dg._C.get_symm_buffer_size_for_sm90_mega_moe(1, e, tokens, top_k, h, i, True, "swiglu")
+    buf = torch.zeros(int(nbytes), dtype=torch.int8, device="cuda")
+    x, x_sf, idx, wts = (torch.from_dlpack(v) for v in slicer(buf)[:4])
+    return types.SimpleNamespace(
+        buffer=buf,
+        handle=types.SimpleNamespace(buffer_ptrs=[buf.data_ptr()]),
+        group=types.SimpleNamespace(rank=lambda: 0, size=lambda: 1),
+        num_max_tokens_per_rank=tokens,
+        num_experts=e,
+        num_topk=top_k,
+        x=x.view(torch.float8_e4m3fn),
+        x_sf=x_sf,
+        topk_idx=idx,
+        topk_weights=wts,
+    )
+
+
+def one_case(buf: object, weights: tuple, ref: object, cfg: object, t: int, scheme: str, rank: int, world: int) -> str:
+    """One token count per rank: error against the reference on every rank, time on rank 0."""
+    import deep_gemm as dg
+    from moehal.bench import bench_inputs
+    from moehal.quant.fp8 import quantize_group
+
+    dev = torch.device("cuda")
+    h, ue8m0 = cfg.hidden_size, scheme.endswith("ue8m0")
+    l1, l2 = weights
+    # every rank draws all ranks' inputs from one seed and keeps its own rows
+    x_all, ids_all, wts_all = bench_inputs(cfg, t * world)
+    x_all, ids_all, wts_all = x_all.to(dev, cfg.dtype), ids_all.to(dev, torch.int32), wts_all.to(dev)
+    lo, hi = rank * t, (rank + 1) * t
+    x, ids, wts = x_all[lo:hi].contiguous(), ids_all[lo:hi].contiguous(), wts_all[lo:hi].contiguous()
+    y = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+
+    def fwd() -> None:
+        dg.mega_moe_pre_dispatch_sm90(x, ids, wts, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, t, BLOCK, 1.0)
+        if ue8m0:  # the scheme's activation quantization, over the library's
+            q, s = quantize_group(x, ue8m0=True)
+            buf.x[:t].copy_(q)
+            buf.x_sf[:t].copy_(s)
+        dg.fp8_mega_moe(y, l1, l2, buf, None, (BLOCK, BLOCK, BLOCK), "swiglu", None, True)
+
+    try:
+        fwd()
+        torch.cuda.synchronize()
+        r = ref(x_all, ids_all, wts_all)[lo:hi].float()
+        err = float((y.float() - r).norm() / r.norm())
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fwd()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            fwd()
+        times = []
+        for _ in range(7):
+            dist.barrier()
+            torch.cuda.synchronize()
+            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s0.record()
+            for _ in range(10):
+                graph.replay()
+            s1.record()
+            s1.synchronize()
+            times.append(s0.elapsed_time(s1) * 100.0)  # us per replay
+        us = statistics.median(times)
+        errs = [torch.zeros(1, device=dev) for _ in range(world)]
+        dist.all_gather(errs, torch.tensor([err], device=dev))
+        per_rank = ", ".join(f"{float(v):.4f}" for v in errs)
+        return f"  {scheme:16s} T/rank={t:5d}  {us:8.1f} us per forward (graph, rank 0)  rel_l2 per rank: {per_rank}"
+    except Exception as exc:
+        return f"  {scheme:16s} T/rank={t:5d}  FAILED {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def main() -> None:
+    import deep_gemm as dg
+    import moehal
+    from moehal.bench import SHAPES
+    from moehal.quant.fp8 import quantize_block
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3_ep8")
+    p.add_argument("--tokens", default="16,128,1024,4096", help="tokens per rank")
+    a = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = torch.device("cuda")
+    group = dist.group.WORLD
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"world {world}: {torch.cuda.get_device_name()}, deep_gemm {getattr(dg, '__version__', '?')}", flush=True)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    for shape in a.shapes.split(","):
+        cfg = moehal.MoEConfig(**SHAPES[shape])
+        e, h, i, k = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+        el = e // world
+        gen = torch.Generator(dev).manual_seed(0)
+        w13 = torch.randn(e, 2 * i, h, generator=gen, device=dev) / h**0.5
+        w2 = torch.randn(e, h, i, generator=gen, device=dev) / i**0.5
+        say(f"== {shape}: E={e} ({el} per rank) H={h} I={i} top{k}", flush=True)
+        try:
+            buf = symm_buffer(group, e, max(tokens), k, h, i)
+        except Exception as exc:
+            say(f"  buffer failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        for ue8m0 in (False, True):
+            scheme = "fp8_block:ue8m0" if ue8m0 else "fp8_block"
+            q13, q2 = quantize_block(w13, ue8m0), quantize_block(w2, ue8m0)
+            sl = slice(rank * el, (rank + 1) * el)
+            l1, l2 = dg.transform_weights_for_mega_moe_sm90(
+                (q13[0][sl].contiguous(), q13[1][sl].contiguous()), (q2[0][sl].contiguous(), q2[1][sl].contiguous())
+            )
+            cfg1 = cfg.with_(max_tokens=None)
+            ref = moehal.MoELayer(cfg1, scheme, backend="reference", device=dev, validate=False)
+            ref.load_weights(moehal.ExpertWeights(w13=q13[0], w2=q2[0], w13_scale=q13[1], w2_scale=q2[1]))
+            for t in tokens:
+                say(one_case(buf, (l1, l2), ref, cfg, t, scheme, rank, world), flush=True)
+            del ref, q13, q2, l1, l2
+        del buf
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

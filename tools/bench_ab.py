@@ -11,6 +11,8 @@ Variants:
   no-prefill-fusion   the tuned tables' whole-layer prefill fusion records ignored
   hint=N              DeepGEMM's masked GEMMs get expected_m=N instead of the mean rows per expert
   deepgemm-only       no tuned Triton GEMMs and no prefill fusion: DeepGEMM runs every masked GEMM
+  act=R/S/W           masked batches with many row tiles run the activation with R rows, S columns
+                      and W warps per program (`moehal_cuda.triton_glue.act_tile`)
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             DeepGemmOps.masked = masked  # type: ignore[method-assign]
+    elif name.startswith("act="):
+        import moehal_cuda.triton_glue as glue
+
+        r, span, warps = (int(v) for v in name.split("=", 1)[1].split("/"))
+        rule = glue.act_tile
+
+        def tile(rows, block_i):  # noqa: ANN001, ANN202
+            small = rows.masked and rows.tiles(16) < 64
+            return glue.ActTile(r, span, warps) if rows.masked and not small else rule(rows, block_i)
+
+        glue.act_tile = tile
+        try:
+            yield
+        finally:
+            glue.act_tile = rule
     else:
         raise SystemExit(f"unknown variant {name!r}")
 

@@ -176,9 +176,10 @@ def print_profile(fn: Callable[[], Any], top: int, calls: int = 200) -> None:
         fn()
     pr.disable()
     torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    print(s.getvalue())
+    for order in ("tottime", "cumulative"):  # own time, then where it accrues
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats(order).print_stats(top)
+        print(s.getvalue())
 
 
 def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float], None], profile: bool) -> None:

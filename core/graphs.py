@@ -292,16 +292,18 @@ class LaunchMemo:
     `MEMO_ENABLED` (see there: in the layer it measured slower).
 
     Exact by construction, as `GraphCache`'s direct graphs: a graph is captured on the tensors
-    of a call, the second time in a row that the same signature arrives (a decode loop; a
-    one-off shape never pays a capture), and replayed only for a call whose every tensor has
-    the address, shape, strides and dtype, and whose every other argument the value, that it
-    was captured with (and `context()`, for host state `fn` reads besides its arguments). It
-    then reads and writes what a direct call would. `fn` must read its tensors' contents only
-    on the GPU (DeepGEMM's masked row counts, for instance), never on the host. No graph keeps
-    a reference to a tensor. Inside someone else's capture (an engine's, or `GraphCache`'s)
-    `fn` runs as usual. A capture that fails (the library synced or allocated in a way capture
-    forbids) switches the memo off, with the reason kept in `off_reason`; the call itself still
-    runs directly. At most `capacity` graphs are kept, the oldest dropped first.
+    of a call the second time its signature arrives among the last `capacity` distinct ones (a
+    decode loop, where one memo may serve several calls in turn, as a layer's GEMM1 and GEMM2
+    share `DeepGemmOps`' masked memo; a one-off shape never pays a capture), and replayed only
+    for a call whose every tensor has the address, shape, strides and dtype, and whose every
+    other argument the value, that it was captured with (and `context()`, for host state `fn`
+    reads besides its arguments). It then reads and writes what a direct call would. `fn` must
+    read its tensors' contents only on the GPU (DeepGEMM's masked row counts, for instance),
+    never on the host. No graph keeps a reference to a tensor. Inside someone else's capture
+    (an engine's, or `GraphCache`'s) `fn` runs as usual. A capture that fails (the library
+    synced or allocated in a way capture forbids) switches the memo off, with the reason kept in
+    `off_reason`; the call itself still runs directly. At most `capacity` graphs are kept, the
+    oldest dropped first.
     """
 
     def __init__(
@@ -311,7 +313,9 @@ class LaunchMemo:
         self._context = context  # host state fn reads besides its arguments (DeepGEMM's SM count)
         self._capacity = capacity
         self._graphs: dict[object, torch.cuda.CUDAGraph] = {}  # insertion order: oldest first
-        self._last: object = None
+        # signatures called once and not captured, oldest first. Session 15's rule, "the same
+        # signature twice in a row", never captured in the layer: GEMM1 and GEMM2 take turns.
+        self._seen: dict[object, None] = {}
         self._pool: object = None
         self._side: torch.cuda.Stream | None = None
         self.off_reason: str | None = None
@@ -328,9 +332,13 @@ class LaunchMemo:
             self.replays += 1
             return
         self._fn(*args)  # this call's result, directly; a capture records without running
-        if sig == self._last:
+        if sig in self._seen:
+            del self._seen[sig]
             self._capture(sig, args)
-        self._last = sig
+            return
+        if len(self._seen) >= self._capacity:
+            del self._seen[next(iter(self._seen))]
+        self._seen[sig] = None
 
     def _capture(self, sig: object, args: tuple[object, ...]) -> None:
         if self._side is None:

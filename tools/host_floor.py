@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+PROFILE_MEMO = False  # --memo: the profiles run with DeepGEMM replays on (graphs.MEMO_ENABLED)
+
 
 def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
     fn()
@@ -228,7 +230,13 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         report(f"{tag}: experts.apply", host_us(lambda: exp.apply(d)))
         report(f"{tag}: combine", host_us(lambda: disp.combine(y, hd)))
     if profile:
+        from moehal import graphs
+
+        graphs.MEMO_ENABLED = PROFILE_MEMO
+        for _ in range(3):  # the replays' captures happen outside the profile
+            layer(x, ids, wts)
         print_profile(lambda: layer(x, ids, wts), 30)
+        graphs.MEMO_ENABLED = False
     layer.cuda_graph_tokens = tokens
     report(f"{tag}: eager forward replaying a graph, same input tensors", host_us(lambda: layer(x, ids, wts)))
     out = torch.empty_like(x)
@@ -266,12 +274,15 @@ def main() -> None:
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--quant", default="bf16")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--memo", action="store_true", help="profile with DeepGEMM replays on (graphs.MEMO_ENABLED)")
     a = p.parse_args()
 
     def report(what: str, us: float) -> None:
         print(f"{us:9.1f} us  {what}", flush=True)
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    global PROFILE_MEMO
+    PROFILE_MEMO = a.memo
     floor(report)
     for shape in a.shapes.split(","):
         for t in a.tokens.split(","):

@@ -106,14 +106,36 @@ def test_a_call_unlike_the_captured_one_runs_directly(fake_cuda, other):
     assert torch.equal(y[:4], x[:4] * 2 + em)
 
 
-def test_alternating_signatures_never_capture(fake_cuda):
+def test_signatures_taking_turns_each_capture_on_their_second_call(fake_cuda):
+    """A layer's GEMM1 and GEMM2 share one memo and alternate: each is captured on its second
+    call and replayed from its third (session 15's "twice in a row" rule never captured them)."""
     gemm = Gemm()
     memo = graphs.LaunchMemo(gemm)
-    a, b, d, mm = torch.randn(8, 4), torch.randn(8, 4), torch.zeros(8, 4), torch.tensor([8])
+    a, b, d1, d2, mm = torch.randn(8, 4), torch.randn(8, 4), torch.zeros(8, 4), torch.zeros(8, 4), torch.tensor([8])
+    for _ in range(2):
+        memo(a, d1, mm, 1)
+        memo(b, d2, mm, 1)
+    assert (gemm.direct, memo.replays, len(memo._graphs)) == (4, 0, 2)
+    a.copy_(torch.randn(8, 4))
+    b.copy_(torch.randn(8, 4))
     for _ in range(3):
-        memo(a, d, mm, 1)
-        memo(b, d, mm, 1)
-    assert (gemm.direct, len(memo._graphs)) == (6, 0)
+        memo(a, d1, mm, 1)
+        memo(b, d2, mm, 1)
+    assert (gemm.direct, memo.replays) == (4, 6)
+    assert torch.equal(d1, a * 2 + 1) and torch.equal(d2, b * 2 + 1)
+
+
+def test_signatures_called_once_never_capture_and_are_forgotten_past_capacity(fake_cuda):
+    gemm = Gemm()
+    memo = graphs.LaunchMemo(gemm, capacity=4)
+    a, d, mm = torch.randn(8, 4), torch.zeros(8, 4), torch.tensor([8])
+    for em in range(10):  # ten one-off calls (prefill batches of new sizes, say): no capture
+        memo(a, d, mm, em)
+    assert (len(memo._graphs), len(memo._seen)) == (0, 4)
+    memo(a, d, mm, 0)  # its first call was 10 distinct signatures ago: forgotten, not captured
+    assert len(memo._graphs) == 0
+    memo(a, d, mm, 9)  # among the last 4: captured
+    assert len(memo._graphs) == 1 and gemm.direct == 12
 
 
 def test_inside_another_capture_the_call_runs_as_usual(fake_cuda):

@@ -72,3 +72,53 @@ def test_contiguous_gemm_replays_match_direct_calls():
         keep = layout >= 0
         assert torch.equal(d1[keep], d2[keep])
     assert memo.memos is not None and memo.memos[1].replays == 3
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
+def test_a_layers_two_deepgemm_calls_replay_with_the_bits_of_direct_calls(quant, monkeypatch, registry):
+    """In a layer GEMM1 and GEMM2 share the masked memo and take turns: both are captured on
+    the second forward and replayed from the third (session 16: the earlier "twice in a row"
+    rule never captured them, so replays only ever cost their signatures)."""
+    import moehal
+    from moehal import graphs
+    from moehal_cuda.gemm_choice import DEEPGEMM, GemmChooser
+
+    _ops()  # skips where DeepGEMM's SM90 calls cannot run
+    monkeypatch.setattr(GemmChooser, "choose", lambda *a, **k: DEEPGEMM)  # no tuned Triton tiles
+    monkeypatch.setattr(GemmChooser, "prefill_fused", lambda *a, **k: None)
+    cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=128)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w13 = torch.randn(16, cfg.w13_rows, 512, device="cuda", generator=g) / 512**0.5
+    w2 = torch.randn(16, 512, 256, device="cuda", generator=g) / 256**0.5
+    layer = moehal.MoELayer(cfg, quant, backend="cuda", device="cuda", registry=registry)
+    layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13, w2))
+    ops = getattr(layer._experts, "ops", None)
+    if ops is None or ops.memos is None:
+        pytest.skip(f"{layer.plan.pipeline.name} makes no memoized DeepGEMM calls")
+    tokens = 32
+    x = torch.empty(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    ids = torch.empty(tokens, 4, device="cuda", dtype=torch.int32)
+    wts = torch.empty(tokens, 4, device="cuda")
+    batches = []
+    for _ in range(4):  # new contents and routing at every forward, in the same tensors
+        scores = torch.rand(tokens, 16, device="cuda", generator=g)
+        top, idx = scores.topk(4, dim=-1)
+        batches.append((torch.randn(tokens, 512, device="cuda", generator=g).bfloat16(), idx.int(), top))
+
+    def run() -> list[torch.Tensor]:
+        outs = []
+        for bx, bi, bw in batches:
+            x.copy_(bx), ids.copy_(bi), wts.copy_(bw)
+            outs.append(layer(x, ids, wts).clone())
+        return outs
+
+    monkeypatch.setattr(graphs, "MEMO_ENABLED", False)
+    want = run()
+    monkeypatch.setattr(graphs, "MEMO_ENABLED", True)
+    got = run()
+    torch.cuda.synchronize()
+    memo = ops.memos[0]
+    assert memo.off_reason is None
+    assert memo.replays == 4, f"{layer.plan.pipeline.name}: {memo.replays} replays"  # forwards 3 and 4
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

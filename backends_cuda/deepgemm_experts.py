@@ -111,12 +111,12 @@ class DeepGemmWeightProcessor(WeightProcessor):
 class DeepGemmOps:
     """The four DeepGEMM calls, resolved once by name (names differ across releases).
 
-    With `moehal.graphs.MEMO_ENABLED` (off by default: in the layer it measured slower, see
-    there), eager calls that repeat on the same tensors (a decode loop: the dispatcher's and
-    these experts' buffers are persistent workspaces) replay a one-kernel CUDA graph instead of
-    DeepGEMM's C++ host path (`moehal.graphs.LaunchMemo`). DeepGEMM reads the masked row counts
-    and the contiguous row-to-expert map on the GPU, so a graph is valid for every call with
-    the same tensors, `expected_m` and SM count."""
+    With `moehal.graphs.MEMO_ENABLED` (on by default; 9-12% less host time per eager forward
+    at 128 tokens on H100 hosts, see there), eager calls that repeat on the same tensors (a
+    decode loop: the dispatcher's and these experts' buffers are persistent workspaces) replay
+    a one-kernel CUDA graph instead of DeepGEMM's C++ host path (`moehal.graphs.LaunchMemo`).
+    DeepGEMM reads the masked row counts and the contiguous row-to-expert map on the GPU, so a
+    graph is valid for every call with the same tensors, `expected_m` and SM count."""
 
     def __init__(self, fp8: bool, sm100: bool, replay_graphs: bool = True) -> None:
         from moehal.graphs import LaunchMemo

@@ -266,12 +266,13 @@ def should_replay(limit: int, hidden: torch.Tensor) -> bool:
     )
 
 
-# Off by default: every `LaunchMemo` calls its function directly. One DeepGEMM call replayed
-# alone took 5 us of host time against 19-38 us called, yet in the layer (the H100's decode
-# paths that call DeepGEMM, 128 tokens) forwards measured 13-32 us slower with replays, in all
-# four A/B runs of session 15 (docs/device-runs/2026-11-23-session15); why is not known. Set
-# True to measure again (`tools/host_floor.py` does, in its A/B).
-MEMO_ENABLED = False
+# On by default. One DeepGEMM call replayed from its graph takes 5-9 us of host time against
+# 19-48 us called (H100 hosts). In the layer, DeepSeek-V3's and Mixtral's eager forwards at 128
+# tokens took 9-12% less host time with replays (interleaved A/B, session 16:
+# docs/device-runs/2026-11-23-session16). Session 15 measured them slower: its capture rule
+# never fired in a layer, whose GEMM1 and GEMM2 take turns, so it paid the signatures and no
+# replay. False: every `LaunchMemo` calls its function directly.
+MEMO_ENABLED = True
 
 
 def _signature(value: object) -> object:
@@ -288,8 +289,8 @@ class LaunchMemo:
     """One launch sequence `fn(*args) -> None`, replayed from a CUDA graph where it is called
     again on the same tensors and host arguments. For calls whose host path costs far more than
     a replay: DeepGEMM's C++ host code took 19-38 us per grouped GEMM on H100 hosts, a replay
-    of its one kernel 4-7 us (docs/device-runs/2026-11-23-session15). Off unless
-    `MEMO_ENABLED` (see there: in the layer it measured slower).
+    of its one kernel 4-7 us (docs/device-runs/2026-11-23-session15). Switched by
+    `MEMO_ENABLED` (on; see there).
 
     Exact by construction, as `GraphCache`'s direct graphs: a graph is captured on the tensors
     of a call the second time its signature arrives among the last `capacity` distinct ones (a

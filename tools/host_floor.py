@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-PROFILE_MEMO = False  # --memo: the profiles run with DeepGEMM replays on (graphs.MEMO_ENABLED)
+PROFILE_MEMO = True  # --no-memo: the profiles run with DeepGEMM called (graphs.MEMO_ENABLED = False)
 
 
 def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
@@ -87,7 +87,7 @@ def host_interleaved(
             fn()
             samples[name].append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    setter(True, False)  # the defaults
+    setter(True, True)  # the defaults
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
@@ -216,8 +216,8 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         # measurements of one call (session 15), so separate medians would compare drifts
         modes = {
             "Triton's launch path, DeepGEMM called": (False, False),
-            "fast launches, DeepGEMM called (default)": (True, False),
-            "fast launches, DeepGEMM replayed (graphs.MEMO_ENABLED)": (True, True),
+            "fast launches, DeepGEMM called (graphs.MEMO_ENABLED = False)": (True, False),
+            "fast launches, DeepGEMM replayed (default)": (True, True),
         }
         for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, fast).items():
             report(f"{tag}: eager forward, {name}", us)
@@ -236,7 +236,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         for _ in range(3):  # the replays' captures happen outside the profile
             layer(x, ids, wts)
         print_profile(lambda: layer(x, ids, wts), 30)
-        graphs.MEMO_ENABLED = False
+        graphs.MEMO_ENABLED = True  # the default
     layer.cuda_graph_tokens = tokens
     report(f"{tag}: eager forward replaying a graph, same input tensors", host_us(lambda: layer(x, ids, wts)))
     out = torch.empty_like(x)
@@ -274,7 +274,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--quant", default="bf16")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--memo", action="store_true", help="profile with DeepGEMM replays on (graphs.MEMO_ENABLED)")
+    replays = "profile with DeepGEMM replays (the default)"
+    p.add_argument("--memo", action=argparse.BooleanOptionalAction, default=True, help=replays)
     a = p.parse_args()
 
     def report(what: str, us: float) -> None:

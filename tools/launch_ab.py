@@ -39,7 +39,7 @@ def one_case(shape: str, t: int, rounds: int, dev: torch.device) -> str:
             fwd()
         g, out = capture(fwd, warmup=2)
         replays[name], outs[name] = g.replay, out
-    launch.ENABLED, graphs.MEMO_ENABLED = True, False  # the defaults
+    launch.ENABLED, graphs.MEMO_ENABLED = True, True  # the defaults
 
     def both() -> None:
         for r in replays.values():

@@ -30,7 +30,7 @@ def _ops():
 def _memo_on(monkeypatch):
     from moehal import graphs
 
-    monkeypatch.setattr(graphs, "MEMO_ENABLED", True)  # off by default (measured slower in the layer)
+    monkeypatch.setattr(graphs, "MEMO_ENABLED", True)  # the default; a test may have switched it
 
 
 def test_masked_gemm_replays_match_direct_calls():

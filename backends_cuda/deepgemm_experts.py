@@ -111,8 +111,8 @@ class DeepGemmWeightProcessor(WeightProcessor):
 class DeepGemmOps:
     """The four DeepGEMM calls, resolved once by name (names differ across releases).
 
-    With `moehal.graphs.MEMO_ENABLED` (on by default; 9-12% less host time per eager forward
-    at 128 tokens on H100 hosts, see there), eager calls that repeat on the same tensors (a
+    With `moehal.graphs.MEMO_ENABLED` (on by default; 8-12% less host time per eager forward
+    that calls DeepGEMM, see there), eager calls that repeat on the same tensors (a
     decode loop: the dispatcher's and these experts' buffers are persistent workspaces) replay
     a one-kernel CUDA graph instead of DeepGEMM's C++ host path (`moehal.graphs.LaunchMemo`).
     DeepGEMM reads the masked row counts and the contiguous row-to-expert map on the GPU, so a

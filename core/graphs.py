@@ -266,12 +266,13 @@ def should_replay(limit: int, hidden: torch.Tensor) -> bool:
     )
 
 
-# On by default. One DeepGEMM call replayed from its graph takes 5-9 us of host time against
-# 19-48 us called (H100 hosts). In the layer, DeepSeek-V3's and Mixtral's eager forwards at 128
-# tokens took 9-12% less host time with replays (interleaved A/B, session 16:
-# docs/device-runs/2026-11-23-session16). Session 15 measured them slower: its capture rule
-# never fired in a layer, whose GEMM1 and GEMM2 take turns, so it paid the signatures and no
-# replay. False: every `LaunchMemo` calls its function directly.
+# On by default. One DeepGEMM call replayed from its graph takes 4-12 us of host time against
+# 27-48 us called (H100 and H200 hosts). Eager forwards that call DeepGEMM took 31-64 us
+# (10-12%) less host time with replays on an H100 host (two calls per forward) and 20 us (8.5%)
+# on an H200 host (one call), in an interleaved A/B whose rows without DeepGEMM calls moved by
+# 2-7 us (session 16: docs/device-runs/2026-11-23-session16). Session 15 measured them slower:
+# its capture rule never fired in a layer, whose GEMM1 and GEMM2 take turns, so it paid the
+# signatures and no replay. False: every `LaunchMemo` calls its function directly.
 MEMO_ENABLED = True
 
 

@@ -73,14 +73,17 @@ def host_us_queued(fn: Callable[[], Any], queued: int = 16, rounds: int = 30) ->
 def host_interleaved(
     fn: Callable[[], Any], modes: dict[str, tuple[bool, bool]], setter: Callable[..., None], calls: int = 200
 ) -> dict[str, float]:
-    """Median host us of `fn` under each mode, the modes taking turns call by call."""
+    """Median host us of `fn` under each mode, the modes taking turns call by call, in an order
+    that rotates every round (session 15-16: with a fixed order the last mode read 4-15 us low
+    even where it ran the same code as the one before it)."""
     for mode in modes.values():  # warm each mode (captures, first launches)
         setter(*mode)
         for _ in range(3):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in modes}
-    for _ in range(calls):
-        for name, mode in modes.items():
+    order = list(modes.items())
+    for i in range(calls):
+        for name, mode in order[i % len(order) :] + order[: i % len(order)]:
             setter(*mode)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -219,8 +222,13 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             "fast launches, DeepGEMM called (graphs.MEMO_ENABLED = False)": (True, False),
             "fast launches, DeepGEMM replayed (default)": (True, True),
         }
+        memos = getattr(getattr(layer._experts, "ops", None), "memos", None)
+        for m in memos or ():
+            m.replays = 0
         for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, fast).items():
             report(f"{tag}: eager forward, {name}", us)
+        if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
+            print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")
     disp, exp = layer._dispatch, layer._experts
     topk = TopK(ids, wts)
     if disp is not None and exp is not None:

@@ -86,7 +86,9 @@ class Launcher:
 
             active = driver.active
             ok = active.get_current_target().backend == "cuda"
-            self._driver = (active.get_current_device, active.get_current_stream, knobs.runtime) if ok else False
+            # torch.cuda.current_device() minus its lazy-init check: CUDA is up once a kernel launches
+            device = getattr(torch._C, "_cuda_getDevice", None) or active.get_current_device
+            self._driver = (device, active.get_current_stream, knobs.runtime) if ok else False
         except Exception:  # no GPU here (AOT compiles record launches without one): Triton's path
             self._driver = False
         return self._driver
@@ -152,20 +154,25 @@ class Launcher:
             kernel = self._slow(grid, args, kwargs)
             if kernel is not None and not hasattr(kernel, "result"):  # compiled and launched
                 tail = self._names[len(args) :]  # parameters not given positionally
-                self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail, kernel)
+                # with no tensor or int by keyword, those are constexprs, options and defaults:
+                # values the key holds, so the launcher's trailing arguments are fixed
+                fixed = None
+                if self._spec_names.isdisjoint(kwargs):
+                    fixed = tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in tail)
+                self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail, fixed, kernel)
             return kernel
-        run, function, metadata, tail, kernel = entry
+        run, function, metadata, tail, fixed, kernel = entry
         if VERIFY:
             expected = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
             if expected is not kernel:
                 raise RuntimeError(f"fast launch of {self.__name__} picked another compiled kernel than Triton")
-        if tail:
+        if fixed is None:
             defaults = self._defaults
-            args = (*args, *(kwargs[n] if n in kwargs else defaults[n] for n in tail))
+            fixed = tuple(kwargs[n] if n in kwargs else defaults[n] for n in tail)
         n = len(grid)
         run(
             grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, get_stream(device),
-            function, metadata, None, None, None, *args,
+            function, metadata, None, None, None, *args, *fixed,
         )  # fmt: skip
         self.hits += 1
         return kernel

@@ -126,6 +126,19 @@ def test_every_change_triton_specializes_on_is_a_new_key(kernel, change):
     assert runner.hits == 1
 
 
+def test_trailing_arguments_are_this_calls_values(kernel):
+    """Constexprs and defaults after the positional arguments are fixed per key and kept with
+    the kernel; a tensor passed by keyword is this call's, every call."""
+    fn, runner, _ = kernel
+    x, w1, w2 = torch.zeros(64), torch.ones(8), torch.full((8,), 2.0)
+    for flag in (7, 9, 7):
+        runner[(1,)](x, 64, w1, BLOCK=32, FLAG=flag)
+    runner[(1,)](x, 64, w=w1, BLOCK=32)
+    runner[(1,)](x, 64, w=w2, BLOCK=32)  # same key as the call before, another tensor
+    launches = [call for c in fn.compiled.values() for call in c.launches]
+    assert [call[9:] for call in launches] == [(x, 64, w1, 32, 7), (x, 64, w2, 32, 7)]
+
+
 def test_values_triton_does_not_specialize_on_share_the_kernel(kernel):
     fn, runner, _ = kernel
     x, w = torch.zeros(64), torch.ones(8)
@@ -165,7 +178,7 @@ def test_verify_raises_when_the_kept_kernel_is_not_tritons_choice(kernel, monkey
     runner[(1,)](x, 64, w, BLOCK=32)  # agrees
     for key in list(runner._cache):  # corrupt the kept kernel: verification must notice
         entry = runner._cache[key]
-        runner._cache[key] = (*entry[:4], Compiled(("other",)))
+        runner._cache[key] = (*entry[:-1], Compiled(("other",)))
     with pytest.raises(RuntimeError, match="another compiled kernel"):
         runner[(1,)](x, 64, w, BLOCK=32)
 

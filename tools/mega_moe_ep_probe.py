@@ -58,6 +58,7 @@ def one_case(buf: object, weights: tuple, ref: object, cfg: object, t: int, sche
     """One token count per rank: error against the reference on every rank, time on rank 0."""
     import deep_gemm as dg
     from moehal.bench import bench_inputs
+    from moehal.graphs import capture
     from moehal.quant.fp8 import quantize_group
 
     dev = torch.device("cuda")
@@ -84,14 +85,7 @@ def one_case(buf: object, weights: tuple, ref: object, cfg: object, t: int, sche
         r = ref(x_all, ids_all, wts_all)[lo:hi].float()
         err = float((y.float() - r).norm() / r.norm())
         dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fwd()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            fwd()
+        graph, _ = capture(fwd, dev)  # a warm-up call on a side stream, then the capture
         times = []
         for _ in range(7):
             dist.barrier()

@@ -188,6 +188,7 @@ class EPResult:
     seconds: float
     detail: str = ""
     declined: str = ""  # the backend declined the case (NoBackendError's summary), not a failure
+    oracle: str = ""  # the pipeline of the reference layer the rows were checked against
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,6 +224,22 @@ def _registry_with(registry: Registry, dispatcher: str | None) -> Registry:
     return reg
 
 
+ORACLE_DISPATCHER = "reference.local"
+
+
+def oracle_layer(case: EPCase, quant: QuantScheme, device: torch.device, registry: Registry) -> MoELayer:
+    """The single-process reference layer a case is checked against: reference experts and
+    the reference dispatcher, on `device`, for every rank's tokens at once.
+
+    The dispatcher is forced: `backend="reference"` picks only the experts, and on a GPU a
+    vendor's single-device dispatcher outranks `reference.local` (on the 2xH200 run of session
+    17, `cuda.permute` quantized the fp8 cases' activations with its own kernel and the check
+    compared the EP layer against that instead of the reference)."""
+    cfg_one = case.config().with_(max_tokens=None)  # the oracle takes every rank's tokens at once
+    reg = _registry_with(registry, ORACLE_DISPATCHER)
+    return MoELayer(cfg_one, quant, backend="reference", device=device, layout=case.layout, registry=reg)
+
+
 def run_ep_case(
     case: EPCase,
     group: Any = None,
@@ -236,7 +253,8 @@ def run_ep_case(
 
     backend: whose experts run on each rank (the EP layer's `MoELayer(backend=...)`).
     dispatcher: force this dispatcher qualname (None: let selection pick the best EP one).
-    The oracle is always the single-process reference layer on all tokens, same layout.
+    The oracle is always the single-process reference layer on all tokens, same layout
+    (`oracle_layer`: reference experts and dispatcher, whatever else is installed).
     Raises (never returns a result) when the layer raises on any rank; returns a result
     with `ok=False` when the numbers disagree.
     """
@@ -270,7 +288,7 @@ def run_ep_case(
         raise InjectedFault(f"rank {rank} fails on purpose before the forward of case {case.name!r}")
     out = layer(x, ids, w)
 
-    ref_layer = MoELayer(cfg_one, quant, backend="reference", device=dev, layout=case.layout, registry=reg)
+    ref_layer = oracle_layer(case, quant, dev, reg)
     ref_layer.load_weights(full.to(dev))
     ref_all = ref_layer(inp.x.to(dev), inp.ids.to(dev), inp.weights.to(dev)).float()
     ref = ref_all[lo:hi]
@@ -307,6 +325,7 @@ def run_ep_case(
         device=str(dev),
         seconds=time.perf_counter() - t0,
         detail=detail,
+        oracle=ref_layer.plan.pipeline.name,
     )
 
 
@@ -477,6 +496,7 @@ class CaseRow:
     mode: str
     detail: str = ""
     per_rank: list[str] = field(default_factory=list)
+    oracle: str = ""
 
 
 def summarize(results: Sequence[Sequence[EPResult]]) -> list[CaseRow]:
@@ -495,6 +515,7 @@ def summarize(results: Sequence[Sequence[EPResult]]) -> list[CaseRow]:
                 mode=first.mode,
                 detail=first.declined or "; ".join(f"rank {r.rank}: {r.detail}" for r in per if r.detail),
                 per_rank=[f"{r.tokens} tok" for r in per],
+                oracle=first.oracle,
             )
         )
     return rows
@@ -513,6 +534,9 @@ def to_markdown(rows: Sequence[CaseRow], title: str, header: str = "") -> str:
     declined = [r for r in rows if r.verdict == "DECLINED"]
     passed = len(rows) - len(fails) - len(declined)
     lines += ["", f"{passed} of {len(rows)} cases passed, {len(declined)} declined by the backend."]
+    oracles = sorted({r.oracle for r in rows if r.oracle})
+    if oracles:
+        lines.append("Checked against: " + ", ".join(f"`{o}`" for o in oracles) + ".")
     for r in fails:
         lines.append(f"- FAIL {r.case}: {r.detail}")
     for r in declined:

@@ -82,3 +82,40 @@ def test_group_size_must_match_ep_size(world_of_one):
     with pytest.raises(NoBackendError) as e:
         MoELayer(CFG, "bf16", device="cpu", process_group=world_of_one)
     assert "torch_distributed" in str(e.value)
+
+
+class _QuantizesItsOwnWay(ReferenceDispatcher):
+    """A vendor-like single-device dispatcher that outranks `reference.local` (as `cuda.permute`
+    does on a GPU) and rounds fp8 activations its own way."""
+
+    name = "fast_local"
+    priority = 50
+
+
+def test_ep_oracle_is_the_reference_pipeline_whatever_outranks_it():
+    """The EP check's oracle must not pick up a vendor dispatcher: `backend="reference"` picks
+    the experts only (session 17: on 2xH200 the fp8 EP cases were checked against
+    `cuda.permute`'s quantization and failed)."""
+    import moehal
+    from moehal import distributed_check as dc
+
+    class Plugin:
+        @moehal.hookimpl
+        def moehal_backend_info(self):
+            return moehal.BackendInfo("vendorlike", "0", "test plugin")
+
+        @moehal.hookimpl
+        def moehal_dispatchers(self):
+            return [_QuantizesItsOwnWay()]
+
+    import moehal.reference.plugin
+
+    reg = moehal.Registry(moehal.Settings())  # a fresh one: the shared registry stays as it is
+    reg.register(moehal.reference.plugin, "reference")
+    reg.register(Plugin(), "vendorlike")
+    case = next(c for c in dc.ep_cases(2) if c.quant == "fp8_block")
+    quant = moehal.QuantScheme.parse(case.quant)
+    plain = MoELayer(case.config(), quant, backend="reference", device="cpu", layout=case.layout, registry=reg)
+    assert plain.plan.pipeline.name.startswith("vendorlike.fast_local")  # the hazard
+    oracle = dc.oracle_layer(case, quant, torch.device("cpu"), reg)
+    assert oracle.plan.pipeline.name.startswith("reference.local -> reference.experts")

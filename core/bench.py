@@ -77,6 +77,11 @@ class Row:
     # (`moehal.clock_sampler`; a row at its power cap runs well under boost clocks)
     sm_mhz: float = float("nan")
     power_w: float = float("nan")
+    # CUDA only: host time per call of `HOST_BACK_TO_BACK` calls made back to back from an idle
+    # GPU, as an engine's loop makes them (`host_time_back_to_back`): plain eager ...
+    host_b2b_us: float = float("nan")
+    # ... and replaying graphs with the same inputs and `out=`
+    host_graph_out_b2b_us: float = float("nan")
 
 
 def _sync(dev: torch.device) -> None:
@@ -165,6 +170,36 @@ def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 100) -> flo
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(dev)
+    return statistics.median(samples)
+
+
+# Calls per sample of `host_time_back_to_back`: a model queues its layers back to back, and
+# 8 graph replays or eager forwards stay far below the launch queue's depth.
+HOST_BACK_TO_BACK = 8
+
+
+def host_time_back_to_back(
+    fn: Callable[[], Any], dev: torch.device, queued: int = HOST_BACK_TO_BACK, rounds: int = 30
+) -> float:
+    """Median seconds of host time per call, over `queued` calls made back to back from an idle
+    GPU (each returns once its kernels are queued), NaN off CUDA.
+
+    `host_time` times one call right after `synchronize`, so it adds whatever the host pays to
+    resume after waiting there: on the device hosts a 1-kernel graph replay took 3 us after no
+    wait and 7 us (H100 host) to 30 us (H200 host) after a 3 ms one, and rows with a longer
+    GPU time read slower (docs/device-runs/2026-11-24-session17). In an engine's step the host
+    waits once, then queues every layer: this is the per-layer host time it sees."""
+    if dev.type != "cuda":
+        return float("nan")
+    fn()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(queued):
+            fn()
+        samples.append((time.perf_counter() - t0) / queued)
     torch.cuda.synchronize(dev)
     return statistics.median(samples)
 
@@ -319,8 +354,8 @@ def bench_one(
         fn = lambda: layer(xd, ids, wts)
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
-    host = host_time(fn, dev)
-    host_graph = host_graph_new = host_graph_out = float("nan")
+    host, host_b2b = host_time(fn, dev), host_time_back_to_back(fn, dev)
+    host_graph = host_graph_new = host_graph_out = host_graph_out_b2b = float("nan")
     if dev.type == "cuda" and capturable and layer is not None:
         layer.cuda_graph_tokens = tokens  # eager calls replay a captured graph (moehal.graphs)
         host_graph = host_time(fn, dev)
@@ -329,6 +364,7 @@ def bench_one(
         host_graph_new = host_time(lambda: layer(*sets[next(turn) % 3]), dev)
         out_buf = torch.empty_like(xd)
         host_graph_out = host_time(lambda: layer(xd, ids, wts, out=out_buf), dev)
+        host_graph_out_b2b = host_time_back_to_back(lambda: layer(xd, ids, wts, out=out_buf), dev)
         layer.cuda_graph_tokens = 0
     parts = kernel_breakdown(fn, dev) if breakdown else None
     if dev.type == "cuda" and capturable:
@@ -363,6 +399,8 @@ def bench_one(
         host_graph_out * 1e6,
         mhz,
         watts,
+        host_b2b_us=host_b2b * 1e6,
+        host_graph_out_b2b_us=host_graph_out_b2b * 1e6,
     )
 
 
@@ -569,7 +607,8 @@ def results_table(rows: Sequence[Row]) -> Any:
     cols = ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s")
     clocks = any(r.sm_mhz == r.sm_mhz for r in rows)  # NaN != NaN: no sample
     for col in (*cols, *(("SM MHz", "W") if clocks else ()), "host us", "host us (graphs)",
-                "host us (graphs, new inputs)", "host us (graphs, out=)"):  # fmt: skip
+                "host us (graphs, new inputs)", "host us (graphs, out=)", "host us back to back",
+                "host us back to back (graphs, out=)"):  # fmt: skip
         t.add_column(col)
     for r in rows:
         sampled = (_num(r.sm_mhz, "{:.0f}"), _num(r.power_w, "{:.0f}")) if clocks else ()
@@ -588,6 +627,8 @@ def results_table(rows: Sequence[Row]) -> Any:
             _num(r.host_graph_us, "{:.1f}"),
             _num(r.host_graph_new_us, "{:.1f}"),
             _num(r.host_graph_out_us, "{:.1f}"),
+            _num(r.host_b2b_us, "{:.1f}"),
+            _num(r.host_graph_out_b2b_us, "{:.1f}"),
         )
     return t
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from moehal.bench import main
 
@@ -23,6 +24,7 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         assert r["flops"] == 2 * r["tokens"] * 2 * (128 * 128 + 64 * 128)
         assert r["host_us"] != r["host_us"], "host overhead is a CUDA measurement: NaN on CPU"
         assert r["host_graph_us"] != r["host_graph_us"]
+        assert r["host_b2b_us"] != r["host_b2b_us"] and r["host_graph_out_b2b_us"] != r["host_graph_out_b2b_us"]
     assert out.with_suffix(".png").stat().st_size > 1000
     assert data["layer_max_tokens"] == "each row's token count"
 
@@ -131,3 +133,26 @@ def test_clock_sampler_reads_its_child_and_stops_it():
     sampler.close()
     assert sampler._proc.poll() is not None, "the sampling child is stopped"
     sampler.close()  # twice (atexit after an explicit close): no error
+
+
+def test_back_to_back_host_time_is_per_call_and_syncs_only_between_samples(monkeypatch):
+    """`host_time_back_to_back`: `queued` calls per sample, timed together, synchronized only
+    before each sample (the host never waits between the calls of one sample)."""
+    from moehal import bench
+
+    clock, events = [0.0], []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: events.append("sync"))
+
+    def call() -> None:
+        clock[0] += 5e-6
+        events.append("call")
+
+    t = bench.host_time_back_to_back(call, torch.device("cuda"), queued=4, rounds=3)
+    assert t == pytest.approx(5e-6)  # per call, not per sample of 4
+    assert events.count("call") == 1 + 4 * 3  # one warm-up call
+    runs = "".join("c" if e == "call" else "s" for e in events)
+    assert runs == "c" + "scccc" * 3 + "s"
+    assert bench.host_time_back_to_back(call, torch.device("cpu")) != bench.host_time_back_to_back(
+        call, torch.device("cpu")
+    ), "NaN off CUDA"

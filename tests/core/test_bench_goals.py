@@ -34,7 +34,7 @@ def by_cell(checks):
 
 def test_each_metric_reads_the_right_rows():
     rows = [
-        row("cuda", 4, 10.0, pct_roofline=50.0, host_graph_out_us=12.0, host_us=300.0),
+        row("cuda", 4, 10.0, pct_roofline=50.0, host_graph_out_us=12.0, host_us=300.0, host_graph_out_b2b_us=25.0),
         row("sglang", 4, 11.0),
         row("cuda", 256, 20.0, pct_roofline=95.0),  # covered by no goal
         row("cuda", 128, 30.0, pct_roofline=89.9, host_graph_out_us=20.5, host_us=float("nan")),
@@ -55,6 +55,8 @@ def test_each_metric_reads_the_right_rows():
     assert c["host_graphs", "cuda", "s", 4].met and not c["host_graphs", "cuda", "s", 128].met  # at most 20 us
     assert c["host_eager", "cuda", "s", 4].status == "not met"
     assert c["host_eager", "cuda", "s", 128].status == "not measured", "NaN: not measured (e.g. on CPU)"
+    assert c["host_graphs_b2b", "cuda", "s", 4].status == "not met"  # its own column, not host_graph_out_us
+    assert c["host_graphs_b2b", "cuda", "s", 128].status == "not measured", "a run from before the column"
     assert not any(k[1] == "sglang" for k in c), "the peer is compared against, never checked"
     assert not any(k[3] == 256 for k in c)
     assert all(x.device == "dev" for x in c.values())

@@ -188,3 +188,20 @@ def test_replay_direct_serves_only_the_exact_tensors_it_was_captured_on(fake_cud
     assert cache.replay_direct((x, y), None) is None, "no direct graph for calls without out= yet"
     assert cache.replay_direct((x, None), out) is None and cache.replay_direct((x, 3), out) is None
     assert cache.captured_token_counts == [4]
+
+
+def test_replay_direct_with_three_inputs_checks_every_one(fake_cuda_graphs):
+    """The top-k forward's three inputs take an unrolled signature (it runs at every replay):
+    it must pin the third input as the generic one pins the others."""
+    cache = GraphCache(lambda x, y, z: x * 2 + y + z, torch.device("cpu"))
+    x, y, z, out = torch.ones(4, 6), torch.zeros(4, 6), torch.zeros(4, 6), torch.empty(4, 6)
+    generic = tuple(v for t in (x, y, z, out) for v in (t.data_ptr(), t.dtype, t.shape, t.stride()))
+    assert cache.where((x, y, z), out) == generic and cache.where((x, y, z)) == generic[:12]
+    cache(x, y, z, out=out)
+    cache(x, y, z, out=out)
+    z.fill_(1.0)
+    assert cache.replay_direct((x, y, z), out) is out and out.tolist() == [[3.0] * 6] * 4
+    assert cache.replay_direct((x, y, z.as_strided((4, 6), (1, 4))), out) is None, "the third input's strides"
+    assert cache.replay_direct((x, y, z.double()), out) is None, "the third input's dtype"
+    assert cache.replay_direct((x, y, z[:2]), out) is None, "the third input's shape"
+    assert cache.replay_direct((x, y, None), out) is None

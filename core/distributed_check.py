@@ -224,20 +224,14 @@ def _registry_with(registry: Registry, dispatcher: str | None) -> Registry:
     return reg
 
 
-ORACLE_DISPATCHER = "reference.local"
-
-
 def oracle_layer(case: EPCase, quant: QuantScheme, device: torch.device, registry: Registry) -> MoELayer:
     """The single-process reference layer a case is checked against: reference experts and
-    the reference dispatcher, on `device`, for every rank's tokens at once.
+    the reference dispatcher (`moehal.reference.oracle`: on a GPU a vendor's dispatcher would
+    otherwise outrank `reference.local`), on `device`, for every rank's tokens at once."""
+    from moehal.reference.oracle import reference_layer
 
-    The dispatcher is forced: `backend="reference"` picks only the experts, and on a GPU a
-    vendor's single-device dispatcher outranks `reference.local` (on the 2xH200 run of session
-    17, `cuda.permute` quantized the fp8 cases' activations with its own kernel and the check
-    compared the EP layer against that instead of the reference)."""
     cfg_one = case.config().with_(max_tokens=None)  # the oracle takes every rank's tokens at once
-    reg = _registry_with(registry, ORACLE_DISPATCHER)
-    return MoELayer(cfg_one, quant, backend="reference", device=device, layout=case.layout, registry=reg)
+    return reference_layer(cfg_one, quant, device, layout=case.layout, registry=registry)
 
 
 def run_ep_case(

@@ -19,6 +19,7 @@ The reference runs on each rank over all ranks' tokens (gathered) and all expert
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import types
@@ -54,8 +55,44 @@ def symm_buffer(group: dist.ProcessGroup | None, e: int, tokens: int, top_k: int
     )
 
 
-def one_case(buf: object, weights: tuple, ref: object, cfg: object, t: int, scheme: str, rank: int, world: int) -> str:
-    """One token count per rank: error against the reference on every rank, time on rank 0."""
+def mega_reference(
+    x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, q13: tuple, q2: tuple, ue8m0: bool
+) -> torch.Tensor:
+    """moehal's fp8 reference with the intermediate quantized as the kernel quantizes it (read
+    in its shipped source, deep_gemm/include/deep_gemm/impls/sm90_fp8_mega_moe.cuh): SwiGLU in
+    float32, times the token's router weight, quantized in 64-wide groups (`kL2ActsSFGranK`)
+    with power-of-two scales (`sm90_fp8_mega_moe_get_e4m3_sf_and_sf_inv`: 2^ceil(log2(amax /
+    448))), never rounded to bf16. GEMM1's input is quantized in 128-wide groups as the scheme
+    says (`ue8m0`: power-of-two scales). One expert at a time, to bound the float32 weights."""
+    from moehal.quant.fp8 import dequantize_block, dequantize_group, quantize_group
+
+    xq, xs = quantize_group(x, ue8m0=ue8m0)
+    xd = dequantize_group(xq, xs)
+    out = torch.zeros(x.shape[0], q2[0].shape[1], dtype=torch.float32, device=x.device)
+    for e in range(q13[0].shape[0]):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        gate, up = (xd[t] @ dequantize_block(q13[0][e], q13[1][e]).T).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up * wts[t, j, None].float()
+        aq, asf = quantize_group(act, ue8m0=True, group=64)
+        out.index_add_(0, t, dequantize_group(aq, asf, group=64) @ dequantize_block(q2[0][e], q2[1][e]).T)
+    return out.to(torch.bfloat16)
+
+
+def one_case(
+    buf: object,
+    weights: tuple,
+    ref: object,
+    cfg: object,
+    t: int,
+    scheme: str,
+    rank: int,
+    world: int,
+    mega_ref: object = None,
+) -> str:
+    """One token count per rank: error against the reference on every rank (and, given
+    `mega_ref`, against `mega_reference`), time on rank 0."""
     import deep_gemm as dg
     from moehal.bench import bench_inputs
     from moehal.graphs import capture
@@ -84,6 +121,10 @@ def one_case(buf: object, weights: tuple, ref: object, cfg: object, t: int, sche
         torch.cuda.synchronize()
         r = ref(x_all, ids_all, wts_all)[lo:hi].float()
         err = float((y.float() - r).norm() / r.norm())
+        err_mega = math.nan
+        if mega_ref is not None:
+            rm = mega_ref(x_all, ids_all, wts_all)[lo:hi].float()
+            err_mega = float((y.float() - rm).norm() / rm.norm())
         dist.barrier()
         graph, _ = capture(fwd, dev)  # a warm-up call on a side stream, then the capture
         times = []
@@ -101,7 +142,13 @@ def one_case(buf: object, weights: tuple, ref: object, cfg: object, t: int, sche
         errs = [torch.zeros(1, device=dev) for _ in range(world)]
         dist.all_gather(errs, torch.tensor([err], device=dev))
         per_rank = ", ".join(f"{float(v):.4f}" for v in errs)
-        return f"  {scheme:16s} T/rank={t:5d}  {us:8.1f} us per forward (graph, rank 0)  rel_l2 per rank: {per_rank}"
+        errs = [torch.zeros(1, device=dev) for _ in range(world)]
+        dist.all_gather(errs, torch.tensor([err_mega], device=dev))
+        per_rank_mega = ", ".join(f"{float(v):.4f}" for v in errs)
+        return (
+            f"  {scheme:16s} T/rank={t:5d}  {us:8.1f} us per forward (graph, rank 0)  rel_l2 per rank: {per_rank}"
+            f"  vs its own quantization: {per_rank_mega}"
+        )
     except Exception as exc:
         return f"  {scheme:16s} T/rank={t:5d}  FAILED {type(exc).__name__}: {str(exc)[:300]}"
 
@@ -111,6 +158,7 @@ def main() -> None:
     import moehal
     from moehal.bench import SHAPES
     from moehal.quant.fp8 import quantize_block
+    from moehal.reference.oracle import reference_layer
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3_ep8")
@@ -145,10 +193,11 @@ def main() -> None:
                 (q13[0][sl].contiguous(), q13[1][sl].contiguous()), (q2[0][sl].contiguous(), q2[1][sl].contiguous())
             )
             cfg1 = cfg.with_(max_tokens=None)
-            ref = moehal.MoELayer(cfg1, scheme, backend="reference", device=dev, validate=False)
+            ref = reference_layer(cfg1, scheme, dev, validate=False)
             ref.load_weights(moehal.ExpertWeights(w13=q13[0], w2=q2[0], w13_scale=q13[1], w2_scale=q2[1]))
+            mega = lambda x, i, w, q13=q13, q2=q2, u=ue8m0: mega_reference(x, i, w, q13, q2, u)  # noqa: E731
             for t in tokens:
-                say(one_case(buf, (l1, l2), ref, cfg, t, scheme, rank, world), flush=True)
+                say(one_case(buf, (l1, l2), ref, cfg, t, scheme, rank, world, mega), flush=True)
             del ref, q13, q2, l1, l2
         del buf
         torch.cuda.empty_cache()

@@ -119,6 +119,7 @@ def shape_rows(shape: str, tokens: list[int], with_moehal: bool, dev: torch.devi
     from moehal.bench import SHAPES, _weights
     from moehal.quant import QuantScheme
     from moehal.quant.fp8 import dequantize_block, quantize_block
+    from moehal.reference.oracle import reference_layer
 
     cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens))
     w13, w2, _ = _weights(shape, cfg, QuantScheme.parse("fp8_block"), dev)
@@ -130,7 +131,7 @@ def shape_rows(shape: str, tokens: list[int], with_moehal: bool, dev: torch.devi
         mega = MegaMoE(deq13, deq2, cfg.top_k, max(tokens))
     except Exception as exc:
         print(f"  mega: cannot build: {type(exc).__name__}: {exc}", flush=True)
-    ref = moehal.MoELayer(cfg, "fp8_block", backend="reference", device=dev, validate=False)
+    ref = reference_layer(cfg, "fp8_block", dev, validate=False)
     ref.load_weights(moehal.quantize_weights(cfg, ref.quant, deq13, deq2))
     layers: dict[str, Any] = {}
     if with_moehal:

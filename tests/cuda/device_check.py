@@ -78,6 +78,7 @@ def routing(t: int, c: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def correctness(quick: bool) -> None:
     from moehal import MoELayer
+    from moehal.reference.oracle import reference_layer
 
     base = dict(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=64)
     cases = [
@@ -103,7 +104,7 @@ def correctness(quick: bool) -> None:
         try:
             c, w = make(kw, quant)
             layer = MoELayer(c, quant, backend="cuda", device="cuda", layout=layout)
-            ref = MoELayer(c, quant, backend="reference", device="cuda", layout=layout)
+            ref = reference_layer(c, quant, "cuda", layout=layout)
             layer.load_weights(w)
             ref.load_weights(w)
             worst = 0.0
@@ -127,6 +128,7 @@ def correctness(quick: bool) -> None:
 
 def graph_check() -> None:
     from moehal import MoELayer
+    from moehal.reference.oracle import reference_layer
 
     for quant, layout in (("bf16", "masked"), ("fp8_block", "contiguous")):
         name = f"graph {quant} {layout}"
@@ -134,7 +136,7 @@ def graph_check() -> None:
             kw = dict(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32)
             c, w = make(kw, quant)
             layer = MoELayer(c, quant, backend="cuda", device="cuda", layout=layout)
-            ref = MoELayer(c, quant, backend="reference", device="cuda", layout=layout)
+            ref = reference_layer(c, quant, "cuda", layout=layout)
             layer.load_weights(w)
             ref.load_weights(w)
             t = 32

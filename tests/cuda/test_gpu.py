@@ -35,11 +35,12 @@ def _weights(cfg, quant: str):
 
 def _layers(quant: str, layout: str | None, **extra):
     import moehal
+    from moehal.reference.oracle import reference_layer
 
     cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32, **extra)
     w = _weights(cfg, quant)
     layer = moehal.MoELayer(cfg, quant, backend="cuda", device="cuda", layout=layout)
-    ref = moehal.MoELayer(cfg, quant, backend="reference", device="cuda", layout=layout)
+    ref = reference_layer(cfg, quant, "cuda", layout=layout)  # the pure oracle, not cuda.permute
     layer.load_weights(w)
     ref.load_weights(w)
     return cfg, layer, ref

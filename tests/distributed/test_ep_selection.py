@@ -93,11 +93,13 @@ class _QuantizesItsOwnWay(ReferenceDispatcher):
 
 
 def test_ep_oracle_is_the_reference_pipeline_whatever_outranks_it():
-    """The EP check's oracle must not pick up a vendor dispatcher: `backend="reference"` picks
-    the experts only (session 17: on 2xH200 the fp8 EP cases were checked against
-    `cuda.permute`'s quantization and failed)."""
+    """The oracle must not pick up a vendor dispatcher that outranks `reference.local` (session
+    17: on 2xH200 the fp8 EP cases were checked against `cuda.permute`'s quantization and
+    failed). `backend="reference"` forces the experts only (a vendor's dispatcher may be checked
+    in front of reference experts); `oracle_layer` and `reference_layer` force the pipeline."""
     import moehal
     from moehal import distributed_check as dc
+    from moehal.reference.oracle import reference_layer
 
     class Plugin:
         @moehal.hookimpl
@@ -116,6 +118,9 @@ def test_ep_oracle_is_the_reference_pipeline_whatever_outranks_it():
     case = next(c for c in dc.ep_cases(2) if c.quant == "fp8_block")
     quant = moehal.QuantScheme.parse(case.quant)
     plain = MoELayer(case.config(), quant, backend="reference", device="cpu", layout=case.layout, registry=reg)
-    assert plain.plan.pipeline.name.startswith("vendorlike.fast_local")  # the hazard
+    assert plain.plan.pipeline.name.startswith("vendorlike.fast_local")  # the hazard: experts only
     oracle = dc.oracle_layer(case, quant, torch.device("cpu"), reg)
     assert oracle.plan.pipeline.name.startswith("reference.local -> reference.experts")
+    ref = reference_layer(case.config(), quant, "cpu", layout=case.layout, registry=reg)
+    assert ref.plan.pipeline.name.startswith("reference.local -> reference.experts")
+    assert "vendorlike.fast_local" in {d.qualname for d in reg.dispatchers}, "the caller's registry is left as it was"

@@ -14,6 +14,7 @@ from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput
 from moehal.hardware import HardwareInfo
 from moehal.interfaces import BackendInfo, BuildRequest
 from moehal.quant.activation import quantize_activation
+from moehal.reference.oracle import reference_layer
 
 pytestmark = needs_triton
 
@@ -49,7 +50,7 @@ def run_pair(cfg: moehal.MoEConfig, quant: str, t: int, seed: int = 0):
     w, x, ids, wts = problem(cfg, quant, t, seed)
     reg = _triton_registry()
     ours = moehal.MoELayer(cfg, quant, backend="tritonmoe", device=DEVICE, registry=reg)
-    ref = moehal.MoELayer(cfg, quant, backend="reference", device=DEVICE, registry=reg)
+    ref = reference_layer(cfg, quant, DEVICE, registry=reg)
     assert ours.plan.pipeline.main.name == "triton", ours.plan
     if INTERPRET:
         assert ours.plan.pipeline.execution_mode(ours.request) == "interpreted"
@@ -147,7 +148,7 @@ def _direct(cfg, quant, hw: HardwareInfo, fmt: ActivationFormat, t: int = 6):
     runner.load(processed)
     q, s = quantize_activation(x, fmt.scales)
     out = runner.apply(StandardInput(q, s, ids, wts)).hidden
-    ref = moehal.MoELayer(cfg, quant, backend="reference", device=DEVICE)
+    ref = reference_layer(cfg, quant, DEVICE)
     ref.load_weights(w)
     return out, ref(x, ids, wts), processed
 

@@ -160,18 +160,9 @@ def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 100) -> flo
     """Median seconds of host time per eager call on CUDA: each call starts with the GPU idle
     and is timed until it returns (its kernels queued, not finished), so this is Python and
     launch overhead (the issue's "host overhead under 20 us per forward outside graphs"),
-    without back-pressure from earlier calls. NaN off CUDA."""
-    if dev.type != "cuda":
-        return float("nan")
-    fn()
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    torch.cuda.synchronize(dev)
-    return statistics.median(samples)
+    without back-pressure from earlier calls. NaN off CUDA. (`host_time_back_to_back` with one
+    call per sample.)"""
+    return host_time_back_to_back(fn, dev, queued=1, rounds=calls)
 
 
 # Calls per sample of `host_time_back_to_back`: a model queues its layers back to back, and
@@ -187,7 +178,7 @@ def host_time_back_to_back(
 
     `host_time` times one call right after `synchronize`, so it adds whatever the host pays to
     resume after waiting there: on the device hosts a 1-kernel graph replay took 3 us after no
-    wait and 7 us (H100 host) to 30 us (H200 host) after a 3 ms one, and rows with a longer
+    wait and 7 us (an H100 host) to 30 us (a 2 x H200 host) after a 3 ms one, and rows with a longer
     GPU time read slower (docs/device-runs/2026-11-24-session17). In an engine's step the host
     waits once, then queues every layer: this is the per-layer host time it sees."""
     if dev.type != "cuda":

@@ -28,12 +28,23 @@ import triton.language as tl
 PROFILE_MEMO = True  # --no-memo: the profiles run with DeepGEMM called (graphs.MEMO_ENABLED = False)
 
 
-def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
+def host_us(
+    fn: Callable[[], Any],
+    calls: int = 200,
+    before_sync: Callable[[], Any] | None = None,
+    after_sync: Callable[[], Any] | None = None,
+) -> float:
+    """Median host us of one call of `fn` from an idle GPU; `before_sync` and `after_sync` run
+    (untimed) around each synchronize (tools/host_wait_probe.py queues GPU sleeps there)."""
     fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(calls):
+        if before_sync is not None:
+            before_sync()
         torch.cuda.synchronize()
+        if after_sync is not None:
+            after_sync()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)

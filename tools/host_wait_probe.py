@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,32 +45,13 @@ def cycles_per_us() -> float:
 def host_us_after_wait(fn: Callable[[], Any], cycles: int, calls: int = 200) -> float:
     """Median host us of one call made right after the host waited in synchronize for a GPU
     sleep of `cycles` (the host idles, or spins, as long as the GPU sleeps)."""
-    fn()
-    samples = []
-    for _ in range(calls):
-        if cycles:
-            torch.cuda._sleep(cycles)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(samples) * 1e6
+    return host_us(fn, calls, before_sync=(lambda: torch.cuda._sleep(cycles)) if cycles else None)
 
 
 def host_us_gpu_busy(fn: Callable[[], Any], cycles: int, calls: int = 200) -> float:
     """Median host us of one call queued behind a GPU sleep of `cycles`: the host did not wait
     before it (synchronize returned at once), and the GPU is busy while the call queues."""
-    fn()
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(samples) * 1e6
+    return host_us(fn, calls, after_sync=lambda: torch.cuda._sleep(cycles))
 
 
 def python_calls(fn: Callable[[], Any], calls: int = 50) -> float:

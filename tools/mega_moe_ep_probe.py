@@ -4,14 +4,18 @@ moehal's reference: does it run, which fp8 scheme does it match, how fast is it?
     torchrun --nproc-per-node 2 tools/mega_moe_ep_probe.py [--shapes qwen3_30b_a3b] [--tokens 128,1024]
 
 Every rank holds `E / world` experts and its own tokens; the kernel moves tokens between ranks
-itself. Per shape and tokens per rank, two numerics are tried:
+itself. Per shape and tokens per rank, three numerics are tried:
 
 - `float`: 128x128 weight blocks with float scales, activations quantized by the library's
   `mega_moe_pre_dispatch_sm90` (float scales), compared with the `fp8_block` reference;
 - `ue8m0`: power-of-two weight and activation scales (the activations quantized by
   `moehal.quant.fp8.quantize_group(ue8m0=True)` into the kernel's buffer), compared with the
   `fp8_block:ue8m0` reference. The kernel quantizes its intermediate activation with
-  power-of-two scales itself (`sm90_fp8_mega_moe_get_e4m3_sf_and_sf_inv`).
+  power-of-two scales itself (`sm90_fp8_mega_moe_get_e4m3_sf_and_sf_inv`);
+- `fp8_block, ue8m0 w`: power-of-two weight scales, float activation scales, compared with the
+  `fp8_block` reference (which of the two float scales the kernel departs on).
+
+Each is also compared with `mega_reference`, which quantizes the intermediate as the kernel does.
 
 The reference runs on each rank over all ranks' tokens (gathered) and all experts.
 """
@@ -199,9 +203,12 @@ def main() -> None:
         except Exception as exc:
             say(f"  buffer failed: {type(exc).__name__}: {exc}", flush=True)
             continue
-        for ue8m0 in (False, True):
+        # (weights' scales, activations' scales) power-of-two or not; the third isolates which
+        # float scales keep the kernel off `mega_reference` (session 17)
+        for w_ue8m0, ue8m0 in ((False, False), (True, True), (True, False)):
             scheme = "fp8_block:ue8m0" if ue8m0 else "fp8_block"
-            q13, q2 = quantize_block(w13, ue8m0), quantize_block(w2, ue8m0)
+            label = scheme if w_ue8m0 == ue8m0 else "fp8_block, ue8m0 w"
+            q13, q2 = quantize_block(w13, w_ue8m0), quantize_block(w2, w_ue8m0)
             sl = slice(rank * el, (rank + 1) * el)
             l1, l2 = dg.transform_weights_for_mega_moe_sm90(
                 (q13[0][sl].contiguous(), q13[1][sl].contiguous()), (q2[0][sl].contiguous(), q2[1][sl].contiguous())
@@ -211,7 +218,7 @@ def main() -> None:
             ref.load_weights(moehal.ExpertWeights(w13=q13[0], w2=q2[0], w13_scale=q13[1], w2_scale=q2[1]))
             mega = lambda x, i, w, q13=q13, q2=q2, u=ue8m0: mega_reference(x, i, w, q13, q2, u)  # noqa: E731
             for t in tokens:
-                say(one_case(buf, (l1, l2), ref, cfg, t, scheme, rank, world, mega), flush=True)
+                say(one_case(buf, (l1, l2), ref, cfg, t, label, rank, world, mega), flush=True)
             del ref, q13, q2, l1, l2
         del buf
         torch.cuda.empty_cache()

@@ -11,12 +11,15 @@ on 2 x H200, session 17). `reference_layer` cannot pick anything but the referen
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from moehal.config import MoEConfig
 from moehal.plugins import Registry, discover
 from moehal.quant import QuantScheme
+
+if TYPE_CHECKING:
+    from moehal.layer import MoELayer
 
 ORACLE_DISPATCHER = "reference.local"
 
@@ -28,7 +31,7 @@ def reference_layer(
     layout: str | None = None,
     registry: Registry | None = None,
     **kwargs: Any,
-) -> Any:
+) -> MoELayer:
     """A `MoELayer` of `reference.local -> reference.experts` on `device` (`layout` as
     `MoELayer` takes it; `kwargs` go to `MoELayer`). Returns the layer, weights not loaded."""
     from moehal.layer import MoELayer  # the layer imports the plugins that import this package
@@ -36,5 +39,8 @@ def reference_layer(
     reg = copy.copy(registry if registry is not None else discover())
     reg.dispatchers = [d for d in reg.dispatchers if d.qualname == ORACLE_DISPATCHER]
     if not reg.dispatchers:
-        raise ValueError(f"{ORACLE_DISPATCHER} is not registered in this registry")
+        raise ValueError(
+            f"{ORACLE_DISPATCHER} is not registered in this registry: register the reference plugin "
+            "(moehal.reference.plugin) or pass registry=None for the installed plugins"
+        )
     return MoELayer(config, quant, backend="reference", device=device, layout=layout, registry=reg, **kwargs)

@@ -194,3 +194,14 @@ def test_layout_restriction_and_enumeration(registry):
     plan = moehal.select(req, registry, "reference", "masked")
     assert plan.pipeline.fmt.layout is Layout.MASKED and plan.pipeline.fmt.scales is ScaleKind.PER_TOKEN
     assert "masked" in str(plan) and plan.as_dict()["pipeline"]["format"].startswith("masked")
+
+
+def test_reference_layer_is_the_pure_reference_pipeline_or_says_what_is_missing(registry):
+    from moehal.reference.oracle import reference_layer
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    layer = reference_layer(cfg, "fp8_block", "cpu", layout="masked", registry=registry)
+    assert layer.plan.pipeline.name.startswith("reference.local -> reference.experts [masked")
+    assert {d.qualname for d in registry.dispatchers} > {"reference.local"}, "the caller's registry is unchanged"
+    with pytest.raises(ValueError, match="register the reference plugin"):
+        reference_layer(cfg, "bf16", "cpu", registry=moehal.Registry(moehal.Settings()))

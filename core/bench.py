@@ -337,10 +337,15 @@ def bench_one(
         fn: Callable[[], Any] = lambda: call(xd, ids, wts)
         pipeline = backend
     else:
-        pipe = _pipeline_named(backend, cfg, quant, dev, registry) if "." in backend else None
-        layer = moehal.MoELayer(
-            cfg, quant, backend=backend.split(".")[0], device=dev, registry=registry, validate=False, pipeline=pipe
-        )
+        if backend == "reference":  # the pure reference pipeline, not a vendor's dispatcher in front of it
+            from moehal.reference.oracle import reference_layer
+
+            layer = reference_layer(cfg, quant, dev, registry=registry, validate=False)
+        else:
+            pipe = _pipeline_named(backend, cfg, quant, dev, registry) if "." in backend else None
+            layer = moehal.MoELayer(
+                cfg, quant, backend=backend.split(".")[0], device=dev, registry=registry, validate=False, pipeline=pipe
+            )
         layer.load_weights(weights)
         fn = lambda: layer(xd, ids, wts)
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable

@@ -47,3 +47,30 @@ def fake_cuda_graphs(monkeypatch):
 
     monkeypatch.setattr(graphs, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+
+
+@pytest.fixture
+def outranked_reference_registry():
+    """A fresh registry: the reference backend, and a stand-in vendor (`vendorlike`) whose
+    single-device dispatcher `vendorlike.fast_local` outranks `reference.local`, as
+    `cuda.permute` does on a GPU. For checks that an oracle stays the reference pipeline."""
+    import moehal.reference.plugin
+    from moehal.reference.dispatcher import ReferenceDispatcher
+
+    class Outranking(ReferenceDispatcher):
+        name = "fast_local"
+        priority = 50
+
+    class Plugin:
+        @moehal.hookimpl
+        def moehal_backend_info(self):
+            return moehal.BackendInfo("vendorlike", "0", "test plugin")
+
+        @moehal.hookimpl
+        def moehal_dispatchers(self):
+            return [Outranking()]
+
+    reg = moehal.Registry(moehal.Settings())
+    reg.register(moehal.reference.plugin, "reference")
+    reg.register(Plugin(), "vendorlike")
+    return reg

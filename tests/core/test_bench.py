@@ -158,29 +158,12 @@ def test_back_to_back_host_time_is_per_call_and_syncs_only_between_samples(monke
     ), "NaN off CUDA"
 
 
-def test_bench_reference_rows_run_the_pure_reference_pipeline(tmp_path, monkeypatch):
+def test_bench_reference_rows_run_the_pure_reference_pipeline(tmp_path, monkeypatch, outranked_reference_registry):
     """`--backends reference` times reference.local -> reference.experts even where a vendor's
     dispatcher outranks reference.local (as cuda.permute does on a GPU)."""
     import moehal
-    import moehal.reference.plugin
-    from moehal.reference.dispatcher import ReferenceDispatcher
 
-    class Outranking(ReferenceDispatcher):
-        name = "fast_local"
-        priority = 50
-
-    class Plugin:
-        @moehal.hookimpl
-        def moehal_backend_info(self):
-            return moehal.BackendInfo("vendorlike", "0", "test plugin")
-
-        @moehal.hookimpl
-        def moehal_dispatchers(self):
-            return [Outranking()]
-
-    reg = moehal.Registry(moehal.Settings())
-    reg.register(moehal.reference.plugin, "reference")
-    reg.register(Plugin(), "vendorlike")
+    reg = outranked_reference_registry
     monkeypatch.setattr(moehal, "discover", lambda *a, **k: reg)
     out = tmp_path / "bench"
     assert main(["--shapes", "tiny", "--tokens", "2", "--backends", "reference", "--reps", "2", "--out", str(out)]) == 0

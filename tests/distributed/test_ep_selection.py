@@ -84,15 +84,7 @@ def test_group_size_must_match_ep_size(world_of_one):
     assert "torch_distributed" in str(e.value)
 
 
-class _QuantizesItsOwnWay(ReferenceDispatcher):
-    """A vendor-like single-device dispatcher that outranks `reference.local` (as `cuda.permute`
-    does on a GPU) and rounds fp8 activations its own way."""
-
-    name = "fast_local"
-    priority = 50
-
-
-def test_ep_oracle_is_the_reference_pipeline_whatever_outranks_it():
+def test_ep_oracle_is_the_reference_pipeline_whatever_outranks_it(outranked_reference_registry):
     """The oracle must not pick up a vendor dispatcher that outranks `reference.local` (session
     17: on 2xH200 the fp8 EP cases were checked against `cuda.permute`'s quantization and
     failed). `backend="reference"` forces the experts only (a vendor's dispatcher may be checked
@@ -101,20 +93,7 @@ def test_ep_oracle_is_the_reference_pipeline_whatever_outranks_it():
     from moehal import distributed_check as dc
     from moehal.reference.oracle import reference_layer
 
-    class Plugin:
-        @moehal.hookimpl
-        def moehal_backend_info(self):
-            return moehal.BackendInfo("vendorlike", "0", "test plugin")
-
-        @moehal.hookimpl
-        def moehal_dispatchers(self):
-            return [_QuantizesItsOwnWay()]
-
-    import moehal.reference.plugin
-
-    reg = moehal.Registry(moehal.Settings())  # a fresh one: the shared registry stays as it is
-    reg.register(moehal.reference.plugin, "reference")
-    reg.register(Plugin(), "vendorlike")
+    reg = outranked_reference_registry
     case = next(c for c in dc.ep_cases(2) if c.quant == "fp8_block")
     quant = moehal.QuantScheme.parse(case.quant)
     plain = MoELayer(case.config(), quant, backend="reference", device="cpu", layout=case.layout, registry=reg)

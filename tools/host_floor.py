@@ -184,14 +184,20 @@ def deepgemm_floor(report: Callable[[str, float], None]) -> None:
     report("DeepGEMM masked bf16 GEMM, replayed from a graph", host_us(g.replay))
 
 
-def print_profile(fn: Callable[[], Any], top: int, calls: int = 200) -> None:
-    """cProfile of `calls` calls of `fn`, the `top` entries by own time."""
+def profiled(fn: Callable[[], Any], calls: int) -> cProfile.Profile:
+    """cProfile of `calls` calls of `fn` (the GPU synchronized after, outside the profile)."""
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(calls):
         fn()
     pr.disable()
     torch.cuda.synchronize()
+    return pr
+
+
+def print_profile(fn: Callable[[], Any], top: int, calls: int = 200) -> None:
+    """cProfile of `calls` calls of `fn`, the `top` entries by own time."""
+    pr = profiled(fn, calls)
     for order in ("tottime", "cumulative"):  # own time, then where it accrues
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats(order).print_stats(top)

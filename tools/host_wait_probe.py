@@ -21,13 +21,12 @@ probe separates them:
 from __future__ import annotations
 
 import argparse
-import cProfile
 import pstats
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from host_floor import host_us, host_us_queued
+from host_floor import host_us, host_us_queued, profiled
 
 
 def cycles_per_us() -> float:
@@ -56,13 +55,7 @@ def host_us_gpu_busy(fn: Callable[[], Any], cycles: int, calls: int = 200) -> fl
 
 def python_calls(fn: Callable[[], Any], calls: int = 50) -> float:
     """Python function calls per call of `fn` (cProfile): which path a forward took."""
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(calls):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    return pstats.Stats(pr).total_calls / calls
+    return pstats.Stats(profiled(fn, calls)).total_calls / calls
 
 
 def floor(report: Callable[[str, float], None], per_us: float) -> None:

@@ -388,9 +388,10 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
 
-    def _apply_tokens(self, inp: StandardInput) -> StandardOutput:
+    def _apply_tokens(self, inp: StandardInput, out: torch.Tensor | None = None) -> StandardOutput:
         """The small-batch format: token-major, two kernels, the router weights and the routed
-        scaling applied in the second (see `moehal.kernels.triton_token_moe`)."""
+        scaling applied in the second (see `moehal.kernels.triton_token_moe`), which writes the
+        layer's result: into `out` when the caller gave one."""
         from moehal.kernels.triton_fused_moe import _ACTS
         from moehal.kernels.triton_token_moe import token_gemm_act, token_gemm_combine
 
@@ -404,12 +405,13 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             x, ids, w.w13, w.w13_bias, act,
             activation=_ACTS[c.activation.value], gated=c.gated, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
         )  # fmt: skip
-        out = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
+        if out is None:
+            out = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
         token_gemm_combine(act, ids, wts, w.w2, w.w2_bias, out, scaling=c.routed_scaling_factor)
         return StandardOutput(out, scaled=True)
 
-    def _apply_portable(self, inp: StandardInput) -> StandardOutput:
+    def _apply_portable(self, inp: StandardInput, out: torch.Tensor | None = None) -> StandardOutput:
         """Prefill batches in the small-batch format: the portable Triton fused MoE (it gathers
         rows by expert inside GEMM1, fuses the activation, quantizes fp8 activations in 1x128
         groups itself, and weights and sums the top-k rows), run by its own experts runner on
@@ -427,7 +429,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
                     w2_scale=w.w2_scale, w13_bias=w.w13_bias, w2_bias=w.w2_bias, ue8m0=self.ue8m0,
                 )
             )  # fmt: skip
-        return self._portable.apply(inp)
+        return self._portable.apply(inp) if out is None else self._portable.apply_into(inp, out)
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
@@ -471,6 +473,14 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         shape = (*inp.hidden.shape[:-1], self.config.hidden_size)
         empty = torch.zeros(shape, dtype=self.config.dtype, device=inp.hidden.device)
         return MaskedOutput(empty) if isinstance(inp, MaskedInput) else ContiguousOutput(empty)
+
+    def apply_into(self, inp: Any, out: torch.Tensor) -> Any:
+        """Token-major batches write the layer's result into `out`; the grouped layouts' output
+        is per expert row, which the dispatcher's combine then writes into `out`."""
+        if isinstance(inp, StandardInput) and inp.hidden.shape[0]:
+            t = inp.hidden.shape[0]
+            return self._apply_portable(inp, out) if t > self.decode_max_tokens else self._apply_tokens(inp, out)
+        return self.apply(inp)
 
     def apply(self, inp: Any) -> Any:
         from moehal_cuda.triton_glue import RowIndex, activation, add_bias

@@ -41,6 +41,8 @@ class PermuteHandle:
 
 
 class PermuteRunner(DispatchRunner):
+    tokens_in_place = True  # one device: token-major rows are the layer's tokens
+
     def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
         c = req.config
         self.fmt = fmt
@@ -108,13 +110,20 @@ class PermuteRunner(DispatchRunner):
         return ContiguousInput(p.hidden, p.scales, p.row_expert, p.counts, p.segment_start), handle
 
     def combine(self, expert_out: Any, handle: PermuteHandle) -> torch.Tensor:
+        return self._combine(expert_out, handle, None)
+
+    def combine_into(self, expert_out: Any, handle: PermuteHandle, out: torch.Tensor) -> torch.Tensor:
+        y = self._combine(expert_out, handle, out)  # the gather-and-sum kernel writes `out` itself
+        return y if y is out else out.copy_(y)
+
+    def _combine(self, expert_out: Any, handle: PermuteHandle, out: torch.Tensor | None) -> torch.Tensor:
         from moehal.kernels import triton_permute as tp
 
         if isinstance(expert_out, StandardOutput):
-            out = expert_out.hidden
+            y = expert_out.hidden
             if self.scale == 1.0 or expert_out.scaled:
-                return out.to(self.dtype)
-            return (out.float() * self.scale).to(self.dtype)
+                return y.to(self.dtype)
+            return (y.float() * self.scale).to(self.dtype)
         if isinstance(expert_out, (MaskedOutput, ContiguousOutput)):
             assert handle.slot_row is not None
             return tp.combine(
@@ -126,6 +135,7 @@ class PermuteRunner(DispatchRunner):
                 masked=isinstance(expert_out, MaskedOutput),
                 scaling=self.scale,
                 out_dtype=self.dtype,
+                out=out,
             )
         raise TypeError(f"cuda.permute cannot combine {type(expert_out).__name__}")
 

@@ -219,6 +219,37 @@ class CaseRunner:
         res.detail = "replay equals eager bitwise" if equal else f"replay vs eager: {c.detail}"
         del eager
 
+    def _check_out_buffer(self, case: Case, res: CaseResult) -> None:
+        """`layer(..., out=buf)` writes the result into the caller's buffer and returns that
+        buffer, as a call without `out` would compute it (bitwise where the pipeline claims
+        determinism), at one token (a decode batch: experts that finish the combine themselves
+        write `buf`) and at the case's size; and in place (`out=hidden_states`), where the
+        pipeline must still read its input before writing its result."""
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        x, ids, w = (t.to(self.device) for t in (prob.x, prob.ids, prob.wts))
+        tol = tolerance_for(case.quant, case.config.dtype)
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems, checked = [], 0
+        for t in sorted({1, x.shape[0]}):
+            want = layer(x[:t], ids[:t], w[:t]).cpu()
+            for how in ("out=", "in place"):
+                buf = x[:t].clone() if how == "in place" else torch.full_like(x[:t], float("nan"))
+                inp = buf if how == "in place" else x[:t]
+                got = layer(inp, ids[:t], w[:t], out=buf)
+                checked += 1
+                if got is not buf:
+                    problems.append(f"{t} tokens, {how}: returned a new tensor, not out")
+                    continue
+                c = compare(buf.cpu(), want, tol)
+                if (exact and not torch.equal(buf.cpu(), want)) or not c.ok:
+                    problems.append(f"{t} tokens, {how}: differs from the call without out ({c.detail})")
+        res.status = FAIL if problems else PASS
+        res.detail = "; ".join(problems) or f"{checked} calls wrote out as the plain call computes" + (
+            " (bitwise)" if exact else ""
+        )
+
     def _check_double_process(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)
         layer = self._layer(case)

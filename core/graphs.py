@@ -31,6 +31,7 @@ What a replay costs and assumes:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,7 +50,8 @@ DIRECT_PER_TOKEN_COUNT = 4
 
 
 class GraphCache:
-    """Per-token-count CUDA graphs of one forward function `fn(*tensors) -> Tensor`.
+    """Per-token-count CUDA graphs of one forward function `fn(*tensors) -> Tensor`, or
+    `fn(*tensors, out=None) -> Tensor` for one that can write its result into a given tensor.
 
     Two kinds of graph, both replayed on the current stream:
 
@@ -71,6 +73,9 @@ class GraphCache:
 
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
         self._fn = fn
+        # `fn(*inputs, out=buf)` writes its result into `buf` (`MoELayer._forward_topk`): graphs
+        # that write an output then capture that, not the forward followed by a copy
+        self._fn_takes_out = "out" in inspect.signature(fn).parameters
         self._device = device
         self._on_cuda = device.type == "cuda"
         self._graphs: dict[tuple, _Captured] = {}  # key -> copying graph
@@ -241,7 +246,12 @@ class GraphCache:
         static = tuple(t.clone() for t in inputs) if copy_inputs else inputs
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        fn = (lambda: self._fn(*static)) if out is None else (lambda: out.copy_(self._fn(*static)))
+        if out is None:
+            fn = lambda: self._fn(*static)  # noqa: E731
+        elif self._fn_takes_out:  # the forward writes `out` itself: no copy in the graph
+            fn = lambda: self._fn(*static, out=out)  # noqa: E731
+        else:
+            fn = lambda: out.copy_(self._fn(*static))  # noqa: E731
         graph, output = capture(fn, self._device, pool=self._pool)
         x = inputs[0]
         if output.shape != x.shape or output.dtype != x.dtype:  # what `_fresh_output` relies on

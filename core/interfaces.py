@@ -153,6 +153,11 @@ class DispatchRunner(ABC):
     """
 
     fmt: ActivationFormat
+    # Its token-major (STANDARD) output holds the layer's own tokens, row for row, as on one
+    # device where no token moves: experts may then write the layer's result straight into the
+    # caller's `out=` buffer (`ExpertsRunner.apply_into`). False for dispatchers that move
+    # tokens between ranks, whose experts see other rows.
+    tokens_in_place: ClassVar[bool] = False
 
     @abstractmethod
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[DispatchOutput, Any]:
@@ -162,6 +167,17 @@ class DispatchRunner(ABC):
     def combine(self, expert_out: CombineInput, handle: Any) -> torch.Tensor:
         """Back to `[T, H]` in config.dtype: weighted (per the layout), summed over k,
         times routed_scaling_factor."""
+
+    def combine_into(self, expert_out: CombineInput, handle: Any, out: torch.Tensor) -> torch.Tensor:
+        """`combine`, with the result in `out` (`[T, H]`, config.dtype, contiguous rows: the
+        caller's `out=` buffer, never one of the layer's inputs), which it returns.
+
+        The default copies `combine`'s result, unless that already is `out` (experts that
+        finished the combine in `out` themselves, see `ExpertsRunner.apply_into`). Override it
+        where the combine kernel can write any buffer: an `out=` forward, and the CUDA graph
+        captured from it, then queue no copy."""
+        y = self.combine(expert_out, handle)
+        return y if y is out else out.copy_(y)
 
 
 class Dispatcher(Implementation):
@@ -197,6 +213,17 @@ class ExpertsRunner(ABC):
     def apply(self, inp: DispatchOutput) -> CombineInput:
         """Run the local experts on a dispatch output of format `self.fmt`, or of the
         kernel's `small_batch_format` when it declared one."""
+
+    def apply_into(self, inp: DispatchOutput, out: torch.Tensor) -> CombineInput:
+        """`apply`, for a forward whose caller gave an output buffer `out` (`[T, H]`,
+        config.dtype, contiguous rows, never one of the layer's inputs).
+
+        Called only when the dispatcher declares `tokens_in_place`, so a token-major input's
+        rows are the layer's tokens. Experts whose output is already the layer's result (a
+        `StandardOutput` weighted and summed over k) may write it into `out` and return
+        `StandardOutput(out, ...)`: the combine then copies nothing. The default ignores `out`
+        and calls `apply`."""
+        return self.apply(inp)
 
 
 class Experts(Implementation):

@@ -217,8 +217,7 @@ class MoELayer(torch.nn.Module):
             self._check_logits(router_logits, hidden_states)
             if should_replay(self._graph_tokens, hidden_states):
                 return self._graphs_logits(hidden_states, router_logits, out=out)
-            y = self._forward_logits(hidden_states, router_logits)
-            return y if out is None else out.copy_(y)
+            return self._forward_logits(hidden_states, router_logits, out)
         if topk_ids is None or topk_weights is None:
             raise InputError("pass topk_ids and topk_weights (or router_logits=...)")
         self._check_topk(topk_ids, topk_weights, hidden_states)
@@ -229,22 +228,35 @@ class MoELayer(torch.nn.Module):
             )
         if should_replay(self._graph_tokens, hidden_states):
             return self._graphs_topk(hidden_states, topk_ids, topk_weights, out=out)
-        y = self._forward_topk(hidden_states, topk_ids, topk_weights)
-        return y if out is None else out.copy_(y)
+        return self._forward_topk(hidden_states, topk_ids, topk_weights, out)
 
     # The hot path proper: inputs already checked; no lookups, no host sync.
-    def _forward_logits(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _forward_logits(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.plan.pipeline.routes_internally:
             assert self._fused is not None
-            return self._fused.forward(hidden_states, None, router_logits)
+            y = self._fused.forward(hidden_states, None, router_logits)
+            return y if out is None else out.copy_(y)
         routing = self.config.routing
         assert routing is not None
         topk = route(router_logits, self.config.top_k, routing, self._correction_bias)
-        return self._forward_topk(hidden_states, topk.ids, topk.weights)
+        return self._forward_topk(hidden_states, topk.ids, topk.weights, out)
 
     def _forward_topk(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The forward; with `out`, the result is written there (and returned). Runners get
+        `out` (`ExpertsRunner.apply_into`, `DispatchRunner.combine_into`) only where it is
+        contiguous and not the input itself: an in-place call (`out=hidden_states`) must not be
+        written before the pipeline has read its input, so it gets a copy."""
+        if out is not None and (self._fused is not None or out.data_ptr() == hidden_states.data_ptr()
+                                or not out.is_contiguous()):  # fmt: skip
+            return out.copy_(self._forward_topk(hidden_states, topk_ids, topk_weights))
         topk = TopK(topk_ids, topk_weights)
         if self._fused is not None:
             return self._fused.forward(hidden_states, topk, None)
@@ -252,12 +264,17 @@ class MoELayer(torch.nn.Module):
         t = hidden_states.shape[0]
         if t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi:  # the experts' small-batch format
             assert self._small_dispatch is not None
-            dispatched, handle = self._small_dispatch.dispatch(hidden_states, topk)
-            return self._small_dispatch.combine(self._experts.apply(dispatched), handle)
-        dispatched, handle = self._dispatch.dispatch(hidden_states, topk)
-        if self._adapter is not None:
-            dispatched = self._adapter(dispatched)
-        return self._dispatch.combine(self._experts.apply(dispatched), handle)
+            disp = self._small_dispatch
+            dispatched, handle = disp.dispatch(hidden_states, topk)
+        else:
+            disp = self._dispatch
+            dispatched, handle = disp.dispatch(hidden_states, topk)
+            if self._adapter is not None:
+                dispatched = self._adapter(dispatched)
+        if out is None:
+            return disp.combine(self._experts.apply(dispatched), handle)
+        y = self._experts.apply_into(dispatched, out) if disp.tokens_in_place else self._experts.apply(dispatched)
+        return disp.combine_into(y, handle, out)
 
     def trace(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> dict[str, Any]:
         """Run a modular pipeline stage by stage and return every intermediate

@@ -126,6 +126,12 @@ class TritonExpertsRunner(ExpertsRunner):
         self.w = weights
 
     def apply(self, inp: Any) -> Any:
+        return self._apply(inp, None)
+
+    def apply_into(self, inp: Any, out: torch.Tensor) -> Any:
+        return self._apply(inp, out)  # the last kernel writes the weighted sum into `out`
+
+    def _apply(self, inp: Any, out: torch.Tensor | None) -> Any:
         assert self.w is not None, "weights not loaded"
         if not isinstance(inp, StandardInput):
             raise TypeError(f"Triton experts take StandardInput, not {type(inp).__name__}")
@@ -137,7 +143,7 @@ class TritonExpertsRunner(ExpertsRunner):
                 hidden, scales = to_fnuz(hidden, scales)  # dispatched as e4m3fn: reinterpret
         else:
             scales = None
-        out = self.kernel.fused_moe(
+        y = self.kernel.fused_moe(
             hidden,
             inp.topk_ids,
             inp.topk_weights,
@@ -151,8 +157,9 @@ class TritonExpertsRunner(ExpertsRunner):
             all_local=self.all_local,
             device_name=self.device_name,
             is_rocm=self.is_rocm,
+            out=out,
         )
-        return StandardOutput(out)
+        return StandardOutput(y)
 
 
 class TritonExperts(Experts):

@@ -913,6 +913,7 @@ def fused_moe(
     configs: tuple[TileConfig, TileConfig] | None = None,
     device_name: str | None = None,
     is_rocm: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The STANDARD-layout MoE: `[T, H]` = sum_k weight[t,k] * expert_{ids[t,k]}(hidden[t]).
 
@@ -920,7 +921,9 @@ def fused_moe(
     or int8 with per-token scales) when `hidden_scales` is given.
     topk_ids `[T, K]` local ids, -1 for experts not on this rank (they contribute nothing);
     topk_weights `[T, K]` float. all_local: the caller guarantees no -1 (lets top_k == 1
-    write straight into the output). No host synchronization; every size is static.
+    write straight into the output). out: `[T, H]` of out_dtype with contiguous rows, not
+    `hidden` itself, to write the result into (None: a new tensor). No host synchronization;
+    every size is static.
     """
     t, h = hidden.shape
     top_k = topk_ids.shape[1]
@@ -928,7 +931,10 @@ def fused_moe(
     i = w.w2.shape[2]
     out_dtype = out_dtype or hidden.dtype
     dev = hidden.device
-    out = torch.empty((t, h), dtype=out_dtype, device=dev)
+    if out is None:
+        out = torch.empty((t, h), dtype=out_dtype, device=dev)
+    elif out.shape != (t, h) or out.dtype != out_dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{t}, {h}] {out_dtype} with contiguous rows, got {tuple(out.shape)} {out.dtype}")
     if t == 0:
         return out
     if e == 0:

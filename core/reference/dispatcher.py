@@ -31,6 +31,8 @@ class _Handle:
 
 
 class LocalDispatchRunner(DispatchRunner):
+    tokens_in_place = True  # one device: token-major rows are the layer's tokens
+
     def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
         self.fmt = fmt
         c = req.config

@@ -3,6 +3,7 @@ reference passes it with readable reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -30,6 +31,22 @@ class _WrongExperts(ReferenceExperts):
 
     def build(self, req, fmt):
         return _WrongForGeluRunner(req, fmt)
+
+
+class _WrongIntoOutRunner(ReferenceExpertsRunner):
+    """Right on a plain call; on an `out=` call its rows are off by one."""
+
+    def apply_into(self, inp, out):
+        return dataclasses.replace(self.apply(inp), hidden=self.apply(inp).hidden + 1)
+
+
+class _WrongIntoOut(ReferenceExperts):
+    name = "wrongout"
+    priority = 40
+    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+
+    def build(self, req, fmt):
+        return _WrongIntoOutRunner(req, fmt)
 
 
 class _ClaimsNothing(ReferenceExperts):
@@ -60,6 +77,16 @@ def test_wrong_numbers_in_one_claimed_case_fail_the_suite():
     assert any(r.status == "pass" and "/silu/" in r.id for r in suite.results)
     assert not suite.ok
     assert "**Verdict: FAIL**" in report.to_markdown(suite)
+
+
+def test_experts_wrong_only_into_out_fail_the_out_buffer_check():
+    suite = _suite("wrongout", _WrongIntoOut())
+    suite.run([c for c in suite.cases() if c.check in ("out_buffer", "numeric")])
+    failed = [r for r in suite.results if r.status == "fail"]
+    assert failed and all(r.check == "out_buffer" for r in failed), [r.id for r in failed]
+    assert all("differs from the call without out" in r.detail for r in failed)
+    assert any(r.status == "pass" and r.check == "numeric" for r in suite.results)
+    assert not suite.ok
 
 
 def test_a_backend_claiming_nothing_gets_declines_with_reasons():

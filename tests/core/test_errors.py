@@ -140,6 +140,42 @@ def test_forward_writes_into_out(layer):
         layer(x, ids, w, out=torch.empty(2, 32, dtype=torch.bfloat16))
 
 
+def test_forward_into_out_in_place_and_into_a_strided_view(layer):
+    """`out=hidden_states` must not be written before the pipeline read its input, and an
+    `out` whose rows are not contiguous is written too: both take the copying path."""
+    x, ids, w = _inputs()
+    want = layer(x, ids, w)
+    inplace = x.clone()
+    assert layer(inplace, ids, w, out=inplace) is inplace and torch.equal(inplace, want)
+    wide = torch.full((3, 64), float("nan"), dtype=torch.bfloat16)
+    view = wide[:, :32]
+    assert layer(x, ids, w, out=view) is view and torch.equal(view, want)
+    assert wide[:, 32:].isnan().all()
+
+
+def test_experts_get_out_only_behind_a_dispatcher_that_keeps_tokens_in_place(layer, monkeypatch):
+    """`ExpertsRunner.apply_into` may write the layer's result into `out`, which is right only
+    when the experts' rows are the layer's tokens: a dispatcher that moves tokens between
+    ranks (`tokens_in_place` False) never hands it over, nor does an in-place call."""
+    given = []
+    experts = layer._experts
+
+    def apply_into(inp, out):
+        given.append(out)
+        return experts.apply(inp)
+
+    monkeypatch.setattr(experts, "apply_into", apply_into)
+    x, ids, w = _inputs()
+    out = torch.empty_like(x)
+    assert layer._dispatch.tokens_in_place  # reference.local: one device
+    assert layer(x, ids, w, out=out) is out and len(given) == 1 and given[0] is out
+    inplace = x.clone()
+    layer(inplace, ids, w, out=inplace)
+    monkeypatch.setattr(type(layer._dispatch), "tokens_in_place", False)
+    assert layer(x, ids, w, out=out) is out and torch.equal(out, layer(x, ids, w))
+    assert len(given) == 1
+
+
 def test_forward_replays_a_direct_graph_before_its_checks_and_checks_everything_else(layer, fake_cuda_graphs):
     """The layer's steady state (same buffers, `out=`) is one replay; a call that differs in any
     checked way still gets the checks and their errors."""

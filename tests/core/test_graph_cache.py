@@ -170,6 +170,25 @@ def test_graph_cache_writes_into_the_callers_output_buffer(fake_cuda_graphs):
     assert plain is not out and plain.tolist() == [8.0] * 3
 
 
+def test_a_forward_that_takes_out_is_captured_writing_it_itself(fake_cuda_graphs):
+    """A forward `fn(*inputs, out=None)` (the layer's) is captured as `fn(..., out=out)` for a
+    graph that writes an output: no copy of the forward's own result inside the graph."""
+    given = []
+
+    def forward(x, y, out=None):
+        given.append(out)
+        return x * 2 + y if out is None else torch.mul(x, 2, out=out).add_(y)
+
+    cache = GraphCache(forward, torch.device("cpu"))
+    x, y, out = torch.ones(3), torch.zeros(3), torch.empty(3)
+    assert cache(x, y, out=out) is out and set(given) == {None}  # the copying graph: its own output
+    first = len(given)
+    assert cache(x, y, out=out) is out and cache.output_writing_graphs == 1
+    assert len(given) > first and all(g is out for g in given[first:])  # captured (and replayed) on `out`
+    x.fill_(4.0)
+    assert cache.replay_direct((x, y), out) is out and out.tolist() == [8.0] * 3 and given[-1] is out
+
+
 def test_replay_direct_serves_only_the_exact_tensors_it_was_captured_on(fake_cuda_graphs):
     """`replay_direct` is the forward's first step, before the input checks, so it must miss for
     anything the checks would look at: another shape at the same address, other strides,

@@ -164,6 +164,15 @@ def _check_layer(quant_name, layout, extra) -> int:
         tol = 2e-2 if not fp8 else 4e-2
         err = ((y.float() - ry.float()).abs().max() / scale).item()
         assert err < tol, f"call {step}: rel err {err:.4f}"
+        # the same call into a caller's buffer (`out=`): the last kernel writes it, same bits
+        buf = torch.full_like(y, float("nan"))
+        inp2, handle2 = d.dispatch(x, topk)
+        into = ex.apply_into(inp2, buf)
+        if token_major and t <= small:
+            assert into.hidden is buf  # the decode kernels wrote the result there
+        elif not token_major:
+            assert d._combine(into, handle2, buf) is buf  # the gather-and-sum kernel wrote it
+        assert d.combine_into(into, handle2, buf) is buf and torch.equal(buf, y), f"call {step}: out= differs"
         if token_major:
             assert isinstance(inp, StandardInput)
             # the decode kernels apply routed scaling inside; the portable fused MoE leaves it to combine

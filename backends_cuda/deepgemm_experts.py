@@ -351,6 +351,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         prefill = small is not None and small.prefill_min_tokens is not None
         self.decode_max_tokens = small.max_tokens if small is not None and prefill else sys.maxsize
         self._portable: Any = None  # the portable fused MoE's runner, on these weights
+        self._tokens: Any = None  # the token-major decode kernels (`TokenMoE`), on these weights
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
@@ -392,24 +393,26 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         """The small-batch format: token-major, two kernels, the router weights and the routed
         scaling applied in the second (see `moehal.kernels.triton_token_moe`), which writes the
         layer's result: into `out` when the caller gave one."""
-        from moehal.kernels.triton_fused_moe import _ACTS
-        from moehal.kernels.triton_token_moe import token_gemm_act, token_gemm_combine
-
-        w = self.w
-        assert w is not None
-        c = self.config
-        x, ids = inp.hidden, inp.topk_ids
-        t, k = ids.shape
-        act = torch.empty(t * k, c.intermediate_size, dtype=c.dtype, device=x.device)
-        token_gemm_act(  # tiles: the kernels' measured rules (`moehal.kernels.triton_token_moe`)
-            x, ids, w.w13, w.w13_bias, act,
-            activation=_ACTS[c.activation.value], gated=c.gated, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
-        )  # fmt: skip
+        tokens = self._tokens if self._tokens is not None else self._bind_tokens()
+        x = inp.hidden
         if out is None:
-            out = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
+            out = torch.empty(x.shape[0], self.config.hidden_size, dtype=self.config.dtype, device=x.device)
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
-        token_gemm_combine(act, ids, wts, w.w2, w.w2_bias, out, scaling=c.routed_scaling_factor)
-        return StandardOutput(out, scaled=True)
+        return StandardOutput(tokens(x, inp.topk_ids, wts, out), scaled=True)
+
+    def _bind_tokens(self) -> Any:
+        """The decode kernels on these weights, tiles and checks decided once per token count
+        (`TokenMoE`; host time of an eager decode step)."""
+        from moehal.kernels.triton_fused_moe import _ACTS
+        from moehal.kernels.triton_token_moe import TokenMoE
+
+        w, c = self.w, self.config
+        assert w is not None
+        self._tokens = TokenMoE(
+            w.w13, w.w13_bias, w.w2, w.w2_bias, activation=_ACTS[c.activation.value], gated=c.gated,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit, scaling=c.routed_scaling_factor,
+        )  # fmt: skip
+        return self._tokens
 
     def _apply_portable(self, inp: StandardInput, out: torch.Tensor | None = None) -> StandardOutput:
         """Prefill batches in the small-batch format: the portable Triton fused MoE (it gathers
@@ -436,6 +439,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             weights = prepare_weights(weights, self.req.quant, False, None)
         self.w = weights
         self._portable = None
+        self._tokens = None
 
     def _buffers(self, lead: tuple[int, ...], device: torch.device) -> tuple[Any, Any, Any]:
         from moehal.kernels.triton_permute import contiguous_workspace, workspace
@@ -483,8 +487,6 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         return self.apply(inp)
 
     def apply(self, inp: Any) -> Any:
-        from moehal_cuda.triton_glue import RowIndex, activation, add_bias
-
         w = self.w
         assert w is not None, "weights not loaded"
         if isinstance(inp, StandardInput):
@@ -492,6 +494,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             if t == 0:
                 return StandardOutput(inp.hidden.new_zeros(0, self.config.hidden_size), scaled=True)
             return self._apply_portable(inp) if t > self.decode_max_tokens else self._apply_tokens(inp)
+        from moehal_cuda.triton_glue import RowIndex, activation, add_bias
+
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):

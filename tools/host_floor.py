@@ -82,11 +82,16 @@ def host_us_queued(fn: Callable[[], Any], queued: int = 16, rounds: int = 30) ->
 
 
 def host_interleaved(
-    fn: Callable[[], Any], modes: dict[str, tuple[bool, bool]], setter: Callable[..., None], calls: int = 200
+    fn: Callable[[], Any],
+    modes: dict[str, tuple[bool, ...]],
+    setter: Callable[..., None],
+    calls: int = 200,
+    default: tuple[bool, ...] = (True, True),
 ) -> dict[str, float]:
     """Median host us of `fn` under each mode, the modes taking turns call by call, in an order
     that rotates every round (session 15-16: with a fixed order the last mode read 4-15 us low
-    even where it ran the same code as the one before it)."""
+    even where it ran the same code as the one before it). `setter(*mode)` runs before each
+    call, `setter(*default)` at the end."""
     for mode in modes.values():  # warm each mode (captures, first launches)
         setter(*mode)
         for _ in range(3):
@@ -101,7 +106,7 @@ def host_interleaved(
             fn()
             samples[name].append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    setter(True, True)  # the defaults
+    setter(*default)
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
@@ -246,6 +251,16 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             report(f"{tag}: eager forward, {name}", us)
         if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
             print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")
+    tokens = getattr(layer._experts, "_tokens", None)  # a token-major decode batch (`TokenMoE`)
+    if tokens is not None and tokens._plans:
+
+        def bound(keep: bool) -> None:
+            if not keep:  # the checks, tiles and argument lists again at this call, as before session 18
+                tokens._plans.clear()
+
+        modes = {"decode kernels bound once per token count (default)": (True,), "checked every call": (False,)}
+        for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, bound, default=(True,)).items():
+            report(f"{tag}: eager forward, {name}", us)
     disp, exp = layer._dispatch, layer._experts
     topk = TopK(ids, wts)
     if disp is not None and exp is not None:

@@ -21,7 +21,7 @@ the weighted fp32 sum, as the reference oracle does.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -259,6 +259,28 @@ def token_gemm_act(
     limit: float = 0.0,
 ) -> torch.Tensor:
     """out[s] = act(x[s // K] @ w13[ids[s]]^T + bias[ids[s]]) for every slot s = t * K + k.
+    (Arguments: `bind_token_gemm_act`.)"""
+    launch = bind_token_gemm_act(
+        x, ids, w13, bias, out, config, activation=activation, gated=gated, alpha=alpha, limit=limit
+    )
+    return out if launch is None else launch(x, ids, out)
+
+
+def bind_token_gemm_act(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: TileConfig | None = None,
+    *,
+    activation: int,
+    gated: bool,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> _ActLaunch | None:
+    """Check `token_gemm_act`'s arguments and choose its tile: its launch for this token count
+    and these weights (None for no tokens), to call as `launch(x, ids, out)`.
 
     x `[T, H]` bf16/fp16 (rows contiguous); ids `[T, K]` int32/int64 local expert ids, -1 =
     not local (that slot's row of `out` is left as it is: `token_gemm_combine` skips it);
@@ -280,16 +302,8 @@ def token_gemm_act(
     cfg = _tile(config or token_config(i, h), h, "token_gemm_act")
     cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
     if t == 0:
-        return out
-    b = bias if bias is not None else w13
-    _token_gemm_act_kernel[(t * top_k * cdiv(i, cfg.block_n),)](
-        x, x.stride(0), ids, w13, b, b.stride(0) if bias is not None else 0, out, out.stride(0),
-        w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k,
-        E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out
+        return None
+    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit)
 
 
 def combine_split(top_k: int, tokens: int, n: int, block_n: int) -> int:
@@ -329,7 +343,27 @@ def token_gemm_combine(
     split: int | None = None,
 ) -> torch.Tensor:
     """out[t] = scaling * sum_k weights[t, k] * (act[t*K + k] @ w2[ids[t, k]]^T + bias[ids[t, k]]),
-    over the local slots (id >= 0) in k order; weights None: an unweighted sum.
+    over the local slots (id >= 0) in k order; weights None: an unweighted sum. (Arguments:
+    `bind_token_gemm_combine`.)"""
+    launch = bind_token_gemm_combine(act, ids, weights, w2, bias, out, config, scaling=scaling, split=split)
+    return out if launch is None else launch(act, ids, weights, out)
+
+
+def bind_token_gemm_combine(
+    act: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    w2: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: TileConfig | None = None,
+    *,
+    scaling: float = 1.0,
+    split: int | None = None,
+) -> _CombineLaunch | None:
+    """Check `token_gemm_combine`'s arguments and choose its tile and split: its launch for
+    this token count and these weights (None for no tokens), to call as
+    `launch(act, ids, weights, out)`.
 
     act `[T * K, I]` (from `token_gemm_act`); ids `[T, K]`; weights fp32 `[T, K]`; w2
     `[E, H, I]` in act's dtype; bias `[E, H]` or None; out `[T, H]`. split: programs per
@@ -347,24 +381,157 @@ def token_gemm_combine(
         raise ValueError("act and out rows and the ids must be contiguous")
     cfg = _tile(config or combine_config(h, i), i, "token_gemm_combine")
     if t == 0:
-        return out
+        return None
     split = split or combine_split(top_k, t, h, cfg.block_n)
     if top_k % split:
         raise ValueError(f"split={split} does not divide top_k={top_k}")
-    w = weights if weights is not None else ids
-    b = bias if bias is not None else w2
-    cells = t * cdiv(h, cfg.block_n)
-    if split > 1:
-        partial = torch.empty(cells * split * cfg.block_n, dtype=torch.float32, device=out.device)
-        arrivals = _arrivals(cells, out.device)
-    else:
-        partial = arrivals = out  # unused
-    _token_gemm_combine_kernel[(cells * split,)](
-        act, act.stride(0), ids, w, w2, b, b.stride(0) if bias is not None else 0, out, out.stride(0),
-        partial, arrivals, w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t,
-        E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), SPLIT=split, N=h, I_SIZE=i, BLOCK_M=_BLOCK_M,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, USE_WEIGHTS=weights is not None,
-        UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED and out.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out
+    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out.dtype)
+
+
+# --- launches bound once per token count ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ActLaunch:
+    """`_token_gemm_act_kernel`'s launch for one token count and one layer's weights: all but
+    x, ids and out fixed (grid, weight pointers and strides, constexprs)."""
+
+    grid: tuple[int]
+    weights: tuple  # w13, bias (or w13), the bias' expert stride
+    tail: tuple  # w13's strides, alpha, limit, slots
+    kw: dict
+
+    @staticmethod
+    def bind(
+        t: int, top_k: int, w13: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
+        activation: int, gated: bool, alpha: float, limit: float,
+    ) -> _ActLaunch:  # fmt: skip
+        e, _, h = w13.shape
+        i = w13.shape[1] // 2 if gated else w13.shape[1]
+        b = bias if bias is not None else w13
+        return _ActLaunch(
+            (t * top_k * cdiv(i, cfg.block_n),),
+            (w13, b, b.stride(0) if bias is not None else 0),
+            (w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k),
+            dict(
+                E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED,
+                EXACT_ROUND=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ),
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        _token_gemm_act_kernel[self.grid](x, x.stride(0), ids, *self.weights, out, out.stride(0), *self.tail, **self.kw)
+        return out
+
+
+@dataclass(frozen=True)
+class _CombineLaunch:
+    """`_token_gemm_combine_kernel`'s launch for one token count and one layer's weights: all
+    but act, ids, the router weights and out fixed. A split launch gets a new partial-sums
+    buffer per call, as `token_gemm_combine` always did."""
+
+    grid: tuple[int]
+    cells: int  # (token, N tile) pairs
+    partial_numel: int  # 0: no split
+    weights: tuple  # w2, bias (or w2), the bias' expert stride
+    tail: tuple  # w2's strides, scaling, tokens
+    kw: dict
+
+    @staticmethod
+    def bind(
+        t: int, top_k: int, w2: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig, split: int,
+        scaling: float, use_weights: bool, out_dtype: torch.dtype,
+    ) -> _CombineLaunch:  # fmt: skip
+        e, h, i = w2.shape
+        b = bias if bias is not None else w2
+        cells = t * cdiv(h, cfg.block_n)
+        return _CombineLaunch(
+            (cells * split,),
+            cells,
+            cells * split * cfg.block_n if split > 1 else 0,
+            (w2, b, b.stride(0) if bias is not None else 0),
+            (w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t),
+            dict(
+                E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), SPLIT=split, N=h, I_SIZE=i,
+                BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+                USE_WEIGHTS=use_weights, UPCAST=INTERPRETED,
+                EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ),
+        )  # fmt: skip
+
+    def __call__(
+        self, act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor
+    ) -> torch.Tensor:
+        w2, b, sb = self.weights
+        if self.partial_numel:
+            partial = torch.empty(self.partial_numel, dtype=torch.float32, device=out.device)
+            arrivals = _arrivals(self.cells, out.device)
+        else:
+            partial = arrivals = out  # unused
+        _token_gemm_combine_kernel[self.grid](
+            act, act.stride(0), ids, weights if weights is not None else ids, w2, b, sb, out, out.stride(0),
+            partial, arrivals, *self.tail, **self.kw,
+        )  # fmt: skip
+        return out
+
+
+class TokenMoE:
+    """`token_gemm_act` then `token_gemm_combine` on one layer's weights, for the eager decode
+    steps of `cuda.deepgemm`'s token-major format.
+
+    Why: at one token the two kernels take about 30 us of GPU time, and the wrappers' shape
+    checks, tile rules and argument lists cost an eager call more host time than the launches
+    themselves. Here they run once per token count (the checked functions above, on the first
+    call); later calls check only what a call can change (row strides, contiguity) and launch.
+    """
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w13_bias: torch.Tensor | None,
+        w2: torch.Tensor,
+        w2_bias: torch.Tensor | None,
+        *,
+        activation: int,
+        gated: bool,
+        alpha: float,
+        limit: float,
+        scaling: float,
+    ) -> None:
+        self.w13, self.w13_bias, self.w2, self.w2_bias = w13, w13_bias, w2, w2_bias
+        self.activation, self.gated, self.alpha, self.limit, self.scaling = activation, gated, alpha, limit, scaling
+        self._plans: dict[tuple[int, bool], tuple[_ActLaunch, _CombineLaunch]] = {}
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor
+    ) -> torch.Tensor:
+        """out `[T, H]` = the layer's result for x `[T, H]`, local ids `[T, K]` and fp32 router
+        weights `[T, K]` (contiguous; None: unweighted)."""
+        t, top_k = ids.shape
+        act = torch.empty(t * top_k, self.w2.shape[2], dtype=x.dtype, device=x.device)
+        plan = self._plans.get((t, weights is not None))
+        if (
+            plan is None or x.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous()
+            or (weights is not None and not weights.is_contiguous())
+        ):  # fmt: skip
+            return self._checked(x, ids, weights, act, out)
+        plan[0](x, ids, act)
+        return plan[1](act, ids, weights, out)
+
+    def _checked(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, act: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The first call of a token count (or an unusual one): the checked binds, which raise
+        on what the kernels cannot take; their launches are kept for the token count."""
+        first = bind_token_gemm_act(
+            x, ids, self.w13, self.w13_bias, act, activation=self.activation, gated=self.gated,
+            alpha=self.alpha, limit=self.limit,
+        )  # fmt: skip
+        second = bind_token_gemm_combine(act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling)
+        if first is None or second is None:  # no tokens
+            return out
+        self._plans[(ids.shape[0], weights is not None)] = (first, second)
+        first(x, ids, act)
+        return second(act, ids, weights, out)

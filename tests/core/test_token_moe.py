@@ -91,6 +91,39 @@ def test_tiles_wider_than_the_problem_and_tuned_masked_tiles_are_adapted():
         token_gemm_combine(act, lids, lw, w.w2, None, out, TileConfig(16, 16, 32, 1, 4, 1), split=4)
 
 
+def test_token_moe_binds_each_token_count_once_and_matches_the_functions():
+    """`TokenMoE` (eager decode steps) launches what the checked functions launch, bitwise; it
+    binds a token count on its first call and reuses the launches, and a call it cannot take
+    (rows not contiguous) still goes through the checks and raises."""
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_token_moe import TokenMoE, token_gemm_act, token_gemm_combine
+
+    cfg = moehal.MoEConfig(
+        num_experts=8, top_k=4, hidden_size=128, intermediate_size=64, activation="swiglu_oai",
+        has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    weights, *_ = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 1)
+    w13, w2 = weights.w13.to(DEV), weights.w2.to(DEV)
+    b13, b2 = weights.w13_bias.float().to(DEV), weights.w2_bias.float().to(DEV)
+    kw = dict(activation=_ACTS["swiglu_oai"], gated=True, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    moe = TokenMoE(w13, b13, w2, b2, scaling=2.5, **kw)
+    g = torch.Generator().manual_seed(3)
+    for t in (1, 3, 1, 3):
+        x = torch.randn(t, 128, generator=g).bfloat16().to(DEV)
+        ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(t)]).int().to(DEV)
+        wts = torch.rand(t, 4, generator=g).to(DEV)
+        act = torch.empty(t * 4, 64, dtype=torch.bfloat16, device=DEV)
+        token_gemm_act(x, ids, w13, b13, act, **kw)
+        want = token_gemm_combine(act, ids, wts, w2, b2, torch.empty(t, 128, dtype=torch.bfloat16, device=DEV),
+                                  scaling=2.5)  # fmt: skip
+        out = torch.full((t, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+        assert moe(x, ids, wts, out) is out and torch.equal(out, want)
+    assert sorted(moe._plans) == [(1, True), (3, True)]
+    strided = torch.randn(128, 2, generator=g).bfloat16().to(DEV)[:, :1].t()  # [1, 128], column stride 2
+    with pytest.raises(ValueError, match="contiguous"):
+        moe(strided, ids[:1], wts[:1], torch.empty(1, 128, dtype=torch.bfloat16, device=DEV))
+
+
 def test_combine_split_rule():
     from moehal.kernels.triton_token_moe import COMBINE_PROGRAMS, combine_split
 

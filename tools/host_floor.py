@@ -251,12 +251,12 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             report(f"{tag}: eager forward, {name}", us)
         if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
             print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")
-    tokens = getattr(layer._experts, "_tokens", None)  # a token-major decode batch (`TokenMoE`)
-    if tokens is not None and tokens._plans:
+    token_moe = getattr(layer._experts, "_tokens", None)  # a token-major decode batch (`TokenMoE`)
+    if token_moe is not None and token_moe._plans:
 
         def bound(keep: bool) -> None:
             if not keep:  # the checks, tiles and argument lists again at this call, as before session 18
-                tokens._plans.clear()
+                token_moe._plans.clear()
 
         modes = {"decode kernels bound once per token count (default)": (True,), "checked every call": (False,)}
         for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, bound, default=(True,)).items():

@@ -31,6 +31,10 @@ from moehal.routing import TopK
 from moehal_cuda.support import cuda_or_interpreter, interpreted_mode, triton_decision
 
 _QUANT_KINDS = (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0)
+# Token counts up to this keep their bound permute launches (one per count): decode-sized
+# batches, whose eager host time is mostly this argument preparation; larger batches bind at
+# every call (their GPU time dwarfs it) so a stream of prefill sizes keeps nothing.
+KEEP_BOUND_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class PermuteRunner(DispatchRunner):
         self.scale = float(c.routed_scaling_factor)
         self.on_input = c.apply_router_weight_on_input
         self.all_local = self.start == 0 and self.e == c.num_experts
+        self._bound: dict[int, Any] = {}  # token count -> its permute launches (`tp.bind_permute`)
 
     def _buffer(self, t: int, device: torch.device) -> Any:
         from moehal.kernels import triton_permute as tp
@@ -89,19 +94,16 @@ class PermuteRunner(DispatchRunner):
                 ids = ids.to(torch.int32).contiguous()
             return StandardInput(q, s, ids, weights), PermuteHandle(None, None, t)
         masked = layout is Layout.MASKED
-        dest = self._buffer(t, hidden.device)
-        p = tp.permute(
-            hidden,
-            topk.ids,
-            weights,
-            dest,
-            expert_start=self.start,
-            num_local_experts=self.e,
-            masked=masked,
-            alignment=self.fmt.row_alignment,
-            ue8m0=self.ue8m0,
-            weight_on_input=self.on_input,
-        )
+        bound = self._bound.get(t)
+        if bound is None:  # the destination, tiles and launch arguments of this token count
+            bound = tp.bind_permute(
+                t, self.k, hidden.shape[1], self._buffer(t, hidden.device), expert_start=self.start,
+                num_local_experts=self.e, masked=masked, alignment=self.fmt.row_alignment, ue8m0=self.ue8m0,
+                weight_on_input=self.on_input,
+            )  # fmt: skip
+            if t <= KEEP_BOUND_TOKENS:
+                self._bound[t] = bound
+        p = bound(hidden, topk.ids, weights)
         handle = PermuteHandle(p.slot_row, None if self.on_input else weights, t)
         if masked:
             expected_m = max(1, (t * self.k + self.e - 1) // self.e)

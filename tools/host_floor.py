@@ -251,14 +251,20 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             report(f"{tag}: eager forward, {name}", us)
         if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
             print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")
-    token_moe = getattr(layer._experts, "_tokens", None)  # a token-major decode batch (`TokenMoE`)
-    if token_moe is not None and token_moe._plans:
+    # launches bound once per token count (session 18): the decode kernels (`TokenMoE`) and the
+    # dispatcher's permute (`bind_permute`); the other mode binds at every call, as before
+    token_moe = getattr(layer._experts, "_tokens", None)
+    dispatchers = [d for d in (layer._dispatch, layer._small_dispatch) if isinstance(getattr(d, "_bound", None), dict)]
+    if token_moe is not None or dispatchers:
 
         def bound(keep: bool) -> None:
-            if not keep:  # the checks, tiles and argument lists again at this call, as before session 18
-                token_moe._plans.clear()
+            if not keep:
+                if token_moe is not None:
+                    token_moe._plans.clear()
+                for d in dispatchers:
+                    d._bound.clear()
 
-        modes = {"decode kernels bound once per token count (default)": (True,), "checked every call": (False,)}
+        modes = {"launches bound once per token count (default)": (True,), "bound at every call": (False,)}
         for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, bound, default=(True,)).items():
             report(f"{tag}: eager forward, {name}", us)
     disp, exp = layer._dispatch, layer._experts

@@ -618,40 +618,46 @@ def permute(
     weight_on_input: bool = False,
 ) -> Permuted:
     """Scatter token rows `x [T, H]` to `dest` (masked `[E, max_m, H]` or contiguous
-    `[M_pad, H]`), quantizing to 1x128 FP8 groups if `dest` has scales. No host sync."""
+    `[M_pad, H]`), quantizing to 1x128 FP8 groups if `dest` has scales. No host sync.
+    (`bind_permute` decides the launches; this binds and calls in one go.)"""
     t, h = x.shape
-    k = topk_ids.shape[1]
+    bound = bind_permute(
+        t, topk_ids.shape[1], h, dest, expert_start=expert_start, num_local_experts=num_local_experts,
+        masked=masked, alignment=alignment, ue8m0=ue8m0, weight_on_input=weight_on_input,
+    )  # fmt: skip
+    return bound(x, topk_ids, topk_weights)
+
+
+def bind_permute(
+    t: int,
+    top_k: int,
+    h: int,
+    dest: PaddedBuffer,
+    *,
+    expert_start: int,
+    num_local_experts: int,
+    masked: bool,
+    alignment: int = 1,
+    ue8m0: bool = False,
+    weight_on_input: bool = False,
+) -> BoundPermute:
+    """`permute`'s launches for `t` tokens of `top_k` slots and `h` columns into `dest`: tiles,
+    grid and every argument but the call's tensors, decided once. An eager dispatcher keeps
+    one per token count (host time of a decode step)."""
     e = num_local_experts
-    s = t * k
-    dev = x.device
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    s = t * top_k
     quant = dest.scales is not None
-    slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
     fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
     kept = dest.counts if masked and dest.counts is not None and dest.counts.numel() == e else None
-    if fused_pos:  # the scatter kernel's programs compare the slot ids themselves
-        counts = kept if kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
-        slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
-    else:
-        slot_pos, counts = expert_positions(ids, e, expert_start, kept)
     out = dest.hidden
     if masked:
         max_m = out.shape[1]
         num_rows = e * max_m
         so_e, so_m = out.stride(0), out.stride(1)
-        row_expert = seg_start = None
-        re_arg = se_arg = counts  # unused
     else:
         max_m = 0
         num_rows = out.shape[0]
         so_e, so_m = 0, out.stride(0)
-        row_expert = torch.empty(num_rows, dtype=torch.int32, device=dev)
-        seg_start = torch.empty(e, dtype=torch.int32, device=dev)
-        re_arg, se_arg = row_expert, seg_start
     if quant:
         sc = dest.scales
         assert sc is not None
@@ -674,58 +680,71 @@ def permute(
             raise ValueError(f"masked destination needs per-expert row counts for {e} experts (alloc_padded)")
         n_split = stale_splits(max_m, block_r, e)
         n_row = e * n_split
-        state = dest.expert_rows
     else:
         n_split = 1
         n_row = cdiv(num_rows, block_r)
-        state = counts  # unused
-    w = topk_weights.reshape(-1) if topk_weights is not None else ids
-    if n_slot + n_row > 0:
-        _scatter_rows[(n_slot + n_row,)](
-            x,
-            x.stride(0),
-            ids,
-            w,
-            slot_pos,
-            counts,
-            slot_row,
-            out,
-            so_e,
-            so_m,
-            sc,
-            ss_e,
-            ss_m,
-            ss_g,
-            re_arg,
-            se_arg,
-            dest.written,
-            state,
-            s,
-            num_rows,
-            max_m,
-            expert_start,
-            n_slot,
-            n_hc,
-            h,
-            TOP_K=k,
-            E=e,
-            E_P=_e_pad(e),
-            ALIGN=max(alignment, 1),
-            MASKED=masked,
-            N_SPLIT=n_split,
-            FUSED_POS=fused_pos,
-            S_P=max(16, next_power_of_2(s)) if fused_pos else 16,
-            QUANT=quant,
-            UE8M0=ue8m0,
-            WEIGHT_ON_INPUT=weight_on_input,
-            EXACT_ROUND=INTERPRETED,
-            BLOCK_S=block_s,
-            BLOCK_R=block_r,
-            BLOCK_H=block_h,
-            H_SPAN=h_span,
-            num_warps=tile.num_warps,
-        )
-    return Permuted(out, dest.scales, counts, slot_row[:s], row_expert, seg_start)
+    return BoundPermute(
+        s, e, expert_start, masked, fused_pos, kept, dest, num_rows,
+        (n_slot + n_row,) if n_slot + n_row > 0 else None,
+        (out, so_e, so_m, sc, ss_e, ss_m, ss_g),
+        (s, num_rows, max_m, expert_start, n_slot, n_hc, h),
+        dict(
+            TOP_K=top_k, E=e, E_P=_e_pad(e), ALIGN=max(alignment, 1), MASKED=masked, N_SPLIT=n_split,
+            FUSED_POS=fused_pos, S_P=max(16, next_power_of_2(s)) if fused_pos else 16, QUANT=quant, UE8M0=ue8m0,
+            WEIGHT_ON_INPUT=weight_on_input, EXACT_ROUND=INTERPRETED, BLOCK_S=block_s, BLOCK_R=block_r,
+            BLOCK_H=block_h, H_SPAN=h_span, num_warps=tile.num_warps,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BoundPermute:
+    """`permute` for one token count into one destination (`bind_permute`). A call allocates
+    what each call returns (slot rows; a contiguous layout's row experts and segment starts),
+    runs the positions pass when the batch needs one, and launches the scatter."""
+
+    slots: int
+    experts: int
+    expert_start: int
+    masked: bool
+    fused_pos: bool
+    kept: torch.Tensor | None  # the destination's persistent per-expert counts (masked)
+    dest: PaddedBuffer
+    num_rows: int
+    grid: tuple[int] | None  # None: nothing to launch
+    dest_args: tuple  # out, its strides, scales (or out), their strides
+    scalars: tuple  # slots, rows, max_m, expert_start, slot programs, column chunks, H
+    kw: dict
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> Permuted:
+        """x `[T, H]`, topk_ids `[T, K]`, topk_weights `[T, K]` fp32 or None, of the bound T, K, H."""
+        s, e, dev = self.slots, self.experts, x.device
+        ids = topk_ids.reshape(-1)
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+        if self.fused_pos:  # the scatter kernel's programs compare the slot ids themselves
+            counts = self.kept if self.kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
+            slot_pos = slot_row  # not read with FUSED_POS: any int32 tensor will do
+        else:
+            slot_pos, counts = expert_positions(ids, e, self.expert_start, self.kept)
+        if self.masked:
+            row_expert = seg_start = None
+            re_arg = se_arg = counts  # unused
+            state = self.dest.expert_rows
+        else:
+            row_expert = torch.empty(self.num_rows, dtype=torch.int32, device=dev)
+            seg_start = torch.empty(e, dtype=torch.int32, device=dev)
+            re_arg, se_arg, state = row_expert, seg_start, counts  # state unused
+        if self.grid is not None:
+            w = topk_weights.reshape(-1) if topk_weights is not None else ids
+            _scatter_rows[self.grid](
+                x, x.stride(0), ids, w, slot_pos, counts, slot_row, *self.dest_args, re_arg, se_arg,
+                self.dest.written, state, *self.scalars, **self.kw,
+            )  # fmt: skip
+        return Permuted(self.dest.hidden, self.dest.scales, counts, slot_row[:s], row_expert, seg_start)
 
 
 def combine(

@@ -196,3 +196,36 @@ def test_contiguous_buffers_are_sized_per_call_within_one_allocation():
     assert full.prefix(cap) is full
     with pytest.raises(ValueError, match="prefix"):
         full.prefix(cap + 1)
+
+
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_the_dispatcher_binds_each_decode_token_count_once(layout, monkeypatch):
+    """`cuda.permute` keeps its permute launches per token count (`tp.bind_permute`) up to
+    `KEEP_BOUND_TOKENS`; token counts taking turns reuse them with new inputs, and the round
+    trip (identity experts) matches the reference dispatcher's at every call."""
+    from moehal.config import MoEConfig
+    from moehal.formats import ActivationFormat, ContiguousOutput, Layout, MaskedOutput
+    from moehal.hardware import detect
+    from moehal.interfaces import BuildRequest
+    from moehal.quant import QuantScheme
+    from moehal.reference.dispatcher import ReferenceDispatcher
+    from moehal.routing import TopK
+    from moehal_cuda import dispatch
+
+    monkeypatch.setattr(dispatch, "KEEP_BOUND_TOKENS", 8)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=H, intermediate_size=128, max_tokens=16)
+    req = BuildRequest(cfg, QuantScheme.parse("bf16"), detect(DEV))
+    lay = Layout(layout)
+    fmt = ActivationFormat(lay, torch.bfloat16, row_alignment=4 if layout == "contiguous" else 1)
+    out_type = MaskedOutput if lay is Layout.MASKED else ContiguousOutput
+    runner = dispatch.CudaPermuteDispatcher().build(req, fmt)
+    ref = ReferenceDispatcher().build(req, fmt)
+    for i, t in enumerate((3, 5, 3, 12, 3, 12)):
+        x = _x(t, i)
+        topk = TopK(*_routing(t, 8, 2, i))
+        inp, handle = runner.dispatch(x, topk)
+        y = runner.combine(out_type(inp.hidden), handle)
+        rinp, rhandle = ref.dispatch(x.cpu(), TopK(topk.ids.cpu(), topk.weights.cpu()))
+        want = ref.combine(out_type(rinp.hidden), rhandle)
+        torch.testing.assert_close(y.cpu().float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert sorted(runner._bound) == [3, 5], "decode counts kept, 12 tokens (> KEEP_BOUND_TOKENS) bound per call"

@@ -352,6 +352,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         self.decode_max_tokens = small.max_tokens if small is not None and prefill else sys.maxsize
         self._portable: Any = None  # the portable fused MoE's runner, on these weights
         self._tokens: Any = None  # the token-major decode kernels (`TokenMoE`), on these weights
+        self._masked_buffers: dict[tuple[int, int], tuple[Any, Any, Any]] = {}  # (E, max_m) -> workspaces
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
@@ -500,17 +501,22 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
             e, m, _ = inp.hidden.shape
-            check_masked_rows(m)
-            hb, ab, yb = self._buffers((e, m), inp.hidden.device)
-            rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
+            bufs = self._masked_buffers.get((e, m))
+            if bufs is None:  # once per buffer shape: the workspaces are persistent (host time)
+                check_masked_rows(m)
+                bufs = self._masked_buffers[(e, m)] = self._buffers((e, m), inp.hidden.device)
+            hb, ab, yb = bufs
             gemm1, gemm2, gemm1_act = self._masked_gemms(inp)
+            rows = None
             if gemm1_act is not None:
                 gemm1_act(inp.hidden, w.w13, w.w13_bias, ab, yb.hidden, inp.masked_m)
             else:
+                rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
                 gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
                 activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
             gemm2(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
             if w.w2_bias is not None:
+                rows = rows or RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
                 add_bias(yb.hidden, w.w2_bias, rows)
             return MaskedOutput(yb.hidden)
         if isinstance(inp, ContiguousInput):

@@ -251,10 +251,12 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             report(f"{tag}: eager forward, {name}", us)
         if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
             print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")
-    # launches bound once per token count (session 18): the decode kernels (`TokenMoE`) and the
-    # dispatcher's permute (`bind_permute`); the other mode binds at every call, as before
+    # what session 18 keeps per token count: the decode kernels' launches (`TokenMoE`), the
+    # dispatcher's permute launches (`bind_permute`) and the experts' masked workspaces; the
+    # other mode looks them up at every call, as before
     token_moe = getattr(layer._experts, "_tokens", None)
     dispatchers = [d for d in (layer._dispatch, layer._small_dispatch) if isinstance(getattr(d, "_bound", None), dict)]
+    kept_buffers = getattr(layer._experts, "_masked_buffers", None)
     if token_moe is not None or dispatchers:
 
         def bound(keep: bool) -> None:
@@ -263,6 +265,8 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
                     token_moe._plans.clear()
                 for d in dispatchers:
                     d._bound.clear()
+                if kept_buffers is not None:
+                    kept_buffers.clear()
 
         modes = {"launches bound once per token count (default)": (True,), "bound at every call": (False,)}
         for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, bound, default=(True,)).items():

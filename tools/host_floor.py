@@ -209,10 +209,11 @@ def print_profile(fn: Callable[[], Any], top: int, calls: int = 200) -> None:
         print(s.getvalue())
 
 
-def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float], None], profile: bool) -> None:
+def bench_layer(shape: str, tokens: int, quant: str = "bf16") -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A `moehal bench` shape's layer on the GPU (random weights, built for max(tokens, 256)
+    tokens) and one batch of `tokens` tokens for it: (layer, x, topk_ids, topk_weights)."""
     import moehal
     from moehal.bench import SHAPES
-    from moehal.routing import TopK
 
     dev = torch.device("cuda")
     cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, 256))
@@ -222,7 +223,13 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13, w2))
     x = torch.randn(tokens, cfg.hidden_size, device=dev, dtype=cfg.dtype)
     ids = torch.rand(tokens, cfg.num_experts, device=dev).argsort(dim=1)[:, : cfg.top_k].int()
-    wts = torch.rand(tokens, cfg.top_k, device=dev)
+    return layer, x, ids, torch.rand(tokens, cfg.top_k, device=dev)
+
+
+def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float], None], profile: bool) -> None:
+    from moehal.routing import TopK
+
+    layer, x, ids, wts = bench_layer(shape, tokens, quant)
     tag = f"{shape} T={tokens} {quant}"
     print(f"layer: {layer.plan.pipeline.name}")
     report(f"{tag}: eager forward", host_us(lambda: layer(x, ids, wts)))

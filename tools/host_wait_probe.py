@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from host_floor import host_us, host_us_queued, profiled
+from host_floor import bench_layer, host_us, host_us_queued, profiled
 
 
 def cycles_per_us() -> float:
@@ -75,19 +75,7 @@ def floor(report: Callable[[str, float], None], per_us: float) -> None:
 
 
 def layer_rows(shape: str, tokens: int, report: Callable[[str, float], None], per_us: float) -> None:
-    import moehal
-    from moehal.bench import SHAPES
-
-    dev = torch.device("cuda")
-    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, 256))
-    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, device=dev) / cfg.hidden_size**0.5
-    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, device=dev) / cfg.intermediate_size**0.5
-    layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
-    layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13, w2))
-    del w13, w2
-    x = torch.randn(tokens, cfg.hidden_size, device=dev, dtype=cfg.dtype)
-    ids = torch.rand(tokens, cfg.num_experts, device=dev).argsort(dim=1)[:, : cfg.top_k].int()
-    wts = torch.rand(tokens, cfg.top_k, device=dev)
+    layer, x, ids, wts = bench_layer(shape, tokens)
     out = torch.empty_like(x)
     tag = f"{shape} T={tokens}"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from host_floor import host_us_queued
+from host_floor import bench_layer, host_us_queued
 
 
 def kernels_per_call(fn: Callable[[], Any]) -> int:
@@ -59,20 +59,10 @@ def gpu_us(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int = 30, queued: in
 
 
 def row(shape: str, tokens: int) -> None:
-    import moehal
-    from moehal.bench import SHAPES
     from moehal.graphs import capture
 
     dev = torch.device("cuda")
-    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, 256))
-    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, device=dev) / cfg.hidden_size**0.5
-    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, device=dev) / cfg.intermediate_size**0.5
-    layer = moehal.MoELayer(cfg, "bf16", device=dev, validate=False)
-    layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13, w2))
-    del w13, w2
-    x = torch.randn(tokens, cfg.hidden_size, device=dev, dtype=cfg.dtype)
-    ids = torch.rand(tokens, cfg.num_experts, device=dev).argsort(dim=1)[:, : cfg.top_k].int()
-    wts = torch.rand(tokens, cfg.top_k, device=dev)
+    layer, x, ids, wts = bench_layer(shape, tokens)
     out = torch.empty_like(x)
     fwd = layer._forward_topk
     calls: dict[str, Callable[[], Any]] = {

@@ -243,40 +243,44 @@ def _fusable(choice: GemmChoice, config: MoEConfig) -> bool:
 
 def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfig) -> FusedGemm1:
     """GEMM1 and the activation in one Triton kernel (bf16 layers whose GEMM1 runs on Triton):
-    the GEMM1 output never goes through memory, and a decode step has one launch fewer."""
+    the GEMM1 output never goes through memory, and a decode step has one launch fewer. The
+    launch is bound on the first call and kept while the operands keep their shapes and
+    weights (host time of an eager decode step; `MaskedGemmActLaunch.takes`)."""
     from moehal.kernels.triton_fused_moe import _ACTS
-    from moehal.kernels.triton_grouped_gemm import masked_gemm_act
+    from moehal.kernels.triton_grouped_gemm import MaskedGemmActLaunch, bind_masked_gemm_act
 
     tile = choice.fused_config or choice.config
     assert tile is not None
     act = _ACTS[config.activation.value]
+    launch: MaskedGemmActLaunch | None = None
 
     def run(x: torch.Tensor, w13: torch.Tensor, b13: Any, act_buf: Any, y: torch.Tensor, mm: torch.Tensor) -> None:
-        masked_gemm_act(
-            x,
-            w13,
-            b13,
-            act_buf.hidden,
-            act_buf.expert_rows,
-            y,
-            mm,
-            total_rows,
-            tile,
-            activation=act,
-            gated=config.gated,
-            alpha=config.swiglu_alpha,
-            limit=config.swiglu_limit,
-        )
+        nonlocal launch
+        if launch is None or not launch.takes(x, w13, b13, act_buf.hidden, y):
+            launch = bind_masked_gemm_act(
+                x, w13, b13, act_buf.hidden, act_buf.expert_rows, y, total_rows, tile, activation=act,
+                gated=config.gated, alpha=config.swiglu_alpha, limit=config.swiglu_limit,
+            )  # fmt: skip
+        launch(x, act_buf.hidden, act_buf.expert_rows, y, mm)
 
     return run
 
 
 def triton_masked_gemm(choice: GemmChoice, total_rows: int) -> MaskedGemm:
-    """The Triton masked grouped GEMM with DeepGEMM's masked call signature."""
-    from moehal.kernels.triton_grouped_gemm import masked_grouped_gemm
+    """The Triton masked grouped GEMM with DeepGEMM's masked call signature, its launch bound
+    on the first call and kept while the operands keep their shapes and weights
+    (`MaskedGemmLaunch.takes`)."""
+    from moehal.kernels.triton_grouped_gemm import MaskedGemmLaunch, bind_masked_grouped_gemm
+
+    launch: MaskedGemmLaunch | None = None
 
     def run(a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int) -> None:
-        masked_grouped_gemm(a, sa, w, sw, d, mm, total_rows, choice.config)
+        nonlocal launch
+        if launch is None or not launch.takes(a, sa, w, d):
+            launch = bind_masked_grouped_gemm(a, sa, w, sw, d, total_rows, choice.config)
+            if launch is None:  # no rows
+                return
+        launch(a, sa, d, mm)
 
     return run
 
@@ -353,6 +357,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         self._portable: Any = None  # the portable fused MoE's runner, on these weights
         self._tokens: Any = None  # the token-major decode kernels (`TokenMoE`), on these weights
         self._masked_buffers: dict[tuple[int, int], tuple[Any, Any, Any]] = {}  # (E, max_m) -> workspaces
+        self._activations: dict[tuple[int, int, int], Any] = {}  # (rows bound, E, max_m) -> bound activation
         self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
@@ -389,6 +394,24 @@ class DeepGemmExpertsRunner(ExpertsRunner):
                         self.masked_choices[bound] = (fused_choice, choices[1])
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
+
+    def _masked_activation(self, inp: MaskedInput, bufs: tuple[Any, Any, Any]) -> Any:
+        """The activation's launch on the masked workspaces `bufs` for this batch's row bound,
+        bound once per (bound, E, max_m) (host time of an eager step): the buffers are kept per
+        shape, the weights until the next `load`."""
+        e, m, _ = inp.hidden.shape
+        key = (inp.total_rows_bound, e, m)
+        launch = self._activations.get(key)
+        if launch is None:
+            from moehal_cuda.triton_glue import RowIndex, bind_activation
+
+            w = self.w
+            assert w is not None
+            hb, ab, yb = bufs
+            rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
+            launch = bind_activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
+            self._activations[key] = launch
+        return launch
 
     def _apply_tokens(self, inp: StandardInput, out: torch.Tensor | None = None) -> StandardOutput:
         """The small-batch format: token-major, two kernels, the router weights and the routed
@@ -441,6 +464,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         self.w = weights
         self._portable = None
         self._tokens = None
+        self._masked.clear()  # their bound launches hold the previous weights
+        self._activations.clear()
 
     def _buffers(self, lead: tuple[int, ...], device: torch.device) -> tuple[Any, Any, Any]:
         from moehal.kernels.triton_permute import contiguous_workspace, workspace
@@ -495,8 +520,6 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             if t == 0:
                 return StandardOutput(inp.hidden.new_zeros(0, self.config.hidden_size), scaled=True)
             return self._apply_portable(inp) if t > self.decode_max_tokens else self._apply_tokens(inp)
-        from moehal_cuda.triton_glue import RowIndex, activation, add_bias
-
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
@@ -507,18 +530,20 @@ class DeepGemmExpertsRunner(ExpertsRunner):
                 bufs = self._masked_buffers[(e, m)] = self._buffers((e, m), inp.hidden.device)
             hb, ab, yb = bufs
             gemm1, gemm2, gemm1_act = self._masked_gemms(inp)
-            rows = None
             if gemm1_act is not None:
                 gemm1_act(inp.hidden, w.w13, w.w13_bias, ab, yb.hidden, inp.masked_m)
             else:
-                rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
                 gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
-                activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
+                self._masked_activation(inp, bufs)(inp.masked_m)
             gemm2(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.masked_m, inp.expected_m)
             if w.w2_bias is not None:
-                rows = rows or RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
+                from moehal_cuda.triton_glue import RowIndex, add_bias
+
+                rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
                 add_bias(yb.hidden, w.w2_bias, rows)
             return MaskedOutput(yb.hidden)
+        from moehal_cuda.triton_glue import RowIndex, activation, add_bias
+
         if isinstance(inp, ContiguousInput):
             m = inp.hidden.shape[0]
             hb, ab, yb = self._buffers((m,), inp.hidden.device)

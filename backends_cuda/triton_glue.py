@@ -413,7 +413,27 @@ def activation(
     """GEMM1 output `h [.., N13]` -> `out.hidden [.., I]` (+ `out.scales` when FP8), in place;
     zeroes rows of `out` and `y` that went stale since the previous call on `out`. Layout per
     `rows` (masked: 3-D tensors). `out` comes from `workspace(..., bitmap_cols=activation_chunks(I))`
-    and must be the only activation buffer used with `y` (its record covers y's rows too)."""
+    and must be the only activation buffer used with `y` (its record covers y's rows too).
+    (`bind_activation` decides the launch; this binds and calls in one go.)"""
+    bind_activation(h, out, y, rows, config, bias, ue8m0, nvfp4_global_scale)(
+        rows.masked_m, rows.row_expert, rows.segment_start, rows.counts
+    )
+
+
+def bind_activation(
+    h: torch.Tensor,
+    out: PaddedBuffer,
+    y: torch.Tensor,
+    rows: RowIndex,
+    config: MoEConfig,
+    bias: torch.Tensor | None = None,
+    ue8m0: bool = False,
+    nvfp4_global_scale: torch.Tensor | None = None,
+) -> ActivationLaunch:
+    """`activation`'s launch on these buffers, weights and row bounds: every argument but the
+    row index's tensors decided once, to call as `launch(masked_m)` (masked) or
+    `launch(row_expert=, segment_start=, counts=)` (contiguous) for batches of the same bound
+    on the same buffers. An eager decode step keeps one per batch bound (host time)."""
     i_size, h_size = config.intermediate_size, y.shape[-1]
     m = rows.masked
     if m:
@@ -453,53 +473,53 @@ def activation(
     n_split = stale_splits(rows.max_m, block_r, rows.num_experts) if m else 1
     stale_programs = rows.num_experts * n_split if m else 0
     b = bias if bias is not None else h
-    _act_rows[(n_tiles * n_chunks + stale_programs,)](
-        h,
-        s_he,
-        s_hm,
-        out.hidden,
-        s_oe,
-        s_om,
-        out_scales,
-        s_se,
-        s_sm,
-        s_sg,
-        y,
-        s_ye,
-        s_ym,
-        b,
-        b.stride(0) if bias is not None else 0,
-        rows.masked_m,
-        rows.row_expert,
-        rows.segment_start,
-        rows.counts,
-        out.written if not m else state,
-        state,
-        rows.num_rows,
-        n_tiles,
-        i_size,
-        h_size,
-        float(config.swiglu_alpha),
-        float(config.swiglu_limit),
-        nvfp4_global_scale if nvfp4_global_scale is not None else h,
-        n_chunks,
-        col_span,
-        cdiv(cdiv(h_size, n_chunks), block_h) * block_h,
-        MASKED=m,
-        **rows.expert_consts(),
-        N_SPLIT=n_split,
-        GATED=config.gated,
-        ACT=ACT_IDS[config.activation],
-        HAS_BIAS=bias is not None,
-        QUANT=quant,
-        UE8M0=ue8m0,
-        NVFP4=nvfp4_global_scale is not None,
-        EXACT_ROUND=INTERPRETED,
-        BLOCK_R=block_r,
-        BLOCK_I=block_i,
-        BLOCK_H=block_h,
-        num_warps=tile.num_warps,
-    )
+    return ActivationLaunch(
+        (n_tiles * n_chunks + stale_programs,),
+        (h, s_he, s_hm, out.hidden, s_oe, s_om, out_scales, s_se, s_sm, s_sg, y, s_ye, s_ym, b,
+         b.stride(0) if bias is not None else 0),
+        (out.written if not m else state, state, rows.num_rows, n_tiles, i_size, h_size,
+         float(config.swiglu_alpha), float(config.swiglu_limit),
+         nvfp4_global_scale if nvfp4_global_scale is not None else h, n_chunks, col_span,
+         cdiv(cdiv(h_size, n_chunks), block_h) * block_h),
+        dict(
+            MASKED=m, **rows.expert_consts(), N_SPLIT=n_split, GATED=config.gated,
+            ACT=ACT_IDS[config.activation], HAS_BIAS=bias is not None, QUANT=quant, UE8M0=ue8m0,
+            NVFP4=nvfp4_global_scale is not None, EXACT_ROUND=INTERPRETED, BLOCK_R=block_r, BLOCK_I=block_i,
+            BLOCK_H=block_h, num_warps=tile.num_warps,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ActivationLaunch:
+    """`_act_rows`'s launch on one set of buffers, weights and row bounds (`bind_activation`):
+    the buffers, their strides and the grid are bound; a call passes the row index's tensors."""
+
+    grid: tuple[int]
+    head: tuple  # h, out, scales, y, bias and their strides
+    tail: tuple  # row records, sizes, the activation's constants, column chunks
+    kw: dict
+
+    def __call__(
+        self,
+        masked_m: torch.Tensor | None = None,
+        row_expert: torch.Tensor | None = None,
+        segment_start: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> None:
+        """Masked: `masked_m` int32 `[E]`. Contiguous: `row_expert`, `segment_start`, `counts`.
+        (A layout's unused tensors may be any of the given ones, as in `RowIndex`.)"""
+        any_t = masked_m if masked_m is not None else row_expert
+        assert any_t is not None
+        _act_rows[self.grid](
+            *self.head,
+            any_t if masked_m is None else masked_m,
+            any_t if row_expert is None else row_expert,
+            any_t if segment_start is None else segment_start,
+            any_t if counts is None else counts,
+            *self.tail,
+            **self.kw,
+        )
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:

@@ -28,7 +28,7 @@ fp32 (UPCAST); compiled kernels never upcast.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -330,6 +330,23 @@ def masked_grouped_gemm(
     config: TileConfig | None = None,
 ) -> torch.Tensor:
     """out[e, :masked_m[e]] = a[e, :masked_m[e]] @ w[e]^T; other rows of `out` untouched.
+    (Arguments: `bind_masked_grouped_gemm`, which this binds and calls in one go.)"""
+    launch = bind_masked_grouped_gemm(a, a_scale, w, w_scale, out, total_rows, config)
+    return out if launch is None else launch(a, a_scale, out, masked_m)
+
+
+def bind_masked_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    total_rows: int,
+    config: TileConfig | None = None,
+) -> MaskedGemmLaunch | None:
+    """Check `masked_grouped_gemm`'s arguments and choose its tile: its launch for these shapes,
+    this total-rows bound and these weights (None: nothing to compute), to call as
+    `launch(a, a_scale, out, masked_m)` with tensors of the same shapes (`launch.takes`).
 
     a `[E, max_m, K]` bf16/fp16, or fp8 e4m3 with `a_scale` fp32 `[E, max_m, K/128]` (any
     strides; MN-major as DeepGEMM takes them is fine); w `[E, N, K]` (K-major) in a's dtype,
@@ -349,49 +366,55 @@ def masked_grouped_gemm(
         raise ValueError(f"tile {cfg} does not fit N={n}, K={k} (K tiles must divide K)")
     tiles_m = num_m_tiles(min(total_rows, e * max_m), e, cfg.block_m)
     if tiles_m == 0 or n == 0:
+        return None
+    sw = w_scale if fp8 else None
+    return MaskedGemmLaunch(
+        a.shape, out.shape, (tiles_m * cdiv(n, cfg.block_n),), tiles_m, w, sw,
+        (*w.stride(), *(sw.stride() if sw is not None else (0, 0, 0))),
+        dict(
+            E=e, E_P=max(16, next_power_of_2(e)), N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8, UPCAST=INTERPRETED, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MaskedGemmLaunch:
+    """`_masked_gemm_kernel`'s launch for one input shape, one total-rows bound and one weight
+    tensor (`bind_masked_grouped_gemm`): all but the call's activations, their scales, the
+    output and masked_m fixed. Why: at a decode step the checks, the tile rules and the
+    argument list cost an eager forward more host time than the launch itself."""
+
+    shape: torch.Size  # a's [E, max_m, K]
+    out_shape: torch.Size  # [E, max_m, N]
+    grid: tuple[int]
+    tiles_m: int
+    w: torch.Tensor
+    w_scale: torch.Tensor | None  # fp8 weights' scales; None: bf16/fp16
+    w_strides: tuple[int, ...]  # w's and w_scale's (zeros without scales)
+    kw: dict
+
+    def takes(self, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether this launch computes `a @ w^T` into `out` (else bind again: the checks run)."""
+        return (
+            w is self.w and a.shape == self.shape and out.shape == self.out_shape
+            and (a_scale is None) == (self.w_scale is None)
+        )  # fmt: skip
+
+    def __call__(
+        self, a: torch.Tensor, a_scale: torch.Tensor | None, out: torch.Tensor, masked_m: torch.Tensor
+    ) -> torch.Tensor:
+        if self.w_scale is not None:
+            assert a_scale is not None
+            sa, sw, sa_strides = a_scale, self.w_scale, a_scale.stride()
+        else:
+            sa, sw, sa_strides = out, out, (0, 0, 0)
+        _masked_gemm_kernel[self.grid](
+            a, sa, self.w, sw, out, masked_m, self.tiles_m, *a.stride(), *sa_strides, *self.w_strides,
+            *out.stride(), **self.kw,
+        )  # fmt: skip
         return out
-    grid = (tiles_m * cdiv(n, cfg.block_n),)
-    sa = a_scale if a_scale is not None else out
-    sw = w_scale if w_scale is not None else out
-    ase, asm, ask = (sa.stride(0), sa.stride(1), sa.stride(2)) if fp8 else (0, 0, 0)
-    bse, bsn, bsk = (sw.stride(0), sw.stride(1), sw.stride(2)) if fp8 else (0, 0, 0)
-    _masked_gemm_kernel[grid](
-        a,
-        sa,
-        w,
-        sw,
-        out,
-        masked_m,
-        tiles_m,
-        a.stride(0),
-        a.stride(1),
-        a.stride(2),
-        ase,
-        asm,
-        ask,
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        bse,
-        bsn,
-        bsk,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        E=e,
-        E_P=max(16, next_power_of_2(e)),
-        N=n,
-        K=k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        FP8=fp8,
-        UPCAST=INTERPRETED,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return out
 
 
 # Shared memory a pipelined tile may use (H100/H200 allow 227 KiB per block; leave headroom
@@ -438,6 +461,33 @@ def masked_gemm_act(
 
         out[e, m, :] = act(a[e, m] @ w13[e]^T + bias[e])      for m < masked_m[e]
 
+    (Arguments: `bind_masked_gemm_act`, which this binds and calls in one go.)"""
+    launch = bind_masked_gemm_act(
+        a, w13, bias, out, out_rows, y, total_rows, config, activation=activation, gated=gated, alpha=alpha,
+        limit=limit,
+    )  # fmt: skip
+    return launch(a, out, out_rows, y, masked_m)
+
+
+def bind_masked_gemm_act(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    y: torch.Tensor,
+    total_rows: int,
+    config: TileConfig,
+    *,
+    activation: int,
+    gated: bool,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> MaskedGemmActLaunch:
+    """Check `masked_gemm_act`'s arguments and adapt its tile: its launch for these shapes, this
+    total-rows bound and these weights, to call as `launch(a, out, out_rows, y, masked_m)`
+    with tensors of the same shapes (`launch.takes`).
+
     a `[E, max_m, K]`; w13 `[E, N13, K]` with N13 = 2 * I ([gate; up]) when gated, else I;
     bias `[E, N13]` or None; out `[E, max_m, I]` in a's dtype. `activation`: the
     `moehal.kernels.triton_fused_moe` ids (1 silu, 2 gelu, 3 swiglu_oai with alpha/limit).
@@ -461,46 +511,52 @@ def masked_gemm_act(
         raise ValueError(f"tile {config} does not fit N={i}, K={k}")
     tiles_m = num_m_tiles(min(total_rows, e * max_m), e, config.block_m)
     n_split = stale_splits(max_m, 16, e)
-    grid = (tiles_m * cdiv(i, config.block_n) + e * n_split,)
     b = bias if bias is not None else w13
-    _masked_gemm_act_kernel[grid](
-        a,
-        w13,
-        b,
-        b.stride(0) if bias is not None else 0,
-        out,
-        y,
-        masked_m,
-        out_rows,
-        tiles_m,
-        a.stride(0),
-        a.stride(1),
-        a.stride(2),
-        w13.stride(0),
-        w13.stride(1),
-        w13.stride(2),
-        out.stride(0),
-        out.stride(1),
-        y.stride(0),
-        y.stride(1),
-        float(alpha),
-        float(limit),
-        y.shape[-1],
-        E=e,
-        E_P=max(16, next_power_of_2(e)),
-        I_SIZE=i,
-        K=k,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        ACT=activation,
-        GATED=gated,
-        HAS_BIAS=bias is not None,
-        N_SPLIT=n_split,
-        UPCAST=INTERPRETED,
-        EXACT_ROUND=INTERPRETED,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return out
+    return MaskedGemmActLaunch(
+        a.shape, out.shape, y.shape, (tiles_m * cdiv(i, config.block_n) + e * n_split,), tiles_m, w13, bias,
+        (b, b.stride(0) if bias is not None else 0), w13.stride(), (float(alpha), float(limit), y.shape[-1]),
+        dict(
+            E=e, E_P=max(16, next_power_of_2(e)), I_SIZE=i, K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, GROUP_M=config.group_m, ACT=activation, GATED=gated,
+            HAS_BIAS=bias is not None, N_SPLIT=n_split, UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MaskedGemmActLaunch:
+    """`_masked_gemm_act_kernel`'s launch for one input shape, one total-rows bound and one
+    layer's GEMM1 weights (`bind_masked_gemm_act`): all but the call's activations, the two
+    output buffers, their row record and masked_m fixed (host time, as `MaskedGemmLaunch`)."""
+
+    shape: torch.Size  # a's [E, max_m, K]
+    out_shape: torch.Size  # [E, max_m, I]
+    y_shape: torch.Size  # [E, max_m, H]
+    grid: tuple[int]
+    tiles_m: int
+    w13: torch.Tensor
+    bias: torch.Tensor | None
+    bias_args: tuple  # bias (or w13), its expert stride
+    w_strides: tuple[int, ...]
+    tail: tuple  # alpha, limit, H
+    kw: dict
+
+    def takes(self, a: torch.Tensor, w13: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+              y: torch.Tensor) -> bool:  # fmt: skip
+        """Whether this launch computes these operands (else bind again: the checks run)."""
+        return (
+            w13 is self.w13 and bias is self.bias and a.shape == self.shape and out.shape == self.out_shape
+            and y.shape == self.y_shape and out.stride(-1) == 1
+        )  # fmt: skip
+
+    def __call__(
+        self, a: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor, y: torch.Tensor, masked_m: torch.Tensor
+    ) -> torch.Tensor:
+        s_oe, s_om, _ = out.stride()
+        s_ye, s_ym, _ = y.stride()
+        _masked_gemm_act_kernel[self.grid](
+            a, self.w13, *self.bias_args, out, y, masked_m, out_rows, self.tiles_m, *a.stride(), *self.w_strides,
+            s_oe, s_om, s_ye, s_ym, *self.tail, **self.kw,
+        )  # fmt: skip
+        return out

@@ -397,6 +397,25 @@ def test_masked_shrink_after_a_large_batch(monkeypatch, gemm):
     _check_layer("bf16", Layout.MASKED, dict(intermediate_size=384, has_w2_bias=True, steps=(200, 2, 40, 1), gemm=gemm))
 
 
+@pytest.mark.parametrize("quant_name", ["bf16", "fp8_block"])
+def test_masked_batches_of_one_size_reuse_the_bound_activation(monkeypatch, quant_name):
+    """The masked path binds its activation launch once per (rows bound, E, max_m) (host time
+    of an eager step): later batches of that size, with other routings and row counts, reuse it
+    and still match the reference; another size binds its own."""
+    import moehal_cuda.triton_glue as glue
+
+    bound_for = []
+    real = glue.bind_activation
+
+    def counted(*args, **kwargs):
+        bound_for.append(args[3].total_rows)  # the RowIndex's bound: tokens x top_k
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(glue, "bind_activation", counted)
+    _check_layer(quant_name, Layout.MASKED, dict(steps=(6, 6, 4, 6)))
+    assert bound_for == [18, 12], "one bind per batch size, kept across its calls"
+
+
 def test_nvfp4_qdq_kernel_matches_reference_exactly():
     from moehal.quant import nvfp4
     from moehal_cuda.triton_glue import RowIndex, nvfp4_qdq_rows

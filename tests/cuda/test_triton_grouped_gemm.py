@@ -84,6 +84,53 @@ def test_shape_errors_are_reported():
         masked_grouped_gemm(a, None, w, None, torch.zeros(2, 64, 32), torch.zeros(2, dtype=torch.int32), 1, cfg)
 
 
+def test_the_runners_triton_gemm_keeps_its_launch_only_while_shapes_and_weights_stay():
+    """`cuda.deepgemm`'s Triton masked GEMM binds its launch once (host time of an eager decode
+    step) and keeps it across calls with new activations, row counts and outputs; new weights
+    or another input shape bind again. Every call gives the bits of the checked function."""
+    import inspect
+
+    from moehal_cuda.deepgemm_experts import triton_masked_gemm
+    from moehal_cuda.gemm_choice import GemmChoice
+
+    cfg = TileConfig(16, 32, 64, 1, 4, 1)
+    run = triton_masked_gemm(GemmChoice("triton", cfg, 8), 40)
+    n, k = 96, 128
+    w_a, w_b = (torch.randn(4, n, k, generator=torch.Generator().manual_seed(s)).bfloat16().to(DEV) for s in (1, 2))
+    calls = [(64, w_a, [3, 0, 17, 9]), (64, w_a, [0, 12, 1, 27]), (64, w_b, [5, 5, 5, 5]), (128, w_b, [30, 0, 0, 9])]
+    launches = []
+    for i, (max_m, w, counts) in enumerate(calls):
+        a = torch.randn(4, max_m, k, generator=torch.Generator().manual_seed(10 + i)).bfloat16().to(DEV)
+        mm = torch.tensor(counts, dtype=torch.int32, device=DEV)
+        out = torch.zeros(4, max_m, n, dtype=torch.bfloat16, device=DEV)
+        run(a, None, w, None, out, mm, 8)
+        want = masked_grouped_gemm(a, None, w, None, torch.zeros_like(out), mm, 40, cfg)
+        assert torch.equal(out, want), f"call {i}"
+        launches.append(inspect.getclosurevars(run).nonlocals["launch"])
+    assert launches[0] is launches[1], "kept across calls with new activations, counts and outputs"
+    assert launches[2] is not launches[1] and launches[2].w is w_b, "bound again on new weights"
+    assert launches[3] is not launches[2] and launches[3].shape[1] == 128, "bound again on another shape"
+
+
+def test_bound_fused_gemm1_launch_takes_only_its_own_operands():
+    """`MaskedGemmActLaunch.takes`: the runner keeps a fused GEMM1 launch only for the weights,
+    bias and buffer shapes it was bound with."""
+    from moehal.kernels.triton_grouped_gemm import bind_masked_gemm_act
+
+    e, max_m, k, i, h = 4, 64, 128, 32, 48
+    a = torch.zeros(e, max_m, k, dtype=torch.bfloat16, device=DEV)
+    w13 = torch.zeros(e, 2 * i, k, dtype=torch.bfloat16, device=DEV)
+    out = torch.zeros(e, max_m, i, dtype=torch.bfloat16, device=DEV)
+    y = torch.zeros(e, max_m, h, dtype=torch.bfloat16, device=DEV)
+    rows = torch.zeros(2, e, dtype=torch.int32, device=DEV)
+    launch = bind_masked_gemm_act(a, w13, None, out, rows, y, 8, TileConfig(16, 32, 64), activation=1, gated=True)
+    assert launch.takes(a.clone(), w13, None, out.clone(), y.clone())
+    assert not launch.takes(a, w13.clone(), None, out, y)  # reloaded weights
+    assert not launch.takes(a, w13, torch.zeros(e, 2 * i, device=DEV), out, y)  # a bias now
+    assert not launch.takes(torch.zeros(e, 2 * max_m, k, dtype=torch.bfloat16, device=DEV), w13, None, out, y)
+    assert not launch.takes(a, w13, None, out, torch.zeros(e, max_m, h + 16, dtype=torch.bfloat16, device=DEV))
+
+
 def test_config_fits_rules():
     assert TileConfig(16, 64, 128).fits(1536, 2048, fp8=True)
     assert not TileConfig(16, 64, 256).fits(1536, 2048, fp8=True)  # straddles two scale groups

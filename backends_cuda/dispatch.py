@@ -42,6 +42,7 @@ class PermuteHandle:
     slot_row: torch.Tensor | None  # int32 [T*K], -1 = not local (masked/contiguous)
     weights: torch.Tensor | None  # fp32 [T, K], None = unweighted (router weight on input)
     num_tokens: int
+    combine: Any = None  # masked/contiguous: the combine's launch for this token count (`tp.BoundCombine`)
 
 
 class PermuteRunner(DispatchRunner):
@@ -58,7 +59,8 @@ class PermuteRunner(DispatchRunner):
         self.scale = float(c.routed_scaling_factor)
         self.on_input = c.apply_router_weight_on_input
         self.all_local = self.start == 0 and self.e == c.num_experts
-        self._bound: dict[int, Any] = {}  # token count -> its permute launches (`tp.bind_permute`)
+        # token count -> its permute and combine launches (`tp.bind_permute`, `tp.bind_combine`)
+        self._bound: dict[int, tuple[Any, Any]] = {}
 
     def _buffer(self, t: int, device: torch.device) -> Any:
         from moehal.kernels import triton_permute as tp
@@ -96,15 +98,20 @@ class PermuteRunner(DispatchRunner):
         masked = layout is Layout.MASKED
         bound = self._bound.get(t)
         if bound is None:  # the destination, tiles and launch arguments of this token count
-            bound = tp.bind_permute(
-                t, self.k, hidden.shape[1], self._buffer(t, hidden.device), expert_start=self.start,
-                num_local_experts=self.e, masked=masked, alignment=self.fmt.row_alignment, ue8m0=self.ue8m0,
-                weight_on_input=self.on_input,
+            h = hidden.shape[1]
+            bound = (
+                tp.bind_permute(
+                    t, self.k, h, self._buffer(t, hidden.device), expert_start=self.start, num_local_experts=self.e,
+                    masked=masked, alignment=self.fmt.row_alignment, ue8m0=self.ue8m0, weight_on_input=self.on_input,
+                ),
+                tp.bind_combine(
+                    t, self.k, h, masked=masked, weighted=not self.on_input, scaling=self.scale, out_dtype=self.dtype
+                ),
             )  # fmt: skip
             if t <= KEEP_BOUND_TOKENS:
                 self._bound[t] = bound
-        p = bound(hidden, topk.ids, weights)
-        handle = PermuteHandle(p.slot_row, None if self.on_input else weights, t)
+        p = bound[0](hidden, topk.ids, weights)
+        handle = PermuteHandle(p.slot_row, None if self.on_input else weights, t, bound[1])
         if masked:
             expected_m = max(1, (t * self.k + self.e - 1) // self.e)
             return MaskedInput(p.hidden, p.scales, p.counts, expected_m, t * self.k), handle
@@ -128,17 +135,13 @@ class PermuteRunner(DispatchRunner):
             return (y.float() * self.scale).to(self.dtype)
         if isinstance(expert_out, (MaskedOutput, ContiguousOutput)):
             assert handle.slot_row is not None
-            return tp.combine(
-                expert_out.hidden,
-                handle.slot_row,
-                handle.weights,
-                handle.num_tokens,
-                self.k,
-                masked=isinstance(expert_out, MaskedOutput),
-                scaling=self.scale,
-                out_dtype=self.dtype,
-                out=out,
-            )
+            launch = handle.combine
+            if launch is None or launch.masked != isinstance(expert_out, MaskedOutput):  # experts of another layout
+                return tp.combine(
+                    expert_out.hidden, handle.slot_row, handle.weights, handle.num_tokens, self.k,
+                    masked=isinstance(expert_out, MaskedOutput), scaling=self.scale, out_dtype=self.dtype, out=out,
+                )  # fmt: skip
+            return launch(expert_out.hidden, handle.slot_row, handle.weights, out)
         raise TypeError(f"cuda.permute cannot combine {type(expert_out).__name__}")
 
 

@@ -399,6 +399,12 @@ def _combine_rows(
 # --- host side ------------------------------------------------------------------------------
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when contiguous: the kernels index ids and router weights `[T, K]` flat, so a
+    contiguous tensor needs no reshape (a reshape per call is host time at decode sizes)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
@@ -719,9 +725,7 @@ class BoundPermute:
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> Permuted:
         """x `[T, H]`, topk_ids `[T, K]`, topk_weights `[T, K]` fp32 or None, of the bound T, K, H."""
         s, e, dev = self.slots, self.experts, x.device
-        ids = topk_ids.reshape(-1)
-        if not ids.is_contiguous():
-            ids = ids.contiguous()
+        ids = _dense(topk_ids)
         if x.stride(-1) != 1:
             x = x.contiguous()
         slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
@@ -739,12 +743,13 @@ class BoundPermute:
             seg_start = torch.empty(e, dtype=torch.int32, device=dev)
             re_arg, se_arg, state = row_expert, seg_start, counts  # state unused
         if self.grid is not None:
-            w = topk_weights.reshape(-1) if topk_weights is not None else ids
+            w = ids if topk_weights is None else _dense(topk_weights)
             _scatter_rows[self.grid](
                 x, x.stride(0), ids, w, slot_pos, counts, slot_row, *self.dest_args, re_arg, se_arg,
                 self.dest.written, state, *self.scalars, **self.kw,
             )  # fmt: skip
-        return Permuted(self.dest.hidden, self.dest.scales, counts, slot_row[:s], row_expert, seg_start)
+        slot_row = slot_row if s else slot_row[:0]  # (allocated with at least one element)
+        return Permuted(self.dest.hidden, self.dest.scales, counts, slot_row, row_expert, seg_start)
 
 
 def combine(
@@ -760,37 +765,78 @@ def combine(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, H]` = scaling * sum_k w[t, k] * y[slot_row[t, k]] (slots with row -1 skipped);
-    y is masked `[E, max_m, H]` or contiguous `[M, H]`. Weights None: unweighted sum."""
-    h = y.shape[-1]
-    if out is None:
-        out = torch.empty(num_tokens, h, dtype=out_dtype, device=y.device)
-    if num_tokens == 0:
-        return out
-    if y.stride(-1) != 1:
-        y = y.contiguous()
+    y is masked `[E, max_m, H]` or contiguous `[M, H]`. Weights None: unweighted sum.
+    (`bind_combine` decides the launch; this binds and calls in one go.)"""
+    launch = bind_combine(
+        num_tokens, top_k, y.shape[-1], masked=masked, weighted=topk_weights is not None, scaling=scaling,
+        out_dtype=out.dtype if out is not None else out_dtype,
+    )  # fmt: skip
+    return launch(y, slot_row, topk_weights, out)
+
+
+def bind_combine(
+    num_tokens: int,
+    top_k: int,
+    h: int,
+    *,
+    masked: bool,
+    weighted: bool,
+    scaling: float = 1.0,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> BoundCombine:
+    """`combine`'s launch for `num_tokens` tokens of `top_k` slots and `h` columns: grid and
+    constexprs decided once. An eager dispatcher keeps one per token count, beside its
+    permute (`bind_permute`)."""
     # small batches: narrower column blocks, so a decode step still spreads over many SMs
     block_h = min(1024 if num_tokens >= 64 else 256, next_power_of_2(h))
-    if masked:
-        sy_e, sy_m, max_m = y.stride(0), y.stride(1), y.shape[1]
-    else:
-        sy_e, sy_m, max_m = 0, y.stride(0), 0
-    w = topk_weights.reshape(-1) if topk_weights is not None else slot_row
-    _combine_rows[(num_tokens, cdiv(h, block_h))](
-        y,
-        sy_e,
-        sy_m,
-        slot_row,
-        w,
-        out,
-        out.stride(0),
-        max(max_m, 1),
-        h,
-        float(scaling),
-        TOP_K=top_k,
-        K_P=max(2, next_power_of_2(top_k)),
-        MASKED=masked,
-        USE_WEIGHTS=topk_weights is not None,
-        EXACT_ROUND=INTERPRETED and out.dtype == torch.bfloat16,
-        BLOCK_H=block_h,
-    )
-    return out
+    return BoundCombine(
+        num_tokens, h, masked, weighted, out_dtype, (num_tokens, cdiv(h, block_h)), float(scaling),
+        dict(
+            TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), MASKED=masked, USE_WEIGHTS=weighted,
+            EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16, BLOCK_H=block_h,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BoundCombine:
+    """`combine` for one token count, width and layout (`bind_combine`)."""
+
+    num_tokens: int
+    h: int
+    masked: bool
+    weighted: bool
+    out_dtype: torch.dtype
+    grid: tuple[int, int]
+    scaling: float
+    kw: dict
+
+    def __call__(
+        self, y: torch.Tensor, slot_row: torch.Tensor, topk_weights: torch.Tensor | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """y masked `[E, max_m, H]` or contiguous `[M, H]`; slot_row int32 `[T * K]`; topk_weights
+        `[T, K]` fp32 (None exactly when bound unweighted); out `[T, H]` or None (allocated)."""
+        if (
+            (topk_weights is not None) != self.weighted or y.shape[-1] != self.h
+            or (out is not None and out.dtype != self.out_dtype)
+        ):  # fmt: skip
+            raise ValueError(
+                f"a combine bound for {'weighted' if self.weighted else 'unweighted'} rows of {self.h} columns into "
+                f"{self.out_dtype} got {'weighted' if topk_weights is not None else 'unweighted'} rows of "
+                f"{y.shape[-1]} into {out.dtype if out is not None else self.out_dtype}"
+            )
+        if out is None:
+            out = torch.empty(self.num_tokens, self.h, dtype=self.out_dtype, device=y.device)
+        if self.num_tokens == 0:
+            return out
+        if y.stride(-1) != 1:
+            y = y.contiguous()
+        if self.masked:
+            sy_e, sy_m, max_m = y.stride(0), y.stride(1), y.shape[1]
+        else:
+            sy_e, sy_m, max_m = 0, y.stride(0), 1
+        w = slot_row if topk_weights is None else _dense(topk_weights)
+        _combine_rows[self.grid](
+            y, sy_e, sy_m, slot_row, w, out, out.stride(0), max_m, self.h, self.scaling, **self.kw
+        )  # fmt: skip
+        return out

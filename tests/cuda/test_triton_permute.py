@@ -229,3 +229,29 @@ def test_the_dispatcher_binds_each_decode_token_count_once(layout, monkeypatch):
         want = ref.combine(out_type(rinp.hidden), rhandle)
         torch.testing.assert_close(y.cpu().float(), want.float(), rtol=1e-2, atol=1e-2)
     assert sorted(runner._bound) == [3, 5], "decode counts kept, 12 tokens (> KEEP_BOUND_TOKENS) bound per call"
+    assert all(combine.num_tokens == t for t, (_, combine) in runner._bound.items()), "each count's own combine"
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_bound_combine_matches_combine_at_every_call_and_refuses_what_it_was_not_bound_for(masked):
+    """`bind_combine` once, then calls on new expert rows, routings and `out` buffers: the same
+    bits as `combine` binding at each call. A call it was not bound for (weights present or
+    not, width, out dtype) raises instead of launching with the wrong constexprs."""
+    e, k, t = 5, 3, 6
+    launch = TP.bind_combine(t, k, H, masked=masked, weighted=True, scaling=1.5, out_dtype=torch.bfloat16)
+    for i in range(3):
+        ids, w = _routing(t, e, k, 10 + i)
+        if masked:
+            buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
+        else:
+            buf = TP.alloc_padded((TP.contiguous_rows(t * k, e, 4),), H, torch.bfloat16, DEV, False)
+        r = TP.permute(_x(t, i), ids, w, buf, expert_start=0, num_local_experts=e, masked=masked, alignment=4)
+        y = torch.randn(buf.hidden.shape, generator=torch.Generator().manual_seed(i)).bfloat16().to(DEV)
+        want = TP.combine(y, r.slot_row, w, t, k, masked=masked, scaling=1.5)
+        out = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+        assert launch(y, r.slot_row, w, out) is out and torch.equal(out, want), f"call {i}"
+        assert torch.equal(launch(y, r.slot_row, w, None), want)
+    with pytest.raises(ValueError, match="bound for weighted"):
+        launch(y, r.slot_row, None, None)
+    with pytest.raises(ValueError, match="into torch.bfloat16"):
+        launch(y, r.slot_row, w, torch.empty(t, H, dtype=torch.float32, device=DEV))

@@ -258,15 +258,25 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             report(f"{tag}: eager forward, {name}", us)
         if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
             print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")
-    # what session 18 keeps per token count: the decode kernels' launches (`TokenMoE`), the
-    # dispatcher's permute launches (`bind_permute`) and the experts' masked workspaces; the
-    # other mode looks them up at every call, as before
+    # what sessions 18-19 keep: the decode kernels' launches (`TokenMoE`), the dispatcher's
+    # permute and combine launches (`bind_permute`, `bind_combine`) per token count, the
+    # experts' masked workspaces, and their Triton masked GEMMs' launches (`MaskedGemmLaunch`,
+    # `MaskedGemmActLaunch`, kept while `takes` says so); the other mode binds them at every call
     token_moe = getattr(layer._experts, "_tokens", None)
     dispatchers = [d for d in (layer._dispatch, layer._small_dispatch) if isinstance(getattr(d, "_bound", None), dict)]
     kept_buffers = getattr(layer._experts, "_masked_buffers", None)
+    try:
+        from moehal.kernels import triton_grouped_gemm as tgg
+
+        launch_classes = [tgg.MaskedGemmLaunch, tgg.MaskedGemmActLaunch]
+    except AttributeError:  # an older moehal (A/B runs)
+        launch_classes = []
+    takes = {cls: cls.takes for cls in launch_classes}
     if token_moe is not None or dispatchers:
 
         def bound(keep: bool) -> None:
+            for cls, fn in takes.items():
+                cls.takes = fn if keep else (lambda *a: False)  # type: ignore[method-assign]
             if not keep:
                 if token_moe is not None:
                     token_moe._plans.clear()

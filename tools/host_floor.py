@@ -258,13 +258,15 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             report(f"{tag}: eager forward, {name}", us)
         if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
             print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")
-    # what sessions 18-19 keep: the decode kernels' launches (`TokenMoE`), the dispatcher's
-    # permute and combine launches (`bind_permute`, `bind_combine`) per token count, the
-    # experts' masked workspaces, and their Triton masked GEMMs' launches (`MaskedGemmLaunch`,
-    # `MaskedGemmActLaunch`, kept while `takes` says so); the other mode binds them at every call
-    token_moe = getattr(layer._experts, "_tokens", None)
+    # What sessions 18-19 keep, per token count or batch bound: session 18 the decode kernels'
+    # launches (`TokenMoE`), the dispatcher's permute launches and the experts' masked
+    # workspaces; session 19 the dispatcher's combine launch (`bind_combine`), the experts'
+    # Triton masked GEMM launches (kept while `takes` says so) and their activation launch. The
+    # other modes bind at every call what they do not keep: each mode swaps in its own (empty)
+    # dicts rather than clearing the kept ones, so no mode pays for another's rebinding.
+    experts = layer._experts
+    token_moe = getattr(experts, "_tokens", None)
     dispatchers = [d for d in (layer._dispatch, layer._small_dispatch) if isinstance(getattr(d, "_bound", None), dict)]
-    kept_buffers = getattr(layer._experts, "_masked_buffers", None)
     try:
         from moehal.kernels import triton_grouped_gemm as tgg
 
@@ -272,21 +274,35 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     except AttributeError:  # an older moehal (A/B runs)
         launch_classes = []
     takes = {cls: cls.takes for cls in launch_classes}
+    saved: dict[tuple[int, str], Any] = {}
+
+    def hold(obj: Any, attr: str, keep: bool, other: Any = None) -> None:
+        """obj.attr = the dict it keeps (keep) or `other` (default: a new empty one)."""
+        if obj is None or not hasattr(obj, attr):
+            return
+        kept = saved.setdefault((id(obj), attr), getattr(obj, attr))
+        setattr(obj, attr, kept if keep else ({} if other is None else other))
+
     if token_moe is not None or dispatchers:
 
-        def bound(keep: bool) -> None:
+        def bound(keep_18: bool, keep_19: bool) -> None:
             for cls, fn in takes.items():
-                cls.takes = fn if keep else (lambda *a: False)  # type: ignore[method-assign]
-            if not keep:
-                if token_moe is not None:
-                    token_moe._plans.clear()
-                for d in dispatchers:
-                    d._bound.clear()
-                if kept_buffers is not None:
-                    kept_buffers.clear()
+                cls.takes = fn if keep_19 else (lambda *a: False)  # type: ignore[method-assign]
+            hold(token_moe, "_plans", keep_18)
+            hold(experts, "_masked_buffers", keep_18)
+            hold(experts, "_activations", keep_19)
+            for d in dispatchers:
+                kept = saved.setdefault((id(d), "_bound"), d._bound)
+                # session 18's dispatcher: the permute kept, the combine bound at every call
+                permutes = {t: (b[0], None) for t, b in kept.items()}  # (one entry: well under 1 us)
+                hold(d, "_bound", keep_18 and keep_19, permutes if keep_18 else None)
 
-        modes = {"launches bound once per token count (default)": (True,), "bound at every call": (False,)}
-        for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, bound, default=(True,)).items():
+        modes = {
+            "launches bound once per token count (default)": (True, True),
+            "session 18's binds only (masked GEMMs, activation, combine bound at every call)": (True, False),
+            "bound at every call": (False, False),
+        }
+        for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, bound, default=(True, True)).items():
             report(f"{tag}: eager forward, {name}", us)
     disp, exp = layer._dispatch, layer._experts
     topk = TopK(ids, wts)

@@ -104,7 +104,10 @@ class DeepEPLowLatencyRunner(DispatchRunner):
         )
         x, s = recv if isinstance(recv, tuple) else (recv, None)
         expected = max(1, (self.t_max * c.ep_size * c.top_k + c.num_experts - 1) // c.num_experts)
-        return MaskedInput(x, s, count, expected), _LLHandle(ids, w, handle)
+        # each source token sends one row per top-k expert held here: a bound on sum(count) far
+        # below the buffer's E_local * ep_size * T_max rows, which sizes the experts' grids
+        bound = self.t_max * c.ep_size * min(c.top_k, c.num_local_experts)
+        return MaskedInput(x, s, count, expected, bound), _LLHandle(ids, w, handle)
 
     def combine(self, expert_out: Any, handle: _LLHandle) -> torch.Tensor:
         assert isinstance(expert_out, MaskedOutput)
@@ -189,6 +192,7 @@ class _NormalHandle:
 class DeepEPNormalRunner(DispatchRunner):
     def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
         import deep_ep
+        from moehal.kernels.triton_permute import contiguous_rows
 
         c = req.config
         self.fmt, self.c = fmt, c
@@ -198,6 +202,10 @@ class DeepEPNormalRunner(DispatchRunner):
         self.buffer = deep_ep.Buffer(req.process_group, nvl, rdma)
         self.quant = fmt.is_quantized
         self.ue8m0 = fmt.scales is ScaleKind.GROUP_128_UE8M0
+        self.capacity = 0  # contiguous rows at the worst case; 0: unknown (no max_tokens)
+        if c.max_tokens is not None:
+            slots = c.max_tokens * c.ep_size * min(c.top_k, c.num_local_experts)
+            self.capacity = contiguous_rows(slots, c.num_local_experts, fmt.row_alignment)
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, _NormalHandle]:
         from moehal.kernels import triton_permute as tp
@@ -219,13 +227,11 @@ class DeepEPNormalRunner(DispatchRunner):
             num_tokens_per_expert=per_expert,
         )
         n = recv_x.shape[0]  # received tokens; ids already local (-1: another rank's expert)
-        dest = tp.workspace(
-            "deepep.contiguous",
-            (tp.contiguous_rows(max(n, 1) * c.top_k, c.num_local_experts, self.fmt.row_alignment),),
-            c.hidden_size,
-            self.fmt.dtype,
-            recv_x.device,
-            self.quant,
+        rows = tp.contiguous_rows(max(n, 1) * c.top_k, c.num_local_experts, self.fmt.row_alignment)
+        # n changes at every call: this call's rows of one buffer sized for the worst case
+        # (every rank's max_tokens), not a persistent buffer per received count
+        dest = tp.contiguous_workspace(
+            "deepep.contiguous", rows, self.capacity or rows, c.hidden_size, self.fmt.dtype, recv_x.device, self.quant
         )
         p = tp.permute(
             recv_x,

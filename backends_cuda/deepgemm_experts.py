@@ -489,13 +489,17 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         return tuple(contiguous_workspace(r, m, cap, cols, dt, device, q, b) for r, cols, dt, q, b in roles)  # type: ignore[return-value]
 
     def contiguous_capacity(self, rows: int) -> int:
-        """Rows to allocate contiguous buffers with: the dispatcher's worst case at max_tokens."""
+        """Rows to allocate contiguous buffers with: the dispatcher's worst case at max_tokens.
+        Behind an expert-parallel group a rank receives up to ep_size * max_tokens tokens, each
+        with at most min(top_k, local experts) rows here."""
         from moehal.kernels.triton_permute import contiguous_rows
 
         c = self.config
         if c.max_tokens is None:
             return rows
-        return contiguous_rows(c.max_tokens * c.top_k, c.num_local_experts, self.fmt.row_alignment)
+        ranks = c.ep_size if self.req.process_group is not None else 1
+        slots = c.max_tokens * ranks * min(c.top_k, c.num_local_experts)
+        return contiguous_rows(slots, c.num_local_experts, self.fmt.row_alignment)
 
     def _empty_output(self, inp: Any) -> Any:
         """No rows (0 tokens, or an EP rank that received none): DeepGEMM rejects empty operands

@@ -526,11 +526,16 @@ def contiguous_workspace(
     bitmap_cols: int = 1,
 ) -> PaddedBuffer:
     """Rows `[0, rows)` of the persistent contiguous buffer of `role`, allocated once with
-    `capacity` rows (a static worst case such as max_tokens' rows; a call past it gets a buffer
-    of its own size). Sized per call, not by the capacity: DeepGEMM's contiguous GEMM computes
-    every row it is given, so a 1024-token prefill in a 4096-token buffer cost as much as a
-    4096-token one (docs/device-runs/2026-11-23-session6)."""
-    full = workspace(role, (max(rows, capacity),), cols, dtype, device, quant, bitmap_cols)
+    `capacity` rows (a static worst case such as max_tokens' rows). A call past it gets a
+    buffer of the next power of two of its rows: an expert-parallel rank receives a different
+    number of rows at every call, and a buffer per size would grow without bound; this way a
+    stream of sizes keeps at most a few buffers, within 2x of the largest. Sized per call, not
+    by the capacity: DeepGEMM's contiguous GEMM computes every row it is given, so a 1024-token
+    prefill in a 4096-token buffer cost as much as a 4096-token one
+    (docs/device-runs/2026-11-23-session6)."""
+    if rows > capacity:
+        capacity = next_power_of_2(rows)
+    full = workspace(role, (capacity,), cols, dtype, device, quant, bitmap_cols)
     return full.prefix(rows)
 
 

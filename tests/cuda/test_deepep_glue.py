@@ -1,0 +1,157 @@
+"""moehal's DeepEP runners (`cuda.deepep`, `cuda.deepep_ll`) end to end on the CPU, against the
+single-process oracle, with a test double standing in for the `deep_ep` library
+(tests/cuda/deep_ep_double.py): two expert-parallel ranks as threads of one process, several
+calls of different sizes.
+
+What this checks is moehal's side:
+- the formats each runner hands the experts;
+- the normal mode's permute of received tokens into the contiguous layout;
+- the weighted and unweighted combines and the routed scaling;
+- the bounds and buffer sizes the runners derive.
+
+DeepEP itself runs on no machine here: sgl-deep-ep pins another torch release
+(docs/backends/cuda.md)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from deep_ep_double import Group, World, module
+from moe_testing import random_topk, random_weights
+from moehal.config import MoEConfig
+from moehal.formats import ActivationFormat, ContiguousInput, Layout, MaskedInput, ScaleKind
+from moehal.hardware import detect
+from moehal.interfaces import BuildRequest
+from moehal.kernels import triton_permute as tp
+from moehal.quant import QuantScheme
+from moehal.reference.experts import ReferenceExperts
+from moehal.reference.oracle import reference_layer
+from moehal.routing import TopK
+from moehal.weights import local_slice, quantize_weights
+from moehal_cuda.deepep import DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
+from moehal_cuda.deepgemm_experts import DeepGemmExpertsRunner, TorchGemmOps
+
+RANKS = 2
+# hidden 512: DeepEP's fp8 low-latency dispatch takes hidden sizes that are multiples of 512
+SHAPE = dict(num_experts=8, top_k=3, hidden_size=512, intermediate_size=128, routed_scaling_factor=1.5)
+# tokens per rank at each call: uneven, a rank with none, the worst case
+CALLS = [(5, 7), (8, 0), (3, 6), (8, 8)]
+
+
+def _format(quant: QuantScheme, layout: Layout, alignment: int) -> ActivationFormat:
+    if quant.kind.value == "fp8_block":
+        ue8m0 = quant.scale_format.value == "ue8m0"
+        kind = ScaleKind.GROUP_128_UE8M0 if ue8m0 else ScaleKind.GROUP_128
+        return ActivationFormat(layout, torch.float8_e4m3fn, kind, alignment)
+    return ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, alignment)
+
+
+def _run(monkeypatch, quant_name: str, mode: str, experts: str, max_tokens: int) -> list[list[tuple]]:
+    """Every call on both ranks; per call and rank: (the experts' input, the rank's output), and
+    the oracle's output for all ranks' tokens."""
+    monkeypatch.setitem(sys.modules, "deep_ep", module())
+    quant = QuantScheme.parse(quant_name)
+    gen = torch.Generator().manual_seed(7)
+    whole = MoEConfig(**SHAPE, max_tokens=max_tokens * RANKS)
+    w13, w2, _, _ = random_weights(whole, gen)
+    weights = quantize_weights(whole, quant, w13, w2)
+    oracle = reference_layer(whole, quant, "cpu")
+    oracle.load_weights(weights)
+    batches = []
+    for sizes in CALLS:
+        per_rank = []
+        for t in sizes:
+            ids, wts = random_topk(t, whole.num_experts, whole.top_k, gen)
+            per_rank.append((torch.randn(t, whole.hidden_size, generator=gen).bfloat16(), ids, wts))
+        batches.append(per_rank)
+    world = World(RANKS)
+    ll = mode == "low_latency"
+
+    def rank(r: int) -> list[tuple]:
+        cfg = MoEConfig(**SHAPE, max_tokens=max_tokens, ep_rank=r, ep_size=RANKS)
+        req = BuildRequest(cfg, quant, detect("cpu"), process_group=Group(world, r))
+        fmt = _format(quant, Layout.MASKED if ll else Layout.CONTIGUOUS, 64 if ll else 8)
+        dispatcher = DeepEPLowLatencyDispatcher() if ll else DeepEPNormalDispatcher()
+        assert dispatcher.can_produce(fmt, req).ok
+        disp = dispatcher.build(req, fmt)
+        if experts == "deepgemm":
+            ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fmt.is_quantized))
+        else:
+            ex = ReferenceExperts().build(req, fmt)
+        ex.load(local_slice(weights, cfg))
+        out = []
+        for per_rank in batches:
+            x, ids, wts = per_rank[r]
+            inp, handle = disp.dispatch(x, TopK(ids, wts))
+            out.append((inp, disp.combine(ex.apply(inp), handle)))
+        return out
+
+    results = world.run(rank)
+    checked = []
+    for c, per_rank in enumerate(batches):
+        x = torch.cat([b[0] for b in per_rank])
+        ids = torch.cat([b[1] for b in per_rank])
+        wts = torch.cat([b[2] for b in per_rank])
+        want = oracle(x, ids, wts).float()
+        got = torch.cat([results[r][c][1].float() for r in range(RANKS)])
+        assert got.shape == want.shape, f"call {c}"
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-3)).item()
+        tol = 4e-2 if quant.kind.value == "fp8_block" else 2e-2
+        assert err < tol, f"call {c} {CALLS[c]}: rel err {err:.4f}"
+        checked.append([results[r][c] for r in range(RANKS)])
+    return checked
+
+
+@pytest.mark.parametrize(
+    "quant_name,experts",
+    [("bf16", "reference"), ("fp8_block", "reference"), ("fp8_block:ue8m0", "reference"), ("bf16", "deepgemm")],
+)
+def test_low_latency_runner_matches_the_oracle(monkeypatch, quant_name, experts):
+    """`cuda.deepep_ll`: masked `[E_local, ranks * max_tokens, H]` input (fp8 with power-of-two
+    scales for experts that want UE8M0), the experts' rows combined by DeepEP's weighted sum,
+    routed scaling after. The input carries a bound on its rows far below the buffer's."""
+    max_tokens = 32  # ranks * max_tokens = 64 rows per expert: DeepGEMM's masked alignment
+    for call in _run(monkeypatch, quant_name, "low_latency", experts, max_tokens):
+        for inp, _ in call:
+            assert isinstance(inp, MaskedInput) and inp.hidden.shape[:2] == (4, RANKS * max_tokens)
+            bound = RANKS * max_tokens * SHAPE["top_k"]  # min(top_k, 4 local experts) rows per token
+            assert inp.total_rows_bound == bound < inp.hidden.shape[0] * inp.hidden.shape[1]
+            assert int(inp.masked_m.sum()) <= bound
+            if quant_name == "fp8_block:ue8m0":  # round_scale: power-of-two scales
+                s = inp.scales[inp.scales > 0]
+                assert torch.equal(s, torch.exp2(torch.log2(s).round()))
+
+
+@pytest.mark.parametrize("quant_name,experts", [("bf16", "reference"), ("fp8_block", "deepgemm"), ("bf16", "deepgemm")])
+def test_normal_runner_matches_the_oracle_and_keeps_one_buffer(monkeypatch, quant_name, experts):
+    """`cuda.deepep`: received tokens permuted into the contiguous layout (quantized after the
+    all-to-all for fp8 experts), combined with the router weights per rank, then summed over
+    ranks by DeepEP. Each call receives another number of tokens; its rows come from one
+    buffer sized for the worst case, not from a new persistent buffer per count."""
+    max_tokens = 8
+    for call in _run(monkeypatch, quant_name, "normal", experts, max_tokens):
+        for inp, _ in call:
+            assert isinstance(inp, ContiguousInput)
+    # every rank's max_tokens, each token with at most min(top_k, local experts) rows here (the
+    # tests of this file all use max_tokens 8, so this role never holds another size)
+    cap = tp.contiguous_rows(max_tokens * RANKS * SHAPE["top_k"], 4, 8)
+    rows = {k[1] for k in tp._WORKSPACE if k[0] == "deepep.contiguous"}
+    assert rows == {(cap,)}, f"buffers per received count: {sorted(rows)}"
+    if experts == "deepgemm":  # the experts' buffers too: sized for the EP worst case, not per call
+        tag = f"{2 * SHAPE['intermediate_size']}:{SHAPE['intermediate_size']}:{SHAPE['hidden_size']}"
+        rows = {k[1] for k in tp._WORKSPACE if k[0].startswith("dg.") and tag in k[0] and len(k[1]) == 1}
+        assert rows == {(cap,)}, f"experts' buffers: {sorted(rows)}"
+
+
+def test_contiguous_buffers_past_their_capacity_come_in_powers_of_two():
+    """A call past the static capacity (an EP rank without max_tokens, or an unusual batch)
+    gets a buffer of the next power of two of its rows, shared with other sizes in that range:
+    a stream of distinct sizes keeps a few buffers, not one each."""
+    role = "test.growth"
+    sizes = [136, 200, 256, 264, 300, 500, 520, 1000]
+    views = [tp.contiguous_workspace(role, m, 128, 64, torch.bfloat16, "cpu", False) for m in sizes]
+    assert [v.hidden.shape[0] for v in views] == sizes
+    kept = sorted(k[1][0] for k in tp._WORKSPACE if k[0] == role)
+    assert kept == [256, 512, 1024]

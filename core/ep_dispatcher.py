@@ -25,8 +25,9 @@ Dispatch, per forward:
    local ids, -1 for experts on other ranks), CONTIGUOUS (expert-sorted, aligned segments)
    or MASKED (`[E_local, max_m, H]`). MASKED uses `max_m = max_tokens * ep_size` when
    `MoEConfig.max_tokens` is set (a static worst case: one expert can receive every token of
-   every rank once) and otherwise the received row count of this call (also a bound, since
-   a token's ids are distinct).
+   every rank once) and otherwise the received row count of this call rounded up to a power
+   of two (also a bound, since a token's ids are distinct; a few shapes over a serving loop,
+   where experts keep buffers per shape).
 
 Combine reverses it: the receiving rank reduces each received token over its local k slots
 (weighted by the router weights, in float32; STANDARD experts already return that sum),
@@ -201,7 +202,9 @@ class TorchDistributedDispatchRunner(DispatchRunner):
             return StandardInput(hq, hs, local_ids, recv_w), handle
         idx = permute.index_slots(recv_ids, self.expert_start, self.num_local)
         if layout is Layout.MASKED:
-            max_m = self.max_tokens * w if self.max_tokens is not None else r
+            # without max_tokens: the received row count, rounded up to a power of two, so a
+            # serving loop meets a few buffer shapes (experts keep workspaces per shape), not one per call
+            max_m = self.max_tokens * w if self.max_tokens is not None else (1 << (r - 1).bit_length() if r else 0)
             max_m = permute.round_up(max_m, self.fmt.row_alignment)
             xm, masked_m = permute.to_masked(payload, idx, max_m)
             hq, hs = self._unpack(xm)

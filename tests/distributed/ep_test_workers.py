@@ -60,7 +60,14 @@ def count_rows(rank: int, world: int, case: EPCase) -> dict:
     ids = inp.ids[lo : lo + n]
     from moehal.routing import TopK
 
-    _, handle = layer._dispatch.dispatch(inp.x[lo : lo + n], TopK(ids, inp.weights[lo : lo + n]))
+    topk = TopK(ids, inp.weights[lo : lo + n])
+    _, handle = layer._dispatch.dispatch(inp.x[lo : lo + n], topk)
+    # the same batch into the masked layout, without max_tokens: rows per expert from the call
+    assert cfg.max_tokens is None
+    group = dist.group.WORLD
+    masked = MoELayer(cfg, case.quant, backend="reference", device="cpu", layout="masked", process_group=group)
+    masked.load_weights(local_slice(full, cfg))
+    masked_inp, masked_handle = masked._dispatch.dispatch(inp.x[lo : lo + n], topk)
     owner = ids // cfg.num_local_experts
     expected_send = [int((owner == r).any(dim=1).sum()) for r in range(world)]  # distinct (token, rank)
     all_owner = inp.ids // cfg.num_local_experts
@@ -74,6 +81,8 @@ def count_rows(rank: int, world: int, case: EPCase) -> dict:
         "expected_send": expected_send,
         "expected_recv": expected_recv,
         "slots": int(torch.tensor(expected_send).sum()),
+        "masked_rows": masked_inp.hidden.shape[1],
+        "masked_received": sum(masked_handle.recv_splits),
     }
 
 

@@ -68,6 +68,16 @@ def test_each_token_is_sent_once_per_destination_rank(spawned):
     assert total <= sum(case.tokens(world)) * min(case.top_k, world)  # not k copies per token
 
 
+def test_masked_rows_without_max_tokens_come_in_powers_of_two(spawned):
+    """Without max_tokens, the masked buffer's rows per expert follow the rows this rank
+    received, rounded up to a power of two: a serving loop meets a few buffer shapes, so
+    experts that keep workspaces per shape keep a few, not one per call."""
+    _, per_rank = spawned
+    for r in per_rank:
+        rows, received = r["wire"]["masked_rows"], r["wire"]["masked_received"]
+        assert rows == (1 << (received - 1).bit_length() if received else 0), (rows, received)
+
+
 def test_a_broken_dispatcher_is_caught(spawned):
     """The suite has teeth: an EP dispatcher that mixes up router weights must fail."""
     _, per_rank = spawned

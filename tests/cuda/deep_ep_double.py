@@ -189,7 +189,7 @@ class Buffer:
         assert x.shape[0] <= t_max, "more tokens than num_max_dispatch_tokens_per_rank"
         posts = self.world.exchange(self.rank, (x, topk_idx))
         recv = x.new_zeros(e_loc, self.size * t_max, x.shape[1])
-        count = torch.zeros(e_loc, dtype=torch.int32)
+        count = torch.zeros(e_loc, dtype=torch.int32, device=x.device)
         where: dict[tuple[int, int], tuple[int, int, int]] = {}  # (expert, row) -> (source rank, token, k)
         for src, (sx, sids) in enumerate(posts):
             for t in range(sx.shape[0]):

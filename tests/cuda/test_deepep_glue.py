@@ -33,6 +33,7 @@ from moehal.weights import local_slice, quantize_weights
 from moehal_cuda.deepep import DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
 from moehal_cuda.deepgemm_experts import DeepGemmExpertsRunner, TorchGemmOps
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the Triton kernels run interpreted
 RANKS = 2
 # hidden 512: DeepEP's fp8 low-latency dispatch takes hidden sizes that are multiples of 512
 SHAPE = dict(num_experts=8, top_k=3, hidden_size=512, intermediate_size=128, routed_scaling_factor=1.5)
@@ -56,22 +57,23 @@ def _run(monkeypatch, quant_name: str, mode: str, experts: str, max_tokens: int)
     gen = torch.Generator().manual_seed(7)
     whole = MoEConfig(**SHAPE, max_tokens=max_tokens * RANKS)
     w13, w2, _, _ = random_weights(whole, gen)
-    weights = quantize_weights(whole, quant, w13, w2)
-    oracle = reference_layer(whole, quant, "cpu")
+    weights = quantize_weights(whole, quant, w13, w2).to(DEV)
+    oracle = reference_layer(whole, quant, DEV)
     oracle.load_weights(weights)
     batches = []
     for sizes in CALLS:
         per_rank = []
         for t in sizes:
             ids, wts = random_topk(t, whole.num_experts, whole.top_k, gen)
-            per_rank.append((torch.randn(t, whole.hidden_size, generator=gen).bfloat16(), ids, wts))
+            x = torch.randn(t, whole.hidden_size, generator=gen).bfloat16()
+            per_rank.append((x.to(DEV), ids.to(DEV), wts.to(DEV)))
         batches.append(per_rank)
     world = World(RANKS)
     ll = mode == "low_latency"
 
     def rank(r: int) -> list[tuple]:
         cfg = MoEConfig(**SHAPE, max_tokens=max_tokens, ep_rank=r, ep_size=RANKS)
-        req = BuildRequest(cfg, quant, detect("cpu"), process_group=Group(world, r))
+        req = BuildRequest(cfg, quant, detect(DEV), process_group=Group(world, r))
         fmt = _format(quant, Layout.MASKED if ll else Layout.CONTIGUOUS, 64 if ll else 8)
         dispatcher = DeepEPLowLatencyDispatcher() if ll else DeepEPNormalDispatcher()
         assert dispatcher.can_produce(fmt, req).ok

@@ -19,15 +19,23 @@ from typing import Any, ClassVar
 import torch
 from moehal.capability import Decision, accept, decline
 from moehal.config import Activation
+from moehal.errors import WeightError
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput, StandardOutput
 from moehal.hardware import HardwareInfo, module_available
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
 from moehal.kernels.host import interpreting
-from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
+from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 
 TRITON_LAYOUT = "triton_fused_moe"
-_KERNEL_QUANT = {QuantKind.BF16: "none", QuantKind.FP8_BLOCK: "fp8_block", QuantKind.W8A8_INT8: "int8"}
+_KERNEL_QUANT = {
+    QuantKind.BF16: "none",
+    QuantKind.FP8_BLOCK: "fp8_block",
+    QuantKind.FP8_TENSOR: "fp8_tensor",
+    QuantKind.W8A8_INT8: "int8",
+}
+_SCHEMES = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8})
+_FP8 = (QuantKind.FP8_BLOCK, QuantKind.FP8_TENSOR)
 
 
 def triton_available() -> bool:
@@ -69,7 +77,8 @@ class TritonWeightProcessor(WeightProcessor):
 
     The kernel reads the canonical `[E, N, K]` layout; this interleaves an unquantized gated
     w13's gate and up rows (`pair_gate_up`: one GEMM1 dot per K step instead of two), converts
-    fp8 to the hardware's flavour (e4m3fnuz on MI300) and biases to fp32. The CUDA backend registers its
+    fp8 to the hardware's flavour (e4m3fnuz on MI300; per-tensor fp8's static activation
+    scales double with the weights') and biases to fp32. The CUDA backend registers its
     own instance (`TritonWeightProcessor(devices=frozenset({'cuda'}))`) so that its Triton
     experts do not depend on this plugin being loaded.
     """
@@ -79,7 +88,7 @@ class TritonWeightProcessor(WeightProcessor):
     priority = 20
     description = "canonical -> Triton fused-MoE weights (fp8 e4m3fn -> e4m3fnuz on MI300)"
     devices: ClassVar[frozenset[str]] = frozenset({"rocm", "cpu"})
-    quant_schemes: ClassVar[frozenset[QuantScheme]] = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, W8A8_INT8})
+    quant_schemes: ClassVar[frozenset[QuantScheme]] = _SCHEMES
 
     def __init__(self, devices: frozenset[str] | None = None) -> None:
         if devices is not None:
@@ -90,10 +99,17 @@ class TritonWeightProcessor(WeightProcessor):
 
         kind = req.quant.kind
         w13, w2, s13, s2 = weights.w13, weights.w2, weights.w13_scale, weights.w2_scale
-        if kind is QuantKind.FP8_BLOCK and fp8_is_fnuz(req.hardware):
+        a13, a2 = _fp32(weights.a13_scale), _fp32(weights.a2_scale)
+        if kind is QuantKind.FP8_TENSOR:
+            if a13 is None or a2 is None:
+                raise WeightError("fp8_tensor weights need their static activation scales a13_scale and a2_scale")
+            a13, a2 = a13.reshape(1), a2.reshape(1)
+        if kind in _FP8 and fp8_is_fnuz(req.hardware):
             assert s13 is not None and s2 is not None
             w13, s13 = to_fnuz(w13, s13)
             w2, s2 = to_fnuz(w2, s2)
+            if kind is QuantKind.FP8_TENSOR:  # activations quantized to the fnuz grid: scale x2 too
+                a13, a2 = a13 * 2.0, a2 * 2.0
         # Unquantized gated w13: gate and up rows interleaved, so GEMM1 runs one dot per K step.
         paired = kind is QuantKind.BF16 and req.config.gated
         return TritonMoEWeights(
@@ -106,6 +122,8 @@ class TritonWeightProcessor(WeightProcessor):
             w2_bias=_fp32(weights.w2_bias),
             ue8m0=req.quant.scale_format is ScaleFormat.UE8M0,
             w13_paired=paired,
+            a13_scale=a13 if kind is QuantKind.FP8_TENSOR else None,
+            a2_scale=a2 if kind is QuantKind.FP8_TENSOR else None,
         )
 
 
@@ -167,10 +185,10 @@ class TritonExperts(Experts):
 
     name = "triton"
     priority = 20
-    description = "portable Triton fused MoE: bf16/fp16/fp32, fp8 block scale (fnuz on MI300), int8 W8A8"
+    description = "portable Triton fused MoE: bf16/fp16/fp32, fp8 block scale and per tensor (fnuz on MI300), int8 W8A8"
     devices: ClassVar[frozenset[str]] = frozenset({"rocm"})
     interpret_on_cpu: ClassVar[bool] = True  # also run on CPU when TRITON_INTERPRET=1
-    quant_schemes: ClassVar[frozenset[QuantScheme]] = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, W8A8_INT8})
+    quant_schemes: ClassVar[frozenset[QuantScheme]] = _SCHEMES
     activations: ClassVar[frozenset[Activation]] = frozenset(Activation)
     weight_layout: ClassVar[str] = TRITON_LAYOUT
     graph_capturable = True  # no host sync, static sizes (worst-case sorted length)
@@ -210,7 +228,7 @@ class TritonExperts(Experts):
         if not d.ok:
             return d
         hw = req.hardware
-        if req.quant.kind is QuantKind.FP8_BLOCK and not fp8_capable(hw):
+        if req.quant.kind in _FP8 and not fp8_capable(hw):
             where = hw.arch if hw.kind == "rocm" else (f"sm{hw.sm}" if hw.sm else hw.kind)
             return decline(
                 f"fp8 needs FP8 matrix cores (MI300 gfx942, MI350 gfx950, RDNA4 gfx12, or NVIDIA SM89+); "

@@ -25,8 +25,10 @@ a host-side tensor descriptor of the `[E, N, K]` weights; elsewhere the same til
 loads. Only a tuned table turns it on (the heuristic never does).
 
 Quantization: bf16/fp16/fp32 (fp32 accumulate); fp8 block scale (weights 128x128 blocks,
-activations 1x128 groups, quantized here); int8 W8A8 (per-channel weight scale, dynamic
-per-token activation scale, int32 accumulate).
+activations 1x128 groups, quantized here); fp8 per-tensor (one weight scale per expert, static
+activation scales from the checkpoint: GEMM1's epilogue writes its output already quantized
+for GEMM2, so that scheme has no quantization pass between the GEMMs); int8 W8A8 (per-channel
+weight scale, dynamic per-token activation scale, int32 accumulate).
 
 FP8 flavour: e4m3fn (OCP) on NVIDIA and gfx950/gfx12; e4m3fnuz on MI300 (gfx942). The bits of
 an e4m3fnuz number are worth half those of e4m3fn (exponent bias 8 instead of 7), so canonical
@@ -131,6 +133,8 @@ def _fit(cfg: TileConfig, n: int, k: int, quant: str) -> TileConfig:
     bk = max(16, min(cfg.block_k, next_power_of_2(k)))
     if quant == "fp8_block":
         bk = min(bk, GROUP)  # a K tile must not straddle two 128-wide scale groups
+    if quant in ("fp8_block", "fp8_tensor"):
+        bk = max(bk, 32)  # an fp8 dot takes K tiles of 32 or more (Hopper's wgmma)
     return replace(cfg, block_n=bn, block_k=bk)
 
 
@@ -150,7 +154,7 @@ def heuristic_configs(
         bm = 16 if rows <= 16 else 32
         return TileConfig(bm, 256, 256, 1, 4, 1), TileConfig(bm, 256, 256, 1, 4, 1)
     stages = 2 if is_rocm else 3
-    bk = 128 if quant in ("fp8_block", "int8") else 64
+    bk = 128 if quant in ("fp8_block", "fp8_tensor", "int8") else 64
     if rows <= 16:
         g1 = TileConfig(16, 64, bk, 1, 4, stages)
         g2 = TileConfig(16, 64, bk, 1, 4, stages)
@@ -178,8 +182,8 @@ def select_configs(
     is_rocm: bool = False,
 ) -> tuple[TileConfig, TileConfig]:
     """(GEMM1, GEMM2) configs: a tuned table entry for this device if one exists, else the
-    heuristic. quant: 'none' | 'fp8_block' | 'int8'."""
-    key_dtype = {"none": dtype_name, "fp8_block": "fp8_block", "int8": "int8"}[quant]
+    heuristic. quant: 'none' | 'fp8_block' | 'fp8_tensor' | 'int8'."""
+    key_dtype = dtype_name if quant == "none" else quant
     g1 = g2 = None
     if device_name:
         entry = _file_table(device_slug(device_name)).get(table_key(e, h, i, key_dtype))
@@ -320,10 +324,12 @@ def moe_align_block_size_torch(
 # ----------------------------------------------------------------------------------------------
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2, 3
-Q_NONE, Q_FP8_BLOCK, Q_INT8 = 0, 1, 2
+Q_NONE, Q_FP8_BLOCK, Q_INT8, Q_FP8_TENSOR = 0, 1, 2, 3
 _ACTS = {"none": ACT_NONE, "silu": ACT_SILU, "gelu": ACT_GELU, "swiglu_oai": ACT_SWIGLU_OAI}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_QUANTS = {"none": Q_NONE, "fp8_block": Q_FP8_BLOCK, "int8": Q_INT8}
+_QUANTS = {"none": Q_NONE, "fp8_block": Q_FP8_BLOCK, "int8": Q_INT8, "fp8_tensor": Q_FP8_TENSOR}
+# the layer dtype, to which the kernels round intermediates as an unfused kernel stores them
+_MID = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @triton.jit
@@ -346,6 +352,41 @@ def _to(x, out_ty: tl.constexpr, FIX_BF16: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(out_ty)
+
+
+@triton.jit
+def _round_mid(x, MID: tl.constexpr, FIX_BF16: tl.constexpr):
+    """Round fp32 `x` to the layer dtype and back (MID: 0 bf16, 1 fp16, 2 fp32), as an unfused
+    kernel's stored intermediate is."""
+    if MID == 0:
+        x = _to(x, tl.bfloat16, FIX_BF16).to(tl.float32)
+    elif MID == 1:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _e4m3_grid(q, MIN_NORMAL: tl.constexpr):
+    """Interpreter only: its fp32 -> fp8 cast drops the carry when rounding crosses a power of
+    two (31.9 -> 16 instead of 32). Round `q` (within the fp8 range) to the e4m3 grid here,
+    ties to even, so that the cast is exact. 3 mantissa bits: step = 2**(exponent - 3); the
+    subnormal step below MIN_NORMAL."""
+    mag = tl.abs(q)
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(mag, MIN_NORMAL))) - 3.0)
+    mag = ((mag / step + 12582912.0) - 12582912.0) * step
+    return tl.where(q < 0, -mag, mag)
+
+
+@triton.jit
+def _static_fp8(x, scale, QMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """fp32 `x` -> fp8 values (still fp32) with a static per-tensor scale: x / scale, saturated
+    to +-QMAX, as `moehal.quant.fp8.quantize_tensor` does. `div_rn`: Triton's `/` is an
+    approximate division on NVIDIA GPUs, and a last-bit difference can move a value across a
+    rounding boundary of the fp8 grid."""
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
+    if ROUND_IN_FP32:
+        q = _e4m3_grid(q, MIN_NORMAL)
+    return q
 
 
 @triton.jit
@@ -373,6 +414,7 @@ def _fused_moe_kernel(
     b_scale_ptr,
     bias_ptr,
     c_ptr,
+    c_scale_ptr,  # OUT_Q: the static scale that quantizes the output (fp32 [1])
     topk_weights_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
@@ -409,6 +451,10 @@ def _fused_moe_kernel(
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     QUANT: tl.constexpr,
+    OUT_Q: tl.constexpr,  # fp8_tensor GEMM1: store the output quantized for GEMM2 (c is fp8)
+    MID: tl.constexpr,  # the layer dtype (see `_round_mid`)
+    QMAX: tl.constexpr,  # fp8 range (OUT_Q)
+    MIN_NORMAL: tl.constexpr,  # smallest normal fp8 value (OUT_Q, interpreter rounding)
     HAS_BIAS: tl.constexpr,
     B_TMA: tl.constexpr,  # weight tiles by TMA (Hopper)
     PAIRED: tl.constexpr,  # GEMM1, gated, unquantized, w13 rows interleaved [g0, u0, g1, u1, ...]: one dot
@@ -533,6 +579,11 @@ def _fused_moe_kernel(
             u = acc_u.to(tl.float32) * a_s[:, None] * bs_u[None, :]
         else:
             u = g
+    elif QUANT == 3:
+        # per-tensor fp8: one activation scale, one weight scale per expert
+        s_ab = tl.load(a_scale_ptr) * tl.load(b_scale_ptr + expert * stride_bse)
+        g = acc_g * s_ab
+        u = acc_u * s_ab
     elif PAIRED:
         # columns (2j, 2j+1) are (gate j, up j): a thread holds both in its registers
         g, u = tl.split(tl.reshape(acc_p, (BLOCK_M, BLOCK_N, 2)))
@@ -550,15 +601,20 @@ def _fused_moe_kernel(
 
     out_ty = c_ptr.dtype.element_ty
     # Round like the stored intermediates of an unfused kernel (and the reference) do.
-    g = _to(g, out_ty, FIX_BF16).to(tl.float32)
+    g = _round_mid(g, MID, FIX_BF16)
     if ACT != 0:
         if GATED:
-            u = _to(u, out_ty, FIX_BF16).to(tl.float32)
+            u = _round_mid(u, MID, FIX_BF16)
         g = _activation(g, u, alpha, limit, ACT, GATED)
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + slot, mask=slot_mask, other=0.0).to(tl.float32)
         g = g * w[:, None]
-    tl.store(c_ptrs, _to(g, out_ty, FIX_BF16), mask=c_mask)
+    if OUT_Q:
+        # the activation as the layer dtype stores it, then quantized for GEMM2
+        g = _static_fp8(_round_mid(g, MID, FIX_BF16), tl.load(c_scale_ptr), QMAX, MIN_NORMAL, FIX_BF16)
+        tl.store(c_ptrs, g.to(out_ty), mask=c_mask)
+    else:
+        tl.store(c_ptrs, _to(g, out_ty, FIX_BF16), mask=c_mask)
 
 
 @fast_launch
@@ -578,9 +634,11 @@ def _group_quant_fp8_kernel(
     ROUND_IN_FP32: tl.constexpr,
     row_ids_ptr,
     HAS_ROW_IDS: tl.constexpr,
+    STATIC: tl.constexpr = False,
 ):
     """One program per (row, 128-group): scale = amax / QMAX, q = x / scale (saturated).
-    With HAS_ROW_IDS, rows whose expert id is < 0 (not local, never written) are skipped."""
+    With HAS_ROW_IDS, rows whose expert id is < 0 (not local, never written) are skipped.
+    STATIC: the scale is the one at `s_ptr` (per-tensor fp8, from the checkpoint), not stored."""
     row = tl.program_id(0).to(tl.int64)
     if HAS_ROW_IDS:
         if tl.load(row_ids_ptr + row) < 0:
@@ -589,22 +647,19 @@ def _group_quant_fp8_kernel(
     offs = grp * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    # div_rn: Triton's `/` is approximate on GPUs; the scale is the reference's, bit for bit.
-    scale = tl.div_rn(tl.maximum(amax, 1e-12), QMAX)
-    if UE8M0:
-        scale = tl.exp2(tl.ceil(tl.log2(scale)))
-    q = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
-    if ROUND_IN_FP32:
-        # Interpreter only: its fp32 -> fp8 cast drops the carry when rounding crosses a power
-        # of two (31.9 -> 16 instead of 32). Round to the e4m3 grid here (ties to even), so the
-        # cast below is exact. 3 mantissa bits: step = 2**(exponent - 3); subnormal step below.
-        mag = tl.abs(q)
-        step = tl.exp2(tl.floor(tl.log2(tl.maximum(mag, MIN_NORMAL))) - 3.0)
-        mag = ((mag / step + 12582912.0) - 12582912.0) * step
-        q = tl.where(q < 0, -mag, mag)
+    if STATIC:
+        q = _static_fp8(x, tl.load(s_ptr), QMAX, MIN_NORMAL, ROUND_IN_FP32)
+    else:
+        amax = tl.max(tl.abs(x), axis=0)
+        # div_rn: Triton's `/` is approximate on GPUs; the scale is the reference's, bit for bit.
+        scale = tl.div_rn(tl.maximum(amax, 1e-12), QMAX)
+        if UE8M0:
+            scale = tl.exp2(tl.ceil(tl.log2(scale)))
+        q = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+        if ROUND_IN_FP32:
+            q = _e4m3_grid(q, MIN_NORMAL)
+        tl.store(s_ptr + row * stride_sm + grp, scale)
     tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + grp, scale)
 
 
 @fast_launch
@@ -691,12 +746,45 @@ def per_token_group_quant_fp8(
             QMAX=fp8_qmax(fp8_dtype),
             UE8M0=ue8m0,
             GROUP_SIZE=GROUP,
-            MIN_NORMAL=2.0**-7 if fp8_dtype == torch.float8_e4m3fnuz else 2.0**-6,
+            MIN_NORMAL=_min_normal(fp8_dtype),
             ROUND_IN_FP32=INTERPRETED,
             row_ids_ptr=row_ids if row_ids is not None else s,
             HAS_ROW_IDS=row_ids is not None,
         )
     return q, s
+
+
+def per_tensor_quant_fp8(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+) -> torch.Tensor:
+    """x `[M, K]` -> fp8 `[M, K]` with the static per-tensor `scale` (fp32 `[1]`): x / scale,
+    saturated, as `moehal.quant.fp8.quantize_tensor` does (for e4m3fnuz, pass the e4m3fn
+    scale doubled: the result is then the e4m3fn grid halved, see the module docstring)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    if m and k:
+        _group_quant_fp8_kernel[(m, cdiv(k, GROUP))](
+            x,
+            q,
+            scale,
+            k,
+            x.stride(0),
+            q.stride(0),
+            0,
+            QMAX=fp8_qmax(fp8_dtype),
+            UE8M0=False,
+            GROUP_SIZE=GROUP,
+            MIN_NORMAL=_min_normal(fp8_dtype),
+            ROUND_IN_FP32=INTERPRETED,
+            row_ids_ptr=scale,
+            HAS_ROW_IDS=False,
+            STATIC=True,
+        )
+    return q
+
+
+def _min_normal(fp8_dtype: torch.dtype) -> float:
+    return 2.0**-7 if fp8_dtype == torch.float8_e4m3fnuz else 2.0**-6
 
 
 def per_token_quant_int8(x: torch.Tensor, row_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -727,8 +815,9 @@ class TritonMoEWeights:
     """Weights as the kernel reads them: the canonical layout (w13 `[E, N13, H]` = [gate; up],
     w2 `[E, H, I]`, i.e. `[E, N, K]` for both GEMMs), fp8 in the hardware's flavour.
 
-    quant: 'none' | 'fp8_block' | 'int8'. Scales: fp8_block `[E, ceil(N/128), ceil(K/128)]`,
-    int8 `[E, N]`. Biases in fp32.
+    quant: 'none' | 'fp8_block' | 'fp8_tensor' | 'int8'. Scales: fp8_block
+    `[E, ceil(N/128), ceil(K/128)]`, fp8_tensor `[E]` (and static activation scales a13_scale,
+    a2_scale, fp32 `[1]`), int8 `[E, N]`. Biases in fp32.
 
     w13_paired: w13's rows interleaved, `[g0, u0, g1, u1, ...]` (`pair_gate_up`; unquantized
     gated weights only, biases stay canonical): GEMM1 then reads one `2*BLOCK_N`-row tile and
@@ -744,6 +833,8 @@ class TritonMoEWeights:
     w2_bias: torch.Tensor | None = None
     ue8m0: bool = False
     w13_paired: bool = False
+    a13_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -816,7 +907,11 @@ def _launch_gemm(
     alpha: float,
     limit: float,
     paired: bool = False,
+    c_scale: torch.Tensor | None = None,
+    mid_dtype: torch.dtype | None = None,
 ) -> None:
+    """One grouped GEMM over the sorted tiles. c_scale (fp8_tensor GEMM1): c is fp8 and the
+    epilogue quantizes with this static scale; mid_dtype: the layer dtype (default c's)."""
     k = a.shape[1]
     em = sorted_ids.shape[0]
     grid = (cdiv(em, cfg.block_m) * cdiv(n, cfg.block_n),)
@@ -825,7 +920,8 @@ def _launch_gemm(
     b_s = b_scale if b_scale is not None else dummy
     asm, ask = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() > 1 else 0) if a_scale is not None else (0, 0)
     if b_scale is not None:
-        bse, bsn = b_scale.stride(0), b_scale.stride(1)
+        bse = b_scale.stride(0)
+        bsn = b_scale.stride(1) if b_scale.dim() > 1 else 0
         bsk = b_scale.stride(2) if b_scale.dim() > 2 else 0
     else:
         bse = bsn = bsk = 0
@@ -840,6 +936,7 @@ def _launch_gemm(
         b_s,
         bias_t,
         c,
+        c_scale if c_scale is not None else dummy,
         topk_weights if topk_weights is not None else dummy,
         sorted_ids,
         expert_ids,
@@ -876,6 +973,10 @@ def _launch_gemm(
         GATED=gated,
         ACT=act,
         QUANT=quant,
+        OUT_Q=c_scale is not None,
+        MID=_MID[mid_dtype or c.dtype],
+        QMAX=fp8_qmax(c.dtype) if c_scale is not None else 0.0,
+        MIN_NORMAL=_min_normal(c.dtype) if c_scale is not None else 0.0,
         HAS_BIAS=bias is not None,
         B_TMA=b_tma,
         PAIRED=paired,
@@ -890,6 +991,9 @@ def _launch_gemm(
 def _quantize_rows(
     x: torch.Tensor, w: TritonMoEWeights, row_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if w.quant == "fp8_tensor":  # GEMM1's input only: GEMM1 quantizes its own output
+        assert w.a13_scale is not None, "fp8_tensor weights carry static activation scales"
+        return per_tensor_quant_fp8(x, w.a13_scale, w.fp8_dtype), w.a13_scale
     if w.quant == "fp8_block":
         return per_token_group_quant_fp8(x, w.fp8_dtype, w.ue8m0, row_ids)
     if w.quant == "int8":
@@ -918,7 +1022,8 @@ def fused_moe(
     """The STANDARD-layout MoE: `[T, H]` = sum_k weight[t,k] * expert_{ids[t,k]}(hidden[t]).
 
     hidden `[T, H]` in out_dtype, or already quantized (fp8 of `w.fp8_dtype` with 1x128 scales,
-    or int8 with per-token scales) when `hidden_scales` is given.
+    fp8 with the static scale `w.a13_scale` (fp8_tensor), or int8 with per-token scales) when
+    `hidden_scales` is given.
     topk_ids `[T, K]` local ids, -1 for experts not on this rank (they contribute nothing);
     topk_weights `[T, K]` float. all_local: the caller guarantees no -1 (lets top_k == 1
     write straight into the output). out: `[T, H]` of out_dtype with contiguous rows, not
@@ -953,14 +1058,19 @@ def fused_moe(
         a1, a1_s = hidden, hidden_scales
     qcode = _QUANTS[w.quant]
     act = _ACTS[activation]
-    inter = torch.empty((s, i), dtype=out_dtype, device=dev)
+    # fp8_tensor: GEMM1 stores its output quantized with the static scale (no pass between)
+    static = w.quant == "fp8_tensor"
+    inter = torch.empty((s, i), dtype=w.fp8_dtype if static else out_dtype, device=dev)
     _launch_gemm(
         a1, a1_s, w.w13, w.w13_scale, w.w13_bias, inter, None, sorted_ids, expert_ids, num_post, s, i, cfg1,
         top_k=top_k, gated=gated and n13 == 2 * i, act=act, quant=qcode, alpha=swiglu_alpha, limit=swiglu_limit,
-        paired=w.w13_paired,
+        paired=w.w13_paired, c_scale=w.a2_scale if static else None, mid_dtype=out_dtype,
     )  # fmt: skip
     ids = topk_ids.reshape(-1).to(torch.int32)
-    a2, a2_s = _quantize_rows(inter, w, None if all_local else ids)  # rows of remote experts: never written
+    if static:
+        a2, a2_s = inter, w.a2_scale
+    else:
+        a2, a2_s = _quantize_rows(inter, w, None if all_local else ids)  # rows of remote experts: never written
     direct = top_k == 1 and all_local
     y = out if direct else torch.empty((s, h), dtype=out_dtype, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 def _fused_moe_calls(fp8_dtype: torch.dtype, is_rocm: bool) -> None:
     """The fused MoE at a decode and a prefill size, in bf16 (canonical and paired w13), fp8 1x128
-    blocks and int8 W8A8."""
+    blocks, fp8 per tensor (GEMM1 quantizing its output) and int8 W8A8."""
     from moehal.kernels import triton_fused_moe as k
 
     e, h, i, top_k = 16, 512, 256, 4
@@ -28,6 +28,10 @@ def _fused_moe_calls(fp8_dtype: torch.dtype, is_rocm: bool) -> None:
         ),
         "int8": k.TritonMoEWeights(
             w13.to(torch.int8), w2.to(torch.int8), "int8", torch.ones(e, 2 * i), torch.ones(e, h)
+        ),
+        "fp8 per tensor": k.TritonMoEWeights(
+            w13.to(fp8_dtype), w2.to(fp8_dtype), "fp8_tensor", torch.ones(e), torch.ones(e),
+            a13_scale=torch.ones(1), a2_scale=torch.ones(1),
         ),
     }  # fmt: skip
     for t in (2, 512):

@@ -94,10 +94,12 @@ def test_expert_parallel_local_slice(quant):
 def test_fp8_tensor_quantizes_as_the_reference_does(act):
     """In an fp32 layer only the fp32 sums' order separates the kernel from the oracle, so any
     fp8 value quantized differently (GEMM1's input, or the activation that GEMM1's epilogue
-    quantizes for GEMM2 with the static scale) would show as an error of about 1e-2."""
+    quantizes for GEMM2 with the static scale) would show as an error of about 1e-2. On a GPU
+    the fp8 tensor-core dot accumulates with fewer bits than fp32 (about 14 on Hopper), so the
+    bound there is looser but still below one flipped value."""
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=96, dtype=torch.float32, **act)
     out, ref, layer = run_pair(cfg, "fp8_tensor", t=7)
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < (1e-5 if INTERPRET else 2e-3)
 
 
 def test_token_with_no_local_expert_is_zero():

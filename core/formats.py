@@ -34,6 +34,11 @@ class ScaleKind(str, enum.Enum):
     GROUP_128 = "group128"  # fp8 e4m3, one fp32 scale per 128 elements of a row
     GROUP_128_UE8M0 = "group128_ue8m0"  # same, scales powers of two
     PER_TOKEN = "per_token"  # int8, one fp32 scale per row
+    # fp8 e4m3 quantized with the layer's static input scale (the fp8_tensor scheme's
+    # calibrated `a13_scale`, which the layer hands the dispatcher: `DispatchRunner.
+    # load_input_scale`). The scales tensor is laid out as GROUP_128's and holds that scale in
+    # every group, so grouped GEMMs that read 1x128 scales (DeepGEMM) take it as it is.
+    STATIC_TENSOR = "static_tensor"
 
 
 @dataclass(frozen=True, slots=True)

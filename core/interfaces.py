@@ -168,6 +168,13 @@ class DispatchRunner(ABC):
         """Back to `[T, H]` in config.dtype: weighted (per the layout), summed over k,
         times routed_scaling_factor."""
 
+    def load_input_scale(self, scale: torch.Tensor) -> None:
+        """Formats with `ScaleKind.STATIC_TENSOR` only: the static activation scale to quantize
+        with (fp32, one element, on the layer's device: the weights' `a13_scale`). The layer
+        hands it over when it processes the weights, before any dispatch. Dispatchers that
+        never accept such a format keep this default."""
+        raise NotImplementedError(f"{type(self).__name__} does not quantize with a static input scale")
+
     def combine_into(self, expert_out: CombineInput, handle: Any, out: torch.Tensor) -> torch.Tensor:
         """`combine`, with the result in `out` (`[T, H]`, config.dtype, contiguous rows: the
         caller's `out=` buffer, never one of the layer's inputs), which it returns.

@@ -11,7 +11,14 @@ from typing import Any
 
 import torch
 from moehal.config import MoEConfig
-from moehal.errors import InputError, NotSupportedError, WeightsAlreadyProcessedError, WeightsNotLoadedError
+from moehal.errors import (
+    InputError,
+    NotSupportedError,
+    WeightError,
+    WeightsAlreadyProcessedError,
+    WeightsNotLoadedError,
+)
+from moehal.formats import ScaleKind
 from moehal.graphs import GraphCache, should_replay
 from moehal.hardware import HardwareInfo, detect
 from moehal.integrations import custom_op
@@ -165,12 +172,25 @@ class MoELayer(torch.nn.Module):
         if self._weights is None:
             raise WeightsNotLoadedError("call layer.load_weights(...) before processing weights")
         proc = self.plan.pipeline.processor
+        self._hand_input_scale(self._weights)
         prepared: Any = proc.process(self._weights, self.request) if proc is not None else self._weights
         runner = self._fused if self._fused is not None else self._experts
         assert runner is not None
         runner.load(prepared)
         self._weights = None  # the runner owns the (possibly transformed) copy now
         self._processed = True
+
+    def _hand_input_scale(self, weights: ExpertWeights) -> None:
+        """Dispatchers that quantize with the checkpoint's static input scale get it now."""
+        takers: list[Any] = [d for d in (self._dispatch, self._small_dispatch) if d is not None]
+        takers += [self._adapter] if self._adapter is not None else []
+        for taker in takers:
+            fmt = taker.target if isinstance(taker, QuantizeAdapter) else taker.fmt
+            if fmt.scales is not ScaleKind.STATIC_TENSOR:
+                continue
+            if weights.a13_scale is None:
+                raise WeightError(f"{fmt} input quantizes with a static input scale: the weights lack a13_scale")
+            taker.load_input_scale(weights.a13_scale.to(self.device, torch.float32).reshape(1).contiguous())
 
     @property
     def weights_ready(self) -> bool:

@@ -59,9 +59,13 @@ class QuantizeAdapter:
 
     def __init__(self, target: ActivationFormat) -> None:
         self.target = target
+        self.static_scale: Any = None  # STATIC_TENSOR: the weights' a13_scale (`load_input_scale`)
+
+    def load_input_scale(self, scale: Any) -> None:
+        self.static_scale = scale
 
     def __call__(self, inp: Any) -> Any:
-        q, s = quantize_activation(inp.hidden, self.target.scales)
+        q, s = quantize_activation(inp.hidden, self.target.scales, self.static_scale)
         return dataclasses.replace(inp, hidden=q, scales=s)
 
 

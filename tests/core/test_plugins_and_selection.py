@@ -9,7 +9,7 @@ import moehal
 import pytest
 import torch
 from moe_testing import build_problem
-from moehal.formats import ActivationFormat, Layout, ScaleKind
+from moehal.formats import ActivationFormat, Layout, MaskedInput, ScaleKind
 
 TOY_PLUGIN = '''
 from __future__ import annotations
@@ -54,6 +54,20 @@ class ToyExperts(Experts):
         return ReferenceExpertsRunner(req, fmt)
 
 
+class ToyStaticExperts(Experts):
+    """fp8 per-tensor experts that take their input quantized with the static input scale."""
+    name = "fp8_tensor_masked"
+    priority = 50
+    quant_schemes = frozenset({moehal.QuantScheme.parse("fp8_tensor")})
+    activations = frozenset({moehal.Activation.SILU})
+
+    def input_formats(self, req):
+        return [ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR)]
+
+    def build(self, req, fmt):
+        return ReferenceExpertsRunner(req, fmt)
+
+
 @moehal.hookimpl
 def moehal_dispatchers():
     return [BF16OnlyDispatcher()]
@@ -61,7 +75,7 @@ def moehal_dispatchers():
 
 @moehal.hookimpl
 def moehal_experts():
-    return [ToyExperts()]
+    return [ToyExperts(), ToyStaticExperts()]
 '''
 
 BROKEN_IMPORT = "raise ImportError('vendor library libacme.so not found')\n"
@@ -126,6 +140,26 @@ def test_throwaway_plugin_is_discovered_and_selected(plugin_path):
     # A scheme the toy does not claim falls back to the reference, and the plan says so.
     plan = moehal.MoELayer(cfg, "bf16", registry=reg).plan
     assert plan.pipeline.experts.backend == "reference" and "slow reference fallback" in str(plan)
+
+
+def test_static_input_scale_reaches_the_quantize_adapter(plugin_path):
+    """fp8_tensor experts that consume rows quantized with the checkpoint's static scale: the
+    adapter behind a bf16-only dispatcher gets that scale from the layer when the weights are
+    processed, and the layer's output is the oracle's."""
+    reg = _registry()
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    layer = moehal.MoELayer(cfg, "fp8_tensor", registry=reg)
+    p = layer.plan.pipeline
+    assert p.experts.qualname == "toy.fp8_tensor_masked" and p.adapter == "quantize"
+    assert p.fmt.scales is ScaleKind.STATIC_TENSOR
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("fp8_tensor"), 6)
+    with pytest.raises(ValueError, match="static input scale"):  # no weights yet: no scale to quantize with
+        layer._adapter(MaskedInput(x[None], None, torch.tensor([6], dtype=torch.int32), 6))
+    layer.load_weights(weights)
+    assert torch.equal(layer._adapter.static_scale, weights.a13_scale.reshape(1).float())
+    ref = moehal.MoELayer(cfg, "fp8_tensor", backend="reference", layout="masked", registry=reg)
+    ref.load_weights(weights)
+    torch.testing.assert_close(layer(x, ids, wts), ref(x, ids, wts))
 
 
 def test_broken_plugins_are_reported_and_skipped(plugin_path):

@@ -15,6 +15,12 @@ DeepGEMM JIT kernels are compiled (run one forward before capturing).
 Scale layouts: activation scales are produced MN-major and TMA-aligned by our kernels, the
 layout DeepGEMM consumes without a transform. SM90 takes FP32 128x128 weight scales as they
 are; SM100 takes UE8M0 scales packed into int32, which the weight processor prepares once.
+
+FP8 per-tensor (`fp8_tensor`, SM90) is a special case of the block scales: the weight processor
+writes each expert's scale into all of its 128x128 blocks, and the dispatcher and the
+activation quantize with the checkpoint's static input scales (`ScaleKind.STATIC_TENSOR`),
+writing that scale into every 1x128 group's slot. The GEMMs then compute exactly the scheme's
+math, (x_q . w_q) * a_scale * w_scale, with no kernel of their own.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from moehal.formats import (
     StandardOutput,
 )
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
-from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, QuantKind, QuantScheme, ScaleFormat
+from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser
 from moehal_cuda.support import deep_gemm_decision, dg_fn, import_deep_gemm, sm_decision, triton_decision
@@ -53,6 +59,7 @@ _FP8_FNS = (
     "m_grouped_fp8_fp4_gemm_nt_contiguous|m_grouped_fp8_gemm_nt_contiguous",
 )
 _LAYOUT_FNS = ("get_mk_alignment_for_contiguous_layout|get_m_alignment_for_contiguous_layout",)
+_FP8_KINDS = (QuantKind.FP8_BLOCK, QuantKind.FP8_TENSOR)
 
 
 def _is_sm100(req: BuildRequest) -> bool:
@@ -62,7 +69,8 @@ def _is_sm100(req: BuildRequest) -> bool:
 @dataclass
 class DeepGemmWeights:
     """Weights in DeepGEMM's layout: K-major `[E, N, K]`; FP8 scales FP32 `[E, N/128, K/128]`
-    (SM90) or packed UE8M0 int32 (SM100); biases fp32 `[E, N]`."""
+    (SM90) or packed UE8M0 int32 (SM100); biases fp32 `[E, N]`; fp8_tensor: GEMM2's static
+    input scale `a2_scale` fp32 `[1]` (GEMM1's goes to the dispatcher)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -70,6 +78,7 @@ class DeepGemmWeights:
     w2_scale: torch.Tensor | None
     w13_bias: torch.Tensor | None
     w2_bias: torch.Tensor | None
+    a2_scale: torch.Tensor | None = None
 
 
 def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg: Any | None) -> DeepGemmWeights:
@@ -80,6 +89,11 @@ def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg:
     if quant.kind is QuantKind.BF16:
         return DeepGemmWeights(w13, w2, None, None, b13, b2)
     assert weights.w13_scale is not None and weights.w2_scale is not None
+    if quant.kind is QuantKind.FP8_TENSOR:
+        assert weights.a2_scale is not None and not sm100
+        s13 = per_expert_block_scales(weights.w13_scale, w13.shape)
+        s2 = per_expert_block_scales(weights.w2_scale, w2.shape)
+        return DeepGemmWeights(w13, w2, s13, s2, b13, b2, weights.a2_scale.float().reshape(1).contiguous())
     s13, s2 = weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous()
     if sm100:
         assert dg is not None
@@ -91,6 +105,14 @@ def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg:
     return DeepGemmWeights(w13, w2, s13, s2, b13, b2)
 
 
+def per_expert_block_scales(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """fp32 `[E]` per-expert scales -> `[E, N/128, K/128]` block scales of a `[E, N, K]` weight
+    (each expert's scale in all of its blocks; `/128` rounds up), as DeepGEMM reads them."""
+    e, n, k = shape
+    blocks = (e, -(-n // 128), -(-k // 128))
+    return scale.float().reshape(e, 1, 1).expand(blocks).contiguous()
+
+
 class DeepGemmWeightProcessor(WeightProcessor):
     """Canonical weights -> `DeepGemmWeights` (contiguous K-major; SM100: UE8M0-packed scales)."""
 
@@ -98,7 +120,7 @@ class DeepGemmWeightProcessor(WeightProcessor):
     layout = LAYOUT
     priority = 10
     devices = frozenset({"cuda"})
-    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0})
+    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR})
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
         sm100 = _is_sm100(req)
@@ -358,7 +380,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         self._tokens: Any = None  # the token-major decode kernels (`TokenMoE`), on these weights
         self._masked_buffers: dict[tuple[int, int], tuple[Any, Any, Any]] = {}  # (E, max_m) -> workspaces
         self._activations: dict[tuple[int, int, int], Any] = {}  # (rows bound, E, max_m) -> bound activation
-        self.fp8 = req.quant.kind is QuantKind.FP8_BLOCK
+        self.fp8 = req.quant.kind in _FP8_KINDS
+        self.static = req.quant.kind is QuantKind.FP8_TENSOR  # static activation scales
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
         self.chooser = chooser
@@ -373,7 +396,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         if gemms is None:
             c, e = self.config, inp.hidden.shape[0]
             tokens = max(1, -(-bound // c.top_k))
-            dtype = "fp8_block" if self.fp8 else "bf16"
+            dtype = "fp8_block" if self.fp8 else "bf16"  # fp8_tensor: the same GEMMs on block scales
             shapes = ((c.w13_rows, c.hidden_size), (c.hidden_size, c.intermediate_size))
             choices = tuple(
                 self.chooser.choose(e, n, k, dtype, tokens) if self.chooser is not None else DEEPGEMM for n, k in shapes
@@ -409,7 +432,9 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             assert w is not None
             hb, ab, yb = bufs
             rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
-            launch = bind_activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
+            launch = bind_activation(
+                hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0, static_scale=w.a2_scale
+            )
             self._activations[key] = launch
         return launch
 
@@ -553,7 +578,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             hb, ab, yb = self._buffers((m,), inp.hidden.device)
             rows = RowIndex(m, 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
             self.ops.contiguous(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.row_expert)
-            activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0)
+            activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0, static_scale=w.a2_scale)
             self.ops.contiguous(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.row_expert)
             if w.w2_bias is not None:
                 add_bias(yb.hidden, w.w2_bias, rows)
@@ -569,7 +594,7 @@ def masked_workspace_bytes(req: BuildRequest) -> int:
         raise ValueError("masked buffers are unbounded without MoEConfig.max_tokens")
     from moehal.kernels.triton_permute import masked_rows
 
-    act = 1 if req.quant.kind is QuantKind.FP8_BLOCK else c.dtype.itemsize
+    act = 1 if req.quant.kind in _FP8_KINDS else c.dtype.itemsize
     max_m = masked_rows(c.max_tokens, MASKED_ROW_ALIGNMENT)  # as the dispatcher sizes it
     per_row = c.hidden_size * act + c.w13_rows * c.dtype.itemsize + c.intermediate_size * act
     per_row += c.hidden_size * c.dtype.itemsize
@@ -577,16 +602,17 @@ def masked_workspace_bytes(req: BuildRequest) -> int:
 
 
 class DeepGemmExperts(Experts):
-    """DeepGEMM m-grouped GEMMs (masked and contiguous), BF16 and FP8 1x128/128x128 block scales."""
+    """DeepGEMM m-grouped GEMMs (masked and contiguous), BF16 and FP8 1x128/128x128 block scales
+    (FP8 per-tensor as block scales that are all one value, on SM90)."""
 
     name = "deepgemm"
     priority = 20
     description = (
         "DeepGEMM m-grouped GEMMs (masked/contiguous; a tuned Triton masked GEMM where measured faster), "
-        "BF16 and FP8 block-scale, Triton glue"
+        "BF16, FP8 block-scale and (SM90) FP8 per-tensor with static activation scales, Triton glue"
     )
     devices = frozenset({"cuda"})
-    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0})
+    quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR})
     supports_non_gated = True
     supports_bias = True
     graph_capturable = True
@@ -605,7 +631,7 @@ class DeepGemmExperts(Experts):
         d = triton_decision()
         if not d.ok:
             return d
-        fns = _LAYOUT_FNS + (_FP8_FNS if req.quant.kind is QuantKind.FP8_BLOCK else _BF16_FNS)
+        fns = _LAYOUT_FNS + (_FP8_FNS if req.quant.kind in _FP8_KINDS else _BF16_FNS)
         return deep_gemm_decision(fns)
 
     def check_quant(self, req: BuildRequest) -> Decision:
@@ -616,13 +642,19 @@ class DeepGemmExperts(Experts):
                 "(requantize the checkpoint's scales) so results match the scheme",
                 "quant",
             )
+        if d.ok and _is_sm100(req) and req.quant == FP8_TENSOR:
+            return decline(
+                "DeepGEMM on SM100 reads UE8M0 (power-of-two) scales, and a per-tensor scale is not one; "
+                "the TensorRT-LLM fp8_tensor MoE serves SM100",
+                "quant",
+            )
         return d
 
     def check_shape(self, req: BuildRequest) -> Decision:
         c = req.config
         if c.dtype != torch.bfloat16:
             return decline(f"DeepGEMM writes bf16 outputs; the layer dtype is {c.dtype}", "shape")
-        mult = 128 if req.quant.kind is QuantKind.FP8_BLOCK else 64
+        mult = 128 if req.quant.kind in _FP8_KINDS else 64
         for name, v in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size)):
             if v % mult:
                 return decline(f"{name}={v} must be a multiple of {mult} (the GEMM K dimension)", "shape")
@@ -637,6 +669,8 @@ class DeepGemmExperts(Experts):
         if q.kind is QuantKind.FP8_BLOCK:
             kind = ScaleKind.GROUP_128_UE8M0 if q.scale_format is ScaleFormat.UE8M0 else ScaleKind.GROUP_128
             dtype = torch.float8_e4m3fn
+        elif q.kind is QuantKind.FP8_TENSOR:  # the checkpoint's static scale, in 1x128 groups' slots
+            kind, dtype = ScaleKind.STATIC_TENSOR, torch.float8_e4m3fn
         else:
             kind, dtype = ScaleKind.NONE, req.config.dtype
         masked = ActivationFormat(Layout.MASKED, dtype, kind, MASKED_ROW_ALIGNMENT)
@@ -673,7 +707,7 @@ class DeepGemmExperts(Experts):
         return SmallBatchFormat(fmt, n, why, band[0], prefill_why, band[1])
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
-        fp8 = req.quant.kind is QuantKind.FP8_BLOCK
+        fp8 = req.quant.kind in _FP8_KINDS
         sm100 = _is_sm100(req)
         # SM100 FP8 weight scales are packed UE8M0, which only DeepGEMM reads.
         chooser = None if (fp8 and sm100) else GemmChooser(req.hardware.name)

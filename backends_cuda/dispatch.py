@@ -30,7 +30,7 @@ from moehal.quant.activation import quantize_activation
 from moehal.routing import TopK
 from moehal_cuda.support import cuda_or_interpreter, interpreted_mode, triton_decision
 
-_QUANT_KINDS = (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0)
+_QUANT_KINDS = (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0, ScaleKind.STATIC_TENSOR)
 # Token counts up to this keep their bound permute launches (one per count): decode-sized
 # batches, whose eager host time is mostly this argument preparation; larger batches bind at
 # every call (their GPU time dwarfs it) so a stream of prefill sizes keeps nothing.
@@ -55,12 +55,18 @@ class PermuteRunner(DispatchRunner):
         self.e, self.k, self.start = c.num_local_experts, c.top_k, c.local_expert_start
         self.quant = fmt.is_quantized
         self.ue8m0 = fmt.scales is ScaleKind.GROUP_128_UE8M0
+        self.static = fmt.scales is ScaleKind.STATIC_TENSOR
+        self.static_scale: torch.Tensor | None = None  # STATIC_TENSOR: the weights' a13_scale
         self.dtype = c.dtype
         self.scale = float(c.routed_scaling_factor)
         self.on_input = c.apply_router_weight_on_input
         self.all_local = self.start == 0 and self.e == c.num_experts
         # token count -> its permute and combine launches (`tp.bind_permute`, `tp.bind_combine`)
         self._bound: dict[int, tuple[Any, Any]] = {}
+
+    def load_input_scale(self, scale: torch.Tensor) -> None:
+        self.static_scale = scale
+        self._bound.clear()  # their scatter launches hold the previous scale tensor
 
     def _buffer(self, t: int, device: torch.device) -> Any:
         from moehal.kernels import triton_permute as tp
@@ -82,12 +88,16 @@ class PermuteRunner(DispatchRunner):
         t = hidden.shape[0]
         weights = topk.weights.float() if topk.weights.dtype != torch.float32 else topk.weights
         layout = self.fmt.layout
+        if self.static and self.static_scale is None:
+            raise RuntimeError(
+                f"{self.fmt} dispatch has no static input scale yet: load the layer's weights before its forward"
+            )
         if layout is Layout.STANDARD:
             x = hidden
             if self.on_input:
                 x = (hidden.float() * weights).to(hidden.dtype)
                 weights = torch.ones_like(weights)
-            q, s = quantize_activation(x, self.fmt.scales)
+            q, s = quantize_activation(x, self.fmt.scales, self.static_scale)
             # every expert local (one GPU): global ids are the local ids, no kernel needed
             ids = topk.ids
             if not self.all_local:
@@ -103,6 +113,7 @@ class PermuteRunner(DispatchRunner):
                 tp.bind_permute(
                     t, self.k, h, self._buffer(t, hidden.device), expert_start=self.start, num_local_experts=self.e,
                     masked=masked, alignment=self.fmt.row_alignment, ue8m0=self.ue8m0, weight_on_input=self.on_input,
+                    static_scale=self.static_scale,
                 ),
                 tp.bind_combine(
                     t, self.k, h, masked=masked, weighted=not self.on_input, scaling=self.scale, out_dtype=self.dtype
@@ -150,7 +161,7 @@ class CudaPermuteDispatcher(Dispatcher):
 
     name = "permute"
     priority = 10
-    description = "single-GPU Triton permute (masked, contiguous, standard), fused FP8 1x128 quant"
+    description = "single-GPU Triton permute (masked, contiguous, standard), fused FP8 quant (1x128 groups or static)"
     devices = frozenset({"cuda", "cpu"})
     graph_capturable = True
 
@@ -184,7 +195,9 @@ class CudaPermuteDispatcher(Dispatcher):
                 )
             return accept(predicate="format")
         if fmt.scales not in _QUANT_KINDS:
-            return decline(f"quantizes to fp8 1x128 groups only, not {fmt.scales.value}", "format")
+            return decline(
+                f"quantizes to fp8 (1x128 groups, or a static input scale) only, not {fmt.scales.value}", "format"
+            )
         if fmt.dtype != torch.float8_e4m3fn:
             return decline(f"fp8 dispatch writes float8_e4m3fn, not {fmt.dtype}", "format")
         return accept(predicate="format")

@@ -52,7 +52,9 @@ def dequantize_nvfp4_weights(weights: ExpertWeights, dtype: torch.dtype) -> Dequ
     b2 = weights.w2_bias.float().contiguous() if weights.w2_bias is not None else None
     a13 = weights.a13_scale.float().reshape(()) if weights.a13_scale is not None else None
     a2 = weights.a2_scale.float().reshape(()) if weights.a2_scale is not None else None
-    return DequantNvfp4Weights(w13.contiguous(), w2.contiguous(), None, None, b13, b2, a13, a2)
+    return DequantNvfp4Weights(
+        w13.contiguous(), w2.contiguous(), None, None, b13, b2, a13_global_scale=a13, a2_global_scale=a2
+    )
 
 
 class Nvfp4DequantProcessor(WeightProcessor):

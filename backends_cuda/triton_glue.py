@@ -36,6 +36,7 @@ from moehal.kernels.triton_permute import (
     QUANT_GROUP,
     PaddedBuffer,
     e4m3_group_quant,
+    e4m3_static_quant,
     masked_row_tile,
     publish_rows,
     round_to_bf16_grid,
@@ -174,6 +175,7 @@ def _act_rows(
     alpha,
     limit,
     gs_ptr,
+    static_ptr,
     n_chunks,
     I_SPAN,
     H_SPAN,
@@ -186,6 +188,7 @@ def _act_rows(
     HAS_BIAS: tl.constexpr,
     QUANT: tl.constexpr,
     UE8M0: tl.constexpr,
+    STATIC: tl.constexpr,
     NVFP4: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -261,7 +264,12 @@ def _act_rows(
                 if EXACT_ROUND:
                     a = round_to_bf16_grid(a)
             if QUANT:
-                q, sc = e4m3_group_quant(tl.where(mk, a, 0.0), UE8M0, EXACT_ROUND)
+                if STATIC:  # fp8_tensor: GEMM2's static input scale, in every group's slot
+                    sc1 = tl.load(static_ptr)
+                    q = e4m3_static_quant(tl.where(mk, a, 0.0), sc1, EXACT_ROUND)
+                    sc = tl.zeros((BLOCK_R,), dtype=tl.float32) + sc1
+                else:
+                    q, sc = e4m3_group_quant(tl.where(mk, a, 0.0), UE8M0, EXACT_ROUND)
                 tl.store(orow + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mk)
                 grp = c0 // BLOCK_I
                 tl.store(sc_ptr + e64 * s_se + m64 * s_sm + grp * s_sg, sc, mask=live)
@@ -409,13 +417,15 @@ def activation(
     bias: torch.Tensor | None = None,
     ue8m0: bool = False,
     nvfp4_global_scale: torch.Tensor | None = None,
+    static_scale: torch.Tensor | None = None,
 ) -> None:
-    """GEMM1 output `h [.., N13]` -> `out.hidden [.., I]` (+ `out.scales` when FP8), in place;
+    """GEMM1 output `h [.., N13]` -> `out.hidden [.., I]` (+ `out.scales` when FP8: 1x128 groups'
+    scales, or `static_scale` in every group's slot), in place;
     zeroes rows of `out` and `y` that went stale since the previous call on `out`. Layout per
     `rows` (masked: 3-D tensors). `out` comes from `workspace(..., bitmap_cols=activation_chunks(I))`
     and must be the only activation buffer used with `y` (its record covers y's rows too).
     (`bind_activation` decides the launch; this binds and calls in one go.)"""
-    bind_activation(h, out, y, rows, config, bias, ue8m0, nvfp4_global_scale)(
+    bind_activation(h, out, y, rows, config, bias, ue8m0, nvfp4_global_scale, static_scale)(
         rows.masked_m, rows.row_expert, rows.segment_start, rows.counts
     )
 
@@ -429,6 +439,7 @@ def bind_activation(
     bias: torch.Tensor | None = None,
     ue8m0: bool = False,
     nvfp4_global_scale: torch.Tensor | None = None,
+    static_scale: torch.Tensor | None = None,
 ) -> ActivationLaunch:
     """`activation`'s launch on these buffers, weights and row bounds: every argument but the
     row index's tensors decided once, to call as `launch(masked_m)` (masked) or
@@ -449,6 +460,8 @@ def bind_activation(
             )
         state = out.written
     quant = out.scales is not None
+    if static_scale is not None and (not quant or ue8m0 or static_scale.numel() != 1):
+        raise ValueError("static_scale quantizes into an fp8 buffer with fp32 group scales, one scale value")
     s_he, s_hm = _strides2(h, m)
     s_oe, s_om = _strides2(out.hidden, m)
     s_ye, s_ym = _strides2(y, m)
@@ -479,12 +492,14 @@ def bind_activation(
          b.stride(0) if bias is not None else 0),
         (out.written if not m else state, state, rows.num_rows, n_tiles, i_size, h_size,
          float(config.swiglu_alpha), float(config.swiglu_limit),
-         nvfp4_global_scale if nvfp4_global_scale is not None else h, n_chunks, col_span,
+         nvfp4_global_scale if nvfp4_global_scale is not None else h,
+         static_scale if static_scale is not None else h, n_chunks, col_span,
          cdiv(cdiv(h_size, n_chunks), block_h) * block_h),
         dict(
             MASKED=m, **rows.expert_consts(), N_SPLIT=n_split, GATED=config.gated,
             ACT=ACT_IDS[config.activation], HAS_BIAS=bias is not None, QUANT=quant, UE8M0=ue8m0,
-            NVFP4=nvfp4_global_scale is not None, EXACT_ROUND=INTERPRETED, BLOCK_R=block_r, BLOCK_I=block_i,
+            STATIC=static_scale is not None, NVFP4=nvfp4_global_scale is not None, EXACT_ROUND=INTERPRETED,
+            BLOCK_R=block_r, BLOCK_I=block_i,
             BLOCK_H=block_h, num_warps=tile.num_warps,
         ),
     )  # fmt: skip

@@ -95,6 +95,19 @@ def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def e4m3_static_quant(v, sc, EXACT_ROUND: tl.constexpr):
+    """fp32 `v` -> e4m3 values (still fp32) with a static per-tensor scale `sc`: v / sc
+    saturated to +-448, as `moehal.quant.fp8.quantize_tensor` does. Unlike a group's own
+    scale, a static one does not bound |v / sc|, so the clamp is needed on the GPU too.
+    div_rn: Triton's `/` is approximate on NVIDIA GPUs, and a last-bit difference can move a
+    value across a rounding boundary of the fp8 grid."""
+    q = tl.minimum(tl.maximum(tl.div_rn(v, sc), -448.0), 448.0)
+    if EXACT_ROUND:
+        q = round_to_e4m3_grid(q)
+    return q
+
+
+@triton.jit
 def round_to_bf16_grid(v):
     """Round float32 to the nearest bfloat16 value (ties to even), still as float32.
 
@@ -227,6 +240,7 @@ def _scatter_rows(
     stride_se,
     stride_sm,
     stride_sg,
+    static_ptr,
     row_expert_ptr,
     seg_start_ptr,
     written_ptr,
@@ -248,6 +262,7 @@ def _scatter_rows(
     S_P: tl.constexpr,
     QUANT: tl.constexpr,
     UE8M0: tl.constexpr,
+    STATIC: tl.constexpr,
     WEIGHT_ON_INPUT: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -307,7 +322,12 @@ def _scatter_rows(
             dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
             if QUANT:
                 # one group of QUANT_GROUP (== BLOCK_H) elements per column block
-                q, sc = e4m3_group_quant(v.to(tl.float32), UE8M0, EXACT_ROUND)
+                if STATIC:  # the layer's static input scale, written to every group's scale
+                    sc1 = tl.load(static_ptr)
+                    q = e4m3_static_quant(v.to(tl.float32), sc1, EXACT_ROUND)
+                    sc = tl.zeros((BLOCK_S,), dtype=tl.float32) + sc1
+                else:
+                    q, sc = e4m3_group_quant(v.to(tl.float32), UE8M0, EXACT_ROUND)
                 tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)
                 g = h0 // BLOCK_H
                 sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm + g * stride_sg
@@ -627,14 +647,17 @@ def permute(
     alignment: int = 1,
     ue8m0: bool = False,
     weight_on_input: bool = False,
+    static_scale: torch.Tensor | None = None,
 ) -> Permuted:
     """Scatter token rows `x [T, H]` to `dest` (masked `[E, max_m, H]` or contiguous
-    `[M_pad, H]`), quantizing to 1x128 FP8 groups if `dest` has scales. No host sync.
+    `[M_pad, H]`), quantizing to FP8 if `dest` has scales: in 1x128 groups with scales of their
+    own, or, with `static_scale` (fp32, one element), with that scale, written to every group's
+    slot (`ScaleKind.STATIC_TENSOR`). No host sync.
     (`bind_permute` decides the launches; this binds and calls in one go.)"""
     t, h = x.shape
     bound = bind_permute(
         t, topk_ids.shape[1], h, dest, expert_start=expert_start, num_local_experts=num_local_experts,
-        masked=masked, alignment=alignment, ue8m0=ue8m0, weight_on_input=weight_on_input,
+        masked=masked, alignment=alignment, ue8m0=ue8m0, weight_on_input=weight_on_input, static_scale=static_scale,
     )  # fmt: skip
     return bound(x, topk_ids, topk_weights)
 
@@ -651,13 +674,17 @@ def bind_permute(
     alignment: int = 1,
     ue8m0: bool = False,
     weight_on_input: bool = False,
+    static_scale: torch.Tensor | None = None,
 ) -> BoundPermute:
     """`permute`'s launches for `t` tokens of `top_k` slots and `h` columns into `dest`: tiles,
     grid and every argument but the call's tensors, decided once. An eager dispatcher keeps
-    one per token count (host time of a decode step)."""
+    one per token count (host time of a decode step). `static_scale` is bound too: the layer's
+    static input scale, a tensor whose value may change but which stays the same tensor."""
     e = num_local_experts
     s = t * top_k
     quant = dest.scales is not None
+    if static_scale is not None and (not quant or ue8m0 or static_scale.numel() != 1):
+        raise ValueError("static_scale quantizes into a destination with fp32 group scales, one scale value")
     fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
     kept = dest.counts if masked and dest.counts is not None and dest.counts.numel() == e else None
     out = dest.hidden
@@ -697,12 +724,13 @@ def bind_permute(
     return BoundPermute(
         s, e, expert_start, masked, fused_pos, kept, dest, num_rows,
         (n_slot + n_row,) if n_slot + n_row > 0 else None,
-        (out, so_e, so_m, sc, ss_e, ss_m, ss_g),
+        (out, so_e, so_m, sc, ss_e, ss_m, ss_g, static_scale if static_scale is not None else sc),
         (s, num_rows, max_m, expert_start, n_slot, n_hc, h),
         dict(
             TOP_K=top_k, E=e, E_P=_e_pad(e), ALIGN=max(alignment, 1), MASKED=masked, N_SPLIT=n_split,
             FUSED_POS=fused_pos, S_P=max(16, next_power_of_2(s)) if fused_pos else 16, QUANT=quant, UE8M0=ue8m0,
-            WEIGHT_ON_INPUT=weight_on_input, EXACT_ROUND=INTERPRETED, BLOCK_S=block_s, BLOCK_R=block_r,
+            STATIC=static_scale is not None, WEIGHT_ON_INPUT=weight_on_input, EXACT_ROUND=INTERPRETED,
+            BLOCK_S=block_s, BLOCK_R=block_r,
             BLOCK_H=block_h, H_SPAN=h_span, num_warps=tile.num_warps,
         ),
     )  # fmt: skip
@@ -723,7 +751,7 @@ class BoundPermute:
     dest: PaddedBuffer
     num_rows: int
     grid: tuple[int] | None  # None: nothing to launch
-    dest_args: tuple  # out, its strides, scales (or out), their strides
+    dest_args: tuple  # out, its strides, scales (or out), their strides, the static scale (or scales)
     scalars: tuple  # slots, rows, max_m, expert_start, slot programs, column chunks, H
     kw: dict
 

@@ -33,6 +33,9 @@ def drive() -> None:
         ("bf16", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True), (AlwaysTriton,)),
         ("fp8_block", Layout.MASKED, dict(activation="gelu", gated=False), (None, AlwaysTriton)),
         ("fp8_block:ue8m0", Layout.CONTIGUOUS, dict(ep_rank=1, ep_size=2), (None,)),
+        # static input scales: the scatter's and the activation's STATIC specializations
+        ("fp8_tensor", Layout.MASKED, dict(), (None,)),
+        ("fp8_tensor", Layout.CONTIGUOUS, dict(has_w13_bias=True), (None,)),
     ]
     g = torch.Generator().manual_seed(0)
     for quant_name, layout, extra, choosers in cases:
@@ -43,11 +46,14 @@ def drive() -> None:
         w2 = torch.randn(e, 512, 256, generator=g) / 11
         b13 = torch.randn(e, cfg.w13_rows, generator=g) if cfg.has_w13_bias else None
         b2 = torch.randn(e, 512, generator=g) if cfg.has_w2_bias else None
-        weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2)
+        calib = torch.randn(8, 512, generator=g)
+        weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2, calibration_input=calib)
         req = BuildRequest(cfg, quant, detect("cpu"))
         fmt = _fmt(quant, layout)
         for chooser in choosers:
             disp = CudaPermuteDispatcher().build(req, fmt)
+            if weights.a13_scale is not None:  # as the layer hands it over
+                disp.load_input_scale(weights.a13_scale.reshape(1))
             ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fmt.is_quantized), chooser() if chooser else None)
             ex.load(weights)
             for t in (3, 24, 256):  # decode, small, prefill-sized (more position chunks)

@@ -34,10 +34,16 @@ CASES = [
     ("fp8_block", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)),
     ("fp8_block:ue8m0", Layout.CONTIGUOUS, dict(activation="gelu", ep_rank=1, ep_size=2)),
     ("fp8_block", Layout.CONTIGUOUS, dict(top_k=1, apply_router_weight_on_input=True)),
+    # fp8 per-tensor: static input scales, quantized by the dispatcher and the activation
+    ("fp8_tensor", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)),
+    ("fp8_tensor", Layout.CONTIGUOUS, dict(activation="gelu", ep_rank=1, ep_size=2, routed_scaling_factor=2.5)),
+    ("fp8_tensor", Layout.CONTIGUOUS, dict(top_k=1, apply_router_weight_on_input=True)),
 ]
 
 
 def _fmt(quant: QuantScheme, layout: Layout) -> ActivationFormat:
+    if quant.kind.value == "fp8_tensor":
+        return ActivationFormat(layout, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR, 8)
     if quant.kind.value == "fp8_block":
         ue = quant.scale_format is ScaleFormat.UE8M0
         return ActivationFormat(
@@ -135,19 +141,28 @@ def _check_layer(quant_name, layout, extra) -> int:
     w2 = torch.randn(e, 256, cfg.intermediate_size, generator=g) / 11
     b13 = torch.randn(e, cfg.w13_rows, generator=g) * 0.1 if cfg.has_w13_bias else None
     b2 = torch.randn(e, 256, generator=g) * 0.1 if cfg.has_w2_bias else None
-    weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2).to(DEV)
+    # fp8_tensor's static input scales come from it (its own generator: the calls' data stay as they were)
+    calib = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
+    weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2, calibration_input=calib).to(DEV)
     req = BuildRequest(cfg, quant, detect(DEV))
     fmt = _fmt(quant, layout)
     fp8 = fmt.is_quantized
     disp = CudaPermuteDispatcher().build(req, fmt)
+    static = fmt.scales is ScaleKind.STATIC_TENSOR
+    if static:  # as the layer hands it over when it processes the weights
+        disp.load_input_scale(weights.a13_scale.float().reshape(1))
     small_disp = CudaPermuteDispatcher().build(req, ActivationFormat(Layout.STANDARD, cfg.dtype))
     std = ActivationFormat(Layout.STANDARD, cfg.dtype)
     small_fmt = SmallBatchFormat(std, small, "", prefill) if small or prefill is not None else None
     ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8), chooser, small_fmt)
     ex.load(weights)
-    rdisp = ReferenceDispatcher().build(req, fmt)
-    rex = ReferenceExperts().build(req, fmt)
+    # the oracle: static scales are the reference experts' own (they quantize bf16 input)
+    ref_fmt = fmt.unquantized(cfg.dtype) if static else fmt
+    rdisp = ReferenceDispatcher().build(req, ref_fmt)
+    rex = ReferenceExperts().build(req, ref_fmt)
     rex.load(weights)
+    rows_ex = ReferenceExperts().build(req, fmt)  # the reference experts on the dispatched rows
+    rows_ex.load(weights)
     small_calls = 0
     for step, t in enumerate(steps):
         x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
@@ -161,9 +176,17 @@ def _check_layer(quant_name, layout, extra) -> int:
         rinp, rhandle = rdisp.dispatch(x, topk)
         ry = rdisp.combine(rex.apply(rinp), rhandle)
         scale = ry.float().abs().max().clamp_min(1e-3)
-        tol = 2e-2 if not fp8 else 4e-2
+        # The interpreted Triton GEMM stores its bf16 output by truncation (the interpreter's
+        # cast; a GPU rounds), so half of GEMM1's outputs sit one bf16 ulp under the oracle's,
+        # all the same way. With static fp8_tensor scales that bias moves about 9% of GEMM2's
+        # inputs by an fp8 step, and a 3-token batch then differs by up to 5.4% of its largest
+        # output (4.6% L2); the torch stand-in GEMMs match the oracle exactly.
+        loose = static and chooser is not None and DEV == "cpu"
+        tol = 2e-2 if not fp8 else (8e-2 if loose else 4e-2)
         err = ((y.float() - ry.float()).abs().max() / scale).item()
+        l2 = ((y.float() - ry.float()).norm() / ry.float().norm().clamp_min(1e-6)).item()
         assert err < tol, f"call {step}: rel err {err:.4f}"
+        assert l2 < (2e-2 if not fp8 else (6e-2 if loose else 2.5e-2)), f"call {step}: rel L2 err {l2:.4f}"
         # the same call into a caller's buffer (`out=`): the last kernel writes it, same bits
         buf = torch.full_like(y, float("nan"))
         inp2, handle2 = d.dispatch(x, topk)
@@ -189,7 +212,7 @@ def _check_layer(quant_name, layout, extra) -> int:
             live = (ex_id >= 0) & (r - inp.segment_start.long()[c] < inp.counts.long()[c])
         assert (out.hidden[~live].float() == 0).all()
         # the experts' rows themselves match the reference experts' rows on the same input
-        ref_rows = rex.apply(inp).hidden
+        ref_rows = rows_ex.apply(inp).hidden
         rs = ref_rows.float().abs().max().clamp_min(1e-3)
         assert ((out.hidden[live].float() - ref_rows[live].float()).abs().max() / rs).item() < tol
     if chooser is not None and not small:  # both GEMMs were chosen per call size: (E, N, K) of w13 and w2

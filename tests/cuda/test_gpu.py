@@ -30,7 +30,10 @@ def _weights(cfg, quant: str):
     w2 = torch.randn(16, 512, 256, device="cuda", generator=g) / 256**0.5
     b13 = torch.randn(16, cfg.w13_rows, device="cuda", generator=g) * 0.1 if cfg.has_w13_bias else None
     b2 = torch.randn(16, 512, device="cuda", generator=g) * 0.1 if cfg.has_w2_bias else None
-    return moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2).to("cuda")
+    calib = torch.randn(64, 512, device="cuda", generator=g)  # static input scales (fp8_tensor)
+    return moehal.quantize_weights(
+        cfg, moehal.QuantScheme.parse(quant), w13, w2, w13_bias=b13, w2_bias=b2, calibration_input=calib
+    ).to("cuda")
 
 
 def _layers(quant: str, layout: str | None, **extra):
@@ -53,7 +56,7 @@ def _inputs(cfg, t: int, seed: int):
     return x, ids.int(), (w / w.sum(-1, keepdim=True)).float()
 
 
-@pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "fp8_tensor"])
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
 def test_deepgemm_layer_matches_reference(quant, layout):
     why = _deepgemm_usable()
@@ -68,11 +71,13 @@ def test_deepgemm_layer_matches_reference(quant, layout):
         assert err < (3e-2 if quant == "bf16" else 6e-2)
 
 
-def test_forward_is_graph_capturable():
+@pytest.mark.parametrize("quant", ["fp8_block", "fp8_tensor"])
+def test_forward_is_graph_capturable(quant):
     why = _deepgemm_usable()
     if why:
         pytest.skip(why)
-    cfg, layer, ref = _layers("fp8_block", "masked")
+    cfg, layer, ref = _layers(quant, "masked")
+    assert "cuda.deepgemm" in layer.plan.pipeline.name
     layer.cuda_graph_tokens = 64  # inside the caller's capture the layer must not replay its own graphs
     x, ids, w = _inputs(cfg, 32, 0)
     layer(x, ids, w)

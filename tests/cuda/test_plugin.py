@@ -57,12 +57,42 @@ def test_deepgemm_shape_and_quant_gates():
     assert not ex.check_quant(_req((9, 0), "w8a8_int8")).ok
 
 
+def test_deepgemm_takes_fp8_tensor_on_sm90_as_static_block_scales(monkeypatch):
+    """fp8 per-tensor: DeepGEMM's block-scale GEMMs with every block holding the expert's scale,
+    fed by a dispatcher that quantizes with the static input scale. SM100 declines (its
+    DeepGEMM reads power-of-two scales only)."""
+    import moehal_cuda.deepgemm_experts as dge
+    from moehal.weights import quantize_weights
+
+    monkeypatch.setattr(dge.DeepGemmExperts, "_alignment", lambda self: 128)  # no deep_gemm on CPU
+    ex = DeepGemmExperts()
+    req = _req((9, 0), "fp8_tensor")
+    assert ex.check_quant(req).ok and ex.check_shape(req).ok
+    d = ex.check_quant(_req((10, 0), "fp8_tensor"))
+    assert not d.ok and "UE8M0" in d.reason and "TensorRT-LLM" in d.reason
+    d = ex.check_shape(_req((9, 0), "fp8_tensor", CFG.with_(intermediate_size=192)))
+    assert not d.ok and "128" in d.reason
+    fmts = ex.input_formats(req)
+    assert {f.scales for f in fmts} == {ScaleKind.STATIC_TENSOR} and {f.dtype for f in fmts} == {torch.float8_e4m3fn}
+    assert all(CudaPermuteDispatcher().can_produce(f, req).ok for f in fmts)
+    assert ex.small_batch_format(req) is None  # no token-major or portable batches: one path at every size
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(8, 512, 512, generator=g), torch.randn(8, 512, 256, generator=g)
+    w = quantize_weights(CFG, req.quant, w13, w2, calibration_input=torch.randn(4, 512, generator=g))
+    dw = dge.prepare_weights(w, req.quant, False, None)
+    assert dw.w13_scale.shape == (8, 4, 4) and dw.w2_scale.shape == (8, 4, 2)
+    assert torch.equal(dw.w13_scale, w.w13_scale[:, None, None].expand(8, 4, 4))
+    assert torch.equal(dw.w2_scale, w.w2_scale[:, None, None].expand(8, 4, 2))
+    assert torch.equal(dw.a2_scale, w.a2_scale.reshape(1)) and dw.w13 is not None
+
+
 def test_permute_dispatcher_formats(monkeypatch):
     dsp = CudaPermuteDispatcher()
     req = _req((9, 0))
     assert dsp.can_produce(ActivationFormat(Layout.MASKED, torch.bfloat16), req).ok
     assert dsp.can_produce(ActivationFormat(Layout.CONTIGUOUS, torch.float8_e4m3fn, ScaleKind.GROUP_128, 128), req).ok
     assert not dsp.can_produce(ActivationFormat(Layout.MASKED, torch.int8, ScaleKind.PER_TOKEN), req).ok
+    assert dsp.can_produce(ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR, 64), req).ok
     assert not dsp.can_produce(ActivationFormat("deepep_ll", torch.bfloat16), req).ok
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     d = dsp.check_hardware(_req(None))

@@ -95,6 +95,37 @@ def test_contiguous_matches_torch_permute_across_calls(quant):
 
 
 @pytest.mark.parametrize("masked", [True, False])
+def test_static_scale_quantizes_as_the_reference_does(masked):
+    """fp8_tensor dispatch (`ScaleKind.STATIC_TENSOR`): rows quantized with the one static scale
+    (x / scale saturated to +-448, `div_rn`: bitwise the reference's, on the GPU too), and that
+    scale written to every 1x128 group's slot. The scale here saturates the largest values."""
+    from moehal.formats import ScaleKind
+    from moehal.quant.activation import quantize_activation
+
+    start, e, e_glob, k, align = 0, 4, 4, 2, 8
+    scale = torch.tensor([2.5 / 448], device=DEV)  # |x| > 2.5 saturates
+    if masked:
+        buf = TP.alloc_padded((e, TP.masked_rows(9, 8)), H, torch.float8_e4m3fn, DEV, True)
+    else:
+        buf = TP.alloc_padded((TP.contiguous_rows(9 * k, e, align),), H, torch.float8_e4m3fn, DEV, True)
+    for step, t in enumerate((9, 4)):
+        x = _x(t, 20 + step)
+        ids, w = _routing(t, e_glob, k, 20 + step)
+        r = TP.permute(
+            x, ids, w, buf, expert_start=start, num_local_experts=e, masked=masked, alignment=align, static_scale=scale
+        )
+        rows = r.slot_row.cpu().long()
+        flat_q = r.hidden.reshape(-1, H).cpu()[rows]
+        flat_s = r.scales.reshape(-1, H // 128).cpu()[rows]
+        slot_x = x.cpu().repeat_interleave(k, dim=0)
+        q, s = quantize_activation(slot_x, ScaleKind.STATIC_TENSOR, scale.cpu())
+        assert (slot_x.float().abs() > 2.5).any() and (q.float().abs() == 448).any()
+        assert torch.equal(flat_q.float(), q.float()) and torch.equal(flat_s, s)
+    with pytest.raises(ValueError, match="one scale value"):
+        TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=masked, static_scale=scale.repeat(2))
+
+
+@pytest.mark.parametrize("masked", [True, False])
 def test_combine_matches_reference_weighted_sum(masked):
     start, e, e_glob, k, t = 1, 5, 8, 3, 7
     ids, w = _routing(t, e_glob, k, 3)

@@ -184,9 +184,10 @@ def _check_layer(quant_name, layout, extra) -> int:
         loose = static and chooser is not None and DEV == "cpu"
         tol = 2e-2 if not fp8 else (8e-2 if loose else 4e-2)
         err = ((y.float() - ry.float()).abs().max() / scale).item()
+        # L2 bounds: conformance's for fp8 (0.035; 2.9% seen on an H100 for fp8_block at top-1)
         l2 = ((y.float() - ry.float()).norm() / ry.float().norm().clamp_min(1e-6)).item()
         assert err < tol, f"call {step}: rel err {err:.4f}"
-        assert l2 < (2e-2 if not fp8 else (6e-2 if loose else 2.5e-2)), f"call {step}: rel L2 err {l2:.4f}"
+        assert l2 < (2e-2 if not fp8 else (6e-2 if loose else 3.5e-2)), f"call {step}: rel L2 err {l2:.4f}"
         # the same call into a caller's buffer (`out=`): the last kernel writes it, same bits
         buf = torch.full_like(y, float("nan"))
         inp2, handle2 = d.dispatch(x, topk)

@@ -79,6 +79,9 @@ class DeepGemmWeights:
     w13_bias: torch.Tensor | None
     w2_bias: torch.Tensor | None
     a2_scale: torch.Tensor | None = None
+    # fp8_tensor: the per-expert scales w13 `[E]`, w2 `[E]` and GEMM1's static input scale `[1]`,
+    # as the portable fused MoE reads them (decode batches, `DeepGemmExperts.small_batch_format`)
+    tensor_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg: Any | None) -> DeepGemmWeights:
@@ -91,9 +94,13 @@ def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg:
     assert weights.w13_scale is not None and weights.w2_scale is not None
     if quant.kind is QuantKind.FP8_TENSOR:
         assert weights.a2_scale is not None and not sm100
+        assert weights.a13_scale is not None
         s13 = per_expert_block_scales(weights.w13_scale, w13.shape)
         s2 = per_expert_block_scales(weights.w2_scale, w2.shape)
-        return DeepGemmWeights(w13, w2, s13, s2, b13, b2, weights.a2_scale.float().reshape(1).contiguous())
+        per_tensor = (weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous())
+        a13 = weights.a13_scale.float().reshape(1).contiguous()
+        a2 = weights.a2_scale.float().reshape(1).contiguous()
+        return DeepGemmWeights(w13, w2, s13, s2, b13, b2, a2, (*per_tensor, a13))
     s13, s2 = weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous()
     if sm100:
         assert dg is not None
@@ -475,12 +482,19 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             w = self.w
             assert w is not None
             self._portable = TritonExpertsRunner(self.req, ActivationFormat(Layout.STANDARD, self.config.dtype))
-            self._portable.load(
-                TritonMoEWeights(
+            if self.static:  # fp8_tensor: per-expert and static activation scales, as that kernel reads them
+                assert w.tensor_scales is not None
+                s13, s2, a13 = w.tensor_scales
+                tw = TritonMoEWeights(
+                    w.w13, w.w2, quant="fp8_tensor", w13_scale=s13, w2_scale=s2, w13_bias=w.w13_bias,
+                    w2_bias=w.w2_bias, a13_scale=a13, a2_scale=w.a2_scale,
+                )  # fmt: skip
+            else:
+                tw = TritonMoEWeights(
                     w.w13, w.w2, quant="fp8_block" if self.fp8 else "none", w13_scale=w.w13_scale,
                     w2_scale=w.w2_scale, w13_bias=w.w13_bias, w2_bias=w.w2_bias, ue8m0=self.ue8m0,
-                )
-            )  # fmt: skip
+                )  # fmt: skip
+            self._portable.load(tw)
         return self._portable.apply(inp) if out is None else self._portable.apply_into(inp, out)
 
     def load(self, weights: Any) -> None:
@@ -538,7 +552,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         is per expert row, which the dispatcher's combine then writes into `out`."""
         if isinstance(inp, StandardInput) and inp.hidden.shape[0]:
             t = inp.hidden.shape[0]
-            return self._apply_portable(inp, out) if t > self.decode_max_tokens else self._apply_tokens(inp, out)
+            portable = self.static or t > self.decode_max_tokens  # the decode kernels read bf16 weights only
+            return self._apply_portable(inp, out) if portable else self._apply_tokens(inp, out)
         return self.apply(inp)
 
     def apply(self, inp: Any) -> Any:
@@ -548,7 +563,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             t = inp.hidden.shape[0]
             if t == 0:
                 return StandardOutput(inp.hidden.new_zeros(0, self.config.hidden_size), scaled=True)
-            return self._apply_portable(inp) if t > self.decode_max_tokens else self._apply_tokens(inp)
+            portable = self.static or t > self.decode_max_tokens
+            return self._apply_portable(inp) if portable else self._apply_tokens(inp)
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         if isinstance(inp, MaskedInput):
@@ -623,6 +639,12 @@ class DeepGemmExperts(Experts):
     # batches of at least this many tokens run the portable Triton fused MoE (bf16, SM90 fp8); None: where
     # this device's table measured it faster (`GemmChooser.portable_prefill_range`), 0: never
     portable_prefill_min_tokens: ClassVar[int | None] = None
+    # fp8_tensor batches of at most this many tokens run the portable Triton fused MoE (0: never).
+    # Measured on an H100 (docs/device-runs/2026-11-24-session21), whole layer, against these
+    # grouped GEMMs: 0.99-1.12x their speed at 16-128 tokens for Qwen3-30B-A3B, Mixtral-8x7B and
+    # DeepSeek-V3's EP8 slice (within 4% either way at 1 token), but 1.13-1.44x slower at 4096
+    # tokens, and 1.24-1.37x slower at 1024 for the two larger layers.
+    fp8_tensor_portable_max_tokens: ClassVar[int] = 128
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         return sm_decision(req, SUPPORTED_SM, "DeepGEMM")
@@ -689,6 +711,10 @@ class DeepGemmExperts(Experts):
         portable Triton fused MoE faster for this layer shape (`portable_prefill_tokens`). The
         input is unquantized either way: the portable kernel quantizes fp8 activations itself."""
         c = req.config
+        if req.quant.kind is QuantKind.FP8_TENSOR:
+            n = self.fp8_tensor_portable_max_tokens
+            why = "the portable Triton fused MoE (fp8_tensor), measured faster at decode sizes"
+            return SmallBatchFormat(ActivationFormat(Layout.STANDARD, c.dtype), n, why) if n else None
         band = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
         if req.quant.kind is not QuantKind.BF16:
             n = 0  # the decode kernels read bf16 weights only

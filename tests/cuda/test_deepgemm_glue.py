@@ -192,15 +192,16 @@ def _check_layer(quant_name, layout, extra) -> int:
         buf = torch.full_like(y, float("nan"))
         inp2, handle2 = d.dispatch(x, topk)
         into = ex.apply_into(inp2, buf)
-        if token_major and t <= small:
+        if token_major and t <= small and not static:
             assert into.hidden is buf  # the decode kernels wrote the result there
         elif not token_major:
             assert d._combine(into, handle2, buf) is buf  # the gather-and-sum kernel wrote it
         assert d.combine_into(into, handle2, buf) is buf and torch.equal(buf, y), f"call {step}: out= differs"
         if token_major:
             assert isinstance(inp, StandardInput)
-            # the decode kernels apply routed scaling inside; the portable fused MoE leaves it to combine
-            assert out.scaled == (t <= small)
+            # the decode kernels apply routed scaling inside; the portable fused MoE (fp8_tensor's
+            # decode batches too) leaves it to combine
+            assert out.scaled == (t <= small and not static)
             small_calls += 1
             continue
         # experts' contract: padding rows of the output are zero
@@ -297,7 +298,16 @@ def test_fp8_prefill_batches_run_the_portable_fused_moe_on_deepgemms_scales(quan
     assert _check_layer(quant_name, Layout.MASKED, {**extra, "portable_prefill": 9, "steps": steps}) == 3
 
 
-def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
+@pytest.mark.parametrize("layout", [Layout.MASKED, Layout.CONTIGUOUS])
+def test_fp8_tensor_decode_batches_run_the_portable_fused_moe_between_grouped_calls(layout):
+    """fp8_tensor: batches of at most 4 tokens (here) go token-major to the portable kernel on
+    the per-expert scales, the others through the grouped GEMMs on block scales; both against
+    the oracle, call after call on shared buffers."""
+    extra = dict(small_batch=4, steps=(12, 3, 7, 2), routed_scaling_factor=2.5)
+    assert _check_layer("fp8_tensor", layout, extra) == 2
+
+
+def test_small_batch_format_is_declared_for_bf16_and_fp8_tensor_only(monkeypatch):
     from moehal_cuda.deepgemm_experts import DeepGemmExperts, small_batch_tokens
 
     cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=256, intermediate_size=128)
@@ -312,6 +322,11 @@ def test_small_batch_format_is_declared_for_bf16_only(monkeypatch):
     monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 0)
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw)) is None
     assert small.prefill_min_tokens is None  # on a CPU no table measured anything: no prefill range
+    # fp8_tensor: the portable fused MoE for decode batches of every layer shape, DeepSeek's too
+    for c in (cfg, big):
+        fp8t = DeepGemmExperts().small_batch_format(BuildRequest(c, QuantScheme.parse("fp8_tensor"), hw))
+        assert fp8t is not None and fp8t.max_tokens == DeepGemmExperts.fp8_tensor_portable_max_tokens
+        assert fp8t.fmt == ActivationFormat(Layout.STANDARD, c.dtype) and fp8t.prefill_min_tokens is None
 
 
 def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):

@@ -58,10 +58,14 @@ def _inputs(cfg, t: int, seed: int):
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8_block", "fp8_tensor"])
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
-def test_deepgemm_layer_matches_reference(quant, layout):
+def test_deepgemm_layer_matches_reference(quant, layout, monkeypatch):
     why = _deepgemm_usable()
     if why:
         pytest.skip(why)
+    from moehal_cuda.deepgemm_experts import DeepGemmExperts
+
+    # fp8_tensor: 5 tokens run the portable fused MoE, 17 and 32 the grouped GEMMs, in one layer
+    monkeypatch.setattr(DeepGemmExperts, "fp8_tensor_portable_max_tokens", 8)
     cfg, layer, ref = _layers(quant, layout, activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True)
     assert "cuda.deepgemm" in layer.plan.pipeline.name
     for step, t in enumerate((32, 5, 17)):
@@ -72,10 +76,13 @@ def test_deepgemm_layer_matches_reference(quant, layout):
 
 
 @pytest.mark.parametrize("quant", ["fp8_block", "fp8_tensor"])
-def test_forward_is_graph_capturable(quant):
+def test_forward_is_graph_capturable(quant, monkeypatch):
     why = _deepgemm_usable()
     if why:
         pytest.skip(why)
+    from moehal_cuda.deepgemm_experts import DeepGemmExperts
+
+    monkeypatch.setattr(DeepGemmExperts, "fp8_tensor_portable_max_tokens", 0)  # the grouped GEMMs at 32 tokens
     cfg, layer, ref = _layers(quant, "masked")
     assert "cuda.deepgemm" in layer.plan.pipeline.name
     layer.cuda_graph_tokens = 64  # inside the caller's capture the layer must not replay its own graphs

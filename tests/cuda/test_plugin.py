@@ -75,7 +75,8 @@ def test_deepgemm_takes_fp8_tensor_on_sm90_as_static_block_scales(monkeypatch):
     fmts = ex.input_formats(req)
     assert {f.scales for f in fmts} == {ScaleKind.STATIC_TENSOR} and {f.dtype for f in fmts} == {torch.float8_e4m3fn}
     assert all(CudaPermuteDispatcher().can_produce(f, req).ok for f in fmts)
-    assert ex.small_batch_format(req) is None  # no token-major or portable batches: one path at every size
+    small = ex.small_batch_format(req)  # decode batches: the portable fused MoE, unquantized token-major input
+    assert small is not None and small.max_tokens == 128 and small.fmt.scales is ScaleKind.NONE
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(8, 512, 512, generator=g), torch.randn(8, 512, 256, generator=g)
     w = quantize_weights(CFG, req.quant, w13, w2, calibration_input=torch.randn(4, 512, generator=g))

@@ -199,6 +199,8 @@ def _act_rows(
     # output and [c*H_SPAN, (c+1)*H_SPAN) of y, so no program reads what another writes.
     # Masked grids append E x N_SPLIT programs that zero stale rows over all columns.
     pid = tl.program_id(0)
+    if STATIC:  # fp8_tensor: GEMM2's static input scale, loaded once per program
+        sc1 = tl.load(static_ptr)
     if pid >= n_tiles * n_chunks:
         if MASKED:
             sp = pid - n_tiles * n_chunks
@@ -222,6 +224,31 @@ def _act_rows(
     )
     e64 = e_addr.to(tl.int64)
     m64 = m.to(tl.int64)
+    if not MASKED:  # contiguous: per-row bitmap, one cell per (row, column chunk)
+        # Stale rows are zeroed before the live rows are computed: placed after that loop, the
+        # zeroing stores had no effect in the static-scale (fp8_tensor) kernel that Triton 3.6
+        # compiled for an H100, and rows of the previous call survived as padding
+        # (docs/device-runs/2026-11-24-session21; tools/contiguous_padding_probe.py).
+        bit = written_ptr + m64 * n_chunks + chunk
+        stale = rin & (tl.load(bit, mask=rin, other=0) != 0) & (~live)
+        if tl.max(stale.to(tl.int32), axis=0) > 0:
+            orow = out_ptr + m64[:, None] * s_om
+            for c0 in range(i_lo, i_hi, BLOCK_I):
+                cols = c0 + tl.arange(0, BLOCK_I)
+                tl.store(
+                    orow + cols[None, :],
+                    tl.zeros((BLOCK_R, BLOCK_I), dtype=out_ptr.dtype.element_ty),
+                    mask=stale[:, None] & (cols[None, :] < i_hi),
+                )
+            yrow = y_ptr + m64[:, None] * s_ym
+            for c0 in range(h_lo, h_hi, BLOCK_H):
+                cols = c0 + tl.arange(0, BLOCK_H)
+                tl.store(
+                    yrow + cols[None, :],
+                    tl.zeros((BLOCK_R, BLOCK_H), dtype=y_ptr.dtype.element_ty),
+                    mask=stale[:, None] & (cols[None, :] < h_hi),
+                )
+        tl.store(bit, live.to(tl.int8), mask=rin)
     if tl.max(live.to(tl.int32), axis=0) > 0:
         hrow = h_ptr + e64[:, None] * s_he + m64[:, None] * s_hm
         orow = out_ptr + e64[:, None] * s_oe + m64[:, None] * s_om
@@ -264,8 +291,7 @@ def _act_rows(
                 if EXACT_ROUND:
                     a = round_to_bf16_grid(a)
             if QUANT:
-                if STATIC:  # fp8_tensor: GEMM2's static input scale, in every group's slot
-                    sc1 = tl.load(static_ptr)
+                if STATIC:  # the static scale, written to every group's slot
                     q = e4m3_static_quant(tl.where(mk, a, 0.0), sc1, EXACT_ROUND)
                     sc = tl.zeros((BLOCK_R,), dtype=tl.float32) + sc1
                 else:
@@ -275,27 +301,6 @@ def _act_rows(
                 tl.store(sc_ptr + e64 * s_se + m64 * s_sm + grp * s_sg, sc, mask=live)
             else:
                 tl.store(orow + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mk)
-    if not MASKED:  # contiguous: per-row bitmap, one cell per (row, column chunk)
-        bit = written_ptr + m64 * n_chunks + chunk
-        stale = rin & (tl.load(bit, mask=rin, other=0) != 0) & (~live)
-        if tl.max(stale.to(tl.int32), axis=0) > 0:
-            orow = out_ptr + m64[:, None] * s_om
-            for c0 in range(i_lo, i_hi, BLOCK_I):
-                cols = c0 + tl.arange(0, BLOCK_I)
-                tl.store(
-                    orow + cols[None, :],
-                    tl.zeros((BLOCK_R, BLOCK_I), dtype=out_ptr.dtype.element_ty),
-                    mask=stale[:, None] & (cols[None, :] < i_hi),
-                )
-            yrow = y_ptr + m64[:, None] * s_ym
-            for c0 in range(h_lo, h_hi, BLOCK_H):
-                cols = c0 + tl.arange(0, BLOCK_H)
-                tl.store(
-                    yrow + cols[None, :],
-                    tl.zeros((BLOCK_R, BLOCK_H), dtype=y_ptr.dtype.element_ty),
-                    mask=stale[:, None] & (cols[None, :] < h_hi),
-                )
-        tl.store(bit, live.to(tl.int8), mask=rin)
 
 
 @fast_launch

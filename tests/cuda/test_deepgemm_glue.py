@@ -212,7 +212,9 @@ def _check_layer(quant_name, layout, extra) -> int:
             ex_id = inp.row_expert.long()
             c = ex_id.clamp(min=0)
             live = (ex_id >= 0) & (r - inp.segment_start.long()[c] < inp.counts.long()[c])
-        assert (out.hidden[~live].float() == 0).all()
+        pad = (out.hidden.float().abs().amax(-1) > 0) & ~live
+        where = inp.row_expert.tolist() if layout is Layout.CONTIGUOUS else inp.masked_m.tolist()
+        assert not pad.any(), f"call {step}: non-zero padding rows {torch.nonzero(pad).tolist()[:8]} of {where}"
         # the experts' rows themselves match the reference experts' rows on the same input
         ref_rows = rows_ex.apply(inp).hidden
         rs = ref_rows.float().abs().max().clamp_min(1e-3)
@@ -307,15 +309,11 @@ def test_fp8_tensor_decode_batches_run_the_portable_fused_moe_between_grouped_ca
     assert _check_layer("fp8_tensor", layout, extra) == 2
 
 
-@pytest.mark.xfail(
-    DEV == "cuda",
-    reason="intermittent on H100s (docs/device-runs/2026-11-24-session21): after a contiguous call of 12 tokens, "
-    "one of 7 left non-zero padding rows in the experts' output (the layer's result was right: combine reads live "
-    "rows only); interpreted on the CPU it passes. Cause not found yet (a race suspected).",
-    strict=False,
-)
-@pytest.mark.parametrize("quant_name", ["bf16", "fp8_tensor"])
+@pytest.mark.parametrize("quant_name", ["bf16", "fp8_block", "fp8_tensor"])
 def test_contiguous_padding_rows_stay_zero_when_a_batch_shrinks(quant_name):
+    """Rows live in a call of 12 tokens and padding in the next one, of 7, are zeroed by the
+    activation. On an H100 the fp8_tensor kernel once kept them (Triton 3.6 dropped the
+    zeroing stores that followed its static-scale loop; docs/device-runs/2026-11-24-session21)."""
     _check_layer(quant_name, Layout.CONTIGUOUS, dict(steps=(12, 7)))
 
 

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
 from moehal.kernels.launch import fast_launch
+from moehal.kernels.triton_fused_moe import _static_fp8
 
 QUANT_GROUP = 128
 
@@ -97,14 +98,10 @@ def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
 @triton.jit
 def e4m3_static_quant(v, sc, EXACT_ROUND: tl.constexpr):
     """fp32 `v` -> e4m3 values (still fp32) with a static per-tensor scale `sc`: v / sc
-    saturated to +-448, as `moehal.quant.fp8.quantize_tensor` does. Unlike a group's own
-    scale, a static one does not bound |v / sc|, so the clamp is needed on the GPU too.
-    div_rn: Triton's `/` is approximate on NVIDIA GPUs, and a last-bit difference can move a
-    value across a rounding boundary of the fp8 grid."""
-    q = tl.minimum(tl.maximum(tl.div_rn(v, sc), -448.0), 448.0)
-    if EXACT_ROUND:
-        q = round_to_e4m3_grid(q)
-    return q
+    saturated to +-448, as `moehal.quant.fp8.quantize_tensor` does (the portable fused MoE's
+    `_static_fp8` for e4m3fn). Unlike a group's own scale, a static one does not bound
+    |v / sc|, so the clamp is needed on the GPU too."""
+    return _static_fp8(v, sc, 448.0, 0.015625, EXACT_ROUND)
 
 
 @triton.jit

@@ -69,8 +69,10 @@ def _is_sm100(req: BuildRequest) -> bool:
 @dataclass
 class DeepGemmWeights:
     """Weights in DeepGEMM's layout: K-major `[E, N, K]`; FP8 scales FP32 `[E, N/128, K/128]`
-    (SM90) or packed UE8M0 int32 (SM100); biases fp32 `[E, N]`; fp8_tensor: GEMM2's static
-    input scale `a2_scale` fp32 `[1]` (GEMM1's goes to the dispatcher)."""
+    (SM90) or packed UE8M0 int32 (SM100); biases fp32 `[E, N]`; fp8_tensor: the static input
+    scales fp32 `[1]` (the dispatcher quantizes with GEMM1's; the portable fused MoE, which
+    takes decode batches, reads both), the per-expert scales being any block of the block
+    scales."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -78,10 +80,8 @@ class DeepGemmWeights:
     w2_scale: torch.Tensor | None
     w13_bias: torch.Tensor | None
     w2_bias: torch.Tensor | None
+    a13_scale: torch.Tensor | None = None
     a2_scale: torch.Tensor | None = None
-    # fp8_tensor: the per-expert scales w13 `[E]`, w2 `[E]` and GEMM1's static input scale `[1]`,
-    # as the portable fused MoE reads them (decode batches, `DeepGemmExperts.small_batch_format`)
-    tensor_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg: Any | None) -> DeepGemmWeights:
@@ -97,10 +97,8 @@ def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg:
         assert weights.a13_scale is not None
         s13 = per_expert_block_scales(weights.w13_scale, w13.shape)
         s2 = per_expert_block_scales(weights.w2_scale, w2.shape)
-        per_tensor = (weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous())
-        a13 = weights.a13_scale.float().reshape(1).contiguous()
-        a2 = weights.a2_scale.float().reshape(1).contiguous()
-        return DeepGemmWeights(w13, w2, s13, s2, b13, b2, a2, (*per_tensor, a13))
+        a13, a2 = (a.float().reshape(1).contiguous() for a in (weights.a13_scale, weights.a2_scale))
+        return DeepGemmWeights(w13, w2, s13, s2, b13, b2, a13, a2)
     s13, s2 = weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous()
     if sm100:
         assert dg is not None
@@ -482,12 +480,12 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             w = self.w
             assert w is not None
             self._portable = TritonExpertsRunner(self.req, ActivationFormat(Layout.STANDARD, self.config.dtype))
-            if self.static:  # fp8_tensor: per-expert and static activation scales, as that kernel reads them
-                assert w.tensor_scales is not None
-                s13, s2, a13 = w.tensor_scales
+            if self.static:  # fp8_tensor: per-expert scales (a block of each expert's) and the static ones
+                assert w.w13_scale is not None and w.w2_scale is not None
                 tw = TritonMoEWeights(
-                    w.w13, w.w2, quant="fp8_tensor", w13_scale=s13, w2_scale=s2, w13_bias=w.w13_bias,
-                    w2_bias=w.w2_bias, a13_scale=a13, a2_scale=w.a2_scale,
+                    w.w13, w.w2, quant="fp8_tensor", w13_scale=w.w13_scale[:, 0, 0].contiguous(),
+                    w2_scale=w.w2_scale[:, 0, 0].contiguous(), w13_bias=w.w13_bias, w2_bias=w.w2_bias,
+                    a13_scale=w.a13_scale, a2_scale=w.a2_scale,
                 )  # fmt: skip
             else:
                 tw = TritonMoEWeights(

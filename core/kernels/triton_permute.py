@@ -305,6 +305,9 @@ def _scatter_rows(
         tok = s // TOP_K
         if WEIGHT_ON_INPUT:
             wt = tl.load(w_ptr + s, mask=valid, other=0.0).to(tl.float32)
+        if STATIC:  # the layer's static input scale: loaded once, not once per column block
+            sc1 = tl.load(static_ptr)
+            sc_static = tl.zeros((BLOCK_S,), dtype=tl.float32) + sc1
         for h1 in tl.static_range(0, H_SPAN, BLOCK_H):
             h0 = hc * H_SPAN + h1
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -319,10 +322,9 @@ def _scatter_rows(
             dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
             if QUANT:
                 # one group of QUANT_GROUP (== BLOCK_H) elements per column block
-                if STATIC:  # the layer's static input scale, written to every group's scale
-                    sc1 = tl.load(static_ptr)
+                if STATIC:  # written to every group's scale slot
                     q = e4m3_static_quant(v.to(tl.float32), sc1, EXACT_ROUND)
-                    sc = tl.zeros((BLOCK_S,), dtype=tl.float32) + sc1
+                    sc = sc_static
                 else:
                     q, sc = e4m3_group_quant(v.to(tl.float32), UE8M0, EXACT_ROUND)
                 tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)

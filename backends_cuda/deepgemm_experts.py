@@ -48,7 +48,7 @@ from moehal.formats import (
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
-from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser
+from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser, layer_key
 from moehal_cuda.support import deep_gemm_decision, dg_fn, import_deep_gemm, sm_decision, triton_decision
 
 LAYOUT = "deepgemm"
@@ -358,6 +358,37 @@ def portable_prefill_tokens(req: BuildRequest, override: int | None = None) -> t
     )
 
 
+# fp8_tensor batches of at most this many tokens run the portable Triton fused MoE where this
+# device's table has no measured band for the layer shape. Measured on an H100
+# (docs/device-runs/2026-11-24-session21), whole layer, against the grouped GEMMs: 0.99-1.12x
+# their speed at 16-128 tokens for Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3's EP8 slice
+# (within 4% either way at 1 token), but 1.13-1.44x slower at 4096 tokens.
+FP8_TENSOR_PORTABLE_MAX_TOKENS = 128
+
+
+def fp8_tensor_portable_band(req: BuildRequest, override: int | None = None) -> tuple[int, int | None, str] | None:
+    """The batch sizes (lo, hi; hi None: no bound) at which an fp8_tensor layer runs the
+    portable Triton fused MoE on the per-expert scales in place of DeepGEMM's grouped GEMMs, and
+    why (None: never). `override` None: this device's table decides where it measured the layer
+    shape (`GemmChooser.portable_prefill_range`, records keyed `dtype=fp8_tensor`; where the
+    portable kernel never won: never), else up to `FP8_TENSOR_PORTABLE_MAX_TOKENS`; 0: never;
+    n > 0: up to n tokens."""
+    if override == 0:
+        return None
+    if override is not None:
+        return 1, override, "the portable Triton fused MoE on the per-expert scales (a set bound)"
+    c = req.config
+    if req.hardware.kind == "cuda":
+        chooser = GemmChooser(req.hardware.name)
+        dims = (c.num_local_experts, c.hidden_size, c.intermediate_size, c.top_k, c.gated, "fp8_tensor")
+        if layer_key(*dims) in (chooser.table.get("prefill_portable") or {}):
+            band = chooser.portable_prefill_range(*dims)
+            why = "the portable Triton fused MoE on the per-expert scales, measured faster for this layer shape here"
+            return None if band is None else (*band, why)
+    why = "the portable Triton fused MoE on the per-expert scales, measured faster at decode sizes on an H100"
+    return 1, FP8_TENSOR_PORTABLE_MAX_TOKENS, why
+
+
 # --- runner ---------------------------------------------------------------------------------------
 
 
@@ -637,12 +668,10 @@ class DeepGemmExperts(Experts):
     # batches of at least this many tokens run the portable Triton fused MoE (bf16, SM90 fp8); None: where
     # this device's table measured it faster (`GemmChooser.portable_prefill_range`), 0: never
     portable_prefill_min_tokens: ClassVar[int | None] = None
-    # fp8_tensor batches of at most this many tokens run the portable Triton fused MoE (0: never).
-    # Measured on an H100 (docs/device-runs/2026-11-24-session21), whole layer, against these
-    # grouped GEMMs: 0.99-1.12x their speed at 16-128 tokens for Qwen3-30B-A3B, Mixtral-8x7B and
-    # DeepSeek-V3's EP8 slice (within 4% either way at 1 token), but 1.13-1.44x slower at 4096
-    # tokens, and 1.24-1.37x slower at 1024 for the two larger layers.
-    fp8_tensor_portable_max_tokens: ClassVar[int] = 128
+    # fp8_tensor batches of at most this many tokens run the portable Triton fused MoE; None:
+    # where this device's table measured it faster, else `FP8_TENSOR_PORTABLE_MAX_TOKENS`
+    # (`fp8_tensor_portable_band`); 0: never
+    fp8_tensor_portable_max_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         return sm_decision(req, SUPPORTED_SM, "DeepGEMM")
@@ -710,9 +739,14 @@ class DeepGemmExperts(Experts):
         input is unquantized either way: the portable kernel quantizes fp8 activations itself."""
         c = req.config
         if req.quant.kind is QuantKind.FP8_TENSOR:
-            n = self.fp8_tensor_portable_max_tokens
-            why = "the portable Triton fused MoE (fp8_tensor), measured faster at decode sizes"
-            return SmallBatchFormat(ActivationFormat(Layout.STANDARD, c.dtype), n, why) if n else None
+            fp8t = fp8_tensor_portable_band(req, self.fp8_tensor_portable_max_tokens)
+            if fp8t is None:
+                return None
+            fmt = ActivationFormat(Layout.STANDARD, c.dtype)
+            lo, hi, why = fp8t
+            if lo <= 1:  # from one token up: the decode range, bounded or not
+                return SmallBatchFormat(fmt, sys.maxsize if hi is None else hi, why)
+            return SmallBatchFormat(fmt, 0, "no decode batch runs token-major", lo, why, hi)
         band = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
         if req.quant.kind is not QuantKind.BF16:
             n = 0  # the decode kernels read bf16 weights only

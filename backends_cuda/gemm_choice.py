@@ -26,11 +26,12 @@ plain GEMM1s, so they never weigh the activation kernel that fusion removes):
                          {"config": {BLOCK_M, ...}, "source": "...",
                           "layer_us": {"2048": {"current": 646.0, "fused": 607.8}, ...}}}
 
-`"prefill_portable"` holds whole-layer measurements of bf16 prefill batches run as the portable
+`"prefill_portable"` holds whole-layer measurements of batches run as the portable
 Triton fused MoE of `moehal.kernels.triton_fused_moe` (token-major input: it gathers rows inside
 its GEMM1, fuses the activation, and tiles experts' rows 64 high where DeepGEMM's contiguous
 and masked layouts pad them to 128), against the pipeline otherwise chosen, per layer shape
-(`tools/portable_prefill_probe.py`):
+(`tools/portable_prefill_probe.py`; keyed by scheme too: fp8_block and fp8_tensor layers run
+it only where their own scheme was measured, fp8_tensor from one token up):
 
     "prefill_portable": {"E=128,H=2048,I=768,top_k=8,gated=1,dtype=bf16":
                             {"source": "...", "layer_us": {"1024": {"current": 530.6,
@@ -73,7 +74,7 @@ def entry_key(e: int, n: int, k: int, dtype: str) -> str:
 
 def layer_key(e: int, h: int, i: int, top_k: int, gated: bool, dtype: str = "bf16") -> str:
     """A whole-layer record's key: experts, hidden and intermediate size, top-k, gating, and the
-    weights' scheme ('bf16' or 'fp8_block')."""
+    weights' scheme ('bf16', 'fp8_block' or 'fp8_tensor')."""
     return f"E={e},H={h},I={i},top_k={top_k},gated={int(gated)},dtype={dtype}"
 
 
@@ -160,7 +161,7 @@ class GemmChooser:
         self, e: int, h: int, i: int, top_k: int, gated: bool, dtype: str = "bf16"
     ) -> tuple[int, int | None] | None:
         """The token counts (lo, hi; hi None: no bound) at which batches of this layer shape and
-        weight scheme (`dtype`: 'bf16' or 'fp8_block') run the portable Triton fused MoE: the
+        weight scheme (`dtype`: 'bf16', 'fp8_block' or 'fp8_tensor') run the portable Triton fused MoE: the
         longest run of consecutive measured counts where the table's whole-layer measurements
         have it at least `PORTABLE_MIN_GAIN` faster than the pipeline otherwise chosen (ties: the
         larger counts). A bound next to a measured count that lost lies halfway between the two

@@ -29,16 +29,20 @@ def timed(fn: Callable[[], torch.Tensor]) -> float:
     return us
 
 
-def random_case(shape: str, tokens: int, max_tokens: int, dev: torch.device) -> tuple:
+def random_case(shape: str, tokens: int, max_tokens: int, dev: torch.device, weights: bool = True) -> tuple:
     """A benchmark shape's config (built for `max_tokens`), random canonical weights w13 and w2
-    (on the host), and a batch on `dev`: hidden states, distinct top-k ids, positive weights."""
+    (on the host; None with `weights=False`, whose batch then comes from another seed), and a
+    batch on `dev`: hidden states, distinct top-k ids, positive weights."""
     import moehal
     from moehal.bench import SHAPES
 
     cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max_tokens)
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
-    w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g) / cfg.intermediate_size**0.5
+    g = torch.Generator().manual_seed(0 if weights else 1)
+    w13 = w2 = None
+    if weights:
+        w13 = torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
+        w2 = torch.randn(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g)
+        w2 /= cfg.intermediate_size**0.5
     x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
     ids = torch.rand(tokens, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)
     wts = (torch.rand(tokens, cfg.top_k, generator=g) + 0.1).to(dev)

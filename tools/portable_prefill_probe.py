@@ -1,10 +1,11 @@
-"""Whole-layer time of prefill batches run as the portable Triton fused MoE (token-major:
-`DeepGemmExperts.portable_prefill_min_tokens`) against the pipeline otherwise chosen (masked or
+"""Whole-layer time of batches run as the portable Triton fused MoE (token-major:
+`DeepGemmExperts.portable_prefill_min_tokens`, and for fp8_tensor
+`DeepGemmExperts.fp8_tensor_portable_max_tokens`) against the pipeline otherwise chosen (masked or
 contiguous grouped GEMMs with the permute, activation and combine passes), per benchmark shape
 and token count: the measurements `GemmChooser.portable_prefill_range` decides by.
 
     python3 tools/portable_prefill_probe.py [--cases qwen3_30b_a3b:64,...,4096 mixtral_8x7b:1024 ...] \\
-        [--quant bf16|fp8_block] [--rounds 2] [--settle-s 2] [--json out.json --source docs/device-runs/...]
+        [--quant bf16|fp8_block|fp8_tensor] [--rounds 2] [--settle-s 2] [--json out.json --source docs/...]
 
 Both variants are built on the same weight tensors (the portable kernel reads the grouped
 GEMMs' own), captured into CUDA graphs and timed in turns, `--rounds` times each, every timing
@@ -19,6 +20,7 @@ path in its own kernels), so a wrong kernel cannot win on time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -37,7 +39,7 @@ def main() -> None:
         ],
         help="SHAPE:TOKENS,... (benchmark shapes of moehal.bench.SHAPES)",
     )
-    p.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block"))
+    p.add_argument("--quant", default="bf16", choices=("bf16", "fp8_block", "fp8_tensor"))
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--settle-s", type=float, default=2.0)
@@ -69,9 +71,21 @@ def _meta(settle_s: float) -> dict:
     return meta
 
 
+@functools.lru_cache(maxsize=1)
+def _case_weights(shape: str, max_tokens: int, quant: str) -> tuple:
+    """A shape's config and quantized random weights on the GPU, made once for all its token
+    counts (Mixtral's are 3.8 GB of host randn)."""
+    import moehal
+    from glue_sweep import random_case
+
+    dev = torch.device("cuda")
+    cfg, w13, w2, *_ = random_case(shape, 1, max_tokens, dev)
+    return cfg, moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13.to(dev), w2.to(dev))
+
+
 # the outputs of the two paths may differ by this much (relative max difference): bf16 sums in
 # another order; for fp8 also an activation value rounded to the next fp8 step by one path only
-MAX_DIFF = {"bf16": 2e-2, "fp8_block": 5e-2}
+MAX_DIFF = {"bf16": 2e-2, "fp8_block": 5e-2, "fp8_tensor": 5e-2}
 
 
 def probe_case(
@@ -86,18 +100,22 @@ def probe_case(
     from moehal_cuda.gemm_choice import layer_key
 
     dev = torch.device("cuda")
-    cfg, w13, w2, x, ids, wts = random_case(shape, t, max_tokens, dev)
-    weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse(quant), w13.to(dev), w2.to(dev))
+    cfg, weights = _case_weights(shape, max_tokens, quant)
+    _, _, _, x, ids, wts = random_case(shape, t, max_tokens, dev, weights=False)
     layers = {}
-    old = DeepGemmExperts.portable_prefill_min_tokens
+    # fp8_tensor's portable band is a bound from one token up (`fp8_tensor_portable_max_tokens`),
+    # the other schemes' a lower bound (`portable_prefill_min_tokens`); 0 turns either off
+    static = quant == "fp8_tensor"
+    attr = "fp8_tensor_portable_max_tokens" if static else "portable_prefill_min_tokens"
+    old = getattr(DeepGemmExperts, attr)
     try:
-        for name, start in (("current", 0), ("portable", 1)):
-            DeepGemmExperts.portable_prefill_min_tokens = start
+        for name, value in (("current", 0), ("portable", 1 << 30 if static else 1)):
+            setattr(DeepGemmExperts, attr, value)
             layer = moehal.MoELayer(cfg, quant, device=dev, validate=False)
             layer.load_weights(weights)
             layers[name] = layer
     finally:
-        DeepGemmExperts.portable_prefill_min_tokens = old
+        setattr(DeepGemmExperts, attr, old)
     graphs, outs = {}, {}
     for name, layer in layers.items():
         graphs[name], outs[name] = capture(lambda layer=layer: layer(x, ids, wts), dev, warmup=1)

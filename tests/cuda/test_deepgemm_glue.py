@@ -333,10 +333,70 @@ def test_small_batch_format_is_declared_for_bf16_and_fp8_tensor_only(monkeypatch
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw)) is None
     assert small.prefill_min_tokens is None  # on a CPU no table measured anything: no prefill range
     # fp8_tensor: the portable fused MoE for decode batches of every layer shape, DeepSeek's too
+    # (no device table measured a band here: the default bound)
+    from moehal_cuda.deepgemm_experts import FP8_TENSOR_PORTABLE_MAX_TOKENS
+
     for c in (cfg, big):
         fp8t = DeepGemmExperts().small_batch_format(BuildRequest(c, QuantScheme.parse("fp8_tensor"), hw))
-        assert fp8t is not None and fp8t.max_tokens == DeepGemmExperts.fp8_tensor_portable_max_tokens
+        assert fp8t is not None and fp8t.max_tokens == FP8_TENSOR_PORTABLE_MAX_TOKENS
         assert fp8t.fmt == ActivationFormat(Layout.STANDARD, c.dtype) and fp8t.prefill_min_tokens is None
+    monkeypatch.setattr(DeepGemmExperts, "fp8_tensor_portable_max_tokens", 0)
+    assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_tensor"), hw)) is None
+
+
+def test_fp8_tensor_band_comes_from_the_device_tables_measurements(monkeypatch, tmp_path):
+    """fp8_tensor: where the device's table measured the layer shape (records keyed
+    `dtype=fp8_tensor`), the portable kernel runs exactly where it won; a shape measured
+    without a win runs the grouped GEMMs at every size; an unmeasured shape keeps the default
+    decode bound; the class-level override wins over the table."""
+    import json
+
+    import moehal_cuda.gemm_choice as gc
+    from moehal.hardware import HardwareInfo
+    from moehal_cuda.deepgemm_experts import FP8_TENSOR_PORTABLE_MAX_TOKENS, DeepGemmExperts
+
+    cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=256, intermediate_size=128)
+    big = MoEConfig(num_experts=32, top_k=8, hidden_size=7168, intermediate_size=2048)
+    other = MoEConfig(num_experts=64, top_k=8, hidden_size=256, intermediate_size=128)
+    gpu = HardwareInfo("cuda", torch.device("cuda", 0), "Test GPU 80GB", (9, 0))
+    monkeypatch.setattr(gc, "TUNED_DIR", tmp_path)
+
+    def rec(portable: dict[int, float]) -> dict:
+        return {"layer_us": {str(t): {"current": 100.0, "portable": us} for t, us in portable.items()}}
+
+    records = {
+        # Qwen3-like: the portable kernel wins from 1 to 1024 tokens and loses at 2048 and 4096
+        gc.layer_key(128, 256, 128, 8, True, "fp8_tensor"): rec({1: 97.0, 128: 95.0, 1024: 92.0, 2048: 104, 4096: 110}),
+        # DeepSeek-like: never a win
+        gc.layer_key(32, 7168, 2048, 8, True, "fp8_tensor"): rec({1: 100.5, 128: 101.0, 1024: 120.0}),
+        # a bf16 record of the third shape is no fp8_tensor measurement
+        gc.layer_key(64, 256, 128, 8, True, "bf16"): rec({1: 50.0}),
+    }
+    table = tmp_path / "masked_gemm.test_gpu_80gb.json"
+    table.write_text(json.dumps({"entries": {}, "prefill_portable": records}))
+    gc.load_table.cache_clear()
+    try:
+        q = QuantScheme.parse("fp8_tensor")
+        small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, q, gpu))
+        assert small is not None and small.max_tokens == 1448 and small.prefill_min_tokens is None  # ~sqrt(1024 * 2048)
+        assert [small.takes(t) for t in (1, 1448, 1449)] == [True, True, False]
+        assert DeepGemmExperts().small_batch_format(BuildRequest(big, q, gpu)) is None
+        unmeasured = DeepGemmExperts().small_batch_format(BuildRequest(other, q, gpu))
+        assert unmeasured is not None and unmeasured.max_tokens == FP8_TENSOR_PORTABLE_MAX_TOKENS
+        # a band that starts above one token: smaller batches run the grouped GEMMs
+        key = gc.layer_key(128, 256, 128, 8, True, "fp8_tensor")
+        records[key] = rec({1: 101.0, 256: 90.0, 1024: 91.0, 4096: 102.0})
+        table.write_text(json.dumps({"entries": {}, "prefill_portable": records}))
+        gc.load_table.cache_clear()
+        small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, q, gpu))
+        assert small is not None
+        assert (small.max_tokens, small.prefill_min_tokens, small.prefill_max_tokens) == (0, 17, 2048)
+        assert [small.takes(t) for t in (1, 16, 17, 2048, 2049)] == [False, False, True, True, False]
+        monkeypatch.setattr(DeepGemmExperts, "fp8_tensor_portable_max_tokens", 8)  # the override wins
+        small = DeepGemmExperts().small_batch_format(BuildRequest(big, q, gpu))
+        assert small is not None and small.max_tokens == 8 and small.prefill_min_tokens is None
+    finally:
+        gc.load_table.cache_clear()
 
 
 def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):

@@ -744,9 +744,9 @@ class DeepGemmExperts(Experts):
                 return None
             fmt = ActivationFormat(Layout.STANDARD, c.dtype)
             lo, hi, why = fp8t
-            if lo <= 1:  # from one token up: the decode range, bounded or not
-                return SmallBatchFormat(fmt, sys.maxsize if hi is None else hi, why)
-            return SmallBatchFormat(fmt, 0, "no decode batch runs token-major", lo, why, hi)
+            if lo <= 1 and hi is not None:  # a decode range
+                return SmallBatchFormat(fmt, hi, why)
+            return SmallBatchFormat(fmt, 0, "", lo, why, hi)  # a band of sizes only
         band = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
         if req.quant.kind is not QuantKind.BF16:
             n = 0  # the decode kernels read bf16 weights only

@@ -119,8 +119,10 @@ class SmallBatchFormat:
         return f">= {lo}" if hi is None else f"{lo}-{hi}"
 
     def __str__(self) -> str:
-        large = f" and {self.prefill_range}" if self.prefill_min_tokens is not None else ""
-        return f"{self.fmt} at <= {self.max_tokens}{large} tokens"
+        sizes = [f"<= {self.max_tokens}"] if self.max_tokens > 0 else []
+        if self.prefill_min_tokens is not None:
+            sizes.append(self.prefill_range)
+        return f"{self.fmt} at {' and '.join(sizes) or 'no'} tokens"
 
 
 # --- dispatch outputs (experts inputs) ------------------------------------------------------

@@ -163,12 +163,13 @@ class Plan:
             if p.adapter:
                 lines.append(f"  adapter      {p.adapter}: {p.dispatch_fmt} -> {p.fmt}")
             lines.append(f"  experts      {p.main.qualname} consumes {p.fmt}")
-            if p.small:
+            if p.small and p.small.max_tokens > 0:  # (0: a band of batch sizes only, below)
                 why = f" ({p.small.why})" if p.small.why else ""
                 lines.append(f"  small batch  at <= {p.small.max_tokens} tokens: {p.small.fmt}{why}")
+            if p.small:
                 if p.small.prefill_min_tokens is not None:
                     why = f" ({p.small.prefill_why})" if p.small.prefill_why else ""
-                    lines.append(f"  prefill      at {p.small.prefill_range} tokens: {p.small.fmt}{why}")
+                    lines.append(f"  band         at {p.small.prefill_range} tokens: {p.small.fmt}{why}")
         layout = p.main.weight_layout  # type: ignore[attr-defined]
         proc = f"{layout} via {p.processor.qualname}" if p.processor else f"{layout} (no processing)"
         lines.append(f"  weights      {proc}")

@@ -252,7 +252,7 @@ def test_a_prefill_band_sends_large_batches_to_the_small_format_too():
     layer = moehal.MoELayer(cfg, "bf16", device="cpu", registry=reg)
     p = layer.plan.pipeline
     assert p.experts.name == "prefill_too" and p.small.prefill_min_tokens == 6
-    assert "prefill      at 6-12 tokens: standard[bfloat16] (prefill test)" in str(layer.plan)
+    assert "band         at 6-12 tokens: standard[bfloat16] (prefill test)" in str(layer.plan)
     assert layer.plan.as_dict()["pipeline"]["small_batch_prefill_min_tokens"] == 6
     assert layer.plan.as_dict()["pipeline"]["small_batch_prefill_max_tokens"] == 12
     weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 16)

@@ -392,6 +392,15 @@ def test_fp8_tensor_band_comes_from_the_device_tables_measurements(monkeypatch, 
         assert small is not None
         assert (small.max_tokens, small.prefill_min_tokens, small.prefill_max_tokens) == (0, 17, 2048)
         assert [small.takes(t) for t in (1, 16, 17, 2048, 2049)] == [False, False, True, True, False]
+        assert str(small) == "standard[bfloat16] at 17-2048 tokens"
+        # a win up to the largest measured count: every batch from one token up, no bound
+        records[key] = rec({1: 90.0, 4096: 90.0})
+        table.write_text(json.dumps({"entries": {}, "prefill_portable": records}))
+        gc.load_table.cache_clear()
+        small = DeepGemmExperts().small_batch_format(BuildRequest(cfg, q, gpu))
+        assert small is not None
+        assert (small.max_tokens, small.prefill_min_tokens, small.prefill_max_tokens) == (0, 1, None)
+        assert small.takes(1) and small.takes(1 << 20) and str(small) == "standard[bfloat16] at >= 1 tokens"
         monkeypatch.setattr(DeepGemmExperts, "fp8_tensor_portable_max_tokens", 8)  # the override wins
         small = DeepGemmExperts().small_batch_format(BuildRequest(big, q, gpu))
         assert small is not None and small.max_tokens == 8 and small.prefill_min_tokens is None

@@ -490,12 +490,13 @@ def test_shipped_tables_send_qwen3_prefill_to_the_portable_kernel_where_measured
     assert h200.portable_prefill_range(128, 2048, 768, 8, True, "fp8_block") is None
     assert h100.portable_prefill_range(128, 2048, 768, 8, True, "fp8_block") is None  # not measured
     # fp8_tensor (sessions 22-23): Qwen3-30B-A3B on the portable kernel at 16-1024 tokens on both
-    # GPUs; DeepSeek-V3's EP8 slice at 1-128 on tuned tiles (256 lost); Mixtral-8x7B at 16-256 on
-    # the H100 and at 16 alone on the H200 (128 lost there)
+    # GPUs; DeepSeek-V3's EP8 slice at 1-128 on tuned tiles (256 lost); Mixtral-8x7B at 128 alone
+    # on the H100 (16 won too, but 64 lost between them: of two runs of one count, the larger) and
+    # at 16 alone on the H200 (128 lost there)
     for gpu in (h100, h200):
         assert gpu.portable_prefill_range(128, 2048, 768, 8, True, "fp8_tensor") == (5, 1448)
         assert gpu.portable_prefill_range(32, 7168, 2048, 8, True, "fp8_tensor") == (1, 181)
-    assert h100.portable_prefill_range(8, 4096, 14336, 2, True, "fp8_tensor") == (5, 512)
+    assert h100.portable_prefill_range(8, 4096, 14336, 2, True, "fp8_tensor") == (91, 181)
     assert h200.portable_prefill_range(8, 4096, 14336, 2, True, "fp8_tensor") == (5, 45)
 
 

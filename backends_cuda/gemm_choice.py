@@ -163,8 +163,9 @@ class GemmChooser:
         """The token counts (lo, hi; hi None: no bound) at which batches of this layer shape and
         weight scheme (`dtype`: 'bf16', 'fp8_block' or 'fp8_tensor') run the portable Triton fused MoE: the
         longest run of consecutive measured counts where the table's whole-layer measurements
-        have it at least `PORTABLE_MIN_GAIN` faster than the pipeline otherwise chosen (ties: the
-        larger counts). A bound next to a measured count that lost lies halfway between the two
+        have it at least `PORTABLE_MIN_GAIN` faster than the pipeline otherwise chosen (among runs
+        of one length, the one that saves the larger share of time summed over its counts; then
+        the larger counts). A bound next to a measured count that lost lies halfway between the two
         on a log scale (each batch goes the way its nearest measured count went); the run's
         smallest count is its lower bound where nothing smaller was measured, and a run up to
         the largest measured count has no upper bound. None without a record or a win."""
@@ -173,11 +174,12 @@ class GemmChooser:
         if not rec or not rec.get("layer_us"):
             return None
         counts = sorted(int(t) for t in rec["layer_us"])
-        wins = []
+        saved, wins = [], []  # per count: the share of the pipeline's time saved; whether it won
         for t in counts:
             us = rec["layer_us"][str(t)]
+            saved.append(1.0 - us["portable"] / us["current"])
             wins.append(us["portable"] <= (1.0 - PORTABLE_MIN_GAIN) * us["current"])
-        best: tuple[int, int] | None = None  # (first, last) index of the longest run
+        runs = []  # (length, summed share saved, first index, last index) of each run of wins
         j = 0
         while j < len(counts):
             if not wins[j]:
@@ -186,12 +188,11 @@ class GemmChooser:
             k = j
             while k + 1 < len(counts) and wins[k + 1]:
                 k += 1
-            if best is None or k - j >= best[1] - best[0]:
-                best = (j, k)
+            runs.append((k - j + 1, sum(saved[j : k + 1]), j, k))
             j = k + 1
-        if best is None:
+        if not runs:
             return None
-        first, last = best
+        _, _, first, last = max(runs)
         lo = counts[first] if first == 0 else math.isqrt(counts[first - 1] * counts[first]) + 1
         hi = None if last == len(counts) - 1 else math.isqrt(counts[last] * counts[last + 1])
         return lo, hi

@@ -254,16 +254,20 @@ def main(argv: list[str] | None = None) -> int:
     port = chooser.table.get("prefill_portable", {})
     if port:
         t = Table(title="prefill: the portable Triton fused MoE in place of the pipeline (whole layer)")
-        for col in ("layer", "tokens", "current us", "portable us", "portable"):
+        for col in ("layer", "tokens", "current us", "portable us", "gain", "portable", "band"):
             t.add_column(col, justify="right" if col != "layer" else "left")
         for key, rec in port.items():
             f = dict(p.split("=") for p in key.split(","))
             dims = (int(f["E"]), int(f["H"]), int(f["I"]), int(f["top_k"]))
             band = chooser.portable_prefill_range(*dims, f["gated"] == "1", f.get("dtype", "bf16"))
+            # the band once per layer: what the halfway bounds and the tie-break made of the counts
+            shown = "none" if band is None else f"{band[0]}-{band[1]}" if band[1] else f"{band[0]}+"
             for tokens, us in rec.get("layer_us", {}).items():
                 inside = band is not None and band[0] <= int(tokens) <= (band[1] or int(tokens))
                 runs = "yes" if inside else "no"
-                t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['portable']:.1f}", runs)
+                gain = f"{us['current'] / us['portable']:.3f}x"
+                t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['portable']:.1f}", gain, runs, shown)
+                shown = ""
         Console().print(t)
     return 0
 

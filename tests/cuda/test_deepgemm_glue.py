@@ -500,6 +500,23 @@ def test_shipped_tables_send_qwen3_prefill_to_the_portable_kernel_where_measured
     assert h200.portable_prefill_range(8, 4096, 14336, 2, True, "fp8_tensor") == (5, 45)
 
 
+def test_gemm_choice_listing_shows_each_records_gain_and_band(capsys, monkeypatch):
+    """`python -m moehal_cuda.gemm_choice "NVIDIA H100 80GB HBM3"`: each whole-layer record's rows
+    with the measured gain, and the band the chooser makes of them on the layer's first row
+    (Mixtral-8x7B fp8_tensor: 16 and 128 won, 64 lost between them, so the band is 5-32)."""
+    from moehal_cuda import gemm_choice as gc
+
+    monkeypatch.setenv("COLUMNS", "250")
+    assert gc.main(["NVIDIA H100 80GB HBM3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if "E=8,H=4096,I=14336" in line and "fp8_tensor" in line]
+    cells = [[c.strip() for c in row.split("│")[1:-1]] for row in rows]
+    assert [c[1] for c in cells][:4] == ["1", "16", "64", "128"]
+    assert cells[0][-1] == "5-32" and all(c[-1] == "" for c in cells[1:])  # the band, once
+    assert cells[1][4:6] == [f"{517.9 / 501.5:.3f}x", "yes"]  # 16 tokens: measured faster, inside
+    assert cells[3][4:6] == [f"{528.2 / 519.9:.3f}x", "no"]  # 128: faster too, but not in the band
+
+
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])
 def test_activation_split_over_column_chunks(monkeypatch, quant_name, layout):
     """Wide layers run the activation as (row block x column chunk) programs, each with its own

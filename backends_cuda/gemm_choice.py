@@ -198,6 +198,30 @@ class GemmChooser:
         return lo, hi
 
 
+def band_edge_notes(layer_us: dict[str, dict[str, float]], band: tuple[int, int | None]) -> list[str]:
+    """Where a band's bound is a guess: each edge of `band` (from `portable_prefill_range`) whose
+    neighbouring measured counts, inside and outside, lie more than 2x apart. Every batch size
+    between them goes the way of the nearer one, measured or not (session 23: a 5-512 band from
+    a 1% win at 256 and a loss at 1024 sent 512 tokens to a kernel 1.26x slower)."""
+    counts = sorted(int(t) for t in layer_us)
+    lo, hi = band
+    inside = [t for t in counts if lo <= t <= (hi if hi is not None else t)]
+    notes = []
+    for edge, near, far in (
+        (lo, inside[0], max((t for t in counts if t < lo), default=None)),
+        (hi, inside[-1], min((t for t in counts if hi is not None and t > hi), default=None)),
+    ):
+        if edge is None or far is None or max(near, far) <= 2 * min(near, far):
+            continue
+        us = layer_us[str(near)]
+        saved = 1.0 - us["portable"] / us["current"]
+        notes.append(
+            f"the bound {edge} lies between {near} tokens (the portable kernel saved {saved:.1%}) and {far}"
+            f" (slower), {max(near, far) // min(near, far)}x apart: counts between them are unmeasured"
+        )
+    return notes
+
+
 def _fused_tile(fused: dict[str, Any] | None, n: int, k: int) -> TileConfig | None:
     """The fused GEMM1 + activation tile of a row (`moehal_cuda.tuning.tune_fused`), where it
     measured at least `MIN_GAIN` faster than the plain GEMM1 tile adapted to the fused kernel."""
@@ -256,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         t = Table(title="prefill: the portable Triton fused MoE in place of the pipeline (whole layer)")
         for col in ("layer", "tokens", "current us", "portable us", "gain", "portable", "band"):
             t.add_column(col, justify="right" if col != "layer" else "left")
+        notes: list[str] = []
         for key, rec in port.items():
             f = dict(p.split("=") for p in key.split(","))
             dims = (int(f["E"]), int(f["H"]), int(f["I"]), int(f["top_k"]))
@@ -268,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                 gain = f"{us['current'] / us['portable']:.3f}x"
                 t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['portable']:.1f}", gain, runs, shown)
                 shown = ""
+            notes += [f"{key}: {note}" for note in band_edge_notes(rec.get("layer_us", {}), band)] if band else []
         Console().print(t)
+        for note in notes:  # where a measurement between two counts would move a bound
+            print(note)
     return 0
 
 

@@ -492,7 +492,7 @@ def test_shipped_tables_send_qwen3_prefill_to_the_portable_kernel_where_measured
     # fp8_tensor (sessions 22-23): Qwen3-30B-A3B on the portable kernel at 16-1024 tokens on both
     # GPUs; DeepSeek-V3's EP8 slice at 1-128 on tuned tiles (256 lost); Mixtral-8x7B at 16 alone
     # on the H100 (128 won too, but 64 lost between them: of two runs of one count, 16 saved more,
-    # 3.3% against 1.6%) and on the H200 (128 lost there)
+    # 3.2% against 1.6%) and on the H200 (128 lost there)
     for gpu in (h100, h200):
         assert gpu.portable_prefill_range(128, 2048, 768, 8, True, "fp8_tensor") == (5, 1448)
         assert gpu.portable_prefill_range(32, 7168, 2048, 8, True, "fp8_tensor") == (1, 181)
@@ -509,12 +509,29 @@ def test_gemm_choice_listing_shows_each_records_gain_and_band(capsys, monkeypatc
     monkeypatch.setenv("COLUMNS", "250")
     assert gc.main(["NVIDIA H100 80GB HBM3"]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = [line for line in out if "E=8,H=4096,I=14336" in line and "fp8_tensor" in line]
+    rows = [line for line in out if "│" in line and "E=8,H=4096,I=14336" in line and "fp8_tensor" in line]
     cells = [[c.strip() for c in row.split("│")[1:-1]] for row in rows]
     assert [c[1] for c in cells][:4] == ["1", "16", "64", "128"]
     assert cells[0][-1] == "5-32" and all(c[-1] == "" for c in cells[1:])  # the band, once
     assert cells[1][4:6] == [f"{517.9 / 501.5:.3f}x", "yes"]  # 16 tokens: measured faster, inside
     assert cells[3][4:6] == [f"{528.2 / 519.9:.3f}x", "no"]  # 128: faster too, but not in the band
+    notes = [line for line in out if line.startswith("E=8,H=4096,I=14336,top_k=2,gated=1,dtype=fp8_tensor:")]
+    assert len(notes) == 2 and "the bound 5 lies between 16 tokens" in notes[0] and "16x apart" in notes[0]
+    assert "the bound 32 lies between 16 tokens" in notes[1] and "and 64 (slower), 4x apart" in notes[1]
+
+
+def test_band_edge_notes_name_the_bounds_that_rest_on_unmeasured_gaps():
+    """A bound between measured counts at most 2x apart is not flagged; a wider gap is, on
+    either edge, with the share of time the count inside the band saved."""
+    from moehal_cuda.gemm_choice import band_edge_notes
+
+    rec = {str(t): {"current": 100.0, "portable": us} for t, us in [(16, 110.0), (32, 98.0), (64, 97.0), (256, 105.0)]}
+    notes = band_edge_notes(rec, (23, 128))  # the band of this record: 32-64 won
+    assert len(notes) == 1 and notes[0].startswith("the bound 128 lies between 64 tokens")
+    assert "saved 3.0%" in notes[0] and "256 (slower), 4x apart" in notes[0]
+    rec["128"] = {"current": 100.0, "portable": 104.0}
+    assert band_edge_notes(rec, (23, 90)) == []  # 16 | 32 and 64 | 128: both gaps 2x
+    assert band_edge_notes(rec, (32, None)) == []  # 16 | 32 is 2x; no upper bound, no upper edge
 
 
 @pytest.mark.parametrize("quant_name,layout", [("fp8_block", Layout.MASKED), ("bf16", Layout.CONTIGUOUS)])

@@ -217,7 +217,7 @@ def band_edge_notes(layer_us: dict[str, dict[str, float]], band: tuple[int, int 
         saved = 1.0 - us["portable"] / us["current"]
         notes.append(
             f"the bound {edge} lies between {near} tokens (the portable kernel saved {saved:.1%}) and {far}"
-            f" (slower), {max(near, far) // min(near, far)}x apart: counts between them are unmeasured"
+            f" (no win), {max(near, far) // min(near, far)}x apart: counts between them are unmeasured"
         )
     return notes
 

@@ -517,7 +517,7 @@ def test_gemm_choice_listing_shows_each_records_gain_and_band(capsys, monkeypatc
     assert cells[3][4:6] == [f"{528.2 / 519.9:.3f}x", "no"]  # 128: faster too, but not in the band
     notes = [line for line in out if line.startswith("E=8,H=4096,I=14336,top_k=2,gated=1,dtype=fp8_tensor:")]
     assert len(notes) == 2 and "the bound 5 lies between 16 tokens" in notes[0] and "16x apart" in notes[0]
-    assert "the bound 32 lies between 16 tokens" in notes[1] and "and 64 (slower), 4x apart" in notes[1]
+    assert "the bound 32 lies between 16 tokens" in notes[1] and "and 64 (no win), 4x apart" in notes[1]
 
 
 def test_band_edge_notes_name_the_bounds_that_rest_on_unmeasured_gaps():
@@ -528,7 +528,7 @@ def test_band_edge_notes_name_the_bounds_that_rest_on_unmeasured_gaps():
     rec = {str(t): {"current": 100.0, "portable": us} for t, us in [(16, 110.0), (32, 98.0), (64, 97.0), (256, 105.0)]}
     notes = band_edge_notes(rec, (23, 128))  # the band of this record: 32-64 won
     assert len(notes) == 1 and notes[0].startswith("the bound 128 lies between 64 tokens")
-    assert "saved 3.0%" in notes[0] and "256 (slower), 4x apart" in notes[0]
+    assert "saved 3.0%" in notes[0] and "256 (no win), 4x apart" in notes[0]
     rec["128"] = {"current": 100.0, "portable": 104.0}
     assert band_edge_notes(rec, (23, 90)) == []  # 16 | 32 and 64 | 128: both gaps 2x
     assert band_edge_notes(rec, (32, None)) == []  # 16 | 32 is 2x; no upper bound, no upper edge

@@ -35,7 +35,7 @@ from moehal.kernels.triton_permute import (
     INTERPRETED,
     QUANT_GROUP,
     PaddedBuffer,
-    e4m3_group_quant,
+    e4m3_groups_quant,
     e4m3_static_quant,
     masked_row_tile,
     publish_rows,
@@ -290,15 +290,16 @@ def _act_rows(
                 a = nvfp4_qdq(a, tl.load(gs_ptr).to(tl.float32), BLOCK_R, BLOCK_I, EXACT_ROUND)
                 if EXACT_ROUND:
                     a = round_to_bf16_grid(a)
-            if QUANT:
+            if QUANT:  # BLOCK_I // 128 groups of 1x128 per step
                 if STATIC:  # the static scale, written to every group's slot
                     q = e4m3_static_quant(tl.where(mk, a, 0.0), sc1, EXACT_ROUND)
-                    sc = tl.zeros((BLOCK_R,), dtype=tl.float32) + sc1
+                    sc = tl.zeros((BLOCK_R, BLOCK_I // 128), dtype=tl.float32) + sc1
                 else:
-                    q, sc = e4m3_group_quant(tl.where(mk, a, 0.0), UE8M0, EXACT_ROUND)
+                    q, sc = e4m3_groups_quant(tl.where(mk, a, 0.0), BLOCK_R, BLOCK_I // 128, UE8M0, EXACT_ROUND)
                 tl.store(orow + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mk)
-                grp = c0 // BLOCK_I
-                tl.store(sc_ptr + e64 * s_se + m64 * s_sm + grp * s_sg, sc, mask=live)
+                grp = c0 // 128 + tl.arange(0, BLOCK_I // 128)
+                srow = sc_ptr + e64 * s_se + m64 * s_sm
+                tl.store(srow[:, None] + grp[None, :] * s_sg, sc, mask=live[:, None] & (grp * 128 < i_hi)[None, :])
             else:
                 tl.store(orow + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mk)
 
@@ -396,6 +397,9 @@ class ActTile:
     block_r: int  # rows per program
     col_span: int  # output columns per program (a multiple of the kernel's column block)
     num_warps: int = 4
+    # column blocks per load (a power of two); quantizing activations quantize this many
+    # 1x128 groups at a time
+    blocks_per_load: int = 1
 
 
 def act_tile(rows: RowIndex, block_i: int) -> ActTile:
@@ -482,6 +486,9 @@ def bind_activation(
         block_i = min(128, next_power_of_2(i_size))
     tile = act_tile(rows, block_i)
     block_r, col_span = tile.block_r, tile.col_span
+    if tile.blocks_per_load & (tile.blocks_per_load - 1) or col_span % block_i:
+        raise ValueError(f"activation tile {tile}: loads of a power of two of {block_i}-column blocks")
+    block_i *= tile.blocks_per_load
     block_h = min(256, next_power_of_2(h_size))
     n_tiles = rows.tiles(block_r)
     if m:

@@ -68,16 +68,24 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=400)
     p.add_argument("--act-spans", default="256,384,512,768", help="activation column spans to try")
     p.add_argument("--act-warps", default="4,8")
+    p.add_argument("--act-rows", default="16,32", help="activation rows per program")
+    p.add_argument("--act-loads", default="1", help="activation column blocks per load (ActTile.blocks_per_load)")
     p.add_argument("--act", action=argparse.BooleanOptionalAction, default=True, help="try activation tiles")
     p.add_argument("--scatter", action=argparse.BooleanOptionalAction, default=True, help="also try scatter tiles")
     p.add_argument("--scatter-blocks", default="8,16,32", help="slots per scatter program")
     p.add_argument("--scatter-spans", default="2,4,8", help="scatter columns per program, in column blocks")
     p.add_argument("--scatter-warps", default="4,8")
+    p.add_argument("--scatter-loads", default="1", help="scatter column blocks per load (ScatterTile.blocks_per_load)")
     a = p.parse_args()
-    spans, warps = (tuple(map(int, v.split(","))) for v in (a.act_spans, a.act_warps))
-    act_variants = [glue.ActTile(r, s, w) for r, s, w in itertools.product((16, 32), spans, warps)] if a.act else []
-    sb, ss, sw = (tuple(map(int, v.split(","))) for v in (a.scatter_blocks, a.scatter_spans, a.scatter_warps))
-    scatter_variants = list(itertools.product(sb, ss, sw)) if a.scatter else []
+    spans, warps, rows, loads = (
+        tuple(map(int, v.split(","))) for v in (a.act_spans, a.act_warps, a.act_rows, a.act_loads)
+    )
+    act_variants = [glue.ActTile(*v) for v in itertools.product(rows, spans, warps, loads)] if a.act else []
+    sb, ss, sw, sl = (
+        tuple(map(int, v.split(","))) for v in (a.scatter_blocks, a.scatter_spans, a.scatter_warps, a.scatter_loads)
+    )
+    # a load wider than the program's columns is not a tile
+    scatter_variants = [v for v in itertools.product(sb, ss, sw, sl) if v[3] <= v[1]] if a.scatter else []
     print(torch.cuda.get_device_name())
     cases = list(itertools.product(a.shapes.split(","), a.quant.split(","), map(int, a.tokens.split(","))))
     for shape, q, t in cases:  # an equal share of the time budget each
@@ -118,15 +126,16 @@ def sweep_case(
             glue.act_tile = act_rule
         if len(results) % 6 == 0:
             base.append(timed(fwd))
-    for b, mult, w in scatter_variants:
+    for b, mult, w, ld in scatter_variants:
         if time.monotonic() > t_end:
+            print("  time budget reached")
             break
 
-        def rule(s: int, h: int, bh: int, b: int = b, mult: int = mult, w: int = w) -> tp.ScatterTile:
-            return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w)
+        def rule(s: int, h: int, bh: int, b: int = b, mult: int = mult, w: int = w, ld: int = ld) -> tp.ScatterTile:
+            return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w, ld)
 
         tp.scatter_tile = rule
-        name = f"scatter block_s={b} h_span={mult}xBLOCK_H warps={w}"
+        name = f"scatter block_s={b} h_span={mult}xBLOCK_H warps={w} blocks_per_load={ld}"
         try:
             results.append((timed(fwd), name))
         except Exception as exc:  # noqa: BLE001

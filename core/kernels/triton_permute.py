@@ -96,6 +96,29 @@ def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def e4m3_groups_quant(v, R: tl.constexpr, K: tl.constexpr, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """`e4m3_group_quant` over K adjacent 1x128 groups per row: float32 `v [R, K*128]` ->
+    (q `[R, K*128]`, scales `[R, K]`). One load and one store per K groups, so a program keeps
+    K times the bytes in flight per round of memory latency (a step of one group left the
+    quantizing scatter at half the copy bandwidth: docs/device-runs/2026-11-24-session23)."""
+    if K == 1:
+        q, sc = e4m3_group_quant(v, UE8M0, EXACT_ROUND)
+        return q, sc[:, None]
+    else:
+        v3 = tl.reshape(v, (R, K, 128))
+        amax = tl.max(tl.abs(v3), axis=2)
+        sc = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+        if UE8M0:
+            sc = tl.exp2(tl.ceil(tl.log2(sc)))
+        if EXACT_ROUND:
+            q3 = tl.minimum(tl.maximum(v3 / sc[:, :, None], -448.0), 448.0)
+            q3 = round_to_e4m3_grid(q3)
+        else:
+            q3 = v3 * (1.0 / sc)[:, :, None]
+        return tl.reshape(q3, (R, K * 128)), sc
+
+
+@triton.jit
 def e4m3_static_quant(v, sc, EXACT_ROUND: tl.constexpr):
     """fp32 `v` -> e4m3 values (still fp32) with a static per-tensor scale `sc`: v / sc
     saturated to +-448, as `moehal.quant.fp8.quantize_tensor` does (the portable fused MoE's
@@ -266,6 +289,7 @@ def _scatter_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     H_SPAN: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
     # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
@@ -308,9 +332,10 @@ def _scatter_rows(
         if STATIC:  # the layer's static input scale: loaded once, not once per column block
             sc1 = tl.load(static_ptr)
             sc_static = tl.zeros((BLOCK_S,), dtype=tl.float32) + sc1
-        for h1 in tl.static_range(0, H_SPAN, BLOCK_H):
+        # STEP columns per load: K = STEP // BLOCK_H quantization groups at a time
+        for h1 in tl.static_range(0, H_SPAN, STEP):
             h0 = hc * H_SPAN + h1
-            cols = h0 + tl.arange(0, BLOCK_H)
+            cols = h0 + tl.arange(0, STEP)
             cm = cols < H
             m2 = valid[:, None] & cm[None, :]
             v = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=m2, other=0.0)
@@ -321,16 +346,17 @@ def _scatter_rows(
                 v = vw.to(x_ptr.dtype.element_ty)
             dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
             if QUANT:
-                # one group of QUANT_GROUP (== BLOCK_H) elements per column block
+                # groups of QUANT_GROUP (== BLOCK_H) elements, STEP // BLOCK_H per load
+                g = h0 // BLOCK_H + tl.arange(0, STEP // BLOCK_H)
                 if STATIC:  # written to every group's scale slot
                     q = e4m3_static_quant(v.to(tl.float32), sc1, EXACT_ROUND)
-                    sc = sc_static
+                    sc = sc_static[:, None] + tl.zeros((BLOCK_S, STEP // BLOCK_H), dtype=tl.float32)
                 else:
-                    q, sc = e4m3_group_quant(v.to(tl.float32), UE8M0, EXACT_ROUND)
+                    q, sc = e4m3_groups_quant(v.to(tl.float32), BLOCK_S, STEP // BLOCK_H, UE8M0, EXACT_ROUND)
                 tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)
-                g = h0 // BLOCK_H
-                sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm + g * stride_sg
-                tl.store(sdst, sc, mask=valid)
+                sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm
+                gm = valid[:, None] & (g * BLOCK_H < H)[None, :]
+                tl.store(sdst[:, None] + g[None, :] * stride_sg, sc, mask=gm)
             else:
                 tl.store(dst + cols[None, :], v, mask=m2)
     elif MASKED:
@@ -587,6 +613,9 @@ class ScatterTile:
     block_s: int  # slots per program
     h_span: int  # columns per program (a multiple of the column block)
     num_warps: int = 4
+    # column blocks per load (a power of two dividing h_span / column block); quantizing
+    # scatters quantize this many 1x128 groups at a time
+    blocks_per_load: int = 1
 
 
 def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
@@ -709,6 +738,9 @@ def bind_permute(
         block_h = min(256, next_power_of_2(h))
     tile = scatter_tile(s, h, block_h)
     block_s, h_span = tile.block_s, tile.h_span
+    step = block_h * tile.blocks_per_load
+    if h_span % step or tile.blocks_per_load & (tile.blocks_per_load - 1):
+        raise ValueError(f"scatter tile {tile}: {h_span} columns per program are not whole loads of {step}")
     block_r = 64
     n_hc = cdiv(h, h_span)
     n_slot = cdiv(s, block_s) * n_hc
@@ -730,7 +762,7 @@ def bind_permute(
             FUSED_POS=fused_pos, S_P=max(16, next_power_of_2(s)) if fused_pos else 16, QUANT=quant, UE8M0=ue8m0,
             STATIC=static_scale is not None, WEIGHT_ON_INPUT=weight_on_input, EXACT_ROUND=INTERPRETED,
             BLOCK_S=block_s, BLOCK_R=block_r,
-            BLOCK_H=block_h, H_SPAN=h_span, num_warps=tile.num_warps,
+            BLOCK_H=block_h, H_SPAN=h_span, STEP=step, num_warps=tile.num_warps,
         ),
     )  # fmt: skip
 

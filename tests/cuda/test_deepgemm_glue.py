@@ -545,6 +545,26 @@ def test_activation_split_over_column_chunks(monkeypatch, quant_name, layout):
     _check_layer(quant_name, layout, dict(intermediate_size=384, has_w2_bias=True))
 
 
+@pytest.mark.parametrize("blocks", [2, 4])
+@pytest.mark.parametrize(
+    "quant_name,layout",
+    [
+        ("fp8_block", Layout.MASKED),
+        ("fp8_block", Layout.CONTIGUOUS),
+        ("fp8_tensor", Layout.CONTIGUOUS),
+        ("bf16", Layout.MASKED),
+    ],
+)
+def test_activation_loads_several_column_blocks_at_a_time(monkeypatch, quant_name, layout, blocks):
+    """`ActTile.blocks_per_load`: one load of 2 or 4 column blocks (fp8: that many 1x128 groups
+    quantized together). 384 columns in one 512-column chunk: the last load runs past the row,
+    and its groups past the row store no scale."""
+    import moehal_cuda.triton_glue as glue
+
+    monkeypatch.setattr(glue, "act_tile", lambda rows, block_i: glue.ActTile(16, glue.ACT_COL_SPAN, 4, blocks))
+    _check_layer(quant_name, layout, dict(intermediate_size=384))
+
+
 @pytest.mark.parametrize("gemm", ["deepgemm", "triton", "mixed", "fused_tile"])
 def test_masked_shrink_after_a_large_batch(monkeypatch, gemm):
     """A prefill-sized call, then decode-sized ones: the stale rows of the activation and GEMM2

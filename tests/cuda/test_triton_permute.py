@@ -36,9 +36,25 @@ def _x(t: int, seed: int) -> torch.Tensor:
     return torch.randn(t, H, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
 
 
+@pytest.fixture(params=[1, 2], ids=["one_block_per_load", "two_blocks_per_load"])
+def blocks_per_load(request, monkeypatch) -> int:
+    """The scatter's tile: one column block (one 1x128 group when quantizing) per load, or two
+    (`ScatterTile.blocks_per_load`: both groups quantized from one load, scales stored together)."""
+    k = request.param
+    if k > 1:
+        rule = TP.scatter_tile
+
+        def wide(slots: int, h: int, block_h: int) -> TP.ScatterTile:
+            t = rule(slots, h, block_h)
+            return TP.ScatterTile(t.block_s, max(t.h_span, k * block_h), t.num_warps, k)
+
+        monkeypatch.setattr(TP, "scatter_tile", wide)
+    return k
+
+
 @pytest.mark.parametrize("quant,ue8m0", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("ep", [(0, 5, 5), (3, 4, 10)])  # (expert_start, E_local, E_global)
-def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep):
+def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep, blocks_per_load):
     start, e, e_glob = ep
     k, max_t = 3, 9
     max_m = TP.masked_rows(max_t, 8)
@@ -67,7 +83,7 @@ def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep):
 
 
 @pytest.mark.parametrize("quant", [False, True])
-def test_contiguous_matches_torch_permute_across_calls(quant):
+def test_contiguous_matches_torch_permute_across_calls(quant, blocks_per_load):
     start, e, e_glob, k, align = 2, 6, 12, 4, 8
     m_pad = TP.contiguous_rows(8 * k, e, align)
     buf = TP.alloc_padded((m_pad,), H, torch.float8_e4m3fn if quant else torch.bfloat16, DEV, quant)
@@ -95,7 +111,7 @@ def test_contiguous_matches_torch_permute_across_calls(quant):
 
 
 @pytest.mark.parametrize("masked", [True, False])
-def test_static_scale_quantizes_as_the_reference_does(masked):
+def test_static_scale_quantizes_as_the_reference_does(masked, blocks_per_load):
     """fp8_tensor dispatch (`ScaleKind.STATIC_TENSOR`): rows quantized with the one static scale
     (x / scale saturated to +-448, `div_rn`: bitwise the reference's, on the GPU too), and that
     scale written to every 1x128 group's slot. The scale here saturates the largest values."""
@@ -123,6 +139,27 @@ def test_static_scale_quantizes_as_the_reference_does(masked):
         assert torch.equal(flat_q.float(), q.float()) and torch.equal(flat_s, s)
     with pytest.raises(ValueError, match="one scale value"):
         TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=masked, static_scale=scale.repeat(2))
+
+
+def test_a_load_past_the_last_group_writes_no_scale(monkeypatch):
+    """Three 1x128 groups scattered two groups per load: the second load's upper half lies past
+    the row, and its scale slot past the scale tensor must stay untouched (the scales sit
+    MN-major in a raw buffer; here one spare group row of NaNs catches a stray store)."""
+    h, e, k, t = 384, 4, 2, 6
+    monkeypatch.setattr(TP, "scatter_tile", lambda slots, hh, bh: TP.ScatterTile(4, 2 * bh, 4, 2))
+    max_m = TP.masked_rows(t, 8)
+    buf = TP.alloc_padded((e, max_m), h, torch.float8_e4m3fn, DEV, True)
+    raw = torch.full((e, h // 128 + 1, max_m), float("nan"), device=DEV)
+    buf.scales = raw.transpose(-1, -2)[..., : h // 128]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEV)
+    ids, w = _routing(t, e, k, 5)
+    r = TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=True)
+    idx = P.index_slots(ids.cpu(), 0, e)
+    ref, counts = P.to_masked(x.cpu(), idx, max_m)
+    live = torch.arange(max_m)[None, :] < counts[:, None]
+    q, sc = fp8.quantize_group(ref.float())
+    _assert_fp8_matches(r.hidden.cpu()[live], r.scales.cpu()[live], q[live], sc[live])
+    assert raw[:, -1].isnan().all(), "a scale was stored past the last group"
 
 
 @pytest.mark.parametrize("masked", [True, False])

@@ -22,6 +22,7 @@ step glue-sweep "${SWEEP_LIMIT:-420}" python3 "$repo/tools/glue_sweep.py" \
   --quant "${SWEEP_QUANT:-fp8_block}" --budget-s "${SWEEP_BUDGET:-380}" \
   --scatter-blocks "${SCATTER_BLOCKS:-4,8,16}" --scatter-spans "${SCATTER_SPANS:-8}" \
   --scatter-warps "${SCATTER_WARPS:-4,8}" --scatter-loads "${SCATTER_LOADS:-2,4,8}" \
+  --scatter-token-rows "${SCATTER_TOKEN_ROWS:-0}" ${SWEEP_FLAGS:-} \
   --act-rows "${ACT_ROWS:-16,32}" --act-spans "${ACT_SPANS:-512}" --act-warps "${ACT_WARPS:-4,8}" \
   --act-loads "${ACT_LOADS:-2,4}"
 if [ -n "${BREAKDOWN_QUANT-}" ]; then  # e.g. BREAKDOWN_QUANT=bf16,fp8_block BREAKDOWN_TOKENS=2048,4096

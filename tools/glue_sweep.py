@@ -1,7 +1,9 @@
 """Tiles of the prefill glue kernels, timed inside the whole layer: the activation
 (`moehal_cuda.triton_glue.act_tile`) and the scatter (`moehal.kernels.triton_permute.scatter_tile`).
-Each variant replaces one rule, captures the layer's forward into a CUDA graph and times its
-replays; the current rules are timed again between variants, so the table shows the noise.
+Each variant replaces one rule, captures the layer's forward into a CUDA graph, times its
+replays and traces each kernel's device time (tools/graph_trace.py); the current rules are
+traced again after every variant, so the table shows the noise. Variants are ranked by their
+own kernel's time: the layer's replays drift by several percent between captures.
 
     python tools/glue_sweep.py [--shapes qwen3_30b_a3b] [--tokens 1024,4096] [--quant bf16,fp8_block]
 """
@@ -76,16 +78,18 @@ def main() -> None:
     p.add_argument("--scatter-spans", default="2,4,8", help="scatter columns per program, in column blocks")
     p.add_argument("--scatter-warps", default="4,8")
     p.add_argument("--scatter-loads", default="1", help="scatter column blocks per load (ScatterTile.blocks_per_load)")
+    p.add_argument("--scatter-token-rows", default="0", help="0,1: ScatterTile.token_rows off / on")
     a = p.parse_args()
     spans, warps, rows, loads = (
         tuple(map(int, v.split(","))) for v in (a.act_spans, a.act_warps, a.act_rows, a.act_loads)
     )
     act_variants = [glue.ActTile(*v) for v in itertools.product(rows, spans, warps, loads)] if a.act else []
-    sb, ss, sw, sl = (
-        tuple(map(int, v.split(","))) for v in (a.scatter_blocks, a.scatter_spans, a.scatter_warps, a.scatter_loads)
+    sb, ss, sw, sl, st = (
+        tuple(map(int, v.split(",")))
+        for v in (a.scatter_blocks, a.scatter_spans, a.scatter_warps, a.scatter_loads, a.scatter_token_rows)
     )
     # a load wider than the program's columns is not a tile
-    scatter_variants = [v for v in itertools.product(sb, ss, sw, sl) if v[3] <= v[1]] if a.scatter else []
+    scatter_variants = [v for v in itertools.product(sb, ss, sw, sl, st) if v[3] <= v[1]] if a.scatter else []
     print(torch.cuda.get_device_name())
     cases = list(itertools.product(a.shapes.split(","), a.quant.split(","), map(int, a.tokens.split(","))))
     for shape, q, t in cases:  # an equal share of the time budget each
@@ -94,9 +98,24 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
+def kernel_times(fn: Callable[[], torch.Tensor]) -> tuple[float, dict[str, float]]:
+    """The replayed forward's time and each kernel's device time in it (us; tools/graph_trace.py:
+    CUPTI's durations, medians over replays), summed per kernel name."""
+    from graph_trace import trace
+
+    rows, us = trace(fn, replays=20)
+    per: dict[str, float] = {}
+    for name, _, dur, _ in rows:
+        per[name] = per.get(name, 0.0) + dur
+    return us, per
+
+
 def sweep_case(
     shape: str, q: str, t: int, max_tokens: int, act_variants: list, scatter_variants: list, t_end: float
 ) -> None:
+    """Each variant's layer time and its own kernel's device time, with the current rules traced
+    again after every variant: the kernel's time is the comparison that holds when the layer's
+    replays drift by several percent between captures (clocks), as they do on an H200."""
     import moehal
     import moehal.kernels.triton_permute as tp
     import moehal_cuda.triton_glue as glue
@@ -110,42 +129,44 @@ def sweep_case(
     def fwd() -> torch.Tensor:
         return layer(x, ids, wts)
 
+    def scatter(b: int, mult: int, w: int, ld: int, tr: int) -> Callable:
+        def rule(s: int, h: int, bh: int) -> tp.ScatterTile:
+            return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w, ld, bool(tr))
+
+        return rule
+
+    variants = [("_act_rows", f"act {v}", "act_tile", lambda rows, block_i, v=v: v) for v in act_variants]
+    variants += [
+        ("_scatter_rows", f"scatter block_s={b} h_span={m}xBLOCK_H warps={w} blocks_per_load={ld} token_rows={tr}",
+         "scatter_tile", scatter(b, m, w, ld, tr))
+        for b, m, w, ld, tr in scatter_variants
+    ]  # fmt: skip
     print(f"== {shape} {q} T={t}: {layer.plan.pipeline.name}")
-    results: list[tuple[float, str]] = []
-    base = [timed(fwd)]
-    for v in act_variants:
+    base = [kernel_times(fwd)]
+    results: list[tuple[float, float, str, str]] = []  # (kernel us, layer us, kernel, name)
+    for kernel, name, attr, rule in variants:
         if time.monotonic() > t_end:
             print("  time budget reached")
             break
-        glue.act_tile = lambda rows, block_i, v=v: v
+        module, saved = (glue, act_rule) if attr == "act_tile" else (tp, scatter_rule)
+        setattr(module, attr, rule)
         try:
-            results.append((timed(fwd), f"act {v}"))
+            us, per = kernel_times(fwd)
+            results.append((per.get(kernel, float("nan")), us, kernel, name))
         except Exception as exc:  # noqa: BLE001 - a tile that cannot launch here
-            print(f"  act {v}: {type(exc).__name__}: {str(exc)[:80]}")
-        finally:
-            glue.act_tile = act_rule
-        if len(results) % 6 == 0:
-            base.append(timed(fwd))
-    for b, mult, w, ld in scatter_variants:
-        if time.monotonic() > t_end:
-            print("  time budget reached")
-            break
-
-        def rule(s: int, h: int, bh: int, b: int = b, mult: int = mult, w: int = w, ld: int = ld) -> tp.ScatterTile:
-            return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w, ld)
-
-        tp.scatter_tile = rule
-        name = f"scatter block_s={b} h_span={mult}xBLOCK_H warps={w} blocks_per_load={ld}"
-        try:
-            results.append((timed(fwd), name))
-        except Exception as exc:  # noqa: BLE001
             print(f"  {name}: {type(exc).__name__}: {str(exc)[:80]}")
         finally:
-            tp.scatter_tile = scatter_rule
-        if len(results) % 6 == 0:
-            base.append(timed(fwd))
-    base.append(timed(fwd))
-    print_ranked("current rules", base, results)
+            setattr(module, attr, saved)
+        base.append(kernel_times(fwd))
+    layer_b = [us for us, _ in base]
+    lb = statistics.median(layer_b)
+    print(f"  current rules, layer: {lb:.1f} us (min {min(layer_b):.1f}, max {max(layer_b):.1f}, {len(base)} captures)")
+    for kernel in ("_scatter_rows", "_act_rows", "_combine_rows"):
+        ks = [per.get(kernel, float("nan")) for _, per in base]
+        print(f"  current rules, {kernel}: {statistics.median(ks):.2f} us (min {min(ks):.2f}, max {max(ks):.2f})")
+    for k_us, us, kernel, name in sorted(results, key=lambda r: (r[2], r[0])):
+        kb = statistics.median(per.get(kernel, float("nan")) for _, per in base)
+        print(f"  {kernel:14s} {k_us:8.2f} us {100 * (k_us / kb - 1):+6.1f}%   layer {us:8.1f} us   {name}")
 
 
 if __name__ == "__main__":

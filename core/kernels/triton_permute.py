@@ -119,6 +119,13 @@ def e4m3_groups_quant(v, R: tl.constexpr, K: tl.constexpr, UE8M0: tl.constexpr, 
 
 
 @triton.jit
+def repeat_rows(v, R: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """`v [R, C]` -> `[R*K, C]`, each row repeated K times in a row (torch's
+    `repeat_interleave(K, 0)`)."""
+    return tl.reshape(tl.broadcast_to(v[:, None, :], (R, K, C)), (R * K, C))
+
+
+@triton.jit
 def e4m3_static_quant(v, sc, EXACT_ROUND: tl.constexpr):
     """fp32 `v` -> e4m3 values (still fp32) with a static per-tensor scale `sc`: v / sc
     saturated to +-448, as `moehal.quant.fp8.quantize_tensor` does (the portable fused MoE's
@@ -290,6 +297,7 @@ def _scatter_rows(
     BLOCK_H: tl.constexpr,
     H_SPAN: tl.constexpr,
     STEP: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
 ):
     # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
     # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
@@ -332,33 +340,53 @@ def _scatter_rows(
         if STATIC:  # the layer's static input scale: loaded once, not once per column block
             sc1 = tl.load(static_ptr)
             sc_static = tl.zeros((BLOCK_S,), dtype=tl.float32) + sc1
-        # STEP columns per load: K = STEP // BLOCK_H quantization groups at a time
+        # STEP columns per load: STEP // BLOCK_H quantization groups at a time
+        KG: tl.constexpr = STEP // BLOCK_H
         for h1 in tl.static_range(0, H_SPAN, STEP):
             h0 = hc * H_SPAN + h1
             cols = h0 + tl.arange(0, STEP)
             cm = cols < H
             m2 = valid[:, None] & cm[None, :]
-            v = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=m2, other=0.0)
-            if WEIGHT_ON_INPUT:
-                vw = v.to(tl.float32) * wt[:, None]
-                if EXACT_ROUND:
-                    vw = round_to_bf16_grid(vw)
-                v = vw.to(x_ptr.dtype.element_ty)
             dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
-            if QUANT:
-                # groups of QUANT_GROUP (== BLOCK_H) elements, STEP // BLOCK_H per load
-                g = h0 // BLOCK_H + tl.arange(0, STEP // BLOCK_H)
-                if STATIC:  # written to every group's scale slot
-                    q = e4m3_static_quant(v.to(tl.float32), sc1, EXACT_ROUND)
-                    sc = sc_static[:, None] + tl.zeros((BLOCK_S, STEP // BLOCK_H), dtype=tl.float32)
+            g = h0 // BLOCK_H + tl.arange(0, KG)  # (quantizing) the groups of this load
+            sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm
+            gm = valid[:, None] & (g * BLOCK_H < H)[None, :]
+            if TOKEN_ROWS:
+                # the block's slots are the top-k slots of BLOCK_S // TOP_K whole tokens: each
+                # token row is loaded (and quantized) once and repeated for its slots, not
+                # loaded TOP_K times through L2
+                tr = (pid // n_hchunks) * (BLOCK_S // TOP_K) + tl.arange(0, BLOCK_S // TOP_K)
+                tm = (tr < num_slots // TOP_K)[:, None] & cm[None, :]
+                vt = tl.load(x_ptr + tr[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=tm, other=0.0)
+                if QUANT:
+                    if STATIC:
+                        qt = e4m3_static_quant(vt.to(tl.float32), sc1, EXACT_ROUND)
+                        sct = sc_static[:, None] + tl.zeros((BLOCK_S, KG), dtype=tl.float32)
+                    else:
+                        qt, sct0 = e4m3_groups_quant(vt.to(tl.float32), BLOCK_S // TOP_K, KG, UE8M0, EXACT_ROUND)
+                        sct = repeat_rows(sct0, BLOCK_S // TOP_K, TOP_K, KG)
+                    qs = repeat_rows(qt.to(out_ptr.dtype.element_ty), BLOCK_S // TOP_K, TOP_K, STEP)
+                    tl.store(dst + cols[None, :], qs, mask=m2)
+                    tl.store(sdst[:, None] + g[None, :] * stride_sg, sct, mask=gm)
                 else:
-                    q, sc = e4m3_groups_quant(v.to(tl.float32), BLOCK_S, STEP // BLOCK_H, UE8M0, EXACT_ROUND)
-                tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)
-                sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm
-                gm = valid[:, None] & (g * BLOCK_H < H)[None, :]
-                tl.store(sdst[:, None] + g[None, :] * stride_sg, sc, mask=gm)
+                    tl.store(dst + cols[None, :], repeat_rows(vt, BLOCK_S // TOP_K, TOP_K, STEP), mask=m2)
             else:
-                tl.store(dst + cols[None, :], v, mask=m2)
+                v = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=m2, other=0.0)
+                if WEIGHT_ON_INPUT:
+                    vw = v.to(tl.float32) * wt[:, None]
+                    if EXACT_ROUND:
+                        vw = round_to_bf16_grid(vw)
+                    v = vw.to(x_ptr.dtype.element_ty)
+                if QUANT:
+                    if STATIC:  # written to every group's scale slot
+                        q = e4m3_static_quant(v.to(tl.float32), sc1, EXACT_ROUND)
+                        sc = sc_static[:, None] + tl.zeros((BLOCK_S, KG), dtype=tl.float32)
+                    else:
+                        q, sc = e4m3_groups_quant(v.to(tl.float32), BLOCK_S, KG, UE8M0, EXACT_ROUND)
+                    tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)
+                    tl.store(sdst[:, None] + g[None, :] * stride_sg, sc, mask=gm)
+                else:
+                    tl.store(dst + cols[None, :], v, mask=m2)
     elif MASKED:
         # ---- stale rows: program (expert, split) zeroes its share of [count now, before) ----
         rp = pid - n_slot_programs
@@ -616,6 +644,9 @@ class ScatterTile:
     # column blocks per load (a power of two dividing h_span / column block); quantizing
     # scatters quantize this many 1x128 groups at a time
     blocks_per_load: int = 1
+    # load each token's row once for its top-k slots (and quantize it once) where the batch
+    # allows it: a power-of-two top-k dividing block_s, no router weight applied on the way in
+    token_rows: bool = False
 
 
 def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
@@ -763,6 +794,7 @@ def bind_permute(
             STATIC=static_scale is not None, WEIGHT_ON_INPUT=weight_on_input, EXACT_ROUND=INTERPRETED,
             BLOCK_S=block_s, BLOCK_R=block_r,
             BLOCK_H=block_h, H_SPAN=h_span, STEP=step, num_warps=tile.num_warps,
+            TOKEN_ROWS=tile.token_rows and not weight_on_input and top_k & (top_k - 1) == 0 and block_s % top_k == 0,
         ),
     )  # fmt: skip
 

@@ -36,27 +36,34 @@ def _x(t: int, seed: int) -> torch.Tensor:
     return torch.randn(t, H, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
 
 
-@pytest.fixture(params=[1, 2], ids=["one_block_per_load", "two_blocks_per_load"])
-def blocks_per_load(request, monkeypatch) -> int:
+@pytest.fixture(
+    params=[(1, False), (2, False), (1, True), (2, True)],
+    ids=["one_block_per_load", "two_blocks_per_load", "token_rows", "token_rows_two_blocks"],
+)
+def scatter_variant(request, monkeypatch) -> tuple[int, bool]:
     """The scatter's tile: one column block (one 1x128 group when quantizing) per load, or two
-    (`ScatterTile.blocks_per_load`: both groups quantized from one load, scales stored together)."""
-    k = request.param
-    if k > 1:
+    (`ScatterTile.blocks_per_load`: both groups quantized from one load, scales stored together);
+    slots loading their own token's row, or each token's row loaded once for its top-k slots
+    (`ScatterTile.token_rows`: where top-k is a power of two dividing the 8 slots a program
+    takes here; other top-k fall back to slot rows)."""
+    k, token_rows = request.param
+    if k > 1 or token_rows:
         rule = TP.scatter_tile
 
-        def wide(slots: int, h: int, block_h: int) -> TP.ScatterTile:
+        def variant(slots: int, h: int, block_h: int) -> TP.ScatterTile:
             t = rule(slots, h, block_h)
-            return TP.ScatterTile(t.block_s, max(t.h_span, k * block_h), t.num_warps, k)
+            return TP.ScatterTile(8 if token_rows else t.block_s, max(t.h_span, k * block_h), t.num_warps, k, token_rows)
 
-        monkeypatch.setattr(TP, "scatter_tile", wide)
-    return k
+        monkeypatch.setattr(TP, "scatter_tile", variant)
+    return request.param
 
 
 @pytest.mark.parametrize("quant,ue8m0", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("ep", [(0, 5, 5), (3, 4, 10)])  # (expert_start, E_local, E_global)
-def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep, blocks_per_load):
+@pytest.mark.parametrize("k", [3, 4])  # top-k: 4 lets token_rows variants load token rows
+def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep, k, scatter_variant):
     start, e, e_glob = ep
-    k, max_t = 3, 9
+    max_t = 9
     max_m = TP.masked_rows(max_t, 8)
     buf = TP.alloc_padded((e, max_m), H, torch.float8_e4m3fn if quant else torch.bfloat16, DEV, quant)
     for step, t in enumerate((9, 2, 7)):  # shrinking then growing: stale rows must be zeroed
@@ -83,7 +90,7 @@ def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep, blocks_per_
 
 
 @pytest.mark.parametrize("quant", [False, True])
-def test_contiguous_matches_torch_permute_across_calls(quant, blocks_per_load):
+def test_contiguous_matches_torch_permute_across_calls(quant, scatter_variant):
     start, e, e_glob, k, align = 2, 6, 12, 4, 8
     m_pad = TP.contiguous_rows(8 * k, e, align)
     buf = TP.alloc_padded((m_pad,), H, torch.float8_e4m3fn if quant else torch.bfloat16, DEV, quant)
@@ -111,7 +118,7 @@ def test_contiguous_matches_torch_permute_across_calls(quant, blocks_per_load):
 
 
 @pytest.mark.parametrize("masked", [True, False])
-def test_static_scale_quantizes_as_the_reference_does(masked, blocks_per_load):
+def test_static_scale_quantizes_as_the_reference_does(masked, scatter_variant):
     """fp8_tensor dispatch (`ScaleKind.STATIC_TENSOR`): rows quantized with the one static scale
     (x / scale saturated to +-448, `div_rn`: bitwise the reference's, on the GPU too), and that
     scale written to every 1x128 group's slot. The scale here saturates the largest values."""

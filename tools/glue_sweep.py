@@ -130,7 +130,7 @@ def sweep_case(
         return layer(x, ids, wts)
 
     def scatter(b: int, mult: int, w: int, ld: int, tr: int) -> Callable:
-        def rule(s: int, h: int, bh: int) -> tp.ScatterTile:
+        def rule(s: int, h: int, bh: int, **_: object) -> tp.ScatterTile:
             return tp.ScatterTile(b, min(mult * bh, -(-h // bh) * bh), w, ld, bool(tr))
 
         return rule

@@ -50,9 +50,11 @@ def scatter_variant(request, monkeypatch) -> tuple[int, bool]:
     if k > 1 or token_rows:
         rule = TP.scatter_tile
 
-        def variant(slots: int, h: int, block_h: int) -> TP.ScatterTile:
+        def variant(slots: int, h: int, block_h: int, **kw) -> TP.ScatterTile:
             t = rule(slots, h, block_h)
-            return TP.ScatterTile(8 if token_rows else t.block_s, max(t.h_span, k * block_h), t.num_warps, k, token_rows)
+            return TP.ScatterTile(
+                8 if token_rows else t.block_s, max(t.h_span, k * block_h), t.num_warps, k, token_rows
+            )
 
         monkeypatch.setattr(TP, "scatter_tile", variant)
     return request.param
@@ -148,12 +150,50 @@ def test_static_scale_quantizes_as_the_reference_does(masked, scatter_variant):
         TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=masked, static_scale=scale.repeat(2))
 
 
+def test_the_tile_rule_loads_token_rows_only_for_quantizing_prefill_with_a_power_of_two_top_k():
+    """`scatter_tile`: what the H200 sweep measured (quantizing, 4096+ slots, top-8) gets token
+    rows and four groups per load; everything else keeps the slot tile it had."""
+    prefill = TP.scatter_tile(4096 * 8, 2048, 128, quant=True, top_k=8)
+    assert prefill == TP.ScatterTile(16, 1024, 4, 4, token_rows=True)
+    assert TP.scatter_tile(8192, 2048, 128, quant=True, top_k=2).token_rows  # Mixtral's top-2
+    assert TP.scatter_tile(8192, 384, 128, quant=True, top_k=8).blocks_per_load == 1  # 3 groups
+    assert TP.scatter_tile(8192, 768, 128, quant=True, top_k=8).blocks_per_load == 2  # 6 groups
+    assert not TP.scatter_tile(8192, 2048, 128, quant=True, top_k=6).token_rows
+    assert not TP.scatter_tile(8192, 2048, 256, quant=False, top_k=8).token_rows  # bf16
+    assert not TP.scatter_tile(2048, 2048, 128, quant=True, top_k=8).token_rows  # 256 tokens
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_prefill_sized_quantizing_scatter_with_the_shipped_tile_matches_the_reference(masked):
+    """515 tokens of top-8 (4120 slots): the shipped rule's token-row tile, a half-filled last block included."""
+    start, e, e_glob, k, t, align = 2, 12, 16, 8, 515, 8
+    tile = TP.scatter_tile(t * k, H, 128, quant=True, top_k=k)
+    x = _x(t, 40)
+    ids, w = _routing(t, e_glob, k, 40)
+    idx = P.index_slots(ids.cpu(), start, e)
+    if masked:
+        buf = TP.alloc_padded((e, TP.masked_rows(t, 64)), H, torch.float8_e4m3fn, DEV, True)
+        r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=True)
+        ref, counts = P.to_masked(x.cpu(), idx, buf.hidden.shape[1])
+        live = torch.arange(ref.shape[1])[None, :] < counts[:, None]
+    else:
+        buf = TP.alloc_padded((TP.contiguous_rows(t * k, e, align),), H, torch.float8_e4m3fn, DEV, True)
+        r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=False, alignment=align)
+        ref = P.to_contiguous(x.cpu(), idx, align)[0]
+        live = ref.abs().amax(1) > 0
+        ref = ref[: buf.hidden.shape[0]]
+        live = live[: buf.hidden.shape[0]]
+    assert tile.token_rows
+    q, sc = fp8.quantize_group(ref.float())
+    _assert_fp8_matches(r.hidden.cpu()[live], r.scales.cpu()[live], q[live], sc[live])
+
+
 def test_a_load_past_the_last_group_writes_no_scale(monkeypatch):
     """Three 1x128 groups scattered two groups per load: the second load's upper half lies past
     the row, and its scale slot past the scale tensor must stay untouched (the scales sit
     MN-major in a raw buffer; here one spare group row of NaNs catches a stray store)."""
     h, e, k, t = 384, 4, 2, 6
-    monkeypatch.setattr(TP, "scatter_tile", lambda slots, hh, bh: TP.ScatterTile(4, 2 * bh, 4, 2))
+    monkeypatch.setattr(TP, "scatter_tile", lambda slots, hh, bh, **kw: TP.ScatterTile(4, 2 * bh, 4, 2))
     max_m = TP.masked_rows(t, 8)
     buf = TP.alloc_padded((e, max_m), h, torch.float8_e4m3fn, DEV, True)
     raw = torch.full((e, h // 128 + 1, max_m), float("nan"), device=DEV)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from moehal.errors import InputError, MoEHalError, WeightsAlreadyProcessedError
 from moehal.formats import MaskedInput, MaskedOutput
+from moehal.graphs import gc_paused
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
 from moehal.layer import MoELayer
@@ -203,7 +204,7 @@ class CaseRunner:
                 layer(x, ids, w)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with gc_paused(), torch.cuda.graph(graph):  # (why: moehal.graphs.gc_paused)
             static_out = layer(x, ids, w)
         # New inputs copied into the captured buffers must flow through the replay.
         prob2 = make_problem(Case(**{**case.__dict__, "seed": case.seed + 1}))

@@ -31,8 +31,10 @@ What a replay costs and assumes:
 
 from __future__ import annotations
 
+import gc
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -261,11 +263,32 @@ class GraphCache:
         return _Captured(graph, static if copy_inputs else (), output if out is None else None)
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was, after it).
+
+    Why around every capture: a collection that runs inside one frees whatever dead cycles
+    hold, and a dead cycle may hold an earlier layer's CUDA graphs. Destroying a graph is a call
+    that capture forbids: it fails ("operation not permitted when stream is capturing") and
+    invalidates the capture in progress, whose next launch then raises. Torch no longer
+    collects when a capture begins (`torch.compiler.config.force_cudagraph_gc`), so collections
+    fall wherever allocations trigger them. On an H200 this broke `moehal bench`'s second row
+    in 3 of 4 runs on a fresh Triton cache (docs/device-runs/2026-11-24-session24)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def capture(
     fn: Callable[[], torch.Tensor], device: torch.device | None = None, warmup: int = 1, pool: object | None = None
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `fn()` into a CUDA graph: `warmup` calls first on a side stream (JIT compiles,
-    workspace allocation), as torch's docs ask. Returns the graph and the captured output."""
+    workspace allocation), as torch's docs ask; no garbage collection during the capture
+    (`gc_paused`). Returns the graph and the captured output."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -273,7 +296,7 @@ def capture(
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with gc_paused(), torch.cuda.graph(graph, pool=pool):
         output = fn()
     return graph, output
 
@@ -368,7 +391,7 @@ class LaunchMemo:
         graph = torch.cuda.CUDAGraph()
         self._side.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(self._side):
+            with torch.cuda.stream(self._side), gc_paused():
                 graph.capture_begin(self._pool, capture_error_mode="thread_local")
                 try:
                     self._fn(*args)

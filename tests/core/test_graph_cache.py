@@ -224,3 +224,33 @@ def test_replay_direct_with_three_inputs_checks_every_one(fake_cuda_graphs):
     assert cache.replay_direct((x, y, z.double()), out) is None, "the third input's dtype"
     assert cache.replay_direct((x, y, z[:2]), out) is None, "the third input's shape"
     assert cache.replay_direct((x, y, None), out) is None
+
+
+def test_gc_paused_stops_automatic_collection_and_restores_the_state_it_found():
+    """Captures run under `gc_paused`: no automatic collection inside (one could free a dead
+    cycle's CUDA graph mid-capture), the collector's state as before afterwards, also after an
+    exception, and a collector the caller had switched off stays off."""
+    import gc
+
+    from moehal.graphs import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested captures (a memo's inside a layer's warm-up) keep it off
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with gc_paused():
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -102,6 +102,55 @@ def test_forward_is_graph_capturable(quant, monkeypatch):
     assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 6e-2
 
 
+@pytest.mark.parametrize("paused", [True, False], ids=["gc_paused", "collector_on"])
+def test_a_dead_cycle_holding_a_graph_cannot_break_a_capture(monkeypatch, paused):
+    """An earlier layer's CUDA graphs, held by a reference cycle that has just died, and a
+    capture whose allocations trigger automatic collections (threshold 1 here; in `moehal
+    bench` the thresholds of the day did it, docs/device-runs/2026-11-24-session24): freeing
+    the graph inside the capture invalidates it. `moehal.graphs.capture` pauses the collector,
+    so the capture holds; with the collector on (the control) it breaks."""
+    import contextlib
+    import gc
+
+    import moehal.graphs as G
+
+    if not paused:
+        monkeypatch.setattr(G, "gc_paused", contextlib.nullcontext)
+    dev = torch.device("cuda")
+    x = torch.arange(16.0, device=dev)
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.cycle = h
+    h.graph, _ = G.capture(lambda: x + 1, dev)
+    alive = [h]
+    del h
+
+    def fn() -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            alive.clear()  # the cycle (and its graph) is garbage from here on
+            _ = [[] for _ in range(2000)]  # allocations: automatic collections at threshold 1
+        return x * 2
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        if paused:
+            graph, out = G.capture(fn, dev)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, x * 2)
+        else:
+            with pytest.raises(Exception, match="capture"):
+                G.capture(fn, dev)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+        torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("pipeline", ["cuda.deepgemm", "cuda.triton"])
 def test_eager_calls_replay_cuda_graphs(pipeline):
     """`cuda_graph_tokens`: one capture per token count, new inputs each call, outputs that

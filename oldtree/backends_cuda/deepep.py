@@ -1,0 +1,293 @@
+"""DeepEP expert-parallel dispatchers (deep_ep.Buffer, legacy NVSHMEM API).
+
+- `cuda.deepep_ll` (low latency): MASKED `[E_local, R*T_max, H]` + masked_m, BF16 or FP8 1x128
+  (round_scale for experts that want power-of-two scales); combine is DeepEP's weighted sum.
+  Static shapes, no host sync: graph capturable.
+- `cuda.deepep` (normal): tokens arrive rank-ordered; they are permuted on the receiving rank
+  into the CONTIGUOUS layout with our Triton kernels and combined back (weighted) before
+  DeepEP's unweighted combine. DeepEP's normal dispatch reports counts on the host, so this
+  path is not graph capturable.
+
+The library's limits are checked at layer build with a reason (low-latency hidden sizes,
+top-k <= 11, FP8 hidden % 512, rows % 4, T_max vs. NVSHMEM_QP_DEPTH).
+
+NOT RUN here: sgl-deep-ep pins a torch release other than the device's (see
+docs/backends/cuda.md) and needs several GPUs with NVSHMEM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from moehal.capability import Decision, accept, decline
+from moehal.formats import (
+    ActivationFormat,
+    ContiguousInput,
+    ContiguousOutput,
+    Layout,
+    MaskedInput,
+    MaskedOutput,
+    ScaleKind,
+)
+from moehal.hardware import module_available, package_version
+from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
+from moehal.routing import TopK
+from moehal_cuda.support import sm_decision
+
+LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # csrc/kernels/legacy/launch.cuh SWITCH_HIDDEN
+LL_MAX_TOPK = 11
+DEFAULT_CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+
+
+def _deep_ep_decision() -> Decision:
+    if not module_available("deep_ep"):
+        return decline("deep_ep is not installed (DeepEP; sgl-deep-ep wheels pin a torch release)", "libraries")
+    try:
+        import deep_ep  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return decline(f"deep_ep failed to import: {type(exc).__name__}: {exc}", "libraries")
+    return accept(f"deep_ep {package_version('sgl-deep-ep') or package_version('deep-ep')}", "libraries")
+
+
+def _parallel(req: BuildRequest) -> Decision:
+    c = req.config
+    if c.ep_size < 2:
+        return decline("DeepEP moves tokens between ranks: needs ep_size >= 2", "parallel")
+    if req.process_group is None:
+        return decline("DeepEP needs MoELayer(process_group=...) (the expert-parallel group)", "parallel")
+    if c.ep_size not in DEFAULT_CONFIG_RANKS:
+        return decline(f"DeepEP has default configs for {DEFAULT_CONFIG_RANKS} ranks, not {c.ep_size}", "parallel")
+    return accept(predicate="parallel")
+
+
+@dataclass(frozen=True)
+class _LLHandle:
+    topk_ids: torch.Tensor
+    weights: torch.Tensor
+    handle: Any
+
+
+class DeepEPLowLatencyRunner(DispatchRunner):
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
+        import deep_ep
+
+        c = req.config
+        self.fmt, self.c = fmt, c
+        assert c.max_tokens is not None
+        self.t_max = c.max_tokens
+        group = req.process_group
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(self.t_max, c.hidden_size, c.ep_size, c.num_experts)
+        self.buffer = deep_ep.Buffer(
+            group, 0, rdma, low_latency_mode=True, num_qps_per_rank=max(1, c.num_local_experts)
+        )
+        self.use_fp8 = fmt.is_quantized
+        self.round_scale = fmt.scales is ScaleKind.GROUP_128_UE8M0
+
+    def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, _LLHandle]:
+        c = self.c
+        ids = topk.ids.to(torch.int64)
+        w = topk.weights.float()
+        if c.apply_router_weight_on_input:
+            hidden = (hidden.float() * w).to(hidden.dtype)
+            w = torch.ones_like(w)
+        recv, count, handle, _, _ = self.buffer.low_latency_dispatch(
+            hidden,
+            ids,
+            self.t_max,
+            c.num_experts,
+            use_fp8=self.use_fp8,
+            round_scale=self.round_scale,
+            use_ue8m0=False,  # float (power-of-two) scales: the GROUP_128_UE8M0 format
+        )
+        x, s = recv if isinstance(recv, tuple) else (recv, None)
+        expected = max(1, (self.t_max * c.ep_size * c.top_k + c.num_experts - 1) // c.num_experts)
+        # each source token sends one row per top-k expert held here: a bound on sum(count) far
+        # below the buffer's E_local * ep_size * T_max rows, which sizes the experts' grids
+        bound = self.t_max * c.ep_size * min(c.top_k, c.num_local_experts)
+        return MaskedInput(x, s, count, expected, bound), _LLHandle(ids, w, handle)
+
+    def combine(self, expert_out: Any, handle: _LLHandle) -> torch.Tensor:
+        assert isinstance(expert_out, MaskedOutput)
+        out, _, _ = self.buffer.low_latency_combine(
+            expert_out.hidden.to(torch.bfloat16), handle.topk_ids, handle.weights, handle.handle
+        )
+        if self.c.routed_scaling_factor != 1.0:
+            out = out * self.c.routed_scaling_factor
+        return out.to(self.c.dtype)
+
+
+class DeepEPLowLatencyDispatcher(Dispatcher):
+    name = "deepep_ll"
+    priority = 20
+    description = "DeepEP low-latency all-to-all (masked layout, BF16 or FP8 1x128)"
+    devices = frozenset({"cuda"})
+    graph_capturable = True
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, (90, 100, 103), "DeepEP")
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        return _deep_ep_decision()
+
+    def check_parallel(self, req: BuildRequest) -> Decision:
+        d = _parallel(req)
+        if not d.ok:
+            return d
+        return self.check_limits(req)
+
+    @staticmethod
+    def check_limits(req: BuildRequest) -> Decision:
+        c = req.config
+        if c.max_tokens is None:
+            return decline("DeepEP low latency sizes its buffers by MoEConfig.max_tokens; set it", "parallel")
+        if c.hidden_size not in LL_HIDDEN:
+            return decline(f"DeepEP low latency supports hidden sizes {LL_HIDDEN}, not {c.hidden_size}", "parallel")
+        if c.top_k > LL_MAX_TOPK:
+            return decline(f"DeepEP low latency supports top_k <= {LL_MAX_TOPK}, got {c.top_k}", "parallel")
+        if (c.ep_size * c.max_tokens) % 4:
+            return decline("DeepEP low latency needs ep_size * max_tokens to be a multiple of 4", "parallel")
+        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+        if depth < 2 * (c.max_tokens + 1):
+            return decline(
+                f"max_tokens={c.max_tokens} needs NVSHMEM_QP_DEPTH >= {2 * (c.max_tokens + 1)} (now {depth})",
+                "parallel",
+            )
+        return accept(predicate="parallel")
+
+    def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
+        if fmt.layout is not Layout.MASKED:
+            return decline("DeepEP low latency produces the masked layout only", "format")
+        rows = req.config.ep_size * (req.config.max_tokens or 0)
+        if rows % fmt.row_alignment:
+            return decline(
+                f"DeepEP low latency receives ep_size*max_tokens = {rows} rows per expert, not a multiple of "
+                f"{fmt.row_alignment} as the experts need; choose max_tokens accordingly",
+                "format",
+            )
+        if fmt.scales is ScaleKind.NONE:
+            if fmt.dtype != torch.bfloat16:
+                return decline(f"DeepEP low latency sends bf16, not {fmt.dtype}", "format")
+            return accept(predicate="format")
+        if fmt.scales in (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0) and fmt.dtype == torch.float8_e4m3fn:
+            if req.config.hidden_size % 512:
+                return decline("DeepEP FP8 low-latency dispatch needs hidden_size % 512 == 0", "format")
+            return accept(predicate="format")
+        return decline(f"DeepEP low latency cannot produce {fmt}", "format")
+
+    def build(self, req: BuildRequest, fmt: ActivationFormat) -> DispatchRunner:
+        return DeepEPLowLatencyRunner(req, fmt)
+
+
+@dataclass(frozen=True)
+class _NormalHandle:
+    handle: Any
+    slot_row: torch.Tensor
+    weights: torch.Tensor
+    num_recv: int
+
+
+class DeepEPNormalRunner(DispatchRunner):
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
+        import deep_ep
+        from moehal.kernels.triton_permute import contiguous_rows
+
+        c = req.config
+        self.fmt, self.c = fmt, c
+        cfg = deep_ep.Buffer.get_dispatch_config(c.ep_size)
+        nvl = cfg.get_nvl_buffer_size_hint(c.hidden_size * 2, c.ep_size)
+        rdma = cfg.get_rdma_buffer_size_hint(c.hidden_size * 2, c.ep_size) if c.ep_size > 8 else 0
+        self.buffer = deep_ep.Buffer(req.process_group, nvl, rdma)
+        self.quant = fmt.is_quantized
+        self.ue8m0 = fmt.scales is ScaleKind.GROUP_128_UE8M0
+        self.capacity = 0  # contiguous rows at the worst case; 0: unknown (no max_tokens)
+        if c.max_tokens is not None:
+            slots = c.max_tokens * c.ep_size * min(c.top_k, c.num_local_experts)
+            self.capacity = contiguous_rows(slots, c.num_local_experts, fmt.row_alignment)
+
+    def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, _NormalHandle]:
+        from moehal.kernels import triton_permute as tp
+
+        c = self.c
+        ids = topk.ids.to(torch.int64)
+        w = topk.weights.float()
+        if c.apply_router_weight_on_input:
+            hidden = (hidden.float() * w).to(hidden.dtype)
+            w = torch.ones_like(w)
+        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, c.num_experts)
+        recv_x, recv_ids, recv_w, _counts, handle, _ = self.buffer.dispatch(
+            hidden,
+            topk_idx=ids,
+            topk_weights=w,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
+        n = recv_x.shape[0]  # received tokens; ids already local (-1: another rank's expert)
+        rows = tp.contiguous_rows(max(n, 1) * c.top_k, c.num_local_experts, self.fmt.row_alignment)
+        # n changes at every call: this call's rows of one buffer sized for the worst case
+        # (every rank's max_tokens), not a persistent buffer per received count
+        dest = tp.contiguous_workspace(
+            "deepep.contiguous", rows, self.capacity or rows, c.hidden_size, self.fmt.dtype, recv_x.device, self.quant
+        )
+        p = tp.permute(
+            recv_x,
+            recv_ids,
+            recv_w,
+            dest,
+            expert_start=0,
+            num_local_experts=c.num_local_experts,
+            masked=False,
+            alignment=self.fmt.row_alignment,
+            ue8m0=self.ue8m0,
+        )
+        assert p.row_expert is not None and p.segment_start is not None
+        inp = ContiguousInput(p.hidden, p.scales, p.row_expert, p.counts, p.segment_start)
+        return inp, _NormalHandle(handle, p.slot_row, recv_w, n)
+
+    def combine(self, expert_out: Any, handle: _NormalHandle) -> torch.Tensor:
+        from moehal.kernels import triton_permute as tp
+
+        assert isinstance(expert_out, ContiguousOutput)
+        c = self.c
+        partial = tp.combine(expert_out.hidden, handle.slot_row, handle.weights, handle.num_recv, c.top_k, masked=False)
+        out, _, _ = self.buffer.combine(partial, handle.handle)  # unweighted sum over source ranks
+        if c.routed_scaling_factor != 1.0:
+            out = out.float() * c.routed_scaling_factor
+        return out.to(c.dtype)
+
+
+class DeepEPNormalDispatcher(Dispatcher):
+    name = "deepep"
+    priority = 15
+    description = "DeepEP normal all-to-all + Triton permute into the contiguous layout"
+    devices = frozenset({"cuda"})
+    graph_capturable = False  # DeepEP normal dispatch reports receive counts to the host
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, (90, 100, 103), "DeepEP")
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        return _deep_ep_decision()
+
+    def check_parallel(self, req: BuildRequest) -> Decision:
+        d = _parallel(req)
+        if d.ok and req.config.top_k > 128:
+            return decline("DeepEP normal buffers are sized for top_k <= 128", "parallel")
+        return d
+
+    def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
+        if fmt.layout is not Layout.CONTIGUOUS:
+            return decline("DeepEP normal mode is paired with the contiguous layout", "format")
+        if fmt.scales is ScaleKind.NONE:
+            ok = fmt.dtype == req.config.dtype
+            return accept(predicate="format") if ok else decline(f"sends {req.config.dtype}", "format")
+        if fmt.scales in (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0) and fmt.dtype == torch.float8_e4m3fn:
+            return accept("quantized to FP8 1x128 after the all-to-all, on the receiving rank", "format")
+        return decline(f"cannot produce {fmt}", "format")
+
+    def build(self, req: BuildRequest, fmt: ActivationFormat) -> DispatchRunner:
+        return DeepEPNormalRunner(req, fmt)

@@ -1,0 +1,490 @@
+"""FlashInfer MoE kernels for SM100 (Blackwell): TensorRT-LLM-gen fused MoE (FP8 block-scale and
+FP8 per-tensor, routing inside the kernel from router logits) and CuteDSL NVFP4 experts (masked
+path for DeepEP low-latency output, standard path for token-major input).
+
+Written against the documented API (FlashInfer `fused_moe/core.py`, `cute_dsl`; see
+docs/backends/cuda.md) and NOT RUN here: the verification machines are SM90, where every class
+declines with 'needs SM100 (Blackwell); this device is sm90'. The host-side weight transforms
+they use (`flashinfer_layouts`) are tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from moehal.capability import Decision, accept, decline
+from moehal.config import Activation
+from moehal.formats import ActivationFormat, Layout, MaskedInput, MaskedOutput, StandardInput, StandardOutput
+from moehal.hardware import module_available, package_version
+from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, FusedForward, FusedRunner, WeightProcessor
+from moehal.quant import FP8_BLOCK, FP8_TENSOR, NVFP4, fp8
+from moehal.routing import RoutingMethod, TopK
+from moehal.weights import ExpertWeights
+from moehal_cuda import flashinfer_layouts as L
+from moehal_cuda.support import FLASHINFER_BF16_LOGITS, FLASHINFER_MIN, parse_version, sm_decision
+
+SM100 = (100, 103)
+# trtllm-gen RoutingMethodType (flashinfer tllm_enums.py)
+ROUTING_DEFAULT, ROUTING_RENORMALIZE, ROUTING_DEEPSEEK_V3 = 0, 1, 2
+
+
+def flashinfer_version() -> str | None:
+    return package_version("flashinfer-python") or package_version("flashinfer")
+
+
+def flashinfer_decision(needed: Sequence[str]) -> Decision:
+    if not module_available("flashinfer"):
+        return decline("flashinfer is not installed (pip install flashinfer-python)", "libraries")
+    v = flashinfer_version()
+    if v is not None and parse_version(v) < FLASHINFER_MIN:
+        return decline(f"flashinfer {v} is older than {'.'.join(map(str, FLASHINFER_MIN))}", "libraries")
+    try:
+        import flashinfer
+        import flashinfer.fused_moe as fmoe
+    except Exception as exc:  # noqa: BLE001
+        return decline(f"flashinfer failed to import: {type(exc).__name__}: {exc}", "libraries")
+    missing = [n for n in needed if not (hasattr(fmoe, n) or hasattr(flashinfer, n))]
+    if missing:
+        return decline(f"flashinfer {v} lacks {missing}", "libraries")
+    return accept(f"flashinfer {v}", "libraries")
+
+
+def _fi(name: str) -> Any:
+    import flashinfer
+    import flashinfer.fused_moe as fmoe
+
+    return getattr(fmoe, name, None) or getattr(flashinfer, name)
+
+
+def routing_method_type(req: BuildRequest) -> int:
+    r = req.config.routing
+    assert r is not None
+    if r.method is RoutingMethod.DEEPSEEK_V3:
+        return ROUTING_DEEPSEEK_V3
+    return ROUTING_RENORMALIZE if r.renormalize else ROUTING_DEFAULT
+
+
+def logits_for_kernel(logits: torch.Tensor, method: int) -> torch.Tensor:
+    """The routing-logits dtype the installed trtllm-gen launcher accepts: DeepSeek-V3 routing
+    takes fp32 (bf16 too from flashinfer 0.6.8); the FP8 launchers take bf16 for the other
+    methods (flashinfer issue #2469), so fp32 logits are rounded to bf16 there (documented)."""
+    if method == ROUTING_DEEPSEEK_V3:
+        bf16_ok = parse_version(flashinfer_version()) >= FLASHINFER_BF16_LOGITS
+        if logits.dtype == torch.bfloat16 and bf16_ok:
+            return logits
+        return logits.float()
+    return logits.to(torch.bfloat16)
+
+
+# --- TensorRT-LLM-gen fused MoE ---------------------------------------------------------------------
+
+
+@dataclass
+class TrtllmWeights:
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None  # fp8 block: [E, 2I/128, H/128] in w3/w1 order
+    w2_scale: torch.Tensor | None
+    out1_scale: torch.Tensor | None = None  # fp8 per-tensor: [E] scalars
+    out1_gate_scale: torch.Tensor | None = None
+    out2_scale: torch.Tensor | None = None
+    a13_scale: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+
+
+def prepare_trtllm_fp8_block(weights: ExpertWeights) -> TrtllmWeights:
+    """Canonical FP8 block weights -> trtllm-gen MajorK layout: W13 (and its scale blocks) in
+    w3-then-w1 order (the kernel's GEMM1 is (up, gate)); W2 unchanged."""
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    return TrtllmWeights(
+        L.swap_w13_halves(weights.w13),
+        weights.w2.contiguous(),
+        L.swap_w13_halves(weights.w13_scale.float()),
+        weights.w2_scale.float().contiguous(),
+        correction_bias=weights.correction_bias,
+    )
+
+
+def prepare_trtllm_fp8_tensor(weights: ExpertWeights, epilogue_tile_m: int = 128) -> TrtllmWeights:
+    """Canonical FP8 per-tensor weights -> trtllm-gen: W13 swapped to [w3; w1], rows interleaved
+    for the gated activation, both weights row-shuffled for the epilogue tile; the three
+    per-expert output scales folded from weight and static activation scales."""
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    assert weights.a13_scale is not None and weights.a2_scale is not None
+    w13 = L.swap_w13_halves(weights.w13).view(torch.uint8)
+    w13 = L.shuffle_rows_for_epilogue(L.reorder_rows_for_gated_act(w13), epilogue_tile_m).view(fp8.FP8_DTYPE)
+    w2 = L.shuffle_rows_for_epilogue(weights.w2.view(torch.uint8), epilogue_tile_m).view(fp8.FP8_DTYPE)
+    a13, a2 = weights.a13_scale.float(), weights.a2_scale.float()
+    s13, s2 = weights.w13_scale.float(), weights.w2_scale.float()
+    return TrtllmWeights(
+        w13,
+        w2,
+        None,
+        None,
+        out1_scale=(a13 * s13 / a2).contiguous(),  # GEMM1 output requantized with a2
+        out1_gate_scale=(a13 * s13).contiguous(),
+        out2_scale=(a2 * s2).contiguous(),
+        a13_scale=a13,
+        correction_bias=weights.correction_bias,
+    )
+
+
+class _TrtllmProcessor(WeightProcessor):
+    devices = frozenset({"cuda"})
+    priority = 10
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, SM100, "TensorRT-LLM-gen MoE")
+
+
+class TrtllmFp8BlockProcessor(_TrtllmProcessor):
+    name = "trtllm_fp8_block_weights"
+    layout = "trtllm_fp8_block"
+    quant_schemes = frozenset({FP8_BLOCK})
+
+    def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
+        return prepare_trtllm_fp8_block(weights)
+
+
+class TrtllmFp8TensorProcessor(_TrtllmProcessor):
+    name = "trtllm_fp8_tensor_weights"
+    layout = "trtllm_fp8_tensor"
+    quant_schemes = frozenset({FP8_TENSOR})
+
+    def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
+        return prepare_trtllm_fp8_tensor(weights)
+
+
+class _TrtllmRunner(FusedRunner):
+    def __init__(self, req: BuildRequest) -> None:
+        self.req, self.c = req, req.config
+        self.method = routing_method_type(req)
+        self.w: TrtllmWeights | None = None
+        r = req.config.routing
+        assert r is not None
+        self.n_group = r.n_group if r.method is RoutingMethod.DEEPSEEK_V3 else None
+        self.topk_group = r.topk_group if r.method is RoutingMethod.DEEPSEEK_V3 else None
+
+    def load(self, weights: Any) -> None:
+        self.w = weights
+
+    def _bias(self) -> torch.Tensor | None:
+        assert self.w is not None
+        cb = self.w.correction_bias
+        return cb.to(torch.bfloat16) if cb is not None else None
+
+
+class TrtllmFp8BlockRunner(_TrtllmRunner):
+    def forward(self, hidden: torch.Tensor, topk: TopK | None, router_logits: torch.Tensor | None) -> torch.Tensor:
+        assert router_logits is not None and self.w is not None
+        c, w = self.c, self.w
+        q, s = fp8.quantize_group(hidden)  # 1x128 groups; the kernel wants scales [H/128, T]
+        return _fi("trtllm_fp8_block_scale_moe")(
+            logits_for_kernel(router_logits, self.method),
+            self._bias(),
+            q,
+            s.t().contiguous(),
+            w.w13,
+            w.w13_scale,
+            w.w2,
+            w.w2_scale,
+            c.num_experts,
+            c.top_k,
+            self.n_group,
+            self.topk_group,
+            c.intermediate_size,
+            c.local_expert_start,
+            c.num_local_experts,
+            float(c.routed_scaling_factor),
+            routing_method_type=self.method,
+            use_shuffled_weight=False,
+            weight_layout=0,
+        ).to(c.dtype)
+
+
+class TrtllmFp8TensorRunner(_TrtllmRunner):
+    def forward(self, hidden: torch.Tensor, topk: TopK | None, router_logits: torch.Tensor | None) -> torch.Tensor:
+        assert router_logits is not None and self.w is not None and self.w.a13_scale is not None
+        c, w = self.c, self.w
+        q, _ = fp8.quantize_tensor(hidden, self.w.a13_scale)
+        return _fi("trtllm_fp8_per_tensor_scale_moe")(
+            logits_for_kernel(router_logits, self.method),
+            self._bias(),
+            q,
+            w.w13,
+            w.out1_scale,
+            w.out1_gate_scale,
+            w.w2,
+            w.out2_scale,
+            c.num_experts,
+            c.top_k,
+            self.n_group,
+            self.topk_group,
+            c.intermediate_size,
+            c.local_expert_start,
+            c.num_local_experts,
+            float(c.routed_scaling_factor),
+            False,  # use_routing_scales_on_input
+            routing_method_type=self.method,
+        ).to(c.dtype)
+
+
+class _TrtllmFused(FusedForward):
+    devices = frozenset({"cuda"})
+    priority = 30
+    accepts = frozenset({"logits"})
+    routing_methods = frozenset({RoutingMethod.SOFTMAX, RoutingMethod.DEEPSEEK_V3})
+    activations = frozenset({Activation.SILU})
+    supports_non_gated = False
+    supports_bias = False
+    supports_router_weight_on_input = False
+    graph_capturable = True
+    _fn: ClassVar[str]
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, SM100, "TensorRT-LLM-gen MoE")
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        return flashinfer_decision([self._fn])
+
+    def check_shape(self, req: BuildRequest) -> Decision:
+        c = req.config
+        if c.dtype != torch.bfloat16:
+            return decline(f"trtllm-gen MoE returns bf16; the layer dtype is {c.dtype}", "shape")
+        if c.hidden_size % 128 or c.intermediate_size % 128:
+            return decline("hidden_size and intermediate_size must be multiples of 128", "shape")
+        return accept(predicate="shape")
+
+
+class TrtllmFp8BlockMoE(_TrtllmFused):
+    """FlashInfer `trtllm_fp8_block_scale_moe`: routing + FP8 1x128/128x128 GEMMs in one kernel."""
+
+    name = "trtllm_fp8_block"
+    description = "FlashInfer TensorRT-LLM-gen fused MoE, FP8 block scale, routing in the kernel (SM100)"
+    quant_schemes = frozenset({FP8_BLOCK})
+    weight_layout: ClassVar[str] = "trtllm_fp8_block"
+    _fn = "trtllm_fp8_block_scale_moe"
+
+    def build(self, req: BuildRequest) -> FusedRunner:
+        return TrtllmFp8BlockRunner(req)
+
+
+class TrtllmFp8TensorMoE(_TrtllmFused):
+    """FlashInfer `trtllm_fp8_per_tensor_scale_moe` (static per-tensor activation scales)."""
+
+    name = "trtllm_fp8_tensor"
+    description = "FlashInfer TensorRT-LLM-gen fused MoE, FP8 per-tensor, routing in the kernel (SM100)"
+    quant_schemes = frozenset({FP8_TENSOR})
+    weight_layout: ClassVar[str] = "trtllm_fp8_tensor"
+    _fn = "trtllm_fp8_per_tensor_scale_moe"
+
+    def build(self, req: BuildRequest) -> FusedRunner:
+        return TrtllmFp8TensorRunner(req)
+
+
+# --- CuteDSL NVFP4 experts --------------------------------------------------------------------
+
+
+@dataclass
+class CuteDslWeights:
+    w13: torch.Tensor  # uint8 packed FP4
+    w13_sf: torch.Tensor  # e4m3 block scales, kernel layout
+    w2: torch.Tensor
+    w2_sf: torch.Tensor
+    w13_alpha: torch.Tensor  # fp32 [E]: 1 / (a13_gs * w13_gs)
+    w2_alpha: torch.Tensor
+    a13_gs: torch.Tensor  # fp32 [] (or [E] broadcast for the masked quantizer)
+    a2_gs: torch.Tensor
+
+
+def prepare_cutedsl_nvfp4(weights: ExpertWeights, standard: bool) -> CuteDslWeights:
+    """Canonical NVFP4 -> CuteDSL. Standard path: W13 and its scales as [up; gate] interleaved
+    in 64-row chunks, block scales 128x4-swizzled. Masked path: [gate; up] kept, block scales
+    128x4-swizzled (the MMA layout the masked grouped GEMM reads)."""
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    assert weights.w13_global_scale is not None and weights.w2_global_scale is not None
+    assert weights.a13_scale is not None and weights.a2_scale is not None
+    w13, s13 = weights.w13, weights.w13_scale
+    if standard:
+        w13 = L.interleave_w13_halves(L.swap_w13_halves(w13))
+        s13 = L.interleave_w13_halves(L.swap_w13_halves(s13))
+    sf13 = L.swizzle_block_scales_128x4(s13.view(torch.uint8)).view(torch.float8_e4m3fn)
+    sf2 = L.swizzle_block_scales_128x4(weights.w2_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+    a13, a2 = weights.a13_scale.float(), weights.a2_scale.float()
+    return CuteDslWeights(
+        w13.contiguous(),
+        sf13,
+        weights.w2.contiguous(),
+        sf2,
+        (1.0 / (a13 * weights.w13_global_scale.float())).contiguous(),
+        (1.0 / (a2 * weights.w2_global_scale.float())).contiguous(),
+        a13,
+        a2,
+    )
+
+
+class _CuteDslProcessor(WeightProcessor):
+    devices = frozenset({"cuda"})
+    priority = 10
+    quant_schemes = frozenset({NVFP4})
+    standard: ClassVar[bool]
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, SM100, "FlashInfer CuteDSL NVFP4")
+
+    def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
+        return prepare_cutedsl_nvfp4(weights, self.standard)
+
+
+class CuteDslStandardProcessor(_CuteDslProcessor):
+    name = "cutedsl_nvfp4_weights"
+    layout = "cutedsl_nvfp4"
+    standard = True
+
+
+class CuteDslMaskedProcessor(_CuteDslProcessor):
+    name = "cutedsl_nvfp4_masked_weights"
+    layout = "cutedsl_nvfp4_masked"
+    standard = False
+
+
+class CuteDslStandardRunner(ExpertsRunner):
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
+        c = req.config
+        self.fmt, self.c = fmt, c
+        self.w: CuteDslWeights | None = None
+        self.wrapper = _fi("CuteDslMoEWrapper")(
+            num_experts=c.num_experts,
+            top_k=c.top_k,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            use_cuda_graph=True,
+            num_local_experts=c.num_local_experts,
+            local_expert_offset=c.local_expert_start,
+            output_dtype=c.dtype,
+        )
+
+    def load(self, weights: Any) -> None:
+        self.w = weights
+
+    def apply(self, inp: Any) -> Any:
+        assert isinstance(inp, StandardInput) and self.w is not None
+        w, c = self.w, self.c
+        x, x_sf = _fi("fp4_quantize")(inp.hidden, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=True)
+        # local ids (-1 = remote) -> global ids; remote slots point at a local expert with weight 0
+        ids = inp.topk_ids
+        valid = ids >= 0
+        gids = torch.where(valid, ids + c.local_expert_start, torch.full_like(ids, c.local_expert_start))
+        wts = torch.where(valid, inp.topk_weights, torch.zeros_like(inp.topk_weights))
+        y = self.wrapper.run(
+            x, x_sf, gids, wts, w.w13, w.w13_sf, w.w13_alpha, w.a2_gs.reshape(1), w.w2, w.w2_sf, w.w2_alpha
+        )
+        return StandardOutput(y)
+
+
+class CuteDslMaskedRunner(ExpertsRunner):
+    """DeepEP low-latency layout: quantize [E, M, H] per expert to NVFP4, masked grouped GEMM,
+    fused SiLU-and-mul + NVFP4 requant, masked grouped GEMM."""
+
+    def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
+        self.fmt, self.c = fmt, req.config
+        self.w: CuteDslWeights | None = None
+
+    def load(self, weights: Any) -> None:
+        self.w = weights
+
+    def apply(self, inp: Any) -> Any:
+        assert isinstance(inp, MaskedInput) and self.w is not None
+        w, c = self.w, self.c
+        e, m, h = inp.hidden.shape
+        i = c.intermediate_size
+        gemm = _fi("grouped_gemm_nt_masked")
+        kw = dict(ab_dtype="float4_e2m1fn", sf_dtype="float8_e4m3fn", c_dtype="bfloat16", sf_vec_size=16)
+        a13 = w.a13_gs.reshape(1).expand(e).contiguous()
+        a2 = w.a2_gs.reshape(1).expand(e).contiguous()
+        xq, xs = _fi("scaled_fp4_grouped_quantize")(inp.hidden, inp.masked_m, a13)
+        h1 = torch.empty(m, 2 * i, e, dtype=torch.bfloat16, device=inp.hidden.device)
+        w13 = w.w13.permute(1, 2, 0)  # [2I, H/2, E] logical (n, k, l)
+        gemm((xq, xs), (w13, w.w13_sf), h1, inp.masked_m, alpha=w.w13_alpha.view(1, 1, e), alpha_dtype="float32", **kw)
+        aq, as_ = _fi("silu_and_mul_scaled_nvfp4_experts_quantize")(h1.permute(2, 0, 1), inp.masked_m, a2)
+        y = torch.empty(m, h, e, dtype=torch.bfloat16, device=inp.hidden.device)
+        w2 = w.w2.permute(1, 2, 0)
+        gemm((aq, as_), (w2, w.w2_sf), y, inp.masked_m, alpha=w.w2_alpha.view(1, 1, e), alpha_dtype="float32", **kw)
+        out = y.permute(2, 0, 1)
+        live = torch.arange(m, device=out.device)[None, :] < inp.masked_m[:, None]
+        return MaskedOutput(torch.where(live[..., None], out, 0).to(c.dtype))
+
+
+class CuteDslNvfp4Experts(Experts):
+    """FlashInfer CuteDSL NVFP4 experts; one registration per dispatch format it consumes, so a
+    masked dispatcher (DeepEP low latency) always finds the masked variant."""
+
+    devices = frozenset({"cuda"})
+    priority = 30
+    quant_schemes = frozenset({NVFP4})
+    activations = frozenset({Activation.SILU})
+    supports_non_gated = False
+    supports_bias = False
+    graph_capturable = True
+    layout_kind: ClassVar[Layout]
+
+    @staticmethod
+    def variants() -> list[Experts]:
+        return [CuteDslNvfp4StandardExperts(), CuteDslNvfp4MaskedExperts()]
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        return sm_decision(req, SM100, "FlashInfer CuteDSL NVFP4")
+
+    def check_shape(self, req: BuildRequest) -> Decision:
+        c = req.config
+        if c.dtype != torch.bfloat16:
+            return decline(f"CuteDSL NVFP4 experts return bf16; the layer dtype is {c.dtype}", "shape")
+        if c.hidden_size % 128 or c.intermediate_size % 128:
+            return decline("hidden_size and intermediate_size must be multiples of 128 (swizzled scales)", "shape")
+        return accept(predicate="shape")
+
+    def input_formats(self, req: BuildRequest) -> Sequence[ActivationFormat]:
+        return [ActivationFormat(self.layout_kind, req.config.dtype)]
+
+
+class CuteDslNvfp4StandardExperts(CuteDslNvfp4Experts):
+    name = "cutedsl_nvfp4"
+    description = "FlashInfer CuteDslMoEWrapper (NVFP4 W4A4), token-major input (SM100)"
+    weight_layout: ClassVar[str] = "cutedsl_nvfp4"
+    layout_kind = Layout.STANDARD
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        return flashinfer_decision(["CuteDslMoEWrapper", "fp4_quantize"])
+
+    def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
+        return CuteDslStandardRunner(req, fmt)
+
+
+class CuteDslNvfp4MaskedExperts(CuteDslNvfp4Experts):
+    name = "cutedsl_nvfp4_masked"
+    description = "FlashInfer CuteDSL masked grouped GEMMs (NVFP4), DeepEP low-latency layout (SM100)"
+    weight_layout: ClassVar[str] = "cutedsl_nvfp4_masked"
+    layout_kind = Layout.MASKED
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        return flashinfer_decision(
+            ["grouped_gemm_nt_masked", "scaled_fp4_grouped_quantize", "silu_and_mul_scaled_nvfp4_experts_quantize"]
+        )
+
+    def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
+        return CuteDslMaskedRunner(req, fmt)
+
+
+def flashinfer_weight_processors() -> list[WeightProcessor]:
+    return [TrtllmFp8BlockProcessor(), TrtllmFp8TensorProcessor(), CuteDslStandardProcessor(), CuteDslMaskedProcessor()]
+
+
+__all__ = [
+    "CuteDslNvfp4Experts",
+    "TrtllmFp8BlockMoE",
+    "TrtllmFp8TensorMoE",
+    "flashinfer_weight_processors",
+]

@@ -1,0 +1,154 @@
+"""NVFP4 checkpoints on Hopper: weights dequantized to BF16 once at load, BF16 DeepGEMM grouped
+GEMMs, and the scheme's NVFP4 activation quantization reproduced in the Triton glue
+(quantize-dequantize of the GEMM1 input and of the activation with the checkpoint's static
+global scales), so results match the nvfp4 reference, not a bf16 one.
+
+Costs: weights take 4x the memory of FP4 (BF16), and the GEMMs run at BF16 rate. It is a
+compatibility path: on SM100 the FlashInfer CuteDSL NVFP4 experts (FP4 tensor cores) win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from moehal.capability import Decision, accept, decline
+from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput
+from moehal.interfaces import BuildRequest, ExpertsRunner, WeightProcessor
+from moehal.quant import NVFP4, nvfp4
+from moehal.weights import ExpertWeights
+from moehal_cuda.deepgemm_experts import (
+    MASKED_ROW_ALIGNMENT,
+    DeepGemmExperts,
+    DeepGemmExpertsRunner,
+    DeepGemmOps,
+    DeepGemmWeights,
+    check_masked_rows,
+)
+
+LAYOUT = "deepgemm_nvfp4_dequant"
+
+
+@dataclass
+class DequantNvfp4Weights(DeepGemmWeights):
+    a13_global_scale: torch.Tensor | None = None  # fp32 [] on device
+    a2_global_scale: torch.Tensor | None = None
+
+
+def dequantize_nvfp4_weights(weights: ExpertWeights, dtype: torch.dtype) -> DequantNvfp4Weights:
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    assert weights.w13_global_scale is not None and weights.w2_global_scale is not None
+    w13 = torch.stack(
+        [
+            nvfp4.dequantize(q, s, g).to(dtype)
+            for q, s, g in zip(weights.w13, weights.w13_scale, weights.w13_global_scale)
+        ]
+    )
+    w2 = torch.stack(
+        [nvfp4.dequantize(q, s, g).to(dtype) for q, s, g in zip(weights.w2, weights.w2_scale, weights.w2_global_scale)]
+    )
+    b13 = weights.w13_bias.float().contiguous() if weights.w13_bias is not None else None
+    b2 = weights.w2_bias.float().contiguous() if weights.w2_bias is not None else None
+    a13 = weights.a13_scale.float().reshape(()) if weights.a13_scale is not None else None
+    a2 = weights.a2_scale.float().reshape(()) if weights.a2_scale is not None else None
+    return DequantNvfp4Weights(
+        w13.contiguous(), w2.contiguous(), None, None, b13, b2, a13_global_scale=a13, a2_global_scale=a2
+    )
+
+
+class Nvfp4DequantProcessor(WeightProcessor):
+    """NVFP4 (packed e2m1 + e4m3 block scales + global scales) -> BF16 weights, once."""
+
+    name = "nvfp4_dequant_weights"
+    layout = LAYOUT
+    priority = 10
+    devices = frozenset({"cuda"})
+    quant_schemes = frozenset({NVFP4})
+
+    def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
+        return dequantize_nvfp4_weights(weights, req.config.dtype)
+
+
+class Nvfp4DequantRunner(DeepGemmExpertsRunner):
+    def load(self, weights: Any) -> None:
+        if isinstance(weights, ExpertWeights):
+            weights = dequantize_nvfp4_weights(weights, self.config.dtype)
+        self.w = weights
+
+    def apply(self, inp: Any) -> Any:
+        from moehal.kernels.triton_permute import contiguous_workspace, workspace
+        from moehal_cuda.triton_glue import RowIndex, activation, add_bias, nvfp4_qdq_rows
+
+        w = self.w
+        assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        if inp.hidden.numel() == 0:
+            return self._empty_output(inp)
+        c = self.config
+        tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
+        if isinstance(inp, MaskedInput):
+            e, m, h = inp.hidden.shape
+            check_masked_rows(m)
+            lead: tuple[int, ...] = (e, m)
+            rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
+        elif isinstance(inp, ContiguousInput):
+            lead = (inp.hidden.shape[0],)
+            h = inp.hidden.shape[1]
+            rows = RowIndex(lead[0], 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
+        else:
+            raise TypeError(f"NVFP4-dequant experts cannot take {type(inp).__name__}")
+        if len(lead) == 2:
+            xq = workspace(f"dgq.x:{tag}", lead, h, c.dtype, inp.hidden.device, False).hidden
+        else:  # as the GEMM buffers: this call's rows of one buffer (`DeepGemmExpertsRunner._buffers`)
+            cap = self.contiguous_capacity(lead[0])
+            xq = contiguous_workspace(f"dgq.x:{tag}", lead[0], cap, h, c.dtype, inp.hidden.device, False).hidden
+        nvfp4_qdq_rows(inp.hidden, xq, w.a13_global_scale, rows)
+        hb, ab, yb = self._buffers(lead, inp.hidden.device)
+        if isinstance(inp, MaskedInput):
+            self.ops.masked(xq, None, w.w13, None, hb.hidden, inp.masked_m, inp.expected_m)
+        else:
+            self.ops.contiguous(xq, None, w.w13, None, hb.hidden, inp.row_expert)
+        activation(hb.hidden, ab, yb.hidden, rows, c, w.w13_bias, False, w.a2_global_scale)
+        if isinstance(inp, MaskedInput):
+            self.ops.masked(ab.hidden, None, w.w2, None, yb.hidden, inp.masked_m, inp.expected_m)
+        else:
+            self.ops.contiguous(ab.hidden, None, w.w2, None, yb.hidden, inp.row_expert)
+        if w.w2_bias is not None:
+            add_bias(yb.hidden, w.w2_bias, rows)
+        return MaskedOutput(yb.hidden) if isinstance(inp, MaskedInput) else ContiguousOutput(yb.hidden)
+
+
+class Nvfp4DequantExperts(DeepGemmExperts):
+    """NVFP4 on SM90: BF16 DeepGEMM on weights dequantized at load; activations quantize-
+    dequantized to NVFP4 in the glue so the numerics follow the scheme."""
+
+    name = "deepgemm_nvfp4_dequant"
+    priority = 15  # below native FP4 kernels (CuteDSL on SM100)
+    description = "NVFP4 weights dequantized to BF16 once + BF16 DeepGEMM; NVFP4 activation qdq in the glue"
+    quant_schemes = frozenset({NVFP4})
+    weight_layout: ClassVar[str] = LAYOUT
+
+    def check_quant(self, req: BuildRequest) -> Decision:
+        if req.quant != NVFP4:
+            return decline(f"quant {req.quant.name} is not nvfp4", "quant")
+        return accept(predicate="quant")
+
+    def check_shape(self, req: BuildRequest) -> Decision:
+        c = req.config
+        if c.dtype != torch.bfloat16:
+            return decline(f"DeepGEMM writes bf16 outputs; the layer dtype is {c.dtype}", "shape")
+        for name, v in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size)):
+            if v % 64:
+                return decline(f"{name}={v} must be a multiple of 64 (BF16 DeepGEMM K)", "shape")
+        return accept(predicate="shape")
+
+    def input_formats(self, req: BuildRequest) -> list[Any]:
+        from moehal.formats import ActivationFormat, Layout
+
+        masked = ActivationFormat(Layout.MASKED, req.config.dtype, row_alignment=MASKED_ROW_ALIGNMENT)
+        contig = ActivationFormat(Layout.CONTIGUOUS, req.config.dtype, row_alignment=self._alignment())
+        mt = req.config.max_tokens
+        return [masked, contig] if mt is not None and mt <= 512 else [contig, masked]
+
+    def build(self, req: BuildRequest, fmt: Any) -> ExpertsRunner:
+        return Nvfp4DequantRunner(req, fmt, DeepGemmOps(False, (req.hardware.sm or 0) >= 100))

@@ -1,0 +1,110 @@
+"""Shared checks: hardware, library versions, the Triton interpreter. Never imports a vendor
+library at module import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moehal.capability import Decision, accept, decline
+from moehal.hardware import module_available, package_version
+from moehal.interfaces import BuildRequest
+from moehal.kernels.host import interpreting
+
+# sgl-deep-gemm builds are tied to a torch release; 0.1.4.post1 (+ apache-tvm-ffi 0.1.11) is the
+# one verified with torch 2.11 + CUDA 13.0 (see docs/backends/cuda.md).
+DEEPGEMM_MIN = (0, 1, 4)
+FLASHINFER_MIN = (0, 5, 0)
+# trtllm-gen FP8/FP4 MoE accept bf16 routing logits for DeepSeek-V3 routing from 0.6.8 (earlier:
+# fp32 only; sglang PR #25189 drops its fp32 upcast on that basis)
+FLASHINFER_BF16_LOGITS = (0, 6, 8)
+
+
+def parse_version(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    out: list[int] = []
+    for part in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+        if not part.isdigit():
+            break
+    return tuple(out)
+
+
+def interpreted_mode(req: BuildRequest) -> str:
+    return "interpreted" if req.hardware.kind == "cpu" and interpreting() else "native"
+
+
+def cuda_or_interpreter(req: BuildRequest) -> Decision:
+    kind = req.hardware.kind
+    if kind == "cuda":
+        return accept(predicate="hardware")
+    if kind == "cpu" and interpreting():
+        return accept("runs under the Triton interpreter (TRITON_INTERPRET=1)", "hardware")
+    if kind == "cpu":
+        return decline("no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels interpreted)", "hardware")
+    return decline(f"runs on NVIDIA CUDA devices, not {kind}", "hardware")
+
+
+def sm_decision(req: BuildRequest, allowed: tuple[int, ...], what: str) -> Decision:
+    hw = req.hardware
+    if hw.kind != "cuda":
+        return decline(f"{what} needs an NVIDIA GPU; this device is {hw.kind}", "hardware")
+    sm = hw.sm
+    if sm not in allowed:
+        names = {90: "SM90 (Hopper)", 100: "SM100 (Blackwell)", 103: "SM103 (Blackwell Ultra)"}
+        want = " or ".join(names.get(a, f"sm{a}") for a in allowed)
+        return decline(f"{what} needs {want}; this device is sm{sm}", "hardware")
+    return accept(predicate="hardware")
+
+
+def triton_decision() -> Decision:
+    if not module_available("triton"):
+        return decline("triton is not installed (pip install 'moehal[cuda]')", "libraries")
+    return accept(predicate="libraries")
+
+
+_DG: dict[str, Any] = {}
+
+
+def import_deep_gemm() -> Any:
+    """Import deep_gemm once; raises ImportError with the reason."""
+    if "mod" not in _DG:
+        try:
+            import deep_gemm
+
+            _DG["mod"] = deep_gemm
+        except Exception as exc:  # noqa: BLE001 - a JIT library may fail in many ways at import
+            _DG["mod"] = None
+            _DG["err"] = f"{type(exc).__name__}: {exc}"
+    if _DG["mod"] is None:
+        raise ImportError(_DG["err"])
+    return _DG["mod"]
+
+
+def deep_gemm_decision(needed: tuple[str, ...]) -> Decision:
+    if not module_available("deep_gemm"):
+        return decline("deep_gemm is not installed (pip install sgl-deep-gemm; see docs/backends/cuda.md)", "libraries")
+    version = package_version("sgl-deep-gemm") or package_version("deep-gemm") or package_version("deep_gemm")
+    if version is not None and parse_version(version) < DEEPGEMM_MIN:
+        want = ".".join(map(str, DEEPGEMM_MIN))
+        return decline(f"deep_gemm {version} is older than {want}", "libraries")
+    try:
+        dg = import_deep_gemm()
+    except ImportError as exc:
+        return decline(f"deep_gemm failed to import: {exc}", "libraries")
+    missing = [n for n in needed if not any(hasattr(dg, alias) for alias in n.split("|"))]
+    if missing:
+        return decline(f"deep_gemm {version} lacks {missing} (API changed between releases)", "libraries")
+    return accept(f"deep_gemm {version}", "libraries")
+
+
+def dg_fn(dg: Any, names: str) -> Any:
+    """First attribute of `names` ('a|b|c') that deep_gemm has."""
+    for n in names.split("|"):
+        f = getattr(dg, n, None)
+        if f is not None:
+            return f
+    raise AttributeError(f"deep_gemm has none of {names}")

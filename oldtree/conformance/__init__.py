@@ -1,0 +1,1 @@
+"""moehal_conformance: the conformance suite every backend runs (pytest plugin)."""

@@ -1,0 +1,255 @@
+"""The conformance cases, computed from a backend's own declarations.
+
+For every configuration below, `moehal.enumerate_pipelines` asks the backend which
+pipelines it accepts. Accepted pipelines become cases that must pass; a configuration the
+backend declines becomes a `declined` case carrying the backend's reason. Nothing is
+skipped silently.
+
+Families:
+- matrix: every quant scheme x activation x every format the backend consumes.
+- features: biases, routed scaling, router weight on input, EP local range, fp16/fp32,
+  hidden sizes that are not multiples of 128.
+- shapes: 0, 1 and odd token counts, all tokens to one expert, experts without tokens,
+  top-k from 1 to 10, large and small expert counts.
+- padding: masked layouts keep padding rows zero.
+- routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
+- determinism, cuda_graph, out_buffer, double_process, bad_input, honesty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from moehal.config import MoEConfig
+from moehal.interfaces import BuildRequest
+from moehal.plugins import Registry
+from moehal.quant import ALL_SCHEMES, QuantScheme
+from moehal.routing import RoutingConfig
+from moehal.selection import CandidateDecision, Pipeline, enumerate_pipelines
+
+BASE = dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+ACTIVATIONS: dict[str, dict[str, object]] = {
+    "silu": dict(activation="silu"),
+    "gelu": dict(activation="gelu"),
+    "swiglu_oai": dict(activation="swiglu_oai"),
+    "silu_nongated": dict(activation="silu", gated=False),
+}
+BF16 = QuantScheme.parse("bf16")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case. `pipeline` is None when the backend declined (`declined`)."""
+
+    id: str
+    family: str
+    check: str  # numeric, padding, determinism, cuda_graph, out_buffer, double_process, bad_input, logits, honesty
+    config: MoEConfig
+    quant: QuantScheme
+    tokens: int = 7
+    pattern: str = "random"  # random | one_expert | few_experts
+    pipeline: Pipeline | None = None
+    declined: str | None = None
+    seed: int = 0
+    logits_dtype: torch.dtype = torch.float32
+    decisions: tuple[CandidateDecision, ...] = field(default=(), compare=False)
+
+    @property
+    def layout(self) -> str:
+        p = self.pipeline
+        if p is None:
+            return "-"
+        return "fused" if p.kind == "fused" else (p.fmt.layout_name if p.fmt else "-")
+
+
+def _short(p: Pipeline) -> str:
+    if p.kind == "fused":
+        return p.main.name
+    small = f"+{p.small.fmt}<={p.small.max_tokens}" if p.small else ""
+    return f"{p.main.name}[{p.fmt}]{small}"
+
+
+def _distinct(pipes: list[Pipeline], per_layout: bool | None) -> list[Pipeline]:
+    """All accepted pipelines of distinct (kernel, format), or the best one per layout, or
+    (per_layout None) every distinct (dispatcher, kernel, format) pairing. A small-batch
+    format makes a pairing distinct: with and without it are two paths to check."""
+    seen: set[object] = set()
+    out = []
+    for p in pipes:
+        if per_layout is None:
+            key = (p.dispatcher.qualname if p.dispatcher else None, p.main.qualname, p.fmt, p.small)
+        elif per_layout:
+            key = ("fused", p.main.qualname) if p.kind == "fused" else (p.fmt.layout_name if p.fmt else None, p.small)
+        else:
+            key = (p.main.qualname, p.fmt, p.small)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+_DEPTH = {
+    "request": -1,
+    "hardware": 0,
+    "libraries": 1,
+    "quant": 2,
+    "activation": 3,
+    "parallel": 4,
+    "shape": 5,
+    "routing": 6,
+    "weights": 7,
+    "format": 8,
+}
+
+
+def _main_decline(decisions: list[CandidateDecision], backend: str) -> str:
+    """The backend's reasons, the most telling first: a kernel that got as far as the shape
+    check says more about this configuration than one for other hardware."""
+    mine = [d for d in decisions if d.name.startswith(f"{backend}.") and not d.ok and d.kind in ("experts", "fused")]
+    mine = mine or [d for d in decisions if d.name.startswith(f"{backend}.") and not d.ok]
+    if not mine:
+        return "the backend declares no experts kernel or fused forward"
+    mine.sort(key=lambda d: -_DEPTH.get(d.predicate, 0))
+    return "; ".join(f"{d.name}: {d.reason}" for d in mine)
+
+
+class CaseBuilder:
+    def __init__(self, backend: str, registry: Registry, req_template: BuildRequest, profile: str = "full") -> None:
+        self.backend, self.registry, self.template, self.profile = backend, registry, req_template, profile
+
+    def pipelines(self, config: MoEConfig, quant: QuantScheme) -> tuple[list[Pipeline], list[CandidateDecision]]:
+        req = BuildRequest(config, quant, self.template.hardware, self.template.settings)
+        pipes, decisions = enumerate_pipelines(req, self.registry, self.backend)
+        return pipes, decisions
+
+    def cases_for(
+        self,
+        family: str,
+        check: str,
+        name: str,
+        config: MoEConfig,
+        quant: QuantScheme,
+        per_layout: bool = True,
+        **kw: object,
+    ) -> Iterator[Case]:
+        pipes, decisions = self.pipelines(config, quant)
+        if check == "padding":
+            pipes = [p for p in pipes if p.kind == "modular" and p.fmt is not None and p.fmt.layout_name == "masked"]
+            if not pipes:
+                return
+        if not pipes:
+            yield Case(
+                f"{family}/{quant.name}/{name}",
+                family,
+                check,
+                config,
+                quant,
+                declined=_main_decline(decisions, self.backend),
+                decisions=tuple(decisions),
+                **kw,
+            )  # type: ignore[arg-type]
+            return
+        for p in _distinct(pipes, per_layout):
+            prefix = f"{p.dispatcher.qualname}->" if per_layout is None and p.dispatcher else ""
+            yield Case(
+                f"{family}/{quant.name}/{name}/{prefix}{_short(p)}",
+                family,
+                check,
+                config,
+                quant,
+                pipeline=p,
+                decisions=tuple(decisions),
+                **kw,
+            )  # type: ignore[arg-type]
+
+    def all_cases(self) -> list[Case]:
+        cases: list[Case] = []
+        base = MoEConfig(**BASE)  # type: ignore[arg-type]
+        claimed: list[QuantScheme] = []
+        # matrix ------------------------------------------------------------------------------
+        for quant in ALL_SCHEMES:
+            any_ok = False
+            for act_name, act in ACTIVATIONS.items():
+                for c in self.cases_for("matrix", "numeric", act_name, base.with_(**act), quant, per_layout=False):
+                    any_ok |= c.pipeline is not None
+                    cases.append(c)
+            if any_ok:
+                claimed.append(quant)
+        first = claimed[0] if claimed else BF16
+        # features ----------------------------------------------------------------------------
+        features: dict[str, dict[str, object]] = {
+            "biases": dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True),
+            "routed_scaling": dict(routed_scaling_factor=2.5),
+            "weight_on_input": dict(top_k=1, apply_router_weight_on_input=True),
+            "ep_local_range": dict(ep_size=2, ep_rank=1),
+            "hidden_not_128x": dict(hidden_size=192, intermediate_size=96),
+            # Fused kernels (e.g. Ascend FuseEP) have minimum sizes: this one reaches them.
+            "wide_512": dict(hidden_size=512, intermediate_size=512, max_tokens=16),
+        }
+        for quant in claimed:
+            for name, change in features.items():
+                cases.extend(self.cases_for("features", "numeric", name, base.with_(**change), quant))
+        for dtype_name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
+            cases.extend(self.cases_for("features", "numeric", dtype_name, base.with_(dtype=dtype), BF16))
+        # shapes ------------------------------------------------------------------------------
+        shapes: list[tuple[str, dict[str, object], dict[str, object]]] = [
+            ("tokens_0", {}, dict(tokens=0)),
+            ("tokens_1", {}, dict(tokens=1)),
+            ("tokens_33", {}, dict(tokens=33)),
+            ("one_expert", dict(top_k=1), dict(tokens=9, pattern="one_expert")),
+            ("idle_experts", dict(num_experts=16), dict(tokens=3, pattern="few_experts")),
+            ("top_k_1", dict(num_experts=16, top_k=1), {}),
+            ("top_k_4", dict(num_experts=16, top_k=4), {}),
+            ("top_k_8", dict(num_experts=16, top_k=8), {}),
+            ("top_k_10", dict(num_experts=16, top_k=10), {}),
+            ("experts_2", dict(num_experts=2, top_k=1), {}),
+            ("experts_64", dict(num_experts=64, top_k=6), dict(tokens=5)),
+        ]
+        if self.profile == "quick":
+            shapes = [s for s in shapes if s[0] in {"tokens_0", "tokens_1", "one_expert", "top_k_10", "experts_64"}]
+        for name, change, kw in shapes:
+            cases.extend(self.cases_for("shapes", "numeric", name, base.with_(**change), first, **kw))
+        # every dispatcher the experts can be paired with (a dispatcher that ignores a format's
+        # row alignment, say, shows here and not with the best dispatcher alone) ------------
+        for quant in claimed[:2]:
+            cases.extend(self.cases_for("pairs", "numeric", "silu", base, quant, per_layout=None, tokens=9))
+        # masked padding ----------------------------------------------------------------------
+        for quant in claimed:
+            # With biases, computing a padding row would make it non-zero; backends without
+            # bias support are checked without (then only leaks into the output show).
+            for name, cfg in (
+                ("bias_rows", base.with_(has_w13_bias=True, has_w2_bias=True, top_k=1)),
+                ("plain_rows", base.with_(top_k=1)),
+            ):
+                found = list(self.cases_for("padding", "padding", name, cfg, quant, tokens=5))
+                cases.extend(found)
+                if found:
+                    break
+        # routing inside the layer --------------------------------------------------------------
+        routings = {
+            "softmax": RoutingConfig("softmax"),
+            "deepseek_v3": RoutingConfig("deepseek_v3", n_group=4, topk_group=2, has_correction_bias=True),
+        }
+        for name, routing in routings.items():
+            cfg = base.with_(routing=routing, top_k=4 if name == "deepseek_v3" else 2)
+            for quant in claimed[:2] or [BF16]:
+                for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                    cases.extend(
+                        self.cases_for("routing", "logits", f"{name}_{dt_name}_logits", cfg, quant, logits_dtype=dt)
+                    )
+        # behaviour ---------------------------------------------------------------------------
+        for check in ("determinism", "cuda_graph", "out_buffer", "double_process", "bad_input"):
+            cases.extend(self.cases_for(check, check, "base", base, first, tokens=16))
+        cases.append(
+            Case(
+                "honesty/declines_have_reasons",
+                "honesty",
+                "honesty",
+                base,
+                first,
+                decisions=tuple(d for c in cases for d in c.decisions),
+            )
+        )
+        return cases

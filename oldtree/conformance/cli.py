@@ -1,0 +1,97 @@
+"""`moehal conformance`: run the suite with a progress bar, print a summary, write reports."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from moehal.errors import MoEHalError
+from moehal_conformance import report
+from moehal_conformance.runner import FAIL, PASS
+from moehal_conformance.suite import Suite
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moehal conformance", description="prove a backend right against the oracle")
+    p.add_argument("--backend", required=True, help="backend name, or 'best' for the best one on this machine")
+    p.add_argument("--device", default=None, help="device to run on (default: the best torch sees)")
+    p.add_argument("--report", default=None, help="write PATH.json and PATH.md")
+    p.add_argument("--emulate", action="store_true", help="allow the backend's explicitly labelled emulated mode")
+    p.add_argument("--quick", action="store_true", help="fewer shape cases (for slow interpreters)")
+    p.add_argument("-k", dest="select", default=None, help="only cases whose id contains this text")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=0,
+        metavar="WORLD",
+        help="also run the expert-parallel cases on WORLD local processes (gloo, CPU)",
+    )
+    p.add_argument("--ep-dispatcher", default=None, help="EP dispatcher qualname to prove (default: generic)")
+    p.add_argument("--show-passing", action="store_true", help="list every case, not only failures")
+    return p
+
+
+def _interrupt_on_sigterm() -> None:
+    """`timeout` sends SIGTERM: turn it into KeyboardInterrupt so the report of what ran is kept."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _interrupt_on_sigterm()
+    console = Console()
+    try:
+        suite = Suite.create(args.backend, args.device, args.emulate, "quick" if args.quick else "full")
+    except MoEHalError as exc:
+        console.print(f"[red]{exc}[/red]", markup=False)
+        return 2
+    cases = suite.cases()
+    if args.select:
+        cases = [c for c in cases if args.select in c.id]
+    console.print(f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("running", total=len(cases))
+
+        def tick(r: object) -> None:
+            progress.advance(task)
+
+        suite.run(cases, tick)
+    if args.ep:
+        console.print(f"expert parallelism: {args.ep} processes")
+        suite.run_ep(args.ep, args.ep_dispatcher)
+    counts = suite.counts()
+    t = Table(title=f"conformance: {suite.backend}", title_justify="left")
+    for col in ("family", "pass", "fail", "declined", "not run"):
+        t.add_column(col)
+    for fam in dict.fromkeys(r.family for r in suite.results):
+        rs = [r for r in suite.results if r.family == fam]
+        t.add_row(fam, *(str(sum(r.status == s for r in rs)) for s in (PASS, FAIL, "declined", "not run")))
+    console.print(t)
+    for r in suite.results:
+        if r.status == FAIL or args.show_passing:
+            console.print(f"{r.id}: {r.label} {r.detail if r.status == FAIL else ''}", markup=False)
+    if args.report:
+        js, md = report.write(suite, args.report)
+        console.print(f"reports: {md} {js}", markup=False)
+    if counts[FAIL]:
+        console.print(f"[red]FAIL[/red]: {counts[FAIL]} case(s) failed")
+        return 1
+    if suite.interrupted:
+        console.print(f"[yellow]INCOMPLETE[/yellow]: interrupted; {counts['not run']} case(s) did not run")
+        return 1
+    if not suite.claimed_anything and not args.select:
+        console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")
+        return 1
+    console.print(
+        f"[green]PASS[/green]: {counts[PASS]} pass, {counts['declined']} declined, {counts['not run']} not run"
+    )
+    return 0

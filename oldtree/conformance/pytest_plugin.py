@@ -1,0 +1,64 @@
+"""The pytest face of the suite (entry point `pytest11`):
+
+    pytest --pyargs moehal_conformance --moehal-backend=NAME [--moehal-report=PATH]
+
+Inert unless `--moehal-backend` is given, so it never changes other test sessions.
+Declined and not-run cases are reported as skips whose reason starts with `declined:` or
+`not run:`; the report file lists them too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("moehal", "moehal conformance")
+    group.addoption("--moehal-backend", default=None, help="backend to prove (or 'best')")
+    group.addoption("--moehal-device", default=None, help="device (default: the best torch sees)")
+    group.addoption("--moehal-report", default=None, help="write PATH.json and PATH.md at the end")
+    group.addoption("--moehal-emulate", action="store_true", help="allow the backend's emulated mode")
+    group.addoption("--moehal-quick", action="store_true", help="fewer shape cases")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("moehal_backend") is None and _PACKAGE_DIR in Path(collection_path).resolve().parents:
+        return True
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    backend = config.getoption("moehal_backend")
+    if backend is None:
+        return
+    from moehal_conformance.suite import Suite
+
+    profile = "quick" if config.getoption("moehal_quick") else "full"
+    config._moehal_suite = Suite.create(  # type: ignore[attr-defined]
+        backend, config.getoption("moehal_device"), config.getoption("moehal_emulate"), profile
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "moehal_case" in metafunc.fixturenames:
+        suite = metafunc.config._moehal_suite  # type: ignore[attr-defined]
+        cases = suite.cases()
+        metafunc.parametrize("moehal_case", cases, ids=[c.id for c in cases])
+
+
+@pytest.fixture(scope="session")
+def moehal_suite(request: pytest.FixtureRequest):  # noqa: ANN201 - returns a Suite
+    return request.config._moehal_suite  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    suite = getattr(session.config, "_moehal_suite", None)
+    path = session.config.getoption("moehal_report", None)
+    if suite is not None and path and suite.results:
+        from moehal_conformance import report
+
+        report.write(suite, path)

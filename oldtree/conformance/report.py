@@ -1,0 +1,140 @@
+"""Conformance reports: JSON for machines, a Markdown matrix a vendor can publish."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult
+from moehal_conformance.suite import Suite
+
+NUMERIC_FAMILIES = ("matrix", "features", "shapes", "pairs", "padding", "routing")
+
+
+def to_dict(suite: Suite) -> dict[str, Any]:
+    return {
+        **suite.metadata(),
+        "summary": {**suite.counts(), "claimed_anything": suite.claimed_anything, "ok": suite.ok},
+        "cases": [
+            {
+                "id": r.id,
+                "family": r.family,
+                "check": r.check,
+                "quant": r.quant,
+                "layout": r.layout,
+                "pipeline": r.pipeline,
+                "status": r.status,
+                "mode": r.mode,
+                "label": r.label,
+                "detail": r.detail,
+                "metrics": {k: v for k, v in r.metrics.items() if k != "traceback"},
+            }
+            for r in suite.results
+        ],
+    }
+
+
+def _cell(results: list[CaseResult]) -> str:
+    if not results:
+        return ""
+    n = len(results)
+    passed = sum(r.status == PASS for r in results)
+    failed = sum(r.status == FAIL for r in results)
+    declined = sum(r.status == DECLINED for r in results)
+    modes = {r.mode for r in results if r.status == PASS and r.mode != "native"}
+    mode = f" ({', '.join(sorted(modes))})" if modes else ""
+    if failed:
+        return f"**FAIL {failed}**/{n}"
+    if declined == n:
+        return "declined"
+    if passed == 0:
+        return "not run"
+    return f"pass {passed}/{n}{mode}" + (f", {declined} declined" if declined else "")
+
+
+def to_markdown(suite: Suite) -> str:
+    meta, counts = suite.metadata(), suite.counts()
+    hw = meta["hardware"]
+    cap = f" (compute capability {hw['capability'][0]}.{hw['capability'][1]})" if hw["capability"] else ""
+    libs = ", ".join(f"{k} {v or 'missing'}" for k, v in meta["vendor_libraries"].items()) or "none"
+    verdict = (
+        "PASS"
+        if suite.ok
+        else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else "NOTHING CLAIMED"))
+    )
+    lines = [
+        f"# moehal conformance report: backend `{meta['backend']}`",
+        "",
+        f"**Verdict: {verdict}**: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[DECLINED]} declined, "
+        f"{counts[NOT_RUN]} not run.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| backend | `{meta['backend']}` (plugin {meta['plugin_version']}, {meta['plugin_distribution']}) |",
+        f"| hardware | {hw['kind']} `{hw['device']}` {hw['name']}{cap} |",
+        f"| software | moehal {meta['moehal_version']}, suite {meta['suite_version']}, python {meta['python']}, "
+        f"torch {meta['torch']} (cuda {meta['torch_cuda']}), triton {meta['triton']} |",
+        f"| vendor libraries | {libs} |",
+        f"| emulated backends | {', '.join(meta['emulate']) or 'none'} |",
+        f"| date | {meta['date']} |",
+        f"| profile | {meta['profile']} |",
+        "",
+        "`pass (emulated)`: vendor ops ran as documented torch stand-ins; `pass (interpreted)`: the real kernel "
+        "code ran under an interpreter (TRITON_INTERPRET=1). Neither is a hardware result.",
+        "",
+        "## Matrix: quant scheme x layout (matrix, features, shapes, pairs, padding, routing)",
+        "",
+    ]
+    grid: dict[str, dict[str, list[CaseResult]]] = defaultdict(lambda: defaultdict(list))
+    layouts: list[str] = []
+    for r in suite.results:
+        if r.family in NUMERIC_FAMILIES:
+            grid[r.quant][r.layout].append(r)
+            if r.layout not in layouts:
+                layouts.append(r.layout)
+    order = sorted(layouts, key=lambda x: (x == "-", x))
+    lines.append("| quant | " + " | ".join("declined (no pipeline)" if x == "-" else x for x in order) + " |")
+    lines.append("|---" * (len(order) + 1) + "|")
+    for quant in sorted(grid):
+        lines.append(f"| {quant} | " + " | ".join(_cell(grid[quant][x]) for x in order) + " |")
+    lines += ["", "## Behaviour", "", "| case | result |", "|---|---|"]
+    for r in suite.results:
+        if r.family not in NUMERIC_FAMILIES:
+            lines.append(f"| {r.id} | {_escape(r.label)} |")
+    failures = [r for r in suite.results if r.status == FAIL]
+    if failures:
+        lines += ["", "## Failures", "", "| case | detail |", "|---|---|"]
+        lines += [f"| {r.id} | {_escape(r.detail)} |" for r in failures]
+    declines = sorted({(r.id, r.detail) for r in suite.results if r.status == DECLINED})
+    if declines:
+        lines += ["", "## Declined (with the backend's reasons)", "", "| case | reason |", "|---|---|"]
+        lines += [f"| {i} | {_escape(d)} |" for i, d in declines]
+    lines += [
+        "",
+        "<details><summary>All cases</summary>",
+        "",
+        "| case | pipeline | result | error |",
+        "|---|---|---|---|",
+    ]
+    for r in suite.results:
+        err = f"{r.metrics['rel_l2']:.1e}" if "rel_l2" in r.metrics else ""
+        lines.append(f"| {r.id} | {_escape(r.pipeline)} | {_escape(r.label)} | {err} |")
+    lines += ["", "</details>", ""]
+    return "\n".join(lines)
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def write(suite: Suite, path: str | Path) -> tuple[Path, Path]:
+    """Write `<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced)."""
+    p = Path(path)
+    stem = p.with_suffix("") if p.suffix in (".md", ".json") else p
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
+    js.write_text(json.dumps(to_dict(suite), indent=2, default=str))
+    md.write_text(to_markdown(suite))
+    return js, md

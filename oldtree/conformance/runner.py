@@ -1,0 +1,298 @@
+"""Running one conformance case against the backend and the reference oracle."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from moehal.errors import InputError, MoEHalError, WeightsAlreadyProcessedError
+from moehal.formats import MaskedInput, MaskedOutput
+from moehal.hardware import detect
+from moehal.interfaces import BuildRequest
+from moehal.layer import MoELayer
+from moehal.plugins import Registry
+from moehal.weights import ExpertWeights, quantize_weights
+from moehal_conformance.cases import Case
+from moehal_conformance.tolerances import compare, tolerance_for
+
+PASS, FAIL, DECLINED, NOT_RUN = "pass", "fail", "declined", "not run"
+
+
+@dataclass
+class CaseResult:
+    id: str
+    family: str
+    check: str
+    quant: str
+    layout: str
+    pipeline: str
+    status: str  # pass | fail | declined | not run
+    mode: str = "native"  # native | emulated | interpreted
+    detail: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.status == PASS and self.mode != "native":
+            return f"pass ({self.mode})"
+        if self.status in (DECLINED, NOT_RUN):
+            return f"{self.status}: {self.detail}"
+        return self.status
+
+
+@dataclass
+class Problem:
+    weights: ExpertWeights
+    x: torch.Tensor
+    ids: torch.Tensor
+    wts: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+def make_problem(case: Case) -> Problem:
+    cfg, t = case.config, case.tokens
+    gen = torch.Generator().manual_seed(1000 + case.seed)
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    w13 = torch.randn(e, cfg.w13_rows, h, generator=gen) / h**0.5
+    w2 = torch.randn(e, h, i, generator=gen) / i**0.5
+    b13 = torch.randn(e, cfg.w13_rows, generator=gen) * 0.1 if cfg.has_w13_bias else None
+    b2 = torch.randn(e, h, generator=gen) * 0.1 if cfg.has_w2_bias else None
+    bias = None
+    if cfg.routing is not None and cfg.routing.has_correction_bias:
+        bias = torch.randn(cfg.num_experts, generator=gen) * 0.05
+    x = torch.randn(t, h, generator=gen)
+    weights = quantize_weights(
+        cfg, case.quant, w13, w2, w13_bias=b13, w2_bias=b2, correction_bias=bias, calibration_input=x
+    )
+    k, n = cfg.top_k, cfg.num_experts
+    if case.pattern == "one_expert":
+        ids = torch.zeros(t, k, dtype=torch.int32) + torch.arange(k, dtype=torch.int32)
+    elif case.pattern == "few_experts":  # only the first k+1 experts receive tokens
+        ids = torch.stack([torch.randperm(k + 1, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    else:
+        ids = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    wts = torch.rand(t, k, generator=gen) + 0.1
+    logits = torch.randn(t, n, generator=gen) * 2 if cfg.routing is not None else None
+    return Problem(weights, x.to(cfg.dtype), ids.to(torch.int32), wts, logits)
+
+
+class CaseRunner:
+    """Runs cases on `device`; the oracle is the reference backend on the CPU."""
+
+    def __init__(self, registry: Registry, device: torch.device) -> None:
+        self.registry, self.device = registry, device
+
+    def _oracle(self, case: Case, prob: Problem) -> torch.Tensor:
+        ref = MoELayer(
+            case.config,
+            case.quant,
+            backend="reference",
+            device="cpu",
+            registry=self.registry,
+            layout="standard",
+            validate=False,
+        )
+        ref.load_weights(prob.weights)
+        if prob.logits is not None:
+            return ref(prob.x, router_logits=prob.logits.to(case.logits_dtype))
+        return ref(prob.x, prob.ids, prob.wts)
+
+    def _layer(self, case: Case, **kw: Any) -> MoELayer:
+        return MoELayer(
+            case.config,
+            case.quant,
+            device=self.device,
+            registry=self.registry,
+            pipeline=case.pipeline,
+            validate=kw.pop("validate", False),
+            **kw,
+        )
+
+    def run(self, case: Case) -> CaseResult:
+        p = case.pipeline
+        res = CaseResult(
+            case.id, case.family, case.check, case.quant.name, case.layout, p.name if p is not None else "-", FAIL
+        )
+        if case.check == "honesty":
+            return self._honesty(case, res)
+        if p is None:
+            res.status, res.detail = DECLINED, case.declined or "no reason given"
+            if not case.declined:
+                res.status, res.detail = FAIL, "declined without a reason"
+            return res
+        if case.check == "cuda_graph" and self.device.type != "cuda":
+            res.status, res.detail = NOT_RUN, f"CUDA graphs need a CUDA device; this run is on {self.device.type}"
+            return res
+        if case.check == "cuda_graph" and not p.graph_capturable:
+            res.status, res.detail = NOT_RUN, "the pipeline does not claim CUDA-graph capture"
+            return res
+        if case.check == "determinism" and not p.deterministic:
+            res.status, res.detail = NOT_RUN, "the pipeline does not claim determinism"
+            return res
+        try:
+            res.mode = p.execution_mode(
+                BuildRequest(case.config, case.quant, detect(self.device), self.registry.settings)
+            )
+            getattr(self, f"_check_{case.check}")(case, res)
+        except Exception as exc:  # noqa: BLE001 - any exception in a claimed case is a failure
+            res.status = FAIL
+            res.detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            res.metrics["traceback"] = traceback.format_exc()[-2000:]  # type: ignore[assignment]
+        return res
+
+    # Checks -------------------------------------------------------------------------------
+    def _forward(self, case: Case, layer: MoELayer, prob: Problem) -> torch.Tensor:
+        d = self.device
+        if prob.logits is not None:
+            return layer(prob.x.to(d), router_logits=prob.logits.to(d, case.logits_dtype))
+        return layer(prob.x.to(d), prob.ids.to(d), prob.wts.to(d))
+
+    def _numeric(self, case: Case, res: CaseResult, out: torch.Tensor, prob: Problem) -> None:
+        ref = self._oracle(case, prob)
+        c = compare(out.cpu(), ref, tolerance_for(case.quant, case.config.dtype))
+        res.metrics.update(rel_l2=c.rel_l2, rel_max=c.rel_max)
+        res.status, res.detail = (PASS if c.ok else FAIL), c.detail
+
+    def _check_numeric(self, case: Case, res: CaseResult) -> None:
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        self._numeric(case, res, self._forward(case, layer, prob), prob)
+
+    _check_logits = _check_numeric
+
+    def _check_padding(self, case: Case, res: CaseResult) -> None:
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        d = self.device
+        stages = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d))
+        disp, y = stages["adapted"], stages["expert_out"]
+        if not isinstance(disp, MaskedInput) or not isinstance(y, MaskedOutput):
+            raise TypeError(f"expected masked input/output, got {type(disp).__name__}/{type(y).__name__}")
+        pad = torch.arange(y.hidden.shape[1], device=d)[None, :] >= disp.masked_m[:, None]
+        if not bool(pad.any()):
+            raise AssertionError("the problem has no padding rows; the case is mis-built")
+        leaked = y.hidden[pad].float().abs().max().item() if pad.any() else 0.0
+        if leaked != 0.0:
+            res.status, res.detail = FAIL, f"padding rows are not zero (max |value| {leaked:.3g}); with biases set"
+            return
+        self._numeric(case, res, stages["out"], prob)
+        res.detail = "padding rows zero; " + res.detail
+
+    def _check_determinism(self, case: Case, res: CaseResult) -> None:
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        a, b = self._forward(case, layer, prob), self._forward(case, layer, prob)
+        same = torch.equal(a, b)
+        res.status, res.detail = (PASS, "bitwise equal twice") if same else (FAIL, "two runs differ bitwise")
+
+    def _check_cuda_graph(self, case: Case, res: CaseResult) -> None:
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        x, ids, w = (t.to(self.device) for t in (prob.x, prob.ids, prob.wts))
+        eager = layer(x, ids, w)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                layer(x, ids, w)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(x, ids, w)
+        # New inputs copied into the captured buffers must flow through the replay.
+        prob2 = make_problem(Case(**{**case.__dict__, "seed": case.seed + 1}))
+        x.copy_(prob2.x.to(self.device))
+        ids.copy_(prob2.ids.to(self.device))
+        w.copy_(prob2.wts.to(self.device))
+        graph.replay()
+        torch.cuda.synchronize()
+        again = layer(x, ids, w)
+        c = compare(static_out.cpu(), again.cpu(), tolerance_for(case.quant, case.config.dtype))
+        equal = torch.equal(static_out, again)
+        res.status = PASS if (equal or c.ok) else FAIL
+        res.detail = "replay equals eager bitwise" if equal else f"replay vs eager: {c.detail}"
+        del eager
+
+    def _check_out_buffer(self, case: Case, res: CaseResult) -> None:
+        """`layer(..., out=buf)` writes the result into the caller's buffer and returns that
+        buffer, as a call without `out` would compute it (bitwise where the pipeline claims
+        determinism), at one token (a decode batch: experts that finish the combine themselves
+        write `buf`) and at the case's size; and in place (`out=hidden_states`), where the
+        pipeline must still read its input before writing its result."""
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        x, ids, w = (t.to(self.device) for t in (prob.x, prob.ids, prob.wts))
+        tol = tolerance_for(case.quant, case.config.dtype)
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems, checked = [], 0
+        for t in sorted({1, x.shape[0]}):
+            want = layer(x[:t], ids[:t], w[:t]).cpu()
+            for how in ("out=", "in place"):
+                buf = x[:t].clone() if how == "in place" else torch.full_like(x[:t], float("nan"))
+                inp = buf if how == "in place" else x[:t]
+                got = layer(inp, ids[:t], w[:t], out=buf)
+                checked += 1
+                if got is not buf:
+                    problems.append(f"{t} tokens, {how}: returned a new tensor, not out")
+                    continue
+                c = compare(buf.cpu(), want, tol)
+                if (exact and not torch.equal(buf.cpu(), want)) or not c.ok:
+                    problems.append(f"{t} tokens, {how}: differs from the call without out ({c.detail})")
+        res.status = FAIL if problems else PASS
+        res.detail = "; ".join(problems) or f"{checked} calls wrote out as the plain call computes" + (
+            " (bitwise)" if exact else ""
+        )
+
+    def _check_double_process(self, case: Case, res: CaseResult) -> None:
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device), process=False)
+        layer.process_weights_after_loading()
+        try:
+            layer.process_weights_after_loading()
+        except WeightsAlreadyProcessedError:
+            res.status, res.detail = PASS, "second process_weights_after_loading refused"
+            return
+        res.status, res.detail = FAIL, "a second weight processing was accepted"
+
+    def _check_bad_input(self, case: Case, res: CaseResult) -> None:
+        prob = make_problem(case)
+        layer = self._layer(case, validate=True)
+        layer.load_weights(prob.weights.to(self.device))
+        d, cfg = self.device, case.config
+        x, ids, w = prob.x.to(d), prob.ids.to(d), prob.wts.to(d)
+        other = torch.float16 if cfg.dtype != torch.float16 else torch.bfloat16
+        bad = {
+            "wrong dtype": lambda: layer(x.to(other), ids, w),
+            "wrong hidden size": lambda: layer(x[:, : cfg.hidden_size // 2], ids, w),
+            "wrong top-k shape": lambda: layer(x, ids[:, :1], w[:, :1]) if cfg.top_k > 1 else layer(x, ids.t(), w),
+            "expert id out of range": lambda: layer(x, ids + cfg.num_experts, w),
+            "float ids": lambda: layer(x, ids.float(), w),
+        }
+        missed = []
+        for name, call in bad.items():
+            try:
+                call()
+                missed.append(f"{name}: accepted")
+            except InputError:
+                pass
+            except MoEHalError as exc:
+                missed.append(f"{name}: {type(exc).__name__} instead of InputError")
+        res.status = FAIL if missed else PASS
+        res.detail = "; ".join(missed) or f"{len(bad)} bad inputs raised InputError"
+
+    def _honesty(self, case: Case, res: CaseResult) -> CaseResult:
+        seen = {(d.name, d.reason) for d in case.decisions if not d.ok}
+        empty = sorted(name for name, reason in seen if not reason or not reason.strip())
+        res.status = FAIL if empty else PASS
+        res.detail = (
+            f"declines without a reason: {empty}" if empty else f"{len(seen)} distinct declines, each with a reason"
+        )
+        return res

@@ -1,0 +1,191 @@
+"""A conformance run: one backend, one device, every case, one report."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import moehal
+import torch
+from moehal.hardware import HardwareInfo, detect, package_version
+from moehal.interfaces import BuildRequest
+from moehal.plugins import Registry
+from moehal.settings import Settings
+from moehal_conformance.cases import BASE, BF16, Case, CaseBuilder
+from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult, CaseRunner
+
+SUITE_VERSION = "0.1.0"
+
+
+def make_registry(emulate: frozenset[str] = frozenset()) -> Registry:
+    base = Settings.from_env()
+    settings = Settings(None, base.disabled_plugins, base.strict, base.emulate | emulate)
+    reg = Registry(settings)
+    reg.load_entry_points()
+    return reg
+
+
+def best_backend(registry: Registry, hw: HardwareInfo) -> str:
+    """The highest-priority backend that runs the base bf16 config natively on this hardware
+    (emulated and interpreted modes never count as 'best')."""
+    req = BuildRequest(moehal.MoEConfig(**BASE), BF16, hw, registry.settings)  # type: ignore[arg-type]
+    pipes, _ = moehal.enumerate_pipelines(req, registry)
+    native = [p for p in pipes if p.execution_mode(req) == "native"]
+    return native[0].main.backend if native else "reference"
+
+
+@dataclass
+class Suite:
+    backend: str
+    registry: Registry
+    device: torch.device
+    profile: str = "full"
+    results: list[CaseResult] = field(default_factory=list)
+    interrupted: bool = False
+    started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+
+    @classmethod
+    def create(cls, backend: str, device: str | None = None, emulate: bool = False, profile: str = "full") -> Suite:
+        reg = make_registry(frozenset({backend}) if emulate else frozenset())
+        hw = detect(device)
+        if backend in ("best", "auto"):
+            backend = best_backend(reg, hw)
+        reg.check_backend(backend)
+        return cls(backend, reg, hw.device, profile)
+
+    def cases(self) -> list[Case]:
+        hw = detect(self.device)
+        template = BuildRequest(moehal.MoEConfig(**BASE), BF16, hw, self.registry.settings)  # type: ignore[arg-type]
+        return CaseBuilder(self.backend, self.registry, template, self.profile).all_cases()
+
+    def run(self, cases: list[Case] | None = None, on_result: Callable[[CaseResult], None] | None = None) -> None:
+        runner = CaseRunner(self.registry, self.device)
+        todo = cases if cases is not None else self.cases()
+        for n, case in enumerate(todo):
+            try:
+                r = runner.run(case)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit): keep what ran, say what did not
+                self.interrupted = True
+                for rest in todo[n:]:
+                    self.results.append(
+                        CaseResult(
+                            rest.id,
+                            rest.family,
+                            rest.check,
+                            rest.quant.name,
+                            rest.layout,
+                            "-",
+                            NOT_RUN,
+                            detail="the run was interrupted before this case",
+                        )
+                    )
+                return
+            self.results.append(r)
+            if on_result is not None:
+                on_result(r)
+
+    def run_ep(self, world: int = 2, dispatcher: str | None = None, timeout_s: float = 240.0) -> None:
+        """The expert-parallel cases: `world` local processes (gloo), each running the backend's
+        experts behind an EP dispatcher (the generic torch.distributed one unless `dispatcher`
+        names another), compared with the single-process reference on all tokens."""
+        import os
+
+        from moehal.distributed_check import run_ep_cases, run_spawned
+
+        disp = dispatcher or "reference.torch_distributed"
+        # The ranks are fresh processes that read Settings from their environment: hand them
+        # this run's emulate switch for the spawn only, never leaving it in ours.
+        saved = os.environ.get("MOEHAL_EMULATE")
+        if self.registry.settings.emulate:
+            os.environ["MOEHAL_EMULATE"] = ",".join(sorted(self.registry.settings.emulate))
+        try:
+            outcomes = run_spawned(world, run_ep_cases, (None, "cpu", self.backend, disp), timeout_s=timeout_s)
+        finally:
+            if saved is None:
+                os.environ.pop("MOEHAL_EMULATE", None)
+            else:
+                os.environ["MOEHAL_EMULATE"] = saved
+        errors = [
+            f"rank {o.rank} {o.status}: {o.error.strip().splitlines()[-1] if o.error else ''}"
+            for o in outcomes
+            if o.status != "ok"
+        ]
+        if errors:
+            self.results.append(
+                CaseResult(f"ep/world{world}", "ep", "ep", "-", "-", disp, FAIL, detail="; ".join(errors)[:400])
+            )
+            return
+        for rank0 in outcomes[0].result:
+            if rank0.declined:
+                self.results.append(
+                    CaseResult(
+                        f"ep/world{world}/{rank0.case}", "ep", "ep", "-", "-", "-", DECLINED, detail=rank0.declined
+                    )
+                )
+                continue
+            status = PASS if rank0.all_ok else FAIL
+            self.results.append(
+                CaseResult(
+                    f"ep/world{world}/{rank0.case}",
+                    "ep",
+                    "ep",
+                    "-",
+                    "-",
+                    rank0.pipeline,
+                    status,
+                    rank0.mode,
+                    f"max err {rank0.max_abs_err:.2e} ({rank0.tolerance})"
+                    + (f"; {rank0.detail}" if rank0.detail else ""),
+                )
+            )
+
+    # Summary ------------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        out = {PASS: 0, FAIL: 0, DECLINED: 0, NOT_RUN: 0}
+        for r in self.results:
+            out[r.status] += 1
+        return out
+
+    @property
+    def claimed_anything(self) -> bool:
+        return any(r.status == PASS and r.family in ("matrix", "features", "shapes") for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return self.counts()[FAIL] == 0 and self.claimed_anything and not self.interrupted
+
+    def metadata(self) -> dict[str, Any]:
+        hw = detect(self.device)
+        rec = self.registry.plugins.get(self.backend)
+        libs: dict[str, str | None] = {}
+        if rec is not None and rec.info is not None:
+            try:
+                libs = rec.info.libraries()
+            except Exception as exc:  # noqa: BLE001
+                libs = {"<error>": str(exc)}
+        return {
+            "suite_version": SUITE_VERSION,
+            "backend": self.backend,
+            "plugin_version": rec.version if rec else None,
+            "plugin_distribution": rec.distribution if rec else None,
+            "moehal_version": moehal.__version__,
+            "date": self.started,
+            "profile": self.profile,
+            "interrupted": self.interrupted,
+            "hardware": {
+                "kind": hw.kind,
+                "device": str(hw.device),
+                "name": hw.name,
+                "capability": list(hw.capability) if hw.capability else None,
+                "arch": hw.arch,
+            },
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "triton": package_version("triton"),
+            "vendor_libraries": libs,
+            "emulate": sorted(self.registry.settings.emulate),
+        }

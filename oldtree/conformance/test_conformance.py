@@ -1,0 +1,20 @@
+"""The conformance tests (collected only with --moehal-backend; see pytest_plugin.py)."""
+
+from __future__ import annotations
+
+import pytest
+from moehal_conformance.runner import DECLINED, NOT_RUN, PASS, CaseRunner
+
+
+def test_case(moehal_case, moehal_suite):
+    result = CaseRunner(moehal_suite.registry, moehal_suite.device).run(moehal_case)
+    moehal_suite.results.append(result)
+    if result.status in (DECLINED, NOT_RUN):
+        pytest.skip(f"{result.status}: {result.detail}")
+    assert result.status == PASS, f"{moehal_case.id}: {result.detail}"
+
+
+def test_backend_claims_something(moehal_suite):
+    """A backend that claims nothing gets a report of declines, not a green run."""
+    claimed = [c for c in moehal_suite.cases() if c.family == "matrix" and c.pipeline is not None]
+    assert claimed, f"backend {moehal_suite.backend!r} accepts no configuration on {moehal_suite.device}"

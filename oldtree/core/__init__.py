@@ -1,0 +1,89 @@
+"""moehal: one API for Mixture-of-Experts layers on any hardware.
+
+import moehal
+cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=512)
+layer = moehal.MoELayer(cfg, quant="bf16")
+layer.load_weights(w13=w13, w2=w2)
+out = layer(x, topk_ids, topk_weights)
+print(layer.plan)
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from moehal.capability import Decision, accept, decline, require
+from moehal.config import Activation, MoEConfig
+from moehal.errors import (
+    ConfigError,
+    InputError,
+    MoEHalError,
+    NoBackendError,
+    NotSupportedError,
+    PluginLoadError,
+    UnknownBackendError,
+    WeightError,
+    WeightsAlreadyProcessedError,
+    WeightsNotLoadedError,
+)
+from moehal.formats import ActivationFormat, Layout, ScaleKind, SmallBatchFormat
+from moehal.hardware import HardwareInfo, detect
+from moehal.hookspecs import hookimpl
+from moehal.interfaces import BackendInfo, BuildRequest, Dispatcher, Experts, FusedForward, WeightProcessor
+from moehal.layer import MoELayer
+from moehal.plugins import Registry, discover
+from moehal.quant import QuantKind, QuantScheme, ScaleFormat
+from moehal.routing import RoutingConfig, RoutingMethod, TopK, route
+from moehal.selection import Plan, enumerate_pipelines, select
+from moehal.settings import Settings
+from moehal.weights import ExpertWeights, dequantize_weights, quantize_weights
+
+__all__ = [
+    "Activation",
+    "ActivationFormat",
+    "BackendInfo",
+    "BuildRequest",
+    "ConfigError",
+    "Decision",
+    "Dispatcher",
+    "ExpertWeights",
+    "Experts",
+    "FusedForward",
+    "HardwareInfo",
+    "InputError",
+    "Layout",
+    "MoEConfig",
+    "MoEHalError",
+    "MoELayer",
+    "NoBackendError",
+    "NotSupportedError",
+    "Plan",
+    "PluginLoadError",
+    "QuantKind",
+    "QuantScheme",
+    "Registry",
+    "RoutingConfig",
+    "RoutingMethod",
+    "ScaleFormat",
+    "ScaleKind",
+    "Settings",
+    "SmallBatchFormat",
+    "TopK",
+    "UnknownBackendError",
+    "WeightError",
+    "WeightProcessor",
+    "WeightsAlreadyProcessedError",
+    "WeightsNotLoadedError",
+    "__version__",
+    "accept",
+    "decline",
+    "dequantize_weights",
+    "detect",
+    "discover",
+    "enumerate_pipelines",
+    "hookimpl",
+    "quantize_weights",
+    "require",
+    "route",
+    "select",
+]

@@ -1,0 +1,633 @@
+"""`moehal bench`: whole-layer forward time (dispatch + experts + combine) against a roofline.
+
+Roofline, measured in the same run on the same device:
+- copy bandwidth: a large device-to-device copy, bytes read + written per second;
+- matmul rate: a large dense matmul in the layer dtype, FLOP/s.
+For each shape, roofline time = max(expert weight bytes touched / bandwidth,
+FLOPs / matmul rate); `% roofline` = roofline time / measured time. Weight bytes touched
+counts each expert that received at least one token once (w13 + w2 + scales).
+
+On CUDA the forward is timed as CUDA-graph replays when the pipeline claims graph capture
+(eager otherwise; the table says which): median over samples of 10 replays queued back to
+back between two CUDA events, after a 50 ms warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import moehal
+import torch
+from moehal.clock_sampler import ClockSampler
+from moehal.errors import MoEHalError
+from moehal.hardware import detect
+from moehal.quant import QuantScheme
+
+SHAPES: dict[str, dict[str, int]] = {
+    # name: E (local experts), H, I, top-k
+    "deepseek_v3_ep8": dict(num_experts=32, hidden_size=7168, intermediate_size=2048, top_k=8),
+    "qwen3_30b_a3b": dict(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8),
+    "mixtral_8x7b": dict(num_experts=8, hidden_size=4096, intermediate_size=14336, top_k=2),
+    # tiny shapes so the machinery runs anywhere (CI, CPU)
+    "tiny": dict(num_experts=8, hidden_size=128, intermediate_size=64, top_k=2),
+}
+DEFAULT_TOKENS = (1, 4, 16, 64, 128, 512, 1024, 4096)
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+    device: str
+
+
+@dataclass
+class Row:
+    shape: str
+    backend: str
+    pipeline: str
+    quant: str
+    tokens: int
+    time_us: float
+    timing: str  # 'graph' or 'eager'
+    weight_bytes: int
+    flops: int
+    roofline_us: float
+    pct_roofline: float
+    tb_per_s: float
+    tflop_per_s: float
+    host_us: float = float("nan")  # CUDA only: host time per eager forward call (launch overhead)
+    breakdown: dict[str, float] | None = None  # --breakdown: kernel (or op) -> us per forward
+    # CUDA only: the same with `cuda_graph_tokens` (eager calls replay graphs), the same input
+    # tensors at every call (replayed without an input copy, moehal.graphs) ...
+    host_graph_us: float = float("nan")
+    # ... and other input tensors at every call (copied into the graph's inputs first)
+    host_graph_new_us: float = float("nan")
+    # ... and the same input tensors and output buffer (`out=`) at every call: one replay
+    host_graph_out_us: float = float("nan")
+    # CUDA with nvidia-smi: median SM clock and board power while the row was timed
+    # (`moehal.clock_sampler`; a row at its power cap runs well under boost clocks)
+    sm_mhz: float = float("nan")
+    power_w: float = float("nan")
+    # CUDA only: host time per call of `HOST_BACK_TO_BACK` calls made back to back from an idle
+    # GPU, as an engine's loop makes them (`host_time_back_to_back`): plain eager ...
+    host_b2b_us: float = float("nan")
+    # ... and replaying graphs with the same inputs and `out=`
+    host_graph_out_b2b_us: float = float("nan")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# Graph timings queue this many replays back to back per sample (as a model's graph runs its
+# layers back to back): one replay alone between two events measured host jitter at decode
+# sizes (Qwen3-30B-A3B at 1 token: 45-62 us across runs of the same code, on H100s).
+GRAPH_REPLAYS_PER_SAMPLE = 10
+
+# Every CUDA timing (the ceilings, each row, SGLang's rows) starts after this long of the same
+# work back to back, so that it is taken where the GPU settles under that load. An H100 under
+# prefill-sized MoE layers reaches its 700 W cap within about 0.3 s and then clocks down from
+# 1980 MHz to 1100-1750 MHz (nvidia-smi at 50 ms, docs/device-runs/2026-11-23-session9): a
+# timing of a few tens of milliseconds measures boost clocks that no sustained run keeps, and
+# one that straddles the transition depends on what ran before it.
+SETTLE_S = 0.5
+# `moehal bench`'s default for its rows and ceilings: half a second can still end inside the
+# limiter's transient. At Qwen3-30B-A3B 4096 tokens on an H100 it put one path at 1500 MHz and
+# another at 1658 MHz, 9% apart from what 2 s probes of the same paths measured; with 2 s the
+# bench agreed with them within 3% (docs/device-runs/2026-11-23-session12). The tile tuner keeps
+# `SETTLE_S`: it compares candidates, and 2 s each would cut its search by three.
+BENCH_SETTLE_S = 2.0
+
+
+def settle(fn: Callable[[], Any], dev: torch.device, seconds: float = SETTLE_S, batch: int = 10) -> None:
+    """On CUDA, `fn` back to back (synchronizing every `batch` calls) for `seconds`: what is
+    timed next runs at the clocks the GPU holds under this work (see `SETTLE_S`)."""
+    if dev.type != "cuda":
+        return
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(batch):
+            fn()
+        _sync(dev)
+
+
+def time_call(
+    fn: Callable[[], Any],
+    dev: torch.device,
+    reps: int,
+    warmup: int = 3,
+    warmup_s: float = SETTLE_S,
+    per_sample: int = 1,
+) -> float:
+    """Median seconds per call over `reps` samples; on CUDA each sample times `per_sample` calls
+    queued back to back between two events (for graph replays of decode-sized forwards, whose
+    GPU time is shorter than the host's cost of one replay call: a single replay between events
+    measures the host as much as the GPU). Warm-up: `warmup` calls, and on CUDA back-to-back calls for at
+    least `warmup_s` (`SETTLE_S`: clocks and power settled under this load, see there)."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    settle(fn, dev, warmup_s)
+    samples = []
+    if dev.type == "cuda":
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_sample):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / per_sample)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def host_time(fn: Callable[[], Any], dev: torch.device, calls: int = 100) -> float:
+    """Median seconds of host time per eager call on CUDA: each call starts with the GPU idle
+    and is timed until it returns (its kernels queued, not finished), so this is Python and
+    launch overhead (the issue's "host overhead under 20 us per forward outside graphs"),
+    without back-pressure from earlier calls. NaN off CUDA. (`host_time_back_to_back` with one
+    call per sample.)"""
+    return host_time_back_to_back(fn, dev, queued=1, rounds=calls)
+
+
+# Calls per sample of `host_time_back_to_back`: a model queues its layers back to back, and
+# 8 graph replays or eager forwards stay far below the launch queue's depth.
+HOST_BACK_TO_BACK = 8
+
+
+def host_time_back_to_back(
+    fn: Callable[[], Any], dev: torch.device, queued: int = HOST_BACK_TO_BACK, rounds: int = 30
+) -> float:
+    """Median seconds of host time per call, over `queued` calls made back to back from an idle
+    GPU (each returns once its kernels are queued), NaN off CUDA.
+
+    `host_time` times one call right after `synchronize`, so it adds whatever the host pays to
+    resume after waiting there: on the device hosts a 1-kernel graph replay took 3 us after no
+    wait and 7 us (an H100 host) to 30 us (a 2 x H200 host) after a 3 ms one, and rows with a longer
+    GPU time read slower (docs/device-runs/2026-11-24-session17). In an engine's step the host
+    waits once, then queues every layer: this is the per-layer host time it sees."""
+    if dev.type != "cuda":
+        return float("nan")
+    fn()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(queued):
+            fn()
+        samples.append((time.perf_counter() - t0) / queued)
+    torch.cuda.synchronize(dev)
+    return statistics.median(samples)
+
+
+def kernel_breakdown(fn: Callable[[], Any], dev: torch.device, calls: int = 5, top: int = 8) -> dict[str, float]:
+    """Where one forward's device time goes: microseconds per call for each kernel (CUDA),
+    or each operator's self time (CPU), from torch.profiler over `calls` eager calls. The
+    `top` largest are named; the rest are summed under "(other)"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    fn()
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(dev)
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if cuda and ev.device_type != DeviceType.CUDA:
+            continue
+        us = (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / calls
+        if us > 0:
+            times[ev.key] = times.get(ev.key, 0.0) + us
+    merged: dict[str, float] = {}  # template instances of one kernel share a short name: sum them
+    for k, v in times.items():
+        merged[_short_kernel_name(k)] = merged.get(_short_kernel_name(k), 0.0) + v
+    ranked = sorted(merged.items(), key=lambda kv: -kv[1])
+    out = {k: round(v, 2) for k, v in ranked[:top]}
+    rest = sum(v for _, v in ranked[top:])
+    if rest > 0:
+        out["(other)"] = round(rest, 2)
+    return out
+
+
+def _short_kernel_name(name: str) -> str:
+    """Kernel names from the profiler can be whole C++ template signatures: keep the head."""
+    head = name.split("(")[0].split("<")[0].strip()
+    return head[-60:] if head else name[:60]
+
+
+def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S) -> Ceilings:
+    """Copy bandwidth and dense matmul rate, each timed as the rows are (`time_call`: after
+    `settle_s` of the same work, so at the clocks the GPU holds under it)."""
+    big = 1 << 28 if dev.type == "cuda" else 1 << 22  # elements
+    src = torch.randn(big, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    copy = 2 * src.numel() * src.element_size() / t
+    n = 8192 if dev.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3, warmup_s=settle_s)
+    return Ceilings(copy, 2 * n**3 / t, detect(dev).describe())
+
+
+def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
+    e = layer_weights.w13.shape[0]
+    total = 0
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        t = getattr(layer_weights, name)
+        if t is not None and t.dim() > 1:
+            total += t.numel() * t.element_size()
+    return total / e
+
+
+_WEIGHTS: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]] = {}
+
+
+def _weights(
+    shape: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]:
+    """Float and quantized weights, made on the device once per (shape, quant)."""
+    key = (shape, quant.name, str(dev))
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()  # one shape's weights at a time: the big shapes take GBs
+        gen = torch.Generator(dev).manual_seed(0)
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        w13 = torch.randn(e, cfg.w13_rows, h, generator=gen, device=dev) / h**0.5
+        w2 = torch.randn(e, h, i, generator=gen, device=dev) / i**0.5
+        calib = torch.randn(64, h, generator=gen, device=dev)
+        _WEIGHTS[key] = (w13, w2, moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=calib))
+    return _WEIGHTS[key]
+
+
+def _pipeline_named(
+    qualname: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device, registry: moehal.Registry
+) -> moehal.selection.Pipeline:
+    """The best accepted pipeline whose experts (or fused forward) is `qualname`, e.g. 'cuda.triton'."""
+    req = moehal.BuildRequest(cfg, quant, detect(dev), registry.settings)
+    pipes, decisions = moehal.enumerate_pipelines(req, registry, qualname.split(".")[0])
+    for p in pipes:
+        if p.main.qualname == qualname:
+            return p
+    why = [d.reason for d in decisions if d.name == qualname]
+    raise moehal.NoBackendError(f"{qualname} declines this shape: {why[0] if why else 'not registered'}")
+
+
+def bench_inputs(cfg: moehal.MoEConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The benchmark's inputs for one row, on the CPU and seeded by the token count (so every run,
+    and `tools/tile_padding_bound.py`, sees the same routing): hidden states `[T, H]` float32,
+    top-k ids `[T, K]` int64 drawn uniformly without replacement per token, weights `[T, K]`."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
+    # argsort of noise: top-k without replacement, vectorized (no Python loop over tokens)
+    ids = torch.rand(tokens, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
+    return x, ids, torch.rand(tokens, cfg.top_k, generator=gen) + 0.1
+
+
+def bench_one(
+    shape: str,
+    cfg: moehal.MoEConfig,
+    quant: QuantScheme,
+    backend: str,
+    tokens: int,
+    dev: torch.device,
+    ceil: Ceilings,
+    reps: int,
+    registry: moehal.Registry,
+    breakdown: bool = False,
+    sampler: ClockSampler | None = None,
+    settle_s: float = BENCH_SETTLE_S,
+) -> Row:
+    w13, w2, weights = _weights(shape, cfg, quant, dev)
+    h = cfg.hidden_size
+    x, ids, wts = bench_inputs(cfg, tokens)
+    ids, wts = ids.to(dev, torch.int32), wts.to(dev)
+    xd = x.to(dev, cfg.dtype)
+    capturable = False
+    layer: moehal.MoELayer | None = None
+    if backend.startswith("transformers:") or backend == "sglang":
+        # A peer: another library's experts function on the same float weights and routing.
+        if quant.is_quantized:
+            raise moehal.NotSupportedError(f"the {backend} peer takes float (bf16) weights only")
+        if backend == "sglang":
+            from moehal.integrations import sglang
+
+            call = sglang.peer_callable(cfg, w13, w2, dev)
+            capturable = True  # SGLang captures its MoE into CUDA graphs when serving
+        else:
+            from moehal.integrations.transformers import peer_callable
+
+            call = peer_callable(backend.split(":", 1)[1], cfg, w13, w2, dev)
+        fn: Callable[[], Any] = lambda: call(xd, ids, wts)
+        pipeline = backend
+    else:
+        if backend == "reference":  # the pure reference pipeline, not a vendor's dispatcher in front of it
+            from moehal.reference.oracle import reference_layer
+
+            layer = reference_layer(cfg, quant, dev, registry=registry, validate=False)
+        else:
+            pipe = _pipeline_named(backend, cfg, quant, dev, registry) if "." in backend else None
+            layer = moehal.MoELayer(
+                cfg, quant, backend=backend.split(".")[0], device=dev, registry=registry, validate=False, pipeline=pipe
+            )
+        layer.load_weights(weights)
+        fn = lambda: layer(xd, ids, wts)
+        pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
+    timing = "eager"
+    host, host_b2b = host_time(fn, dev), host_time_back_to_back(fn, dev)
+    host_graph = host_graph_new = host_graph_out = host_graph_out_b2b = float("nan")
+    if dev.type == "cuda" and capturable and layer is not None:
+        layer.cuda_graph_tokens = tokens  # eager calls replay a captured graph (moehal.graphs)
+        host_graph = host_time(fn, dev)
+        sets = [(xd.clone(), ids.clone(), wts.clone()) for _ in range(3)]  # other addresses at every call
+        turn = iter(range(1 << 30))
+        host_graph_new = host_time(lambda: layer(*sets[next(turn) % 3]), dev)
+        out_buf = torch.empty_like(xd)
+        host_graph_out = host_time(lambda: layer(xd, ids, wts, out=out_buf), dev)
+        host_graph_out_b2b = host_time_back_to_back(lambda: layer(xd, ids, wts, out=out_buf), dev)
+        layer.cuda_graph_tokens = 0
+    parts = kernel_breakdown(fn, dev) if breakdown else None
+    if dev.type == "cuda" and capturable:
+        fn, timing = _graphed(fn), "graph"
+    t0 = time.time()
+    t = time_call(fn, dev, reps, warmup_s=settle_s, per_sample=GRAPH_REPLAYS_PER_SAMPLE if timing == "graph" else 1)
+    # the clocks from the second half of the settling on: a decode row's samples alone are
+    # shorter than the sampling period
+    mhz, watts = sampler.medians(t0 + settle_s / 2, time.time()) if sampler is not None else (math.nan, math.nan)
+    touched = int(torch.unique(ids).numel())
+    wbytes = int(_weight_bytes_per_expert(weights) * touched)
+    flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
+    roof = max(wbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
+    return Row(
+        shape,
+        backend,
+        pipeline,
+        quant.name,
+        tokens,
+        t * 1e6,
+        timing,
+        wbytes,
+        flops,
+        roof * 1e6,
+        100 * roof / t,
+        wbytes / t / 1e12,
+        flops / t / 1e12,
+        host * 1e6,
+        parts,
+        host_graph * 1e6,
+        host_graph_new * 1e6,
+        host_graph_out * 1e6,
+        mhz,
+        watts,
+        host_b2b_us=host_b2b * 1e6,
+        host_graph_out_b2b_us=host_graph_out_b2b * 1e6,
+    )
+
+
+def _is_peer(backend: str) -> bool:
+    return backend == "sglang" or backend.startswith("transformers:")
+
+
+def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` captured into a CUDA graph (after two warm-up calls on a side stream): its replay."""
+    from moehal.graphs import capture
+
+    graph, _ = capture(fn, warmup=2)
+    return graph.replay
+
+
+def plot(rows: list[Row], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    shapes = sorted({r.shape for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for key in sorted({(r.backend, r.quant) for r in rows if r.shape == shape}):
+            pts = sorted((r.tokens, r.pct_roofline) for r in rows if r.shape == shape and (r.backend, r.quant) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("% of roofline")
+        ax.axhline(100, color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def breakdown_table(rows: Sequence[Row]) -> Any:
+    """One line per row: its kernels by device time per forward, largest first."""
+    from rich.table import Table
+
+    t = Table(title="where the time goes (us per forward, eager, profiler)", title_justify="left")
+    for col in ("shape", "backend", "quant", "tokens", "kernels"):
+        t.add_column(col)
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in (r.breakdown or {}).items())
+        t.add_row(r.shape, r.backend, r.quant, str(r.tokens), parts or "-")
+    return t
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from moehal.integrations.sglang import sglang_version
+    from rich.console import Console
+    from rich.progress import Progress
+
+    p = argparse.ArgumentParser(prog="moehal bench", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--shapes", default="deepseek_v3_ep8,qwen3_30b_a3b,mixtral_8x7b", help=f"comma list of {sorted(SHAPES)}"
+    )
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    p.add_argument(
+        "--backends",
+        default="auto",
+        help="comma list of backends (auto = best) or experts names (cuda.triton); peers: 'sglang' "
+        "(SGLang's Triton fused MoE, when importable), 'transformers:NAME', or 'peers' for every transformers one",
+    )
+    p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
+    p.add_argument("--device", default=None)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=BENCH_SETTLE_S,
+        help="seconds of each row's (and each ceiling's) work back to back before it is timed, so clocks and "
+        "power settle (see moehal.bench.BENCH_SETTLE_S)",
+    )
+    p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="build every layer for this many tokens (its buffers), as an engine builds its layers once for its "
+        "largest batch; default: each row's own token count",
+    )
+    p.add_argument(
+        "--breakdown", action="store_true", help="also profile each row: device time per kernel (CPU: per operator)"
+    )
+    p.add_argument(
+        "--goals", action="store_true", help="also check this run's rows against the goals (moehal.bench_goals)"
+    )
+    args = p.parse_args(argv)
+    console = Console()
+    dev = detect(args.device).device
+    registry = moehal.discover()
+    sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
+    ceil = measure_ceilings(dev, settle_s=args.settle_s)
+    console.print(
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s (measured now)"
+    )
+    if args.max_tokens:
+        console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
+    backends = args.backends.split(",")
+    if "peers" in backends:
+        from moehal.integrations.transformers import peer_implementations
+
+        backends = [b for b in backends if b != "peers"] + [f"transformers:{n}" for n in peer_implementations(dev)]
+    jobs = [
+        (s, q, b, t)
+        for s in args.shapes.split(",")
+        for q in args.quant.split(",")
+        for b in backends
+        for t in map(int, args.tokens.split(","))
+        if not (b == "reference" and t > args.max_reference_tokens)
+    ]
+    rows: list[Row] = []
+    out = Path(args.out) if args.out else None
+
+    def save() -> None:  # after every row: a time limit keeps what was measured
+        if out is None:
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "ceilings": asdict(ceil),
+            "torch": torch.__version__,
+            "moehal": moehal.__version__,
+            "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "layer_max_tokens": args.max_tokens or "each row's token count",
+            "settle_s": args.settle_s,
+            "rows": [asdict(r) for r in rows],
+        }
+        out.with_suffix(".json").write_text(json.dumps(data, indent=2))
+
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(jobs))
+        try:
+            for shape, q, backend, tokens in jobs:
+                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
+                try:
+                    rows.append(
+                        bench_one(
+                            shape,
+                            cfg,
+                            QuantScheme.parse(q),
+                            backend,
+                            tokens,
+                            dev,
+                            ceil,
+                            args.reps,
+                            registry,
+                            args.breakdown,
+                            sampler,
+                            args.settle_s,
+                        )
+                    )
+                    save()
+                except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
+                    console.print(
+                        f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False
+                    )
+                except Exception as exc:  # noqa: BLE001
+                    if not _is_peer(backend):
+                        raise  # a moehal failure is a bug: loud
+                    # another library's failure must not cost the rest of the run
+                    console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
+                progress.advance(task)
+        except KeyboardInterrupt:
+            console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+        finally:
+            if sampler is not None:
+                sampler.close()
+    console.print(results_table(rows))
+    if args.breakdown:
+        console.print(breakdown_table(rows))
+    if args.goals:
+        from moehal.bench_goals import check_goals, goals_table
+
+        checks = check_goals(rows, ceil.device)
+        console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
+    if out is not None:
+        save()
+        png = plot(rows, out.with_suffix(".png"))
+        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
+    return 0
+
+
+def results_table(rows: Sequence[Row]) -> Any:
+    """One line per row; the clock columns only where a sampler recorded them."""
+    from rich.table import Table
+
+    t = Table(title="moehal bench (whole layer)", title_justify="left")
+    cols = ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s")
+    clocks = any(r.sm_mhz == r.sm_mhz for r in rows)  # NaN != NaN: no sample
+    for col in (*cols, *(("SM MHz", "W") if clocks else ()), "host us", "host us (graphs)",
+                "host us (graphs, new inputs)", "host us (graphs, out=)", "host us back to back",
+                "host us back to back (graphs, out=)"):  # fmt: skip
+        t.add_column(col)
+    for r in rows:
+        sampled = (_num(r.sm_mhz, "{:.0f}"), _num(r.power_w, "{:.0f}")) if clocks else ()
+        t.add_row(
+            r.shape,
+            r.backend,
+            r.quant,
+            str(r.tokens),
+            f"{r.time_us:.1f}",
+            r.timing,
+            f"{r.pct_roofline:.0f}",
+            f"{r.tb_per_s:.2f}",
+            f"{r.tflop_per_s:.1f}",
+            *sampled,
+            _num(r.host_us, "{:.1f}"),  # NaN off CUDA
+            _num(r.host_graph_us, "{:.1f}"),
+            _num(r.host_graph_new_us, "{:.1f}"),
+            _num(r.host_graph_out_us, "{:.1f}"),
+            _num(r.host_b2b_us, "{:.1f}"),
+            _num(r.host_graph_out_b2b_us, "{:.1f}"),
+        )
+    return t
+
+
+def _num(x: float, fmt: str) -> str:
+    return "-" if x != x else fmt.format(x)  # NaN: not measured

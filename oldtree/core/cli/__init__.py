@@ -1,0 +1,1 @@
+"""The `moehal` command line."""

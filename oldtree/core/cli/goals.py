@@ -1,0 +1,38 @@
+"""`moehal goals`: the performance goals (`moehal.bench_goals`) checked against saved
+`moehal bench --out` JSON files; one device's files are merged (e.g. a bf16 and an fp8 run)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moehal.cli.common import console, print_json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("goals", help="check saved benchmark runs against the performance goals")
+    p.add_argument("files", nargs="+", help="`moehal bench --out` JSON files")
+    p.add_argument("--markdown", action="store_true", help="markdown: the summary, then every cell")
+    p.add_argument("--json", action="store_true", help="machine-readable: every cell")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, rest: object = None) -> int:
+    """Exit 0 whatever the goals' status: this reports, it does not gate."""
+    from moehal.bench_goals import check_runs, goals_markdown, goals_table
+
+    checks = check_runs(args.files)
+    if not checks:
+        print("no row of these files is covered by a goal", file=sys.stderr)
+        return 1
+    if args.json:
+        print_json([
+            {"goal": c.goal.name, "device": c.device, "backend": c.backend, "shape": c.shape, "tokens": c.tokens,
+             "value": c.value, "status": c.status}
+            for c in checks
+        ])  # fmt: skip
+    elif args.markdown:
+        print(goals_markdown(checks), end="")
+    else:
+        console.print(goals_table(checks))
+    return 0

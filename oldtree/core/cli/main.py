@@ -1,0 +1,50 @@
+"""`moehal` command line: doctor, explain, list, conformance, bench, goals."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from moehal.cli import doctor, explain, goals, listing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moehal", description="moehal: one MoE API, any hardware")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor.add_parser(sub)
+    explain.add_parser(sub)
+    listing.add_parser(sub)
+    goals.add_parser(sub)
+    conf = sub.add_parser("conformance", help="run the conformance suite against a backend", add_help=False)
+    conf.set_defaults(func=_conformance)
+    bench = sub.add_parser("bench", help="benchmark MoE layer forward", add_help=False)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def _conformance(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from moehal_conformance.cli import main as conformance_main
+
+    return conformance_main(list(rest))
+
+
+def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from moehal.bench import main as bench_main
+
+    return bench_main(list(rest))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # conformance and bench own their flags: everything after the subcommand goes to them.
+    if argv and argv[0] in ("conformance", "bench"):
+        args = argparse.Namespace(command=argv[0], func=_conformance if argv[0] == "conformance" else _bench)
+        return int(args.func(args, argv[1:]) or 0)
+    args = parser.parse_args(argv)
+    return int(args.func(args, []) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

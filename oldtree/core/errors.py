@@ -1,0 +1,64 @@
+"""Typed errors. Every message says what was wrong and what to do about it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from moehal.selection import CandidateDecision
+
+
+class MoEHalError(Exception):
+    """Base class of every error moehal raises on purpose."""
+
+
+class ConfigError(MoEHalError, ValueError):
+    """A MoEConfig, QuantScheme or routing setting is inconsistent."""
+
+
+class InputError(MoEHalError, ValueError):
+    """A forward input has the wrong dtype, shape, device or values."""
+
+
+class WeightError(MoEHalError, ValueError):
+    """Weights are missing, have the wrong shape/dtype, or were loaded twice."""
+
+
+class WeightsNotLoadedError(WeightError):
+    """The layer was called before `load_weights`."""
+
+
+class WeightsAlreadyProcessedError(WeightError):
+    """`process_weights_after_loading` ran already; a second transform would corrupt them."""
+
+
+class UnknownBackendError(MoEHalError, LookupError):
+    """A backend name was asked for that no loaded plugin provides."""
+
+
+class PluginLoadError(MoEHalError, RuntimeError):
+    """A plugin failed to import or register (raised only in strict mode)."""
+
+
+class NoBackendError(MoEHalError, RuntimeError):
+    """No (dispatcher, experts) pair or fused forward accepts this configuration.
+
+    The message lists every candidate and the reason it declined.
+    """
+
+    def __init__(self, summary: str, decisions: Sequence[CandidateDecision] = ()) -> None:
+        self.summary = summary
+        self.decisions = list(decisions)
+        lines = [summary]
+        if self.decisions:
+            lines.append("Candidates considered:")
+            for d in self.decisions:
+                lines.append(f"  - {d.name}: {'accepted' if d.ok else 'declined'}: {d.reason}")
+        else:
+            lines.append("No candidates are registered: run `moehal doctor` to see which plugins loaded.")
+        super().__init__("\n".join(lines))
+
+
+class NotSupportedError(MoEHalError, NotImplementedError):
+    """An implementation was asked for something it declared it does not do."""

@@ -1,0 +1,383 @@
+"""Eager forwards replayed from CUDA graphs: one capture per token count, for engines that do
+not capture graphs themselves.
+
+Why: an eager forward pays Python and launch overhead for every kernel it queues (hundreds of
+microseconds on the CUDA backends, far above the tens that a decode step can afford). A CUDA
+graph queues the whole forward with one launch. `MoELayer(..., cuda_graph_tokens=N)` (or
+setting `layer.cuda_graph_tokens`) captures, on the first eager call with T <= N tokens, the
+forward for that T and replays it on every later call with T tokens.
+
+What a replay costs and assumes:
+- Inputs at the addresses of an earlier call of this token count (persistent buffers, or a
+  steady loop whose allocations repeat) replay a graph captured on those very tensors: no
+  copy. Other inputs are copied into a graph's own static inputs (one `torch._foreach_copy_`).
+  The returned tensor is the caller's to keep, as in an ordinary eager call: each call
+  allocates its output, and where that address recurs too (a caller that drops each result
+  before the next call, or alternates between two buffers, as a residual add does) a direct
+  graph captured on it writes the result there; otherwise the graph's output is copied into it. A caller that
+  passes `out=` (an engine's persistent output buffer) gets a direct graph that writes into
+  `out` itself. Either way the call costs one replay, and no graph keeps a reference to an
+  output: a graph writes an address only when this call's own output sits there.
+  `MoELayer.forward` tries that direct graph before its input checks (`replay_direct`): the
+  graph's signature pins everything the checks look at.
+  Host cost of each part on H100 hosts: docs/device-runs/2026-11-23-session5, -session6 and
+  -session10 (the in-place output).
+- One capture per distinct token count (plus up to `DIRECT_PER_TOKEN_COUNT` direct ones),
+  sharing one memory pool per layer; engines bucket their batch sizes, so the set stays small.
+  Larger batches run eagerly: their GPU time dwarfs the launch overhead.
+- Only pipelines that declare `graph_capturable` can be replayed (checked when enabled).
+- Inside someone else's capture, or while torch.compile traces, the layer runs as usual.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # static inputs; () for a graph that reads the caller's tensors
+    output: torch.Tensor | None  # None for a graph that writes the caller's `out`
+
+
+# Graphs per token count that read the caller's own input tensors (see `GraphCache`).
+DIRECT_PER_TOKEN_COUNT = 4
+
+
+class GraphCache:
+    """Per-token-count CUDA graphs of one forward function `fn(*tensors) -> Tensor`, or
+    `fn(*tensors, out=None) -> Tensor` for one that can write its result into a given tensor.
+
+    Two kinds of graph, both replayed on the current stream:
+
+    - **copying** (one per token count and input dtypes): reads static input buffers of its
+      own, into which each call copies the caller's tensors first.
+    - **direct** (at most `DIRECT_PER_TOKEN_COUNT` per token count, with and without `out=`): captured on the caller's
+      own tensors, for a caller that passes tensors at the same addresses call after call (an
+      engine's persistent input buffers, or a steady decode loop whose allocations repeat).
+      It is captured the second time in a row one token count arrives at the same addresses,
+      and replayed only when every input is at exactly the address, with the shape, dtype and
+      strides, it was captured on: it then reads what the caller passed now, as an eager call
+      would, with no copy. It keeps no reference to the caller's tensors and never writes to
+      them (the forward only reads its inputs), so a freed and reused address is only ever
+      read when the caller passes a tensor there. The output's address is one more captured
+      address, where it repeats: the caller's `out=`, or the output this call allocated (the
+      graph writes the result there, and nothing is copied); where it does not, the graph's
+      own output is copied into this call's.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
+        self._fn = fn
+        # `fn(*inputs, out=buf)` writes its result into `buf` (`MoELayer._forward_topk`): graphs
+        # that write an output then capture that, not the forward followed by a copy
+        self._fn_takes_out = "out" in inspect.signature(fn).parameters
+        self._device = device
+        self._on_cuda = device.type == "cuda"
+        self._graphs: dict[tuple, _Captured] = {}  # key -> copying graph
+        self._direct: dict[tuple, _Captured] = {}  # where -> direct graph
+        self._direct_per_key: dict[tuple, int] = {}
+        self._last: dict[tuple, tuple] = {}  # key -> where the previous call's inputs and output were
+        self._last_output: dict[tuple, tuple] = {}  # inputs' signature -> where its last 2 outputs were
+        self._missed: tuple | None = None  # (signature, out, output) `replay_direct` found no graph for
+        self._pool: object | None = None
+
+    @property
+    def captured_token_counts(self) -> list[int]:
+        """Token counts that have a captured graph (ascending)."""
+        return sorted({key[0] for key in self._graphs} | {where[2][0] for where in self._direct})
+
+    @property
+    def direct_graphs(self) -> int:
+        """How many graphs read the caller's tensors in place (no input copy)."""
+        return len(self._direct)
+
+    @property
+    def output_writing_graphs(self) -> int:
+        """How many direct graphs write the result into the call's output itself (`out=`, or a
+        new output whose address recurs) instead of copying it out."""
+        return sum(cap.output is None for cap in self._direct.values())
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._direct.clear()
+        self._direct_per_key.clear()
+        self._last.clear()
+        self._last_output.clear()
+        self._missed = None
+        self._pool = None
+
+    def replay_direct(self, inputs: tuple, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Replay the direct graph captured on exactly these tensors (and `out`), or return None.
+
+        The steady state of an engine's decode loop, so the caller (`MoELayer.forward`) tries it
+        before its input checks: a direct graph is only captured after those checks passed, and
+        its signature pins every address, dtype, shape and stride they looked at. (Addresses
+        also pin the device: CUDA's unified addressing gives host and each GPU disjoint
+        ranges.) Anything else, a non-tensor included, returns None and takes the checked path.
+        """
+        if not self._direct:
+            return None
+        try:
+            sig = self.where(inputs, out)  # with `out=`, the inputs' and the output's at once
+        except (AttributeError, TypeError):  # None or a non-tensor among the inputs
+            return None
+        if self._on_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # inside someone else's capture the forward runs as usual
+        if out is None:
+            return self._replay_known(inputs, sig, None)
+        cap = self._direct.get(sig)  # `out=` (an engine's own buffer): one lookup
+        if cap is not None:
+            cap.graph.replay()
+            return out
+        return self._replay_known(inputs, sig[: 4 * len(inputs)], out)
+
+    def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        sig = self.where(inputs)
+        target = self._take_missed(sig, out)
+        if target is None:  # called directly, not right after `replay_direct` missed
+            y = self._replay_known(inputs, sig, out)
+            if y is not None:
+                return y
+            target = self._take_missed(sig, out)
+        fresh = out is None
+        if target is None:
+            target = out if out is not None else self._fresh_output(inputs)
+        full = sig + self._sig(target)
+        base = self.key(inputs)
+        key = (*base, "fresh" if fresh else "out")  # the last call's addresses, per kind of call
+        last_sig, last_full = self._last.get(key, ((), ()))
+        self._last[key] = (sig, full)
+        if self._direct_per_key.get(key, 0) < DIRECT_PER_TOKEN_COUNT:
+            if last_full == full:  # inputs and output where they were: a graph that writes the output
+                self._capture_direct(key, full, inputs, target).graph.replay()
+                return target
+            if fresh and last_sig == sig:  # inputs in place, each output kept by the caller
+                cap = self._capture_direct(key, sig, inputs, None)
+                cap.graph.replay()
+                return target.copy_(cap.output)
+        cap = self._graphs.get(base)  # copying graphs serve every kind of call
+        if cap is None:
+            cap = self._graphs[base] = self._capture(inputs, copy_inputs=True)
+        torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
+        cap.graph.replay()
+        return target.copy_(cap.output)
+
+    def _replay_known(self, inputs: tuple, sig: tuple, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Replay a direct graph for these inputs, if one was captured: the one that writes
+        `out`, or without `out`, the one that writes this call's new output where the allocator
+        put it, else the one that reads the inputs in place (its output then copied out).
+        On a miss, remembers the signature and output for the `__call__` that follows."""
+        if not self._direct:
+            return None
+        target = out if out is not None else self._fresh_output(inputs)
+        target_sig = self._sig(target)
+        cap = self._direct.get(sig + target_sig)
+        if cap is not None:
+            cap.graph.replay()
+            return target
+        cap = self._direct.get(sig) if out is None else None
+        if cap is None:
+            self._missed = (sig, out, target)
+            return None
+        recent = self._last_output.get(sig, ())
+        if target_sig in recent:  # the output's address recurs as well (alternating between two
+            # buffers included, as a residual add's does): a graph that writes there copies nothing
+            key = (*self.key(inputs), "fresh")
+            if self._direct_per_key.get(key, 0) < DIRECT_PER_TOKEN_COUNT:
+                self._capture_direct(key, sig + target_sig, inputs, target).graph.replay()
+                return target
+        self._last_output[sig] = (target_sig, *recent[:1])
+        cap.graph.replay()
+        return target.copy_(cap.output)
+
+    def _take_missed(self, sig: tuple, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The output `replay_direct` allocated (or was given) for this very call when it found
+        no graph, so the checked path neither looks up nor allocates twice; None otherwise."""
+        missed, self._missed = self._missed, None
+        if missed is None or missed[1] is not out or missed[0] != sig:
+            return None
+        return missed[2]
+
+    def _capture_direct(
+        self, key: tuple, where: tuple, inputs: tuple[torch.Tensor, ...], out: torch.Tensor | None
+    ) -> _Captured:
+        cap = self._direct[where] = self._capture(inputs, copy_inputs=False, out=out)
+        self._direct_per_key[key] = self._direct_per_key.get(key, 0) + 1
+        return cap
+
+    @staticmethod
+    def _fresh_output(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A new output for one call: the forward's output has its first input's shape and
+        dtype (`_capture` checks it)."""
+        x = inputs[0]
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def key(inputs: tuple[torch.Tensor, ...]) -> tuple:
+        """One copying graph per token count and input dtypes: the caller (`MoELayer.forward`)
+        checked the shapes against the layer's config, so these decide them (a cheaper key than
+        every shape, on the hot path)."""
+        return (inputs[0].shape[0], *[t.dtype for t in inputs])
+
+    @staticmethod
+    def where(inputs: tuple[torch.Tensor, ...], out: torch.Tensor | None = None) -> tuple:
+        """What a direct graph was captured on: each input's address, dtype, shape and strides
+        (and the output buffer's), in one flat tuple; its first shape is the token count's."""
+        if len(inputs) == 3:  # the top-k forward, unrolled: this runs at every replay
+            x, a, b = inputs
+            sig = (x.data_ptr(), x.dtype, x.shape, x.stride(), a.data_ptr(), a.dtype, a.shape, a.stride(),
+                   b.data_ptr(), b.dtype, b.shape, b.stride())  # fmt: skip
+        else:
+            sig = tuple(v for t in inputs for v in (t.data_ptr(), t.dtype, t.shape, t.stride()))
+        return sig if out is None else (*sig, out.data_ptr(), out.dtype, out.shape, out.stride())
+
+    @staticmethod
+    def _sig(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), t.dtype, t.shape, t.stride())
+
+    def _capture(
+        self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool, out: torch.Tensor | None = None
+    ) -> _Captured:
+        static = tuple(t.clone() for t in inputs) if copy_inputs else inputs
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        if out is None:
+            fn = lambda: self._fn(*static)  # noqa: E731
+        elif self._fn_takes_out:  # the forward writes `out` itself: no copy in the graph
+            fn = lambda: self._fn(*static, out=out)  # noqa: E731
+        else:
+            fn = lambda: out.copy_(self._fn(*static))  # noqa: E731
+        graph, output = capture(fn, self._device, pool=self._pool)
+        x = inputs[0]
+        if output.shape != x.shape or output.dtype != x.dtype:  # what `_fresh_output` relies on
+            raise TypeError(f"graphed forward returned {output.dtype} {tuple(output.shape)}, not its input's")
+        # A graph that writes `out` keeps no reference to it: a fresh output, once the caller
+        # drops it, must go back to the allocator (its address coming back is what hits).
+        return _Captured(graph, static if copy_inputs else (), output if out is None else None)
+
+
+def capture(
+    fn: Callable[[], torch.Tensor], device: torch.device | None = None, warmup: int = 1, pool: object | None = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `fn()` into a CUDA graph: `warmup` calls first on a side stream (JIT compiles,
+    workspace allocation), as torch's docs ask. Returns the graph and the captured output."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
+
+
+def should_replay(limit: int, hidden: torch.Tensor) -> bool:
+    """Whether this eager call goes through the graph cache."""
+    return (
+        limit > 0 and hidden.is_cuda and 0 < hidden.shape[0] <= limit and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+# On by default. One DeepGEMM call replayed from its graph takes 4-12 us of host time against
+# 27-48 us called (H100 and H200 hosts). Eager forwards that call DeepGEMM took 31-64 us
+# (10-12%) less host time with replays on an H100 host (two calls per forward) and 20 us (8.5%)
+# on an H200 host (one call), in an interleaved A/B whose rows without DeepGEMM calls moved by
+# 2-7 us (session 16: docs/device-runs/2026-11-23-session16). Session 15 measured them slower:
+# its capture rule never fired in a layer, whose GEMM1 and GEMM2 take turns, so it paid the
+# signatures and no replay. False: every `LaunchMemo` calls its function directly.
+MEMO_ENABLED = True
+
+
+def _signature(value: object) -> object:
+    """What a launch reads of one argument: a tensor's address, shape, strides and dtype (the
+    device is in the address: unified addressing); a tuple's items; any other value itself."""
+    if isinstance(value, torch.Tensor):
+        return (value.data_ptr(), value.shape, value.stride(), value.dtype)
+    if isinstance(value, tuple):
+        return tuple(_signature(v) for v in value)
+    return value
+
+
+class LaunchMemo:
+    """One launch sequence `fn(*args) -> None`, replayed from a CUDA graph where it is called
+    again on the same tensors and host arguments. For calls whose host path costs far more than
+    a replay: DeepGEMM's C++ host code took 19-38 us per grouped GEMM on H100 hosts, a replay
+    of its one kernel 4-7 us (docs/device-runs/2026-11-23-session15). Switched by
+    `MEMO_ENABLED` (on; see there).
+
+    Exact by construction, as `GraphCache`'s direct graphs: a graph is captured on the tensors
+    of a call the second time its signature arrives among the last `capacity` distinct ones (a
+    decode loop, where one memo may serve several calls in turn, as a layer's GEMM1 and GEMM2
+    share `DeepGemmOps`' masked memo; a one-off shape never pays a capture), and replayed only
+    for a call whose every tensor has the address, shape, strides and dtype, and whose every
+    other argument the value, that it was captured with (and `context()`, for host state `fn`
+    reads besides its arguments). It then reads and writes what a direct call would. `fn` must
+    read its tensors' contents only on the GPU (DeepGEMM's masked row counts, for instance),
+    never on the host. No graph keeps a reference to a tensor. Inside someone else's capture
+    (an engine's, or `GraphCache`'s) `fn` runs as usual. A capture that fails (the library
+    synced or allocated in a way capture forbids) switches the memo off, with the reason kept in
+    `off_reason`; the call itself still runs directly. At most `capacity` graphs are kept, the
+    oldest dropped first.
+    """
+
+    def __init__(
+        self, fn: Callable[..., None], capacity: int = 16, context: Callable[[], object] | None = None
+    ) -> None:
+        self._fn = fn
+        self._context = context  # host state fn reads besides its arguments (DeepGEMM's SM count)
+        self._capacity = capacity
+        self._graphs: dict[object, torch.cuda.CUDAGraph] = {}  # insertion order: oldest first
+        # signatures called once and not captured, oldest first. Session 15's rule, "the same
+        # signature twice in a row", never captured in the layer: GEMM1 and GEMM2 take turns.
+        self._seen: dict[object, None] = {}
+        self._pool: object = None
+        self._side: torch.cuda.Stream | None = None
+        self.off_reason: str | None = None
+        self.replays = 0
+
+    def __call__(self, *args: object) -> None:
+        if self.off_reason is not None or not MEMO_ENABLED or torch.cuda.is_current_stream_capturing():
+            self._fn(*args)
+            return
+        sig = _signature(args) if self._context is None else (_signature(args), self._context())
+        graph = self._graphs.get(sig)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        self._fn(*args)  # this call's result, directly; a capture records without running
+        if sig in self._seen:
+            del self._seen[sig]
+            self._capture(sig, args)
+            return
+        if len(self._seen) >= self._capacity:
+            del self._seen[next(iter(self._seen))]
+        self._seen[sig] = None
+
+    def _capture(self, sig: object, args: tuple[object, ...]) -> None:
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        self._side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(self._side):
+                graph.capture_begin(self._pool, capture_error_mode="thread_local")
+                try:
+                    self._fn(*args)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - any capture failure: stop trying, say why
+            self.off_reason = f"capture failed: {type(exc).__name__}: {exc}"
+            return
+        torch.cuda.current_stream().wait_stream(self._side)
+        if len(self._graphs) >= self._capacity:
+            del self._graphs[next(iter(self._graphs))]
+        self._graphs[sig] = graph

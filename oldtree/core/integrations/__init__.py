@@ -1,0 +1,1 @@
+"""Integrations with engines and model libraries (transformers, torch.library custom ops)."""

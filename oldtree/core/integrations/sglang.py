@@ -1,0 +1,65 @@
+"""SGLang's Triton fused-MoE experts as a benchmark peer (`moehal bench --backends sglang`).
+
+The peer is SGLang's own function, called on the same problem as moehal (canonical weights
+are SGLang's layout: w13 `[E, 2I, H]` rows [gate; up], w2 `[E, H, I]`; no copy):
+
+    sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.fused_experts(
+        hidden, w1, w2, (topk_weights, topk_ids, None), MoeRunnerConfig(...))
+
+the entry point SGLang's Triton MoE runner calls, with its shipped tuned configs chosen by
+SGLang itself per (E, N, device, M). BF16 with SiLU-and-mul only: that is what the issue
+compares against. It is imported only when asked for; a machine without SGLang declines with
+the import error. On the offline GPU machine SGLang is made importable by
+`tools/sglang_peer.py`, which says exactly what it stubs (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+from moehal.config import Activation, MoEConfig
+from moehal.errors import NotSupportedError
+
+ENTRY_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
+RUNNER_CONFIG_MODULE = "sglang.srt.layers.moe.moe_runner.base"
+
+
+def sglang_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - not installed, or unpacked without its metadata
+        pass
+    try:
+        return str(importlib.import_module("sglang.version").__version__)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def peer_callable(
+    config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, device: torch.device | str
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`call(hidden, topk_ids, topk_weights)` running SGLang's fused experts on canonical BF16
+    weights. Raises `NotSupportedError` (with the reason) where SGLang cannot run it."""
+    if torch.device(device).type != "cuda":
+        raise NotSupportedError("SGLang's Triton fused MoE runs on CUDA devices only")
+    if config.activation is not Activation.SILU or not config.gated or config.has_w13_bias or config.has_w2_bias:
+        raise NotSupportedError("the SGLang peer is wired for SiLU-and-mul without biases (the benchmark shapes)")
+    try:
+        fm = importlib.import_module(ENTRY_MODULE)
+        runner_config = importlib.import_module(RUNNER_CONFIG_MODULE).MoeRunnerConfig
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no peer here"
+        raise NotSupportedError(f"SGLang is not importable here: {type(exc).__name__}: {exc}") from exc
+    e = config.num_local_experts
+    rc = runner_config(num_experts=e, num_local_experts=e, activation="silu", is_gated=True, inplace=False)
+    w13 = w13.to(device, config.dtype).contiguous()
+    w2 = w2.to(device, config.dtype).contiguous()
+
+    def call(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():  # SGLang's custom op skips the dispatcher then, as in serving
+            return fm.fused_experts(x, w13, w2, (wts.float(), ids.int(), None), rc)
+
+    return call

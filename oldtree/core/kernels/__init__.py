@@ -1,0 +1,1 @@
+"""Portable kernels (Triton) shared by several backends. Importing this package never imports triton."""

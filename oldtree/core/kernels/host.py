@@ -1,0 +1,35 @@
+"""Host-side helpers of the Triton kernel wrappers: the integer arithmetic that sizes grids and
+tiles, and whether the kernels run under Triton's CPU interpreter. Pure Python (no triton import).
+
+Why not `triton.cdiv` / `triton.next_power_of_2`: in recent Triton they are `constexpr_function`s,
+and a call from host code goes through their argument unwrapping. An eager decode step made
+about 20 such calls; on the device's host (H100, Python 3.12, Triton 3.6) they showed up as the
+second-largest entry of the forward's profile (docs/device-runs/2026-11-23-session5).
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for b > 0 (as `triton.cdiv`)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1; 0 for n <= 0 (as `triton.next_power_of_2`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (read now: capability checks)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+
+
+# Fixed when the kernel modules are imported, as `triton.jit` decides interpreted or compiled when
+# it decorates them: the kernels' interpreter-only flags (exact rounding, upcasts) read this
+# instead of the environment on every launch.
+INTERPRETED: bool = interpreting()

@@ -1,0 +1,186 @@
+"""Fast Triton launches: `kernel[grid](*args, **kwargs)` through the compiled kernel's own
+launcher once Triton has compiled and launched that specialization (for #4's "host overhead
+under 20 us per forward outside graphs").
+
+Why: on the device hosts one `JITFunction.run` cost 18-33 us of host time, the compiled
+kernel's launcher alone 7-11 us (`tools/host_floor.py`). Most of the difference is per launch
+and not per argument: option strings and cache keys, knob reads, the global-value check,
+launch metadata, two empty hook chains. An eager forward makes 4-6 launches; with this module
+it took 15-24% less host time on H100 hosts (docs/device-runs/2026-11-23-session15).
+
+How it stays exact: each launch is keyed by what Triton specializes a kernel on, with the
+NVIDIA backend's rules (`triton.backends.compiler.BaseBackend`): per tensor its dtype and
+whether its address is 16-byte aligned; per int whether it is 1, a multiple of 16, and its
+integer width; per constexpr its value; plus the launch options and the current device. A key
+never seen goes through `JITFunction.run` (compiling if needed), and the kernel it returns is
+kept under the key. The key is at least as fine as Triton's, so a kept kernel is the one Triton
+would pick. Anything else (other backends, the interpreter, tuple or descriptor arguments,
+launch hooks such as a profiler's, a callable grid) takes `JITFunction.run` every time.
+`VERIFY = True` (the GPU tests) asks Triton for its own choice at every hit and raises on a
+difference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from moehal.kernels.host import INTERPRETED
+
+ENABLED = True  # diagnostics (A/B of host time): False sends every launch through JITFunction.run
+VERIFY = False  # tests: check each fast launch against Triton's own choice of compiled kernel
+
+
+class _NoKey(Exception):
+    """An argument whose specialization this module does not model: take Triton's path."""
+
+
+def _spec(value: Any) -> Any:
+    """What Triton's NVIDIA backend specializes a non-constexpr argument on, or finer."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, not (value.data_ptr() & 15))
+    kind = type(value)
+    if kind is int:  # 1 -> constexpr; % 16 -> divisibility; the width -> i32 / i64 / u64
+        return (value == 1, not (value & 15), -0x80000000 <= value < 0x80000000, value >= 1 << 63)
+    if kind is float or kind is bool or value is None:  # fp32 / u1 / constexpr None: no value attribute
+        return kind
+    raise _NoKey
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: Triton 3.6+ keeps a `HookChain` (empty: none) where older
+    releases kept None or a function."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launcher:
+    """Wraps a `@triton.jit` kernel: `Launcher(kernel)[grid](*args, **kwargs)` launches exactly
+    as `kernel[grid](...)` does, with less host time once a specialization has been launched.
+    `hits` and `misses` count fast and Triton-path launches."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "kernel")
+        self.__doc__ = getattr(fn, "__doc__", None)
+        params = fn.params
+        self._constexpr = tuple(p.is_constexpr for p in params)
+        self._names = tuple(p.name for p in params)
+        self._kw_spec = {p.name: not p.is_constexpr for p in params}  # by name: spec (True) or value
+        self._spec_names = frozenset(p.name for p in params if not p.is_constexpr)
+        self._keyers: dict[int, Callable[..., tuple[Any, ...]]] = {}  # positional count -> key function
+        self._defaults = {p.name: p.default for p in params if p.has_default}
+        self._cache: dict[Any, tuple[Any, ...]] = {}
+        self._driver: Any = None  # (get_current_device, get_current_stream) or False: Triton's path only
+        self.hits = 0
+        self.misses = 0
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return functools.partial(self._launch, grid)
+
+    def _drivers(self) -> Any:
+        try:
+            from triton import knobs
+            from triton.runtime import driver
+
+            active = driver.active
+            ok = active.get_current_target().backend == "cuda"
+            # torch.cuda.current_device() minus its lazy-init check: CUDA is up once a kernel launches
+            device = getattr(torch._C, "_cuda_getDevice", None) or active.get_current_device
+            self._driver = (device, active.get_current_stream, knobs.runtime) if ok else False
+        except Exception:  # no GPU here (AOT compiles record launches without one): Triton's path
+            self._driver = False
+        return self._driver
+
+    def _key(self, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The launch's key: (device, positional count, each positional argument's `_spec` or
+        constexpr value, ((keyword, its `_spec` or value), ...)). A launch option (num_warps,
+        ...) or a constexpr counts by value."""
+        if self._spec_names.isdisjoint(kwargs):  # the usual call: keywords are constexprs and options
+            keyer = self._keyers.get(len(args))
+            if keyer is None:
+                keyer = self._keyers[len(args)] = self._make_keyer(len(args))
+            return keyer(device, args, kwargs)
+        return self._key_generic(device, args, kwargs)
+
+    def _key_generic(self, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        const, by_spec = self._constexpr, self._kw_spec
+        named = tuple((name, _spec(v) if by_spec.get(name, False) else v) for name, v in kwargs.items())
+        return (device, len(args), *(a if const[i] else _spec(a) for i, a in enumerate(args)), named)
+
+    def _make_keyer(self, n: int) -> Callable[..., tuple[Any, ...]]:
+        """`_key` for calls with `n` positional arguments and value keywords, as one generated
+        expression (as Triton generates its binder): the per-argument function calls and the
+        loop cost about a third of the key on the device hosts (session 15)."""
+        if n > len(self._constexpr):
+            raise TypeError(f"{self.__name__} takes {len(self._constexpr)} arguments")  # Triton's path says so
+        names = [f"a{i}" for i in range(n)]
+        parts = []
+        for i, a in enumerate(names):
+            if self._constexpr[i]:
+                parts.append(a)
+            else:  # `_spec`, inlined for tensors and ints
+                parts.append(
+                    f"(({a}.dtype, not ({a}.data_ptr() & 15)) if {a}.__class__ is Tensor else "
+                    f"({a} == 1, not ({a} & 15), -0x80000000 <= {a} < 0x80000000, {a} >= 1 << 63) "
+                    f"if {a}.__class__ is int else spec({a}))"
+                )
+        unpack = f"    ({', '.join(names)},) = args\n" if n else ""
+        items = "".join(p + ", " for p in parts)
+        body = f"def key(device, args, kwargs):\n{unpack}    return (device, {n}, {items}tuple(kwargs.items()))\n"
+        scope: dict[str, Any] = {"Tensor": torch.Tensor, "spec": _spec}
+        exec(body, scope)  # noqa: S102 - generated from the kernel's parameter list only
+        return scope["key"]
+
+    def _slow(self, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.misses += 1
+        return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def _launch(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
+        drivers = self._driver if self._driver is not None else self._drivers()
+        if drivers is False or type(grid) is not tuple or not ENABLED:
+            return self._slow(grid, args, kwargs)
+        get_device, get_stream, runtime = drivers
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            return self._slow(grid, args, kwargs)  # a profiler's hooks want Triton's launch path
+        device = get_device()
+        try:
+            key = self._key(device, args, kwargs)
+            entry = self._cache.get(key)
+        except (_NoKey, TypeError):  # an argument we do not model, or an unhashable constexpr
+            return self._slow(grid, args, kwargs)
+        if entry is None:
+            kernel = self._slow(grid, args, kwargs)
+            if kernel is not None and not hasattr(kernel, "result"):  # compiled and launched
+                tail = self._names[len(args) :]  # parameters not given positionally
+                # with no tensor or int by keyword, those are constexprs, options and defaults:
+                # values the key holds, so the launcher's trailing arguments are fixed
+                fixed = None
+                if self._spec_names.isdisjoint(kwargs):
+                    fixed = tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in tail)
+                self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail, fixed, kernel)
+            return kernel
+        run, function, metadata, tail, fixed, kernel = entry
+        if VERIFY:
+            expected = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
+            if expected is not kernel:
+                raise RuntimeError(f"fast launch of {self.__name__} picked another compiled kernel than Triton")
+        if fixed is None:
+            defaults = self._defaults
+            fixed = tuple(kwargs[n] if n in kwargs else defaults[n] for n in tail)
+        n = len(grid)
+        run(
+            grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, get_stream(device),
+            function, metadata, None, None, None, *args, *fixed,
+        )  # fmt: skip
+        self.hits += 1
+        return kernel
+
+
+def fast_launch(fn: Any) -> Any:
+    """Decorator under `@triton.jit`: the kernel launches through a `Launcher`. Under Triton's
+    interpreter the kernel is returned as it is (there is no compiled kernel to launch)."""
+    if INTERPRETED or not hasattr(fn, "params"):
+        return fn
+    return Launcher(fn)

@@ -1,0 +1,562 @@
+# Triton reads annotations of @triton.jit parameters, so the kernel's parameters stay untyped:
+# ruff: noqa: ANN001, ANN202
+"""A masked m-grouped GEMM in Triton: the same contract as DeepGEMM's
+`m_grouped_{bf16,fp8}_gemm_nt_masked`, tuned per shape and token count.
+
+    d[e, m, :] = a[e, m, :] @ w[e]^T      for m < masked_m[e]      (rows past masked_m untouched)
+
+Why a second implementation of one GEMM: DeepGEMM's masked kernel walks whole 64-row tiles of
+every expert and keeps few SMs busy when only a handful of experts are active (decode), and
+its short-K tiles (K = 768 for Qwen3-30B-A3B's down projection) are dominated by prologue and
+epilogue. A Triton tile chosen for the shape streams the weights closer to the copy bandwidth
+there. Which one runs is decided per GEMM shape and token count from measurements
+(`moehal_cuda.tuning`), never assumed.
+
+Tile scheduling without a host sync: every program reads `masked_m` (E values) and computes
+the tile table itself: expert e owns ceil(masked_m[e] / BLOCK_M) consecutive M tiles. The
+grid is sized by a static bound on the live tiles, `ceil(S / BLOCK_M) + min(E, S)` where S is
+a host-known bound on sum(masked_m) (T * top_k on one GPU), so a decode step with 8 active
+experts launches a few hundred programs, not E * max_m / BLOCK_M.
+
+Quantization: bf16/fp16 (fp32 accumulate) and FP8 block scale (1x128 activation groups with
+MN-major scales as DeepGEMM takes them, 128x128 weight blocks, fp32 scales).
+
+Interpreter (TRITON_INTERPRET=1): bf16 `tl.dot` is wrong there, so dot operands are upcast to
+fp32 (UPCAST); compiled kernels never upcast.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.launch import fast_launch
+from moehal.kernels.tiles import TileConfig
+from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
+from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
+
+
+def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> TileConfig:
+    """A reasonable tile when no tuned entry exists (interpreter: few, wide tiles)."""
+    if interpreting():
+        bk = 32 if k % 64 else 64
+        return TileConfig(16, 64, bk, 1, 4, 1)
+    bk = 128 if fp8 or k % 128 == 0 else 64
+    if rows_per_expert <= 16:
+        return TileConfig(16, 64, bk, 1, 4, 4)
+    if rows_per_expert <= 64:
+        return TileConfig(64, 64, 64 if not fp8 else 128, 8, 4, 4)
+    return TileConfig(128, 128, 64 if not fp8 else 128, 8, 8, 3)
+
+
+@triton.jit
+def _expert_tile(
+    pid,
+    masked_m_ptr,
+    num_m_tiles,
+    N,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Program pid -> (expert, rows offs_m, row mask, N tile). The expert is >= E past the last
+    live tile (the grid is a bound): such programs have nothing to do."""
+    pid_m, pid_n = _grouped_tile(pid, num_m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+    e, offs_m, m_mask = masked_row_tile(pid_m, masked_m_ptr, E, E_P, BLOCK_M)
+    return e, offs_m, m_mask, pid_n
+
+
+@triton.jit
+def _dot_k(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    e64,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    n_second,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_ase,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DUAL: tl.constexpr,
+):
+    """fp32 a[e, offs_m, :] @ w[e, offs_n, :]^T, and with DUAL the same for weight rows
+    offs_n + n_second (a gated layer's up half) in the same K loop, sharing the A tile."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + e64 * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        as_ptrs = a_scale_ptr + e64 * stride_ase + offs_m * stride_asm
+        bs_ptrs = b_scale_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+    for kb in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        if DUAL:
+            b2 = tl.load(b_ptrs + n_second * stride_bn, mask=n_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+            if DUAL:
+                b2 = b2.to(tl.float32)
+        if FP8:
+            kg = (kb * BLOCK_K) // 128
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=m_mask, other=0.0)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, b)
+            if DUAL:
+                acc2 += tl.dot(a, b2)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, acc2
+
+
+@triton.jit
+def _gemm1_act(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    e64,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bias_e,
+    alpha,
+    limit,
+    out_ty: tl.constexpr,
+    I_SIZE: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    """GEMM1 of expert e64 on the A rows offs_m (gate and up halves in one K loop when gated),
+    plus the bias, then the activation: fp32 [BLOCK_M, BLOCK_N]. As the unfused path: the GEMM1
+    output (+ bias) rounded to the layer dtype, the activation in fp32. Shared by the fused
+    masked kernel and the token-major one (`moehal.kernels.triton_token_moe`)."""
+    g, u = _dot_k(
+        a_ptr, a_ptr, b_ptr, b_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
+        stride_ae, stride_am, stride_ak, 0, 0, 0,
+        stride_be, stride_bn, stride_bk, 0, 0, 0,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
+    )  # fmt: skip
+    if HAS_BIAS:
+        brow = bias_ptr + e64 * stride_bias_e
+        g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    g = _to(g, out_ty, EXACT_ROUND).to(tl.float32)
+    u = _to(u, out_ty, EXACT_ROUND).to(tl.float32)
+    return _activation(g, u, alpha, limit, ACT, GATED)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["num_m_tiles"])
+def _masked_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    masked_m_ptr,
+    num_m_tiles,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_ase,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    e, offs_m, m_mask, pid_n = _expert_tile(
+        tl.program_id(0), masked_m_ptr, num_m_tiles, N, E, E_P, BLOCK_M, BLOCK_N, GROUP_M
+    )
+    if e >= E:
+        return
+    e64 = e.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc, _ = _dot_k(
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, e64, offs_m, m_mask, offs_n, n_mask, 0,
+        stride_ae, stride_am, stride_ak, stride_ase, stride_asm, stride_ask,
+        stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, False,
+    )  # fmt: skip
+    c_ptrs = c_ptr + e64 * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["num_m_tiles"])
+def _masked_gemm_act_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    stride_bias_e,
+    out_ptr,
+    y_ptr,
+    masked_m_ptr,
+    state_ptr,
+    num_m_tiles,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_oe,
+    stride_om,
+    stride_ye,
+    stride_ym,
+    alpha,
+    limit,
+    H,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    I_SIZE: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_gemm = num_m_tiles * tl.cdiv(I_SIZE, BLOCK_N)
+    if pid >= n_gemm:
+        # stale rows of the activation and GEMM2 output buffers: [count now, count before)
+        sp = pid - n_gemm
+        ex = sp // N_SPLIT
+        cnt = tl.load(masked_m_ptr + ex)
+        before = tl.load(state_ptr + ex)
+        e_off = ex.to(tl.int64)
+        part = sp % N_SPLIT
+        zero_stale_rows(out_ptr + e_off * stride_oe, stride_om, 0, I_SIZE, cnt, before, part, N_SPLIT, 16, 128)
+        zero_stale_rows(y_ptr + e_off * stride_ye, stride_ym, 0, H, cnt, before, part, N_SPLIT, 16, 256)
+        publish_rows(state_ptr, ex, cnt, E, N_SPLIT)
+        return
+    e, offs_m, m_mask, pid_n = _expert_tile(pid, masked_m_ptr, num_m_tiles, I_SIZE, E, E_P, BLOCK_M, BLOCK_N, GROUP_M)
+    if e >= E:
+        return
+    e64 = e.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I_SIZE
+    a = _gemm1_act(
+        a_ptr, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
+        stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_bias_e, alpha, limit,
+        out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, UPCAST, EXACT_ROUND,
+    )  # fmt: skip
+    o_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def num_m_tiles(total_rows: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the live M tiles: each non-empty expert wastes at most one partial tile,
+    and at most min(E, S) experts are non-empty."""
+    s = max(int(total_rows), 0)
+    return cdiv(s, block_m) + min(num_experts, s)
+
+
+def masked_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    masked_m: torch.Tensor,
+    total_rows: int,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """out[e, :masked_m[e]] = a[e, :masked_m[e]] @ w[e]^T; other rows of `out` untouched.
+    (Arguments: `bind_masked_grouped_gemm`, which this binds and calls in one go.)"""
+    launch = bind_masked_grouped_gemm(a, a_scale, w, w_scale, out, total_rows, config)
+    return out if launch is None else launch(a, a_scale, out, masked_m)
+
+
+def bind_masked_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    total_rows: int,
+    config: TileConfig | None = None,
+) -> MaskedGemmLaunch | None:
+    """Check `masked_grouped_gemm`'s arguments and choose its tile: its launch for these shapes,
+    this total-rows bound and these weights (None: nothing to compute), to call as
+    `launch(a, a_scale, out, masked_m)` with tensors of the same shapes (`launch.takes`).
+
+    a `[E, max_m, K]` bf16/fp16, or fp8 e4m3 with `a_scale` fp32 `[E, max_m, K/128]` (any
+    strides; MN-major as DeepGEMM takes them is fine); w `[E, N, K]` (K-major) in a's dtype,
+    fp8 with `w_scale` fp32 `[E, N/128, K/128]`; out `[E, max_m, N]`; masked_m int32 `[E]`.
+    total_rows: host int >= sum(masked_m) (sizes the grid; never read from the device).
+    No host synchronization: CUDA-graph capturable.
+    """
+    e, max_m, k = a.shape
+    n = w.shape[1]
+    fp8 = a_scale is not None
+    if w.shape[0] != e or w.shape[2] != k or tuple(out.shape) != (e, max_m, n):
+        raise ValueError(f"shapes do not match: a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}")
+    if fp8 and w_scale is None:
+        raise ValueError("fp8 activations need weight scales")
+    cfg = config or default_config(max(1, total_rows // max(e, 1)), n, k, fp8)
+    if not cfg.fits(n, k, fp8):
+        raise ValueError(f"tile {cfg} does not fit N={n}, K={k} (K tiles must divide K)")
+    tiles_m = num_m_tiles(min(total_rows, e * max_m), e, cfg.block_m)
+    if tiles_m == 0 or n == 0:
+        return None
+    sw = w_scale if fp8 else None
+    return MaskedGemmLaunch(
+        a.shape, out.shape, (tiles_m * cdiv(n, cfg.block_n),), tiles_m, w, sw,
+        (*w.stride(), *(sw.stride() if sw is not None else (0, 0, 0))),
+        dict(
+            E=e, E_P=max(16, next_power_of_2(e)), N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8, UPCAST=INTERPRETED, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MaskedGemmLaunch:
+    """`_masked_gemm_kernel`'s launch for one input shape, one total-rows bound and one weight
+    tensor (`bind_masked_grouped_gemm`): all but the call's activations, their scales, the
+    output and masked_m fixed. Why: at a decode step the checks, the tile rules and the
+    argument list cost an eager forward more host time than the launch itself."""
+
+    shape: torch.Size  # a's [E, max_m, K]
+    out_shape: torch.Size  # [E, max_m, N]
+    grid: tuple[int]
+    tiles_m: int
+    w: torch.Tensor
+    w_scale: torch.Tensor | None  # fp8 weights' scales; None: bf16/fp16
+    w_strides: tuple[int, ...]  # w's and w_scale's (zeros without scales)
+    kw: dict
+
+    def takes(self, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether this launch computes `a @ w^T` into `out` (else bind again: the checks run)."""
+        return (
+            w is self.w and a.shape == self.shape and out.shape == self.out_shape
+            and (a_scale is None) == (self.w_scale is None)
+        )  # fmt: skip
+
+    def __call__(
+        self, a: torch.Tensor, a_scale: torch.Tensor | None, out: torch.Tensor, masked_m: torch.Tensor
+    ) -> torch.Tensor:
+        if self.w_scale is not None:
+            assert a_scale is not None
+            sa, sw, sa_strides = a_scale, self.w_scale, a_scale.stride()
+        else:
+            sa, sw, sa_strides = out, out, (0, 0, 0)
+        _masked_gemm_kernel[self.grid](
+            a, sa, self.w, sw, out, masked_m, self.tiles_m, *a.stride(), *sa_strides, *self.w_strides,
+            *out.stride(), **self.kw,
+        )  # fmt: skip
+        return out
+
+
+# Shared memory a pipelined tile may use (H100/H200 allow 227 KiB per block; leave headroom
+# for the epilogue's scratch).
+SMEM_BUDGET = 200 * 1024
+
+
+def smem_bytes(config: TileConfig, elem_bytes: int, b_tiles: int = 1) -> int:
+    """Shared memory of the K pipeline: num_stages buffers of the A tile and `b_tiles` B tiles."""
+    return config.num_stages * (config.block_m + b_tiles * config.block_n) * config.block_k * elem_bytes
+
+
+@functools.cache  # called on every fused forward: the answer per (tile, K) never changes
+def fused_act_config(config: TileConfig, k: int, elem_bytes: int = 2) -> TileConfig:
+    """A GEMM1 tile tuned for the plain kernel, adapted to the fused one, which keeps a gate and
+    an up B tile per stage: a shorter K tile first (down to 64; the stages, so the bytes in
+    flight, stay), then fewer stages, until the pipeline fits `SMEM_BUDGET` (a tuned 16x64x256,
+    5-stage tile needs 368 KiB fused and failed to launch on an H100)."""
+    c = config
+    while smem_bytes(c, elem_bytes, 2) > SMEM_BUDGET and c.block_k > 64 and k % (c.block_k // 2) == 0:
+        c = replace(c, block_k=c.block_k // 2)
+    while smem_bytes(c, elem_bytes, 2) > SMEM_BUDGET and c.num_stages > 1:
+        c = replace(c, num_stages=c.num_stages - 1)
+    return c
+
+
+def masked_gemm_act(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    y: torch.Tensor,
+    masked_m: torch.Tensor,
+    total_rows: int,
+    config: TileConfig,
+    *,
+    activation: int,
+    gated: bool,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> torch.Tensor:
+    """GEMM1 and the activation in one kernel (the masked layout, bf16/fp16, no quantization):
+
+        out[e, m, :] = act(a[e, m] @ w13[e]^T + bias[e])      for m < masked_m[e]
+
+    (Arguments: `bind_masked_gemm_act`, which this binds and calls in one go.)"""
+    launch = bind_masked_gemm_act(
+        a, w13, bias, out, out_rows, y, total_rows, config, activation=activation, gated=gated, alpha=alpha,
+        limit=limit,
+    )  # fmt: skip
+    return launch(a, out, out_rows, y, masked_m)
+
+
+def bind_masked_gemm_act(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    y: torch.Tensor,
+    total_rows: int,
+    config: TileConfig,
+    *,
+    activation: int,
+    gated: bool,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> MaskedGemmActLaunch:
+    """Check `masked_gemm_act`'s arguments and adapt its tile: its launch for these shapes, this
+    total-rows bound and these weights, to call as `launch(a, out, out_rows, y, masked_m)`
+    with tensors of the same shapes (`launch.takes`).
+
+    a `[E, max_m, K]`; w13 `[E, N13, K]` with N13 = 2 * I ([gate; up]) when gated, else I;
+    bias `[E, N13]` or None; out `[E, max_m, I]` in a's dtype. `activation`: the
+    `moehal.kernels.triton_fused_moe` ids (1 silu, 2 gelu, 3 swiglu_oai with alpha/limit).
+
+    Like `moehal_cuda.triton_glue.activation`, it keeps the padding of `out` and of the GEMM2
+    output `y [E, max_m, H]` zero: rows live in the previous call and not now are zeroed, from
+    `out_rows` (int32 [2, E], the per-expert record of `moehal.kernels.triton_permute`). No
+    host synchronization; total_rows is a host bound on sum(masked_m) that sizes the grid.
+    """
+    e, max_m, k = a.shape
+    i = out.shape[-1]
+    n13 = w13.shape[1]
+    if n13 != (2 * i if gated else i) or w13.shape[0] != e or w13.shape[2] != k or tuple(out.shape[:2]) != (e, max_m):
+        raise ValueError(f"shapes do not match: a {tuple(a.shape)}, w13 {tuple(w13.shape)}, out {tuple(out.shape)}")
+    if a.dtype != w13.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the fused GEMM1 takes bf16/fp16 operands of one dtype, got {a.dtype} and {w13.dtype}")
+    if out.stride(-1) != 1 or tuple(out_rows.shape) != (2, e):
+        raise ValueError("out must be row-contiguous and out_rows int32 [2, E]")
+    config = fused_act_config(config, k, a.element_size())
+    if not config.fits(i, k, False):
+        raise ValueError(f"tile {config} does not fit N={i}, K={k}")
+    tiles_m = num_m_tiles(min(total_rows, e * max_m), e, config.block_m)
+    n_split = stale_splits(max_m, 16, e)
+    b = bias if bias is not None else w13
+    return MaskedGemmActLaunch(
+        a.shape, out.shape, y.shape, (tiles_m * cdiv(i, config.block_n) + e * n_split,), tiles_m, w13, bias,
+        (b, b.stride(0) if bias is not None else 0), w13.stride(), (float(alpha), float(limit), y.shape[-1]),
+        dict(
+            E=e, E_P=max(16, next_power_of_2(e)), I_SIZE=i, K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, GROUP_M=config.group_m, ACT=activation, GATED=gated,
+            HAS_BIAS=bias is not None, N_SPLIT=n_split, UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MaskedGemmActLaunch:
+    """`_masked_gemm_act_kernel`'s launch for one input shape, one total-rows bound and one
+    layer's GEMM1 weights (`bind_masked_gemm_act`): all but the call's activations, the two
+    output buffers, their row record and masked_m fixed (host time, as `MaskedGemmLaunch`)."""
+
+    shape: torch.Size  # a's [E, max_m, K]
+    out_shape: torch.Size  # [E, max_m, I]
+    y_shape: torch.Size  # [E, max_m, H]
+    grid: tuple[int]
+    tiles_m: int
+    w13: torch.Tensor
+    bias: torch.Tensor | None
+    bias_args: tuple  # bias (or w13), its expert stride
+    w_strides: tuple[int, ...]
+    tail: tuple  # alpha, limit, H
+    kw: dict
+
+    def takes(self, a: torch.Tensor, w13: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+              y: torch.Tensor) -> bool:  # fmt: skip
+        """Whether this launch computes these operands (else bind again: the checks run)."""
+        return (
+            w13 is self.w13 and bias is self.bias and a.shape == self.shape and out.shape == self.out_shape
+            and y.shape == self.y_shape and out.stride(-1) == 1
+        )  # fmt: skip
+
+    def __call__(
+        self, a: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor, y: torch.Tensor, masked_m: torch.Tensor
+    ) -> torch.Tensor:
+        s_oe, s_om, _ = out.stride()
+        s_ye, s_ym, _ = y.stride()
+        _masked_gemm_act_kernel[self.grid](
+            a, self.w13, *self.bias_args, out, y, masked_m, out_rows, self.tiles_m, *a.stride(), *self.w_strides,
+            s_oe, s_om, s_ye, s_ym, *self.tail, **self.kw,
+        )  # fmt: skip
+        return out

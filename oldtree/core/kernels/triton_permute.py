@@ -1,0 +1,874 @@
+# ruff: noqa: ANN001, ANN201, ANN202  (Triton JIT kernels: arguments are untyped by design)
+"""Sync-free token permutation in Triton: the masked and contiguous layouts and the weighted
+combine, with optional fused 1x128 FP8 activation quantization on the way in.
+
+Semantics follow `moehal.permute` exactly (slots are (token, k) pairs flattened token-major;
+within an expert, slots keep their order; contiguous segments start at multiples of the
+alignment; rows past an expert's count are padding) and are tested against it.
+
+Three launches per dispatch/combine round trip (two for masked decode-sized batches), none of
+which reads anything back to the host:
+
+1. `_expert_positions`: program (local expert, chunk of slots) writes, for each of the
+   expert's slots in its chunk, the slot's position among the expert's slots (stable), and
+   the expert's count; batches of several chunks run `_expert_chunk_counts` first.
+   Masked dispatches of at most FUSED_POSITIONS_MAX_SLOTS slots skip it: the scatter kernel's
+   programs compare all slot ids themselves.
+2. `_scatter_rows`: programs [0, n_slot_programs) copy (and quantize) each slot's token row
+   to its destination row and record it in `slot_row`; the remaining programs walk the
+   destination rows, write the contiguous layout's per-row expert ids / segment starts, and
+   keep padding rows zero (see below).
+3. `_combine_rows`: per token, sum over k of router weight x expert row, times the routed
+   scaling factor, in float32, stored in the layer dtype.
+
+Zero padding without clearing whole buffers: destination buffers are persistent (one per
+shape, see `PaddedBuffer`) and remember which rows the previous call wrote. Each dispatch
+zeroes only rows that held data then and are padding now, so the cost is proportional to the
+routed rows, not to the worst-case buffer (E_local x max_m rows for masked):
+- masked: an expert's live rows are always a prefix, so one count per expert is the whole
+  record (`expert_rows`). E x N_SPLIT small programs zero rows [count now, count before) of
+  their expert, and the last of them to finish records the new count (`zero_stale_rows`,
+  `publish_rows`). A decode step thus launches a few hundred programs, not one per row
+  block of the worst-case buffer (that was 5 us of a 56 us Qwen3-30B-A3B step on an H100).
+- contiguous: a per-row "written" bitmap (the buffer is only as large as the routed rows).
+
+Portable: no vendor-specific instruction; the FP8 dtype is the destination tensor's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
+from moehal.kernels.launch import fast_launch
+from moehal.kernels.triton_fused_moe import _static_fp8
+
+QUANT_GROUP = 128
+
+
+# --- kernels ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_to_e4m3_grid(v):
+    """Round float32 (already within +-448) to the nearest e4m3 value, ties to even.
+
+    Only used under the Triton interpreter, whose float8 cast rounds wrongly at binade
+    boundaries; on the GPU the hardware conversion does this."""
+    a = tl.abs(v)
+    e = tl.floor(tl.log2(tl.maximum(a, 1e-30)))
+    step = tl.exp2(tl.maximum(e, -6.0) - 3.0)
+    x = a / step
+    f = tl.floor(x)
+    d = x - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    r = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(odd, f + 1.0, f)))
+    return tl.where(v < 0, -r * step, r * step)
+
+
+@triton.jit
+def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """One 1x128 FP8 group per row of `v` (float32 [R, 128]): (q, scale) with scale =
+    amax / 448 (UE8M0: rounded up to a power of two) and q = v / scale saturated to +-448;
+    q is meant for a cast to e4m3.
+
+    On the GPU q is v times the group's reciprocal scale, unclamped: one division per group
+    instead of one per element, and no min/max per element (the quantizing scatter kept the
+    ALU pipe busier than it kept memory: docs/device-runs/2026-11-23-session8). |v| <= amax,
+    so q exceeds 448 by rounding only, and the cast to e4m3 rounds that back to 448.
+    The scale is exact (div_rn); q is not bitwise torch's on the GPU, and the GPU tests bound
+    the difference to rare one-step flips. Interpreted
+    (EXACT_ROUND): the reference's division and clamp, bit for bit."""
+    amax = tl.max(tl.abs(v), axis=1)
+    # div_rn (IEEE, once per group): the scale is the reference's bit for bit on the GPU too.
+    sc = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    if UE8M0:
+        sc = tl.exp2(tl.ceil(tl.log2(sc)))
+    if EXACT_ROUND:
+        q = tl.minimum(tl.maximum(v / sc[:, None], -448.0), 448.0)
+        q = round_to_e4m3_grid(q)
+    else:
+        q = v * (1.0 / sc)[:, None]
+    return q, sc
+
+
+@triton.jit
+def e4m3_static_quant(v, sc, EXACT_ROUND: tl.constexpr):
+    """fp32 `v` -> e4m3 values (still fp32) with a static per-tensor scale `sc`: v / sc
+    saturated to +-448, as `moehal.quant.fp8.quantize_tensor` does (the portable fused MoE's
+    `_static_fp8` for e4m3fn). Unlike a group's own scale, a static one does not bound
+    |v / sc|, so the clamp is needed on the GPU too."""
+    return _static_fp8(v, sc, 448.0, 0.015625, EXACT_ROUND)
+
+
+@triton.jit
+def round_to_bf16_grid(v):
+    """Round float32 to the nearest bfloat16 value (ties to even), still as float32.
+
+    Only used under the Triton interpreter, whose bf16 cast truncates."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def zero_stale_rows(
+    base_ptr,
+    stride_m,
+    c_lo,
+    c_hi,
+    cnt,
+    prev,
+    split,
+    N_SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Zero rows [cnt, prev) x columns [c_lo, c_hi) of one expert's rows (row m at
+    base_ptr + m * stride_m). This program takes row blocks split, split + N_SPLIT, ... so
+    that a large shrink (prefill, then decode) is spread over N_SPLIT programs."""
+    for r0 in range(cnt + split * BLOCK_R, prev, N_SPLIT * BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ptrs = base_ptr + rows[:, None].to(tl.int64) * stride_m
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            tl.store(
+                ptrs + cols[None, :],
+                tl.zeros((BLOCK_R, BLOCK_C), dtype=base_ptr.dtype.element_ty),
+                mask=(rows[:, None] < prev) & (cols[None, :] < c_hi),
+            )
+
+
+@triton.jit
+def publish_rows(state_ptr, e, cnt, E, ARRIVALS: tl.constexpr):
+    """Record `cnt` as expert e's live rows once all ARRIVALS programs that read the previous
+    count in this launch are done with it: the last one to arrive (acq_rel atomic, so every
+    other program's read happened before) writes the count and resets the arrival counter.
+    `state_ptr`: int32 [2, E] (counts, arrivals)."""
+    if ARRIVALS == 1:
+        tl.store(state_ptr + e, cnt)
+    else:
+        arrived = tl.atomic_add(state_ptr + E + e, 1)
+        if arrived == ARRIVALS - 1:
+            tl.store(state_ptr + e, cnt)
+            tl.store(state_ptr + E + e, 0)
+
+
+@triton.jit
+def masked_row_tile(t, masked_m_ptr, E: tl.constexpr, E_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tile t of the masked layout's live rows, computed from masked_m on the device (expert e
+    owns ceil(masked_m[e] / BLOCK_R) consecutive tiles): (expert, rows, live mask). Past the
+    last live tile the expert is >= E and no row is live (clamp before addressing). Grids sized
+    by `moehal.kernels.triton_grouped_gemm.num_m_tiles` cover every tile."""
+    j = tl.arange(0, E_P)
+    cnt = tl.load(masked_m_ptr + j, mask=j < E, other=0)
+    tiles = (cnt + BLOCK_R - 1) // BLOCK_R
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= t).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(j < e, tiles, 0), axis=0)
+    rows = tl.sum(tl.where(j == e, cnt, 0), axis=0)
+    m = (t - first) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return e, m, m < rows  # past the last tile, rows == 0 (e >= E)
+
+
+@fast_launch
+@triton.jit
+def _expert_chunk_counts(ids_ptr, chunk_counts_ptr, num_slots, expert_start, n_chunks, CHUNK: tl.constexpr):
+    """chunk_counts[e, c] = slots of local expert e among slots [c*CHUNK, (c+1)*CHUNK)."""
+    e = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32) - expert_start
+    tl.store(chunk_counts_ptr + e * n_chunks + c, tl.sum((ids == e).to(tl.int32), axis=0))
+
+
+@fast_launch
+@triton.jit
+def _expert_positions(
+    ids_ptr,
+    slot_pos_ptr,
+    counts_ptr,
+    chunk_counts_ptr,
+    num_slots,
+    expert_start,
+    n_chunks,
+    CHUNK: tl.constexpr,
+    C_P: tl.constexpr,
+):
+    """Program (e, c): positions of expert e's slots in chunk c (the expert's slots in earlier
+    chunks, from `_expert_chunk_counts`, plus the rank within the chunk); program (e, 0) also
+    writes the expert's count. One chunk: no counts pass, the chunk's own sum is the count."""
+    e = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    inb = offs < num_slots
+    ids = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32) - expert_start
+    hit = ((ids == e) & inb).to(tl.int32)
+    if C_P > 1:
+        cc = tl.arange(0, C_P)
+        per_chunk = tl.load(chunk_counts_ptr + e * n_chunks + cc, mask=cc < n_chunks, other=0)
+        base = tl.sum(tl.where(cc < c, per_chunk, 0), axis=0)
+        total = tl.sum(per_chunk, axis=0)
+    else:
+        base = 0
+        total = tl.sum(hit, axis=0)
+    tl.store(slot_pos_ptr + offs, base + tl.cumsum(hit, axis=0) - 1, mask=hit != 0)
+    if c == 0:
+        tl.store(counts_ptr + e, total)
+
+
+@fast_launch
+@triton.jit
+def _scatter_rows(
+    x_ptr,
+    stride_xt,
+    ids_ptr,
+    w_ptr,
+    slot_pos_ptr,
+    counts_ptr,
+    slot_row_ptr,
+    out_ptr,
+    stride_oe,
+    stride_om,
+    scale_ptr,
+    stride_se,
+    stride_sm,
+    stride_sg,
+    static_ptr,
+    row_expert_ptr,
+    seg_start_ptr,
+    written_ptr,
+    state_ptr,
+    num_slots,
+    num_rows,
+    max_m,
+    expert_start,
+    n_slot_programs,
+    n_hchunks,
+    H,
+    TOP_K: tl.constexpr,
+    E: tl.constexpr,
+    E_P: tl.constexpr,
+    ALIGN: tl.constexpr,
+    MASKED: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    FUSED_POS: tl.constexpr,
+    S_P: tl.constexpr,
+    QUANT: tl.constexpr,
+    UE8M0: tl.constexpr,
+    STATIC: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    H_SPAN: tl.constexpr,
+):
+    # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
+    # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
+    pid = tl.program_id(0)
+    j = tl.arange(0, E_P)
+    if not MASKED:
+        counts = tl.load(counts_ptr + j, mask=j < E, other=0)
+        aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
+        seg_end = tl.cumsum(aligned, axis=0)
+    if FUSED_POS:
+        every = tl.arange(0, S_P)
+        all_ids = tl.load(ids_ptr + every, mask=every < num_slots, other=-1).to(tl.int32) - expert_start
+    if pid < n_slot_programs:
+        # ---- slots -> rows ----
+        # program = (block of BLOCK_S slots) x (H_SPAN columns): parallel over H for small batches
+        hc = pid % n_hchunks
+        s = (pid // n_hchunks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        sin = s < num_slots
+        local = tl.load(ids_ptr + s, mask=sin, other=-1).to(tl.int32) - expert_start
+        valid = sin & (local >= 0) & (local < E)
+        if FUSED_POS:  # position = earlier slots of the same expert (slots keep their order)
+            earlier = (all_ids[None, :] == local[:, None]) & (every[None, :] < s[:, None])
+            pos = tl.sum(earlier.to(tl.int32), axis=1)
+        else:
+            pos = tl.load(slot_pos_ptr + s, mask=valid, other=0)
+        if MASKED:
+            dest_e = tl.where(valid, local, 0)
+            dest_m = pos
+            row_id = dest_e * max_m + dest_m
+        else:
+            start = tl.sum(tl.where(j[None, :] < local[:, None], aligned[None, :], 0), axis=1)
+            dest_e = tl.zeros_like(pos)
+            dest_m = start + pos
+            row_id = dest_m
+        if hc == 0:
+            tl.store(slot_row_ptr + s, tl.where(valid, row_id, -1), mask=sin)
+        tok = s // TOP_K
+        if WEIGHT_ON_INPUT:
+            wt = tl.load(w_ptr + s, mask=valid, other=0.0).to(tl.float32)
+        if STATIC:  # the layer's static input scale: loaded once, not once per column block
+            sc1 = tl.load(static_ptr)
+            sc_static = tl.zeros((BLOCK_S,), dtype=tl.float32) + sc1
+        for h1 in tl.static_range(0, H_SPAN, BLOCK_H):
+            h0 = hc * H_SPAN + h1
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cm = cols < H
+            m2 = valid[:, None] & cm[None, :]
+            v = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=m2, other=0.0)
+            if WEIGHT_ON_INPUT:
+                vw = v.to(tl.float32) * wt[:, None]
+                if EXACT_ROUND:
+                    vw = round_to_bf16_grid(vw)
+                v = vw.to(x_ptr.dtype.element_ty)
+            dst = out_ptr + dest_e[:, None].to(tl.int64) * stride_oe + dest_m[:, None].to(tl.int64) * stride_om
+            if QUANT:
+                # one group of QUANT_GROUP (== BLOCK_H) elements per column block
+                if STATIC:  # written to every group's scale slot
+                    q = e4m3_static_quant(v.to(tl.float32), sc1, EXACT_ROUND)
+                    sc = sc_static
+                else:
+                    q, sc = e4m3_group_quant(v.to(tl.float32), UE8M0, EXACT_ROUND)
+                tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)
+                g = h0 // BLOCK_H
+                sdst = scale_ptr + dest_e.to(tl.int64) * stride_se + dest_m.to(tl.int64) * stride_sm + g * stride_sg
+                tl.store(sdst, sc, mask=valid)
+            else:
+                tl.store(dst + cols[None, :], v, mask=m2)
+    elif MASKED:
+        # ---- stale rows: program (expert, split) zeroes its share of [count now, before) ----
+        rp = pid - n_slot_programs
+        e = rp // N_SPLIT
+        if FUSED_POS:
+            cnt = tl.sum((all_ids == e).to(tl.int32), axis=0)
+            if rp % N_SPLIT == 0:
+                tl.store(counts_ptr + e, cnt)  # masked_m for the experts' kernels
+        else:
+            cnt = tl.load(counts_ptr + e)
+        prev = tl.load(state_ptr + e)
+        base = out_ptr + e.to(tl.int64) * stride_oe
+        zero_stale_rows(base, stride_om, 0, H, cnt, prev, rp % N_SPLIT, N_SPLIT, BLOCK_R, BLOCK_H)
+        publish_rows(state_ptr, e, cnt, E, N_SPLIT)
+    else:
+        # ---- contiguous row bookkeeping: row expert ids, segment starts, stale padding rows ----
+        rp = pid - n_slot_programs
+        r = rp * BLOCK_R + tl.arange(0, BLOCK_R)
+        rin = r < num_rows
+        seg = tl.sum((seg_end[None, :] <= r[:, None]).to(tl.int32), axis=1)
+        has = rin & (seg < E)
+        seg_start_r = tl.sum(tl.where(j[None, :] < seg[:, None], aligned[None, :], 0), axis=1)
+        cnt_r = tl.sum(tl.where(j[None, :] == seg[:, None], counts[None, :], 0), axis=1)
+        new_valid = has & (r - seg_start_r < cnt_r)
+        tl.store(row_expert_ptr + r, tl.where(has, seg, -1), mask=rin)
+        if rp == 0:
+            tl.store(seg_start_ptr + j, seg_end - aligned, mask=j < E)
+        prev = tl.load(written_ptr + r, mask=rin, other=0)
+        stale = rin & (prev != 0) & (~new_valid)
+        if tl.max(stale.to(tl.int32), axis=0) > 0:
+            base = out_ptr + r[:, None].to(tl.int64) * stride_om
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                zero = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
+                tl.store(base + cols[None, :], zero, mask=stale[:, None] & (cols[None, :] < H))
+        tl.store(written_ptr + r, new_valid.to(tl.int8), mask=rin)
+
+
+@fast_launch
+@triton.jit
+def _combine_rows(
+    y_ptr,
+    stride_ye,
+    stride_ym,
+    slot_row_ptr,
+    w_ptr,
+    out_ptr,
+    stride_ot,
+    max_m,
+    H,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_P: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WEIGHTS: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # All top-k rows of a token are loaded as one [K_P, BLOCK_H] tile: one round of memory
+    # latency per token instead of top_k dependent ones (decode steps are latency-bound).
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cm = cols < H
+    kk = tl.arange(0, K_P)
+    km = kk < TOP_K
+    slot = t.to(tl.int64) * TOP_K + kk
+    row = tl.load(slot_row_ptr + slot, mask=km, other=-1)
+    ok = row >= 0
+    row = tl.where(ok, row, 0)
+    if MASKED:
+        base = y_ptr + (row // max_m).to(tl.int64) * stride_ye + (row % max_m).to(tl.int64) * stride_ym
+    else:
+        base = y_ptr + row.to(tl.int64) * stride_ym
+    v = tl.load(base[:, None] + cols[None, :], mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    if USE_WEIGHTS:
+        v = v * tl.load(w_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
+    acc = tl.sum(v, axis=0) * scaling
+    if EXACT_ROUND:
+        acc = round_to_bf16_grid(acc)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+# --- host side ------------------------------------------------------------------------------
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when contiguous: the kernels index ids and router weights `[T, K]` flat, so a
+    contiguous tensor needs no reshape (a reshape per call is host time at decode sizes)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def contiguous_rows(num_slots: int, num_local_experts: int, alignment: int) -> int:
+    """Static worst-case rows of the contiguous layout. At most min(E, S) experts receive
+    slots, so only those can waste up to alignment-1 padding rows each (a tighter static bound
+    than `moehal.permute.contiguous_rows`, same layout)."""
+    busy = min(num_local_experts, num_slots)
+    return max(round_up(num_slots + busy * (alignment - 1), alignment), alignment)
+
+
+def masked_rows(max_tokens: int, alignment: int = 64) -> int:
+    """Per-expert rows of the masked layout: every token can route to an expert at most once,
+    so max_tokens is the worst case; rounded up so that GEMM tiles never straddle experts."""
+    return round_up(max(max_tokens, 1), alignment)
+
+
+@dataclass
+class PaddedBuffer:
+    """A persistent destination (hidden rows, optional scales) and its record of the rows the
+    previous call wrote: per expert for masked buffers, per row for contiguous ones.
+
+    scales are stored MN-major (the last two dims swapped in memory), the layout DeepGEMM's
+    TMA loads want for per-token-group scale factors, so no transform runs per call.
+    """
+
+    hidden: torch.Tensor  # [E, M, H] (masked) or [M, H] (contiguous)
+    scales: torch.Tensor | None  # [E, M, H/128] or [M, H/128] view, MN-major
+    written: torch.Tensor  # contiguous: int8 [M * bitmap_cols] written-rows bitmap; masked: empty
+    expert_rows: torch.Tensor | None = None  # masked: int32 [2, E] (live rows per expert, arrivals)
+    # masked: int32 [E], where each dispatch writes its rows per expert (the experts' masked_m).
+    # Persistent like `hidden`, so a decode loop hands the GEMMs the same tensors every call and
+    # their host calls can be replayed from graphs (`moehal.graphs.LaunchMemo`).
+    counts: torch.Tensor | None = None
+    _prefixes: dict[int, PaddedBuffer] = field(default_factory=dict, repr=False)
+
+    @property
+    def masked(self) -> bool:
+        return self.hidden.dim() == 3
+
+    def prefix(self, rows: int) -> PaddedBuffer:
+        """Rows `[0, rows)` of a contiguous buffer as a buffer of its own: views of the same
+        rows and bitmap cells, so the stale-row bookkeeping carries over between calls of
+        different sizes, and GEMMs over it cost what this call's rows cost, not the capacity's.
+        Scales are re-strided onto the same storage, MN-major and TMA-aligned for `rows`
+        (DeepGEMM checks the stride of the scales against the GEMM's M)."""
+        m = self.hidden.shape[0]
+        if self.masked or rows == m:
+            return self
+        if rows > m:
+            raise ValueError(f"a prefix of {rows} rows of a {m}-row buffer")
+        view = self._prefixes.get(rows)
+        if view is None:
+            scales = None
+            if self.scales is not None:
+                scales = self.scales.as_strided((rows, self.scales.shape[1]), (1, round_up(rows, 4)))
+            cells = self.written.numel() // m
+            view = self._prefixes[rows] = PaddedBuffer(self.hidden[:rows], scales, self.written[: rows * cells])
+        return view
+
+
+def alloc_padded(
+    lead: tuple[int, ...], cols: int, dtype: torch.dtype, device: torch.device, quant: bool, bitmap_cols: int = 1
+) -> PaddedBuffer:
+    hidden = torch.zeros(*lead, cols, dtype=dtype, device=device)
+    scales = None
+    if quant:
+        g = cdiv(cols, QUANT_GROUP)
+        m = lead[-1]
+        raw = torch.zeros(*lead[:-1], g, round_up(m, 4), dtype=torch.float32, device=device)
+        scales = raw.transpose(-1, -2)[..., :m, :]
+    if len(lead) == 2:  # masked: live rows are a prefix per expert, one count each suffices
+        state = torch.zeros(2, lead[0], dtype=torch.int32, device=device)
+        counts = torch.zeros(lead[0], dtype=torch.int32, device=device)
+        return PaddedBuffer(hidden, scales, torch.zeros(0, dtype=torch.int8, device=device), state, counts)
+    return PaddedBuffer(hidden, scales, torch.zeros(lead[0] * bitmap_cols, dtype=torch.int8, device=device))
+
+
+def stale_splits(max_m: int, block_r: int, num_experts: int) -> int:
+    """Programs per expert that zero stale rows: enough that a prefill-to-decode shrink (up to
+    max_m rows per expert) spreads over a few hundred programs, few enough that a decode step
+    does not launch many idle ones (many experts need fewer splits each)."""
+    return max(1, min(4, cdiv(256, max(num_experts, 1)), cdiv(max_m, 8 * block_r)))
+
+
+_WORKSPACE: dict[tuple, PaddedBuffer] = {}
+
+
+def workspace(
+    role: str,
+    lead: tuple[int, ...],
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: bool,
+    bitmap_cols: int = 1,
+) -> PaddedBuffer:
+    """A process-wide persistent buffer per (role, shape, dtype, device): MoE layers run one
+    after another on a stream, so layers of equal shape share one (memory stays O(1) in the
+    number of layers). Not for concurrent use from two streams. `bitmap_cols`: cells per row
+    of a contiguous buffer's written-rows bitmap (kernels that split rows over column chunks
+    keep one each)."""
+    key = (role, lead, cols, dtype, torch.device(device), quant, bitmap_cols)
+    buf = _WORKSPACE.get(key)
+    if buf is None:
+        buf = _WORKSPACE[key] = alloc_padded(lead, cols, dtype, torch.device(device), quant, bitmap_cols)
+    return buf
+
+
+def contiguous_workspace(
+    role: str,
+    rows: int,
+    capacity: int,
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: bool,
+    bitmap_cols: int = 1,
+) -> PaddedBuffer:
+    """Rows `[0, rows)` of the persistent contiguous buffer of `role`, allocated once with
+    `capacity` rows (a static worst case such as max_tokens' rows). A call past it gets a
+    buffer of the next power of two of its rows: an expert-parallel rank receives a different
+    number of rows at every call, and a buffer per size would grow without bound; this way a
+    stream of sizes keeps at most a few buffers, within 2x of the largest. Sized per call, not
+    by the capacity: DeepGEMM's contiguous GEMM computes every row it is given, so a 1024-token
+    prefill in a 4096-token buffer cost as much as a 4096-token one
+    (docs/device-runs/2026-11-23-session6)."""
+    if rows > capacity:
+        capacity = next_power_of_2(rows)
+    full = workspace(role, (capacity,), cols, dtype, device, quant, bitmap_cols)
+    return full.prefix(rows)
+
+
+@dataclass(frozen=True)
+class Permuted:
+    """Result of `permute`. slot_row int32 `[T*K]`: destination row of each slot (masked:
+    e*max_m + m), -1 for slots whose expert is not local."""
+
+    hidden: torch.Tensor
+    scales: torch.Tensor | None
+    counts: torch.Tensor  # int32 [E]
+    slot_row: torch.Tensor
+    row_expert: torch.Tensor | None = None  # contiguous only
+    segment_start: torch.Tensor | None = None  # contiguous only
+
+
+# Masked dispatches of up to this many (token, expert) slots compute positions and counts
+# inside the scatter kernel (one launch instead of two: a decode step is latency-bound).
+FUSED_POSITIONS_MAX_SLOTS = 256
+# Slots per program of the positions pass (larger batches run several chunks per expert).
+POSITION_CHUNK = 2048
+
+
+def _e_pad(e: int) -> int:
+    return max(16, next_power_of_2(e))
+
+
+@dataclass(frozen=True)
+class ScatterTile:
+    block_s: int  # slots per program
+    h_span: int  # columns per program (a multiple of the column block)
+    num_warps: int = 4
+
+
+def scatter_tile(slots: int, h: int, block_h: int) -> ScatterTile:
+    """The scatter kernel's tile. A program copies `h_span` columns of `block_s` slots; small
+    batches take one column block per program, so each program is a single round of memory
+    latency (decode is latency-bound)."""
+    block_s = 16 if slots >= 4096 else 4
+    if cdiv(slots, block_s) < 64:
+        return ScatterTile(block_s, block_h)
+    return ScatterTile(block_s, min(8 * block_h, cdiv(h, block_h) * block_h))
+
+
+def expert_positions(
+    ids: torch.Tensor, num_local_experts: int, expert_start: int = 0, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For flat expert ids `[S]` (contiguous), on the device and without a host sync:
+    slot_pos int32 `[max(S, 1)]`, each local slot's position among its expert's slots (stable in
+    slot order; other slots' entries are left unwritten), and counts int32 `[E]`, the local
+    experts' slot counts (written into `counts` when given). Ids outside
+    [expert_start, expert_start + E) belong to no expert."""
+    s, e, dev = ids.numel(), num_local_experts, ids.device
+    if counts is None:
+        counts = torch.empty(e, dtype=torch.int32, device=dev)
+    slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+    # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
+    # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
+    # scan steps per expert)
+    chunk = min(POSITION_CHUNK, max(256, next_power_of_2(s)))
+    n_chunks = cdiv(s, chunk)
+    chunk_counts = counts
+    if n_chunks > 1:
+        chunk_counts = torch.empty(e * n_chunks, dtype=torch.int32, device=dev)
+        _expert_chunk_counts[(e, n_chunks)](ids, chunk_counts, s, expert_start, n_chunks, CHUNK=chunk)
+    _expert_positions[(e, n_chunks)](
+        ids,
+        slot_pos,
+        counts,
+        chunk_counts,
+        s,
+        expert_start,
+        n_chunks,
+        CHUNK=chunk,
+        C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1,
+    )
+    return slot_pos, counts
+
+
+def permute(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    dest: PaddedBuffer,
+    *,
+    expert_start: int,
+    num_local_experts: int,
+    masked: bool,
+    alignment: int = 1,
+    ue8m0: bool = False,
+    weight_on_input: bool = False,
+    static_scale: torch.Tensor | None = None,
+) -> Permuted:
+    """Scatter token rows `x [T, H]` to `dest` (masked `[E, max_m, H]` or contiguous
+    `[M_pad, H]`), quantizing to FP8 if `dest` has scales: in 1x128 groups with scales of their
+    own, or, with `static_scale` (fp32, one element), with that scale, written to every group's
+    slot (`ScaleKind.STATIC_TENSOR`). No host sync.
+    (`bind_permute` decides the launches; this binds and calls in one go.)"""
+    t, h = x.shape
+    bound = bind_permute(
+        t, topk_ids.shape[1], h, dest, expert_start=expert_start, num_local_experts=num_local_experts,
+        masked=masked, alignment=alignment, ue8m0=ue8m0, weight_on_input=weight_on_input, static_scale=static_scale,
+    )  # fmt: skip
+    return bound(x, topk_ids, topk_weights)
+
+
+def bind_permute(
+    t: int,
+    top_k: int,
+    h: int,
+    dest: PaddedBuffer,
+    *,
+    expert_start: int,
+    num_local_experts: int,
+    masked: bool,
+    alignment: int = 1,
+    ue8m0: bool = False,
+    weight_on_input: bool = False,
+    static_scale: torch.Tensor | None = None,
+) -> BoundPermute:
+    """`permute`'s launches for `t` tokens of `top_k` slots and `h` columns into `dest`: tiles,
+    grid and every argument but the call's tensors, decided once. An eager dispatcher keeps
+    one per token count (host time of a decode step). `static_scale` is bound too: the layer's
+    static input scale, a tensor whose value may change but which stays the same tensor."""
+    e = num_local_experts
+    s = t * top_k
+    quant = dest.scales is not None
+    if static_scale is not None and (not quant or ue8m0 or static_scale.numel() != 1):
+        raise ValueError("static_scale quantizes into a destination with fp32 group scales, one scale value")
+    fused_pos = masked and s <= FUSED_POSITIONS_MAX_SLOTS
+    kept = dest.counts if masked and dest.counts is not None and dest.counts.numel() == e else None
+    out = dest.hidden
+    if masked:
+        max_m = out.shape[1]
+        num_rows = e * max_m
+        so_e, so_m = out.stride(0), out.stride(1)
+    else:
+        max_m = 0
+        num_rows = out.shape[0]
+        so_e, so_m = 0, out.stride(0)
+    if quant:
+        sc = dest.scales
+        assert sc is not None
+        if masked:
+            ss_e, ss_m, ss_g = sc.stride(0), sc.stride(1), sc.stride(2)
+        else:
+            ss_e, ss_m, ss_g = 0, sc.stride(0), sc.stride(1)
+        block_h = QUANT_GROUP
+    else:
+        sc = out
+        ss_e = ss_m = ss_g = 0
+        block_h = min(256, next_power_of_2(h))
+    tile = scatter_tile(s, h, block_h)
+    block_s, h_span = tile.block_s, tile.h_span
+    block_r = 64
+    n_hc = cdiv(h, h_span)
+    n_slot = cdiv(s, block_s) * n_hc
+    if masked:
+        if dest.expert_rows is None or dest.expert_rows.shape[1] != e:
+            raise ValueError(f"masked destination needs per-expert row counts for {e} experts (alloc_padded)")
+        n_split = stale_splits(max_m, block_r, e)
+        n_row = e * n_split
+    else:
+        n_split = 1
+        n_row = cdiv(num_rows, block_r)
+    return BoundPermute(
+        s, e, expert_start, masked, fused_pos, kept, dest, num_rows,
+        (n_slot + n_row,) if n_slot + n_row > 0 else None,
+        (out, so_e, so_m, sc, ss_e, ss_m, ss_g, static_scale if static_scale is not None else sc),
+        (s, num_rows, max_m, expert_start, n_slot, n_hc, h),
+        dict(
+            TOP_K=top_k, E=e, E_P=_e_pad(e), ALIGN=max(alignment, 1), MASKED=masked, N_SPLIT=n_split,
+            FUSED_POS=fused_pos, S_P=max(16, next_power_of_2(s)) if fused_pos else 16, QUANT=quant, UE8M0=ue8m0,
+            STATIC=static_scale is not None, WEIGHT_ON_INPUT=weight_on_input, EXACT_ROUND=INTERPRETED,
+            BLOCK_S=block_s, BLOCK_R=block_r,
+            BLOCK_H=block_h, H_SPAN=h_span, num_warps=tile.num_warps,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BoundPermute:
+    """`permute` for one token count into one destination (`bind_permute`). A call allocates
+    what each call returns (slot rows; a contiguous layout's row experts and segment starts),
+    runs the positions pass when the batch needs one, and launches the scatter."""
+
+    slots: int
+    experts: int
+    expert_start: int
+    masked: bool
+    fused_pos: bool
+    kept: torch.Tensor | None  # the destination's persistent per-expert counts (masked)
+    dest: PaddedBuffer
+    num_rows: int
+    grid: tuple[int] | None  # None: nothing to launch
+    dest_args: tuple  # out, its strides, scales (or out), their strides, the static scale (or scales)
+    scalars: tuple  # slots, rows, max_m, expert_start, slot programs, column chunks, H
+    kw: dict
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> Permuted:
+        """x `[T, H]`, topk_ids `[T, K]`, topk_weights `[T, K]` fp32 or None, of the bound T, K, H."""
+        s, e, dev = self.slots, self.experts, x.device
+        ids = _dense(topk_ids)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+        if self.fused_pos:  # the scatter kernel's programs compare the slot ids themselves
+            counts = self.kept if self.kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
+            slot_pos = slot_row  # not read with FUSED_POS: any int32 tensor will do
+        else:
+            slot_pos, counts = expert_positions(ids, e, self.expert_start, self.kept)
+        if self.masked:
+            row_expert = seg_start = None
+            re_arg = se_arg = counts  # unused
+            state = self.dest.expert_rows
+        else:
+            row_expert = torch.empty(self.num_rows, dtype=torch.int32, device=dev)
+            seg_start = torch.empty(e, dtype=torch.int32, device=dev)
+            re_arg, se_arg, state = row_expert, seg_start, counts  # state unused
+        if self.grid is not None:
+            w = ids if topk_weights is None else _dense(topk_weights)
+            _scatter_rows[self.grid](
+                x, x.stride(0), ids, w, slot_pos, counts, slot_row, *self.dest_args, re_arg, se_arg,
+                self.dest.written, state, *self.scalars, **self.kw,
+            )  # fmt: skip
+        slot_row = slot_row if s else slot_row[:0]  # (allocated with at least one element)
+        return Permuted(self.dest.hidden, self.dest.scales, counts, slot_row, row_expert, seg_start)
+
+
+def combine(
+    y: torch.Tensor,
+    slot_row: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    num_tokens: int,
+    top_k: int,
+    *,
+    masked: bool,
+    scaling: float = 1.0,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`[T, H]` = scaling * sum_k w[t, k] * y[slot_row[t, k]] (slots with row -1 skipped);
+    y is masked `[E, max_m, H]` or contiguous `[M, H]`. Weights None: unweighted sum.
+    (`bind_combine` decides the launch; this binds and calls in one go.)"""
+    launch = bind_combine(
+        num_tokens, top_k, y.shape[-1], masked=masked, weighted=topk_weights is not None, scaling=scaling,
+        out_dtype=out.dtype if out is not None else out_dtype,
+    )  # fmt: skip
+    return launch(y, slot_row, topk_weights, out)
+
+
+def bind_combine(
+    num_tokens: int,
+    top_k: int,
+    h: int,
+    *,
+    masked: bool,
+    weighted: bool,
+    scaling: float = 1.0,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> BoundCombine:
+    """`combine`'s launch for `num_tokens` tokens of `top_k` slots and `h` columns: grid and
+    constexprs decided once. An eager dispatcher keeps one per token count, beside its
+    permute (`bind_permute`)."""
+    # small batches: narrower column blocks, so a decode step still spreads over many SMs
+    block_h = min(1024 if num_tokens >= 64 else 256, next_power_of_2(h))
+    return BoundCombine(
+        num_tokens, h, masked, weighted, out_dtype, (num_tokens, cdiv(h, block_h)), float(scaling),
+        dict(
+            TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), MASKED=masked, USE_WEIGHTS=weighted,
+            EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16, BLOCK_H=block_h,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BoundCombine:
+    """`combine` for one token count, width and layout (`bind_combine`)."""
+
+    num_tokens: int
+    h: int
+    masked: bool
+    weighted: bool
+    out_dtype: torch.dtype
+    grid: tuple[int, int]
+    scaling: float
+    kw: dict
+
+    def __call__(
+        self, y: torch.Tensor, slot_row: torch.Tensor, topk_weights: torch.Tensor | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """y masked `[E, max_m, H]` or contiguous `[M, H]`; slot_row int32 `[T * K]`; topk_weights
+        `[T, K]` fp32 (None exactly when bound unweighted); out `[T, H]` or None (allocated)."""
+        if (
+            (topk_weights is not None) != self.weighted or y.shape[-1] != self.h
+            or (out is not None and out.dtype != self.out_dtype)
+        ):  # fmt: skip
+            raise ValueError(
+                f"a combine bound for {'weighted' if self.weighted else 'unweighted'} rows of {self.h} columns into "
+                f"{self.out_dtype} got {'weighted' if topk_weights is not None else 'unweighted'} rows of "
+                f"{y.shape[-1]} into {out.dtype if out is not None else self.out_dtype}"
+            )
+        if out is None:
+            out = torch.empty(self.num_tokens, self.h, dtype=self.out_dtype, device=y.device)
+        if self.num_tokens == 0:
+            return out
+        if y.stride(-1) != 1:
+            y = y.contiguous()
+        if self.masked:
+            sy_e, sy_m, max_m = y.stride(0), y.stride(1), y.shape[1]
+        else:
+            sy_e, sy_m, max_m = 0, y.stride(0), 1
+        w = slot_row if topk_weights is None else _dense(topk_weights)
+        _combine_rows[self.grid](
+            y, sy_e, sy_m, slot_row, w, out, out.stride(0), max_m, self.h, self.scaling, **self.kw
+        )  # fmt: skip
+        return out

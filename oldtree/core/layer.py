@@ -1,0 +1,377 @@
+"""`MoELayer`: the one object an engine holds per MoE layer.
+
+Selection happens in the constructor; `forward` calls plain bound runners (no plugin lookup,
+no search, and no host sync unless input validation with value checks is on).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from moehal.config import MoEConfig
+from moehal.errors import (
+    InputError,
+    NotSupportedError,
+    WeightError,
+    WeightsAlreadyProcessedError,
+    WeightsNotLoadedError,
+)
+from moehal.formats import ScaleKind
+from moehal.graphs import GraphCache, should_replay
+from moehal.hardware import HardwareInfo, detect
+from moehal.integrations import custom_op
+from moehal.interfaces import BuildRequest, DispatchRunner, ExpertsRunner, FusedRunner
+from moehal.plugins import Registry, discover
+from moehal.quant import QuantScheme
+from moehal.routing import TopK, route
+from moehal.selection import Pipeline, Plan, QuantizeAdapter, select
+from moehal.weights import ExpertWeights, validate
+
+_ID_DTYPES = frozenset({torch.int32, torch.int64})
+
+
+class MoELayer(torch.nn.Module):
+    """A Mixture-of-Experts layer running on the best backend for its config and hardware.
+
+    Args:
+        config: the layer's math (`MoEConfig`).
+        quant: a `QuantScheme` or its name (`bf16`, `fp8_block`, `fp8_block:ue8m0`,
+            `fp8_tensor`, `nvfp4`, `w8a8_int8`).
+        backend: `auto`, or a backend name to force (its experts/fused forwards only).
+            `auto` defers to `MOEHAL_BACKEND` if set.
+        device: where the layer runs (default: the best device torch sees).
+        layout: restrict to experts consuming this layout (`standard`, `contiguous`, `masked`).
+        registry: plugins to select from (default: `moehal.discover()`).
+        validate: check input *values* (expert ids in range and distinct, finite weights),
+            which reads device memory back to the host. Shapes, dtypes and devices are always
+            checked. Default: on for CPU, off elsewhere (the hot path must not sync).
+        process_group: the torch.distributed group of the expert-parallel ranks when
+            `config.ep_size > 1` and tokens move between processes.
+        pipeline: build exactly this pipeline (one of `moehal.enumerate_pipelines(...)`)
+            instead of selecting; conformance uses it to run every claimed format.
+        cuda_graph_tokens: replay eager calls of up to this many tokens from CUDA graphs,
+            captured once per token count (see `moehal.graphs`): removes per-call launch
+            overhead for engines that run eagerly. 0 (default) = off. Also settable later as
+            `layer.cuda_graph_tokens`.
+
+    Call with `layer(hidden_states, topk_ids, topk_weights)` or
+    `layer(hidden_states, router_logits=logits)` (needs `config.routing`).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        quant: QuantScheme | str = "bf16",
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        *,
+        layout: str | None = None,
+        registry: Registry | None = None,
+        validate: bool | None = None,
+        process_group: Any = None,
+        pipeline: Pipeline | None = None,
+        cuda_graph_tokens: int = 0,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.quant = QuantScheme.parse(quant)
+        reg = registry if registry is not None else discover()
+        hw: HardwareInfo = detect(device)
+        chosen = backend if backend != "auto" else reg.settings.backend
+        self.request = BuildRequest(config, self.quant, hw, reg.settings, process_group)
+        if pipeline is not None:
+            self.plan: Plan = Plan(self.request, pipeline, (), ())
+        else:
+            self.plan = select(self.request, reg, chosen, layout)
+        self.device = hw.device
+        self._on_cuda = self.device.type == "cuda"
+        self.validate_values = validate if validate is not None else hw.kind == "cpu"
+        p = self.plan.pipeline
+        self._fused: FusedRunner | None = None
+        self._dispatch: DispatchRunner | None = None
+        # batches of <= _small_tokens tokens or of _prefill_lo to _prefill_hi (`SmallBatchFormat.takes`)
+        self._small_dispatch: DispatchRunner | None = None
+        self._small_tokens = -1
+        self._prefill_lo = self._prefill_hi = sys.maxsize
+        self._adapter: QuantizeAdapter | None = None
+        self._experts: ExpertsRunner | None = None
+        if p.kind == "fused":
+            assert p.fused is not None
+            self._fused = p.fused.build(self.request)
+            self._accepts_topk = "topk" in p.fused.accepts
+        else:
+            assert p.dispatcher and p.experts and p.fmt and p.dispatch_fmt
+            self._dispatch = p.dispatcher.build(self.request, p.dispatch_fmt)
+            if p.small is not None:
+                self._small_dispatch = p.dispatcher.build(self.request, p.small.fmt)
+                self._small_tokens = p.small.max_tokens
+                if p.small.prefill_min_tokens is not None:
+                    self._prefill_lo = p.small.prefill_min_tokens
+                    self._prefill_hi = p.small.prefill_max_tokens or sys.maxsize
+            self._adapter = QuantizeAdapter(p.fmt) if p.adapter else None
+            self._experts = p.experts.build(self.request, p.fmt)
+            self._accepts_topk = True
+        self._weights: ExpertWeights | None = None
+        self._correction_bias: torch.Tensor | None = None
+        self._processed = False
+        self._op_id = custom_op.register_layer(self)  # torch.compile sees the layer as one custom op
+        self._graph_tokens = 0
+        self._graphs_topk = GraphCache(self._forward_topk, self.device)
+        self._graphs_logits = GraphCache(self._forward_logits, self.device)
+        self.cuda_graph_tokens = cuda_graph_tokens
+
+    @property
+    def cuda_graph_tokens(self) -> int:
+        """Eager calls with at most this many tokens replay a per-token-count CUDA graph (0: off)."""
+        return self._graph_tokens
+
+    @cuda_graph_tokens.setter
+    def cuda_graph_tokens(self, limit: int) -> None:
+        if limit < 0:
+            raise InputError(f"cuda_graph_tokens must be >= 0, got {limit}")
+        if limit and self.device.type != "cuda":
+            raise NotSupportedError(f"cuda_graph_tokens needs a CUDA device; this layer runs on {self.device}")
+        if limit and not self.plan.pipeline.graph_capturable:
+            raise NotSupportedError(
+                f"{self.plan.pipeline.name} does not declare CUDA-graph capture (graph_capturable), so its "
+                "forward cannot be replayed from a graph; leave cuda_graph_tokens at 0"
+            )
+        if limit != self._graph_tokens:
+            self._graphs_topk.clear()
+            self._graphs_logits.clear()
+        self._graph_tokens = limit
+
+    # Weights -------------------------------------------------------------------------------
+    def load_weights(
+        self, weights: ExpertWeights | None = None, *, process: bool = True, **tensors: torch.Tensor
+    ) -> None:
+        """Load this rank's expert weights in the canonical layout (see `moehal.weights`),
+        either as an `ExpertWeights` or as keyword tensors (`w13=..., w2=..., w13_scale=...`).
+        With `process` (default) the chosen kernel's weight processing runs right after."""
+        if self._processed:
+            raise WeightsAlreadyProcessedError(
+                "weights were already loaded and processed for this layer; build a new MoELayer "
+                "to load different weights"
+            )
+        w = weights if weights is not None else ExpertWeights(**tensors)
+        validate(w, self.config, self.quant, self.device)
+        self._weights = w
+        self._correction_bias = w.correction_bias
+        if process:
+            self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        """Run the chosen kernel's weight transform, exactly once."""
+        if self._processed:
+            raise WeightsAlreadyProcessedError(
+                f"process_weights_after_loading already ran for {self.plan.pipeline.name}; applying "
+                "a layout transform twice would silently corrupt the weights"
+            )
+        if self._weights is None:
+            raise WeightsNotLoadedError("call layer.load_weights(...) before processing weights")
+        proc = self.plan.pipeline.processor
+        self._hand_input_scale(self._weights)
+        prepared: Any = proc.process(self._weights, self.request) if proc is not None else self._weights
+        runner = self._fused if self._fused is not None else self._experts
+        assert runner is not None
+        runner.load(prepared)
+        self._weights = None  # the runner owns the (possibly transformed) copy now
+        self._processed = True
+
+    def _hand_input_scale(self, weights: ExpertWeights) -> None:
+        """Dispatchers that quantize with the checkpoint's static input scale get it now."""
+        takers: list[Any] = [d for d in (self._dispatch, self._small_dispatch) if d is not None]
+        takers += [self._adapter] if self._adapter is not None else []
+        for taker in takers:
+            fmt = taker.target if isinstance(taker, QuantizeAdapter) else taker.fmt
+            if fmt.scales is not ScaleKind.STATIC_TENSOR:
+                continue
+            if weights.a13_scale is None:
+                raise WeightError(f"{fmt} input quantizes with a static input scale: the weights lack a13_scale")
+            taker.load_input_scale(weights.a13_scale.to(self.device, torch.float32).reshape(1).contiguous())
+
+    @property
+    def weights_ready(self) -> bool:
+        return self._processed
+
+    # Forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        router_logits: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states `[T, H]` in config.dtype -> `[T, H]`.
+
+        topk_ids int32/int64 `[T, K]` global expert ids, topk_weights float `[T, K]`;
+        or router_logits `[T, E]` (float32, or the layer dtype).
+        out: a `[T, H]` tensor of config.dtype to write the result into (returned). An engine
+        that passes the same buffers call after call gets, with `cuda_graph_tokens`, a replay
+        that reads its inputs and writes `out` in place: one graph launch, no copies.
+        """
+        if torch.compiler.is_compiling():  # one opaque node: moehal::moe_forward[_logits]
+            y = custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
+            return y if out is None else out.copy_(y)
+        if self._graph_tokens and not self.validate_values:  # an engine's steady state: one replay
+            if router_logits is None:
+                y = self._graphs_topk.replay_direct((hidden_states, topk_ids, topk_weights), out)
+            elif topk_ids is None:  # both given is an error, which the checked path raises
+                y = self._graphs_logits.replay_direct((hidden_states, router_logits), out)
+            else:
+                y = None
+            if y is not None:
+                return y
+        if not self._processed:
+            raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
+        self._check_hidden(hidden_states)
+        if out is not None:
+            self._check_out(out, hidden_states)
+        if router_logits is not None:
+            if topk_ids is not None or topk_weights is not None:
+                raise InputError("pass either topk_ids/topk_weights or router_logits, not both")
+            self._check_logits(router_logits, hidden_states)
+            if should_replay(self._graph_tokens, hidden_states):
+                return self._graphs_logits(hidden_states, router_logits, out=out)
+            return self._forward_logits(hidden_states, router_logits, out)
+        if topk_ids is None or topk_weights is None:
+            raise InputError("pass topk_ids and topk_weights (or router_logits=...)")
+        self._check_topk(topk_ids, topk_weights, hidden_states)
+        if not self._accepts_topk:
+            raise InputError(
+                f"{self.plan.pipeline.name} routes inside the kernel and takes router_logits only; "
+                "pass router_logits=..., or build the layer with MoEConfig.routing=None"
+            )
+        if should_replay(self._graph_tokens, hidden_states):
+            return self._graphs_topk(hidden_states, topk_ids, topk_weights, out=out)
+        return self._forward_topk(hidden_states, topk_ids, topk_weights, out)
+
+    # The hot path proper: inputs already checked; no lookups, no host sync.
+    def _forward_logits(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.plan.pipeline.routes_internally:
+            assert self._fused is not None
+            y = self._fused.forward(hidden_states, None, router_logits)
+            return y if out is None else out.copy_(y)
+        routing = self.config.routing
+        assert routing is not None
+        topk = route(router_logits, self.config.top_k, routing, self._correction_bias)
+        return self._forward_topk(hidden_states, topk.ids, topk.weights, out)
+
+    def _forward_topk(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The forward; with `out`, the result is written there (and returned). Runners get
+        `out` (`ExpertsRunner.apply_into`, `DispatchRunner.combine_into`) only where it is
+        contiguous and not the input itself: an in-place call (`out=hidden_states`) must not be
+        written before the pipeline has read its input, so it gets a copy."""
+        if out is not None and (self._fused is not None or out.data_ptr() == hidden_states.data_ptr()
+                                or not out.is_contiguous()):  # fmt: skip
+            return out.copy_(self._forward_topk(hidden_states, topk_ids, topk_weights))
+        topk = TopK(topk_ids, topk_weights)
+        if self._fused is not None:
+            return self._fused.forward(hidden_states, topk, None)
+        assert self._dispatch is not None and self._experts is not None
+        t = hidden_states.shape[0]
+        if t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi:  # the experts' small-batch format
+            assert self._small_dispatch is not None
+            disp = self._small_dispatch
+            dispatched, handle = disp.dispatch(hidden_states, topk)
+        else:
+            disp = self._dispatch
+            dispatched, handle = disp.dispatch(hidden_states, topk)
+            if self._adapter is not None:
+                dispatched = self._adapter(dispatched)
+        if out is None:
+            return disp.combine(self._experts.apply(dispatched), handle)
+        y = self._experts.apply_into(dispatched, out) if disp.tokens_in_place else self._experts.apply(dispatched)
+        return disp.combine_into(y, handle, out)
+
+    def trace(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> dict[str, Any]:
+        """Run a modular pipeline stage by stage and return every intermediate
+        (`dispatched`, `adapted`, `expert_out`, `out`): for debugging and conformance."""
+        if self._dispatch is None or self._experts is None:
+            raise InputError(f"{self.plan.pipeline.name} is fused: it has no stages to trace")
+        if not self._processed:
+            raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
+        topk = TopK(topk_ids, topk_weights)
+        self._check_hidden(hidden_states)
+        self._check_topk(topk_ids, topk_weights, hidden_states)
+        t = hidden_states.shape[0]
+        small = t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi
+        disp = self._small_dispatch if small else self._dispatch
+        assert disp is not None
+        dispatched, handle = disp.dispatch(hidden_states, topk)
+        adapted = self._adapter(dispatched) if self._adapter is not None and not small else dispatched
+        expert_out = self._experts.apply(adapted)
+        out = disp.combine(expert_out, handle)
+        return {"dispatched": dispatched, "adapted": adapted, "expert_out": expert_out, "out": out}
+
+    # Input checks --------------------------------------------------------------------------
+    # These run on every eager call that no direct graph serves (see `GraphCache.replay_direct`),
+    # so they compare in the cheapest terms torch offers.
+    def _check_hidden(self, x: torch.Tensor) -> None:
+        c = self.config
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != c.hidden_size:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InputError(f"hidden_states must be [T, {c.hidden_size}], got {shape}")
+        if x.dtype != c.dtype:
+            raise InputError(f"hidden_states dtype is {x.dtype}; this layer was built for {c.dtype}")
+        if (not x.is_cuda) if self._on_cuda else x.device.type != self.device.type:
+            raise InputError(f"hidden_states is on {x.device}; the layer is on {self.device}")
+        if c.max_tokens is not None and x.shape[0] > c.max_tokens:
+            raise InputError(f"{x.shape[0]} tokens exceed MoEConfig.max_tokens={c.max_tokens}")
+
+    def _check_topk(self, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
+        c = self.config
+        want = (x.shape[0], c.top_k)
+        if ids.shape != want or w.shape != want:
+            raise InputError(
+                f"topk_ids and topk_weights must be {list(want)}, got {list(ids.shape)} and {list(w.shape)}"
+            )
+        if ids.dtype not in _ID_DTYPES:
+            raise InputError(f"topk_ids must be int32 or int64, got {ids.dtype}")
+        if not w.is_floating_point():
+            raise InputError(f"topk_weights must be floating point, got {w.dtype}")
+        if ids.device != x.device or w.device != x.device:
+            raise InputError(f"topk tensors are on {ids.device}/{w.device}, hidden_states on {x.device}")
+        if self.validate_values and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= c.num_experts:
+                raise InputError(f"topk_ids out of range: found [{lo}, {hi}], experts are [0, {c.num_experts})")
+            if c.top_k > 1:
+                s = ids.sort(dim=1).values
+                if bool((s[:, 1:] == s[:, :-1]).any()):
+                    raise InputError("topk_ids repeat an expert within a token; each token's ids must be distinct")
+            if not bool(torch.isfinite(w).all()):
+                raise InputError("topk_weights contain NaN or Inf")
+
+    def _check_out(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+            what = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InputError(f"out must be {list(x.shape)} {x.dtype} like hidden_states, got {what}")
+        if out.device != x.device:
+            raise InputError(f"out is on {out.device}, hidden_states on {x.device}")
+
+    def _check_logits(self, logits: torch.Tensor, x: torch.Tensor) -> None:
+        c = self.config
+        if c.routing is None:
+            raise InputError("router_logits given, but MoEConfig.routing is None: set a RoutingConfig")
+        if list(logits.shape) != [x.shape[0], c.num_experts]:
+            raise InputError(f"router_logits must be [{x.shape[0]}, {c.num_experts}], got {list(logits.shape)}")
+        if not logits.is_floating_point():
+            raise InputError(f"router_logits must be floating point, got {logits.dtype}")
+        if logits.device != x.device:
+            raise InputError(f"router_logits is on {logits.device}, hidden_states on {x.device}")
+
+    def extra_repr(self) -> str:
+        return f"{self.config.describe()}, quant={self.quant.name}, pipeline={self.plan.pipeline.name}"

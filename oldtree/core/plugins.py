@@ -1,0 +1,203 @@
+"""Plugin discovery and the registry of declared implementations.
+
+`discover()` loads every `moehal.backends` entry point once per process. A plugin that fails
+to import, or whose hooks raise, is recorded (name, distribution, error) and skipped; with
+strict mode it raises `PluginLoadError` instead. Nothing is chosen here: choosing is
+`moehal.selection`'s job, by explicit priority.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Literal
+
+import pluggy
+from moehal import hookspecs
+from moehal.errors import PluginLoadError, UnknownBackendError
+from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, Implementation, WeightProcessor
+from moehal.settings import Settings
+
+ENTRY_POINT_GROUP = "moehal.backends"
+Status = Literal["loaded", "failed", "disabled"]
+
+
+@dataclass
+class PluginRecord:
+    """What happened to one plugin at discovery (shown by `moehal doctor`)."""
+
+    name: str
+    status: Status
+    distribution: str | None = None
+    version: str | None = None
+    module: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    info: BackendInfo | None = None
+    implementations: list[str] = field(default_factory=list)
+
+
+_COLLECT = {
+    "dispatchers": ("moehal_dispatchers", Dispatcher),
+    "experts": ("moehal_experts", Experts),
+    "fused": ("moehal_fused_forwards", FusedForward),
+    "processors": ("moehal_weight_processors", WeightProcessor),
+}
+
+
+class Registry:
+    """Loaded plugins and the implementations they declared."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: dict[str, PluginRecord] = {}
+        self.dispatchers: list[Dispatcher] = []
+        self.experts: list[Experts] = []
+        self.fused: list[FusedForward] = []
+        self.processors: list[WeightProcessor] = []
+
+    # Loading ---------------------------------------------------------------------------------
+    def load_entry_points(self) -> None:
+        eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+        for ep in eps:
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else None
+            dist_version = dist.version if dist is not None else None
+            if ep.name in self.plugins:
+                self._fail(
+                    PluginRecord(ep.name, "failed", dist_name, dist_version, ep.value),
+                    f"duplicate plugin name {ep.name!r}: already provided by {self.plugins[ep.name].distribution}",
+                    None,
+                )
+                continue
+            if ep.name in self.settings.disabled_plugins:
+                self.plugins[ep.name] = PluginRecord(
+                    ep.name, "disabled", dist_name, dist_version, ep.value, error="disabled by MOEHAL_DISABLE_PLUGINS"
+                )
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
+                self._fail(
+                    PluginRecord(ep.name, "failed", dist_name, dist_version, ep.value),
+                    f"import failed: {type(exc).__name__}: {exc}",
+                    traceback.format_exc(),
+                )
+                continue
+            self.register(plugin, ep.name, distribution=dist_name, version=dist_version, module=ep.value)
+
+    def register(
+        self,
+        plugin: Any,
+        name: str,
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+        module: str | None = None,
+    ) -> PluginRecord:
+        """Register a plugin object (module or instance) under a backend name.
+
+        Used for entry points and directly by tests and applications.
+        """
+        record = PluginRecord(name, "loaded", distribution, version, module or getattr(plugin, "__name__", None))
+        if name in self.plugins and self.plugins[name].status == "loaded":
+            return self._fail(record, f"a plugin named {name!r} is already loaded", None)
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:  # noqa: BLE001 - pluggy validation errors
+            return self._fail(record, f"registration rejected: {type(exc).__name__}: {exc}", traceback.format_exc())
+        try:
+            self.pm.check_pending()
+            collected = self._collect(name)
+        except Exception as exc:  # noqa: BLE001 - a plugin's hook raised
+            self.pm.unregister(name=name)
+            return self._fail(record, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        record.info = collected.pop("info")
+        for attr, impls in collected.items():
+            getattr(self, attr).extend(impls)
+            record.implementations.extend(i.qualname for i in impls)
+        if record.version is None:
+            record.version = record.info.version
+        self.plugins[name] = record
+        return record
+
+    def _collect(self, name: str) -> dict[str, Any]:
+        def call(hook_name: str) -> list[Any]:
+            hook = getattr(self.pm.hook, hook_name)
+            return [impl.function() for impl in hook.get_hookimpls() if impl.plugin_name == name]
+
+        infos = [i for i in call("moehal_backend_info") if i is not None]
+        if len(infos) != 1:
+            raise PluginLoadError(f"plugin {name!r} must implement moehal_backend_info exactly once")
+        out: dict[str, Any] = {"info": infos[0]}
+        known = {i.qualname for i in self.all_implementations()}
+        for attr, (hook_name, base) in _COLLECT.items():
+            impls: list[Implementation] = []
+            for result in call(hook_name):
+                for impl in result or ():
+                    if not isinstance(impl, base):
+                        raise PluginLoadError(f"{hook_name} returned {impl!r}, not a {base.__name__} instance")
+                    impl.backend = name
+                    if impl.qualname in known:
+                        raise PluginLoadError(f"implementation {impl.qualname} declared twice")
+                    known.add(impl.qualname)
+                    impls.append(impl)
+            out[attr] = impls
+        return out
+
+    def _fail(self, record: PluginRecord, error: str, tb: str | None) -> PluginRecord:
+        record.status, record.error, record.traceback = "failed", error, tb
+        key = record.name
+        if key in self.plugins and self.plugins[key].status == "loaded":
+            key = f"{record.name}@{record.distribution or record.module}"  # keep the loaded one visible
+        self.plugins[key] = record
+        if self.settings.strict:
+            raise PluginLoadError(f"moehal plugin {record.name!r} failed to load: {error}\n{tb or ''}")
+        return record
+
+    # Queries ---------------------------------------------------------------------------------
+    def all_implementations(self) -> list[Implementation]:
+        return [*self.dispatchers, *self.experts, *self.fused, *self.processors]
+
+    def loaded_backends(self) -> list[str]:
+        return sorted(n for n, r in self.plugins.items() if r.status == "loaded")
+
+    def failed(self) -> list[PluginRecord]:
+        return [r for r in self.plugins.values() if r.status == "failed"]
+
+    def check_backend(self, name: str) -> None:
+        if name not in self.loaded_backends():
+            rec = self.plugins.get(name)
+            why = f" (it {rec.status}: {rec.error})" if rec is not None else ""
+            raise UnknownBackendError(
+                f"unknown backend {name!r}{why}; loaded backends: {self.loaded_backends()}. "
+                "Run `moehal doctor` to see every plugin and why it is or is not available."
+            )
+
+
+_lock = threading.Lock()
+_default: Registry | None = None
+
+
+def discover(*, strict: bool | None = None, refresh: bool = False, settings: Settings | None = None) -> Registry:
+    """Load all plugins once per process and return the shared registry.
+
+    strict: raise `PluginLoadError` on the first plugin that fails (default: MOEHAL_STRICT_PLUGINS).
+    refresh: forget the cached registry and load again (tests, or after installing a plugin).
+    """
+    global _default
+    with _lock:
+        if _default is not None and not refresh and strict is None and settings is None:
+            return _default
+        s = settings if settings is not None else Settings.from_env()
+        if strict is not None:
+            s = dataclasses.replace(s, strict=strict)
+        reg = Registry(s)
+        reg.load_entry_points()
+        _default = reg
+        return reg

@@ -1,0 +1,87 @@
+"""Quantization schemes and their reference quantize/dequantize functions.
+
+A scheme is data (`QuantScheme`), never a `quant_config is None` branch: the unquantized
+case is the scheme `bf16` like any other. Each scheme's math lives in its own module.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from moehal.errors import ConfigError
+
+
+class QuantKind(str, enum.Enum):
+    BF16 = "bf16"  # unquantized: weights and activations in MoEConfig.dtype
+    FP8_BLOCK = "fp8_block"  # e4m3 weights, 128x128 weight blocks, 1x128 dynamic activation groups
+    FP8_TENSOR = "fp8_tensor"  # e4m3 weights, one scale per expert; static per-tensor activation scales
+    NVFP4 = "nvfp4"  # e2m1 values, e4m3 scale per 16 elements, fp32 global scale
+    W8A8_INT8 = "w8a8_int8"  # int8 weights per output channel, dynamic per-token int8 activations
+
+
+class ScaleFormat(str, enum.Enum):
+    FLOAT = "float"  # any fp32 scale
+    UE8M0 = "ue8m0"  # scales rounded up to powers of two (DeepGEMM on SM100, DeepEP round_scale)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantScheme:
+    """A quantization scheme. Build with the constants below or `QuantScheme.parse`."""
+
+    kind: QuantKind
+    scale_format: ScaleFormat = ScaleFormat.FLOAT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", QuantKind(self.kind))
+        object.__setattr__(self, "scale_format", ScaleFormat(self.scale_format))
+        if self.scale_format is ScaleFormat.UE8M0 and self.kind is not QuantKind.FP8_BLOCK:
+            raise ConfigError("UE8M0 scales are defined for fp8_block only")
+
+    @property
+    def name(self) -> str:
+        if self.scale_format is ScaleFormat.UE8M0:
+            return f"{self.kind.value}:ue8m0"
+        return self.kind.value
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kind is not QuantKind.BF16
+
+    @classmethod
+    def parse(cls, text: str | QuantScheme) -> QuantScheme:
+        """Parse `bf16`, `fp8_block`, `fp8_block:ue8m0`, `fp8_tensor`, `nvfp4`, `w8a8_int8`."""
+        if isinstance(text, QuantScheme):
+            return text
+        kind, _, fmt = str(text).partition(":")
+        try:
+            parsed_kind, parsed_fmt = QuantKind(kind), ScaleFormat(fmt or "float")
+        except ValueError:
+            known = ", ".join(s.name for s in ALL_SCHEMES)
+            raise ConfigError(f"unknown quant scheme {text!r}; known: {known}") from None
+        return cls(parsed_kind, parsed_fmt)
+
+
+BF16 = QuantScheme(QuantKind.BF16)
+FP8_BLOCK = QuantScheme(QuantKind.FP8_BLOCK)
+FP8_BLOCK_UE8M0 = QuantScheme(QuantKind.FP8_BLOCK, ScaleFormat.UE8M0)
+FP8_TENSOR = QuantScheme(QuantKind.FP8_TENSOR)
+NVFP4 = QuantScheme(QuantKind.NVFP4)
+W8A8_INT8 = QuantScheme(QuantKind.W8A8_INT8)
+ALL_SCHEMES: tuple[QuantScheme, ...] = (BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, NVFP4, W8A8_INT8)
+
+__all__ = [
+    "ALL_SCHEMES",
+    "BF16",
+    "FP8_BLOCK",
+    "FP8_BLOCK_UE8M0",
+    "FP8_TENSOR",
+    "NVFP4",
+    "W8A8_INT8",
+    "QuantKind",
+    "QuantScheme",
+    "ScaleFormat",
+]

@@ -1,0 +1,105 @@
+"""Routing: router logits -> top-k expert ids and weights.
+
+Two ways into a layer: the caller routes (passes `TopK`), or the caller passes raw router
+logits and the layer routes, either with the reference functions below or inside a kernel
+that declares it can (e.g. TensorRT-LLM MoE, Ascend FuseEP).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from moehal.errors import ConfigError
+
+
+class RoutingMethod(str, enum.Enum):
+    """How scores are computed from logits before top-k."""
+
+    SOFTMAX = "softmax"  # softmax over experts, then top-k (Mixtral, Qwen-MoE)
+    SIGMOID = "sigmoid"  # sigmoid scores, then top-k (Llama-4 top-1)
+    DEEPSEEK_V3 = "deepseek_v3"  # sigmoid + correction bias, grouped top-k (DeepSeek-V3/R1, Kimi-K2)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How this layer turns router logits into top-k.
+
+    Args:
+        method: score function and selection rule.
+        renormalize: divide the selected weights by their sum (DeepSeek's norm_topk_prob).
+        n_group, topk_group: DeepSeek-V3 grouped selection: experts are split into n_group
+            groups, the best topk_group groups (by the sum of their two best scores) are kept.
+        has_correction_bias: DeepSeek-V3 e_score_correction_bias, loaded with the weights.
+    """
+
+    method: RoutingMethod = RoutingMethod.SOFTMAX
+    renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    has_correction_bias: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", RoutingMethod(self.method))
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        if self.method is RoutingMethod.DEEPSEEK_V3:
+            if num_experts % self.n_group:
+                raise ConfigError(f"num_experts={num_experts} not divisible by n_group={self.n_group}")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            per_group = num_experts // self.n_group
+            if top_k > self.topk_group * per_group:
+                raise ConfigError(
+                    f"top_k={top_k} exceeds the experts in the kept groups ({self.topk_group}x{per_group})"
+                )
+        elif self.has_correction_bias:
+            raise ConfigError("a correction bias is only defined for the deepseek_v3 routing method")
+
+
+@dataclass(frozen=True, slots=True)
+class TopK:
+    """Routing output.
+
+    ids: int32 or int64 `[T, K]` global expert ids (each token's ids distinct).
+    weights: float32 `[T, K]` router weights.
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    config: RoutingConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> TopK:
+    """Reference routing in float32 (the oracle for kernels that route internally).
+
+    logits: `[T, E]` any float dtype. Returns int32 ids and float32 weights.
+    """
+    scores_in = logits.float()
+    if config.method is RoutingMethod.SOFTMAX:
+        scores = torch.softmax(scores_in, dim=-1)
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    elif config.method is RoutingMethod.SIGMOID:
+        scores = torch.sigmoid(scores_in)
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        scores = torch.sigmoid(scores_in)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        t, e = choice.shape
+        grouped = choice.view(t, config.n_group, e // config.n_group)
+        best2 = min(2, grouped.shape[-1])
+        group_scores = grouped.topk(best2, dim=-1).values.sum(-1)
+        keep = group_scores.topk(config.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(t, e)
+        masked = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = masked.topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if config.renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return TopK(ids=ids.to(torch.int32), weights=weights.float())

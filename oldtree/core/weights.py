@@ -1,0 +1,241 @@
+"""Expert weights in moehal's canonical layout, their validation and reference quantization.
+
+Canonical layout (what `MoELayer.load_weights` takes; E = local experts, N13 = 2I gated or I):
+
+| field            | bf16         | fp8_block                | fp8_tensor | nvfp4                  | w8a8_int8   |
+|------------------|--------------|--------------------------|------------|------------------------|-------------|
+| w13 `[E,N13,H]`  | dtype        | e4m3                     | e4m3       | uint8 `[E,N13,H/2]`    | int8        |
+| w2  `[E,H,I]`    | dtype        | e4m3                     | e4m3       | uint8 `[E,H,I/2]`      | int8        |
+| w13_scale        | -            | fp32 `[E,N13/128,H/128]` | fp32 `[E]` | e4m3 `[E,N13,H/16]`    | fp32 `[E,N13]` |
+| w2_scale         | -            | fp32 `[E,H/128,I/128]`   | fp32 `[E]` | e4m3 `[E,H,I/16]`      | fp32 `[E,H]`   |
+| w13/w2_global_scale | -         | -                        | -          | fp32 `[E]`             | -           |
+| a13/a2_scale     | -            | -                        | fp32 `[]`  | fp32 `[]` (global)     | -           |
+
+(`/128` rounds up.) Biases: w13_bias `[E,N13]`, w2_bias `[E,H]`, any float dtype.
+DeepSeek-V3 routing: correction_bias `[E_global]`.
+Dequantized weight = q * scale (fp8, int8); e2m1(q) * block_scale / global_scale (nvfp4).
+Activation scales: fp8_tensor a*_scale multiplies (x ~= q * a_scale); nvfp4 a*_scale is the
+activation's global scale (see `moehal.quant.nvfp4`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+from moehal.config import MoEConfig
+from moehal.errors import WeightError
+from moehal.quant import QuantKind, QuantScheme, ScaleFormat, fp8, int8, nvfp4
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One layer's local expert weights (see the module docstring for shapes)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_global_scale: torch.Tensor | None = None
+    w2_global_scale: torch.Tensor | None = None
+    a13_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> ExpertWeights:
+        moved = {
+            f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None)
+            for f in fields(self)
+        }
+        return ExpertWeights(**moved)
+
+    def replace(self, **changes: torch.Tensor | None) -> ExpertWeights:
+        return replace(self, **changes)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def expected_shapes(
+    config: MoEConfig, quant: QuantScheme
+) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+    """Field name -> (shape, allowed dtypes) for every tensor this config needs."""
+    e, h, i, n13 = config.num_local_experts, config.hidden_size, config.intermediate_size, config.w13_rows
+    k = quant.kind
+    spec: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]] = {}
+    if k is QuantKind.BF16:
+        spec["w13"] = ((e, n13, h), (config.dtype,))
+        spec["w2"] = ((e, h, i), (config.dtype,))
+    elif k in (QuantKind.FP8_BLOCK, QuantKind.FP8_TENSOR):
+        spec["w13"] = ((e, n13, h), (fp8.FP8_DTYPE,))
+        spec["w2"] = ((e, h, i), (fp8.FP8_DTYPE,))
+        if k is QuantKind.FP8_BLOCK:
+            b = fp8.BLOCK
+            spec["w13_scale"] = ((e, math.ceil(n13 / b), math.ceil(h / b)), (torch.float32,))
+            spec["w2_scale"] = ((e, math.ceil(h / b), math.ceil(i / b)), (torch.float32,))
+        else:
+            spec["w13_scale"] = ((e,), (torch.float32,))
+            spec["w2_scale"] = ((e,), (torch.float32,))
+            spec["a13_scale"] = ((), (torch.float32,))
+            spec["a2_scale"] = ((), (torch.float32,))
+    elif k is QuantKind.NVFP4:
+        v = nvfp4.SF_VEC
+        spec["w13"] = ((e, n13, h // 2), (torch.uint8,))
+        spec["w2"] = ((e, h, i // 2), (torch.uint8,))
+        spec["w13_scale"] = ((e, n13, h // v), (torch.float8_e4m3fn,))
+        spec["w2_scale"] = ((e, h, i // v), (torch.float8_e4m3fn,))
+        spec["w13_global_scale"] = ((e,), (torch.float32,))
+        spec["w2_global_scale"] = ((e,), (torch.float32,))
+        spec["a13_scale"] = ((), (torch.float32,))
+        spec["a2_scale"] = ((), (torch.float32,))
+    elif k is QuantKind.W8A8_INT8:
+        spec["w13"] = ((e, n13, h), (torch.int8,))
+        spec["w2"] = ((e, h, i), (torch.int8,))
+        spec["w13_scale"] = ((e, n13), (torch.float32,))
+        spec["w2_scale"] = ((e, h), (torch.float32,))
+    if config.has_w13_bias:
+        spec["w13_bias"] = ((e, n13), _FLOATS)
+    if config.has_w2_bias:
+        spec["w2_bias"] = ((e, h), _FLOATS)
+    if config.routing is not None and config.routing.has_correction_bias:
+        spec["correction_bias"] = ((config.num_experts,), _FLOATS)
+    return spec
+
+
+def validate(weights: ExpertWeights, config: MoEConfig, quant: QuantScheme, device: torch.device) -> None:
+    """Raise `WeightError` naming the first tensor that is missing, extra, or malformed."""
+    spec = expected_shapes(config, quant)
+    present = weights.tensors()
+    for name, (shape, dtypes) in spec.items():
+        t = present.get(name)
+        if t is None:
+            raise WeightError(f"{quant.name} weights need `{name}` with shape {list(shape)}; it was not given")
+        if tuple(t.shape) != shape:
+            hint = " (load only this rank's local experts)" if t.dim() and config.ep_size > 1 else ""
+            raise WeightError(
+                f"`{name}` has shape {list(t.shape)}, expected {list(shape)} for {config.describe()}{hint}"
+            )
+        if t.dtype not in dtypes:
+            raise WeightError(
+                f"`{name}` has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]} for {quant.name}"
+            )
+        if t.device.type != device.type:
+            raise WeightError(f"`{name}` is on {t.device}, the layer is on {device}; move it first")
+    extra = sorted(set(present) - set(spec))
+    if extra:
+        raise WeightError(f"unexpected tensors for {quant.name} with this config: {extra}")
+    if quant.kind is QuantKind.NVFP4 and (config.hidden_size % 16 or config.intermediate_size % 16):
+        raise WeightError("nvfp4 needs hidden_size and intermediate_size to be multiples of 16")
+
+
+def quantize_weights(
+    config: MoEConfig,
+    quant: QuantScheme,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+    calibration_input: torch.Tensor | None = None,
+) -> ExpertWeights:
+    """Reference quantization of float weights into the canonical layout of `quant`.
+
+    Static activation scales (fp8_tensor, nvfp4) are calibrated from `calibration_input`
+    `[T, H]` if given (activations of the second GEMM are estimated from a bf16 pass), else
+    set for unit-scale data.
+    """
+    k = quant.kind
+    extra: dict[str, torch.Tensor | None] = {
+        "w13_bias": w13_bias,
+        "w2_bias": w2_bias,
+        "correction_bias": correction_bias,
+    }
+    if k is QuantKind.BF16:
+        return ExpertWeights(w13.to(config.dtype), w2.to(config.dtype), **extra)
+    a_amax, a2_amax = _calibrate(config, w13, w2, calibration_input)
+    if k is QuantKind.FP8_BLOCK:
+        ue8m0 = quant.scale_format is ScaleFormat.UE8M0
+        q13, s13 = fp8.quantize_block(w13, ue8m0)
+        q2, s2 = fp8.quantize_block(w2, ue8m0)
+        return ExpertWeights(q13, q2, s13, s2, **extra)
+    if k is QuantKind.FP8_TENSOR:
+        s13 = w13.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / fp8.FP8_MAX
+        s2 = w2.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / fp8.FP8_MAX
+        q13 = (w13.float() / s13[:, None, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
+        q2 = (w2.float() / s2[:, None, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
+        return ExpertWeights(
+            q13,
+            q2,
+            s13,
+            s2,
+            a13_scale=torch.tensor(a_amax / fp8.FP8_MAX, device=w13.device),
+            a2_scale=torch.tensor(a2_amax / fp8.FP8_MAX, device=w13.device),
+            **extra,
+        )
+    if k is QuantKind.NVFP4:
+        g13 = torch.stack([nvfp4.global_scale_for(w) for w in w13]) if len(w13) else torch.ones(0, device=w13.device)
+        g2 = torch.stack([nvfp4.global_scale_for(w) for w in w2]) if len(w2) else torch.ones(0, device=w2.device)
+        q13, s13 = nvfp4.quantize(w13, g13)
+        q2, s2 = nvfp4.quantize(w2, g2)
+        full = nvfp4.E4M3_MAX * nvfp4.E2M1_MAX
+        return ExpertWeights(
+            q13,
+            q2,
+            s13,
+            s2,
+            g13,
+            g2,
+            torch.tensor(full / a_amax, device=w13.device),
+            torch.tensor(full / a2_amax, device=w13.device),
+            **extra,
+        )
+    q13, s13 = int8.quantize_per_channel(w13)
+    q2, s2 = int8.quantize_per_channel(w2)
+    return ExpertWeights(q13, q2, s13, s2, **extra)
+
+
+def _calibrate(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor | None) -> tuple[float, float]:
+    if x is None or x.numel() == 0:
+        return 4.0, 4.0
+    from moehal.activations import apply_activation
+
+    a_amax = float(x.float().abs().amax().clamp_min(1e-6))
+    h = torch.einsum("th,enh->etn", x.float(), w13.float())
+    a2 = apply_activation(h, config)
+    return a_amax * 1.25, float(a2.abs().amax().clamp_min(1e-6)) * 1.25
+
+
+def dequantize_weights(weights: ExpertWeights, quant: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference dequantization to float32 `(w13, w2)` in the canonical layout."""
+    k = quant.kind
+    if k is QuantKind.BF16:
+        return weights.w13.float(), weights.w2.float()
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    if k is QuantKind.FP8_BLOCK:
+        return fp8.dequantize_block(weights.w13, weights.w13_scale), fp8.dequantize_block(weights.w2, weights.w2_scale)
+    if k is QuantKind.FP8_TENSOR:
+        return (
+            weights.w13.float() * weights.w13_scale[:, None, None].float(),
+            weights.w2.float() * weights.w2_scale[:, None, None].float(),
+        )
+    if k is QuantKind.NVFP4:
+        assert weights.w13_global_scale is not None and weights.w2_global_scale is not None
+        return (
+            nvfp4.dequantize(weights.w13, weights.w13_scale, weights.w13_global_scale),
+            nvfp4.dequantize(weights.w2, weights.w2_scale, weights.w2_global_scale),
+        )
+    return int8.dequantize_rows(weights.w13, weights.w13_scale), int8.dequantize_rows(weights.w2, weights.w2_scale)
+
+
+def local_slice(global_weights: ExpertWeights, config: MoEConfig) -> ExpertWeights:
+    """Cut this rank's experts out of a checkpoint holding all experts."""
+    sl = slice(config.local_expert_start, config.local_expert_start + config.num_local_experts)
+    per_expert = {"w13", "w2", "w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_bias", "w2_bias"}
+    changes = {n: t[sl] for n, t in global_weights.tensors().items() if n in per_expert}
+    return global_weights.replace(**changes)

@@ -122,15 +122,13 @@ def test_a_dead_cycle_holding_a_graph_cannot_break_a_capture(monkeypatch, paused
     class Holder:
         pass
 
-    h = Holder()
-    h.cycle = h
-    h.graph, _ = G.capture(lambda: x + 1, dev)
-    alive = [h]
-    del h
+    kept = [G.capture(lambda: x + 1, dev)[0]]  # an earlier graph
 
     def fn() -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
-            alive.clear()  # the cycle (and its graph) is garbage from here on
+            h = Holder()  # a young cycle: collected by the next generation-0 collection
+            h.cycle, h.graph = h, kept.pop()
+            del h  # the cycle, and the graph only it holds, are garbage from here on
             _ = [[] for _ in range(2000)]  # allocations: automatic collections at threshold 1
         return x * 2
 

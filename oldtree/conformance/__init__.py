@@ -1,1 +1,0 @@
-"""moehal_conformance: the conformance suite every backend runs (pytest plugin)."""

@@ -1,1 +1,0 @@
-"""The `moehal` command line."""

@@ -1,1 +1,0 @@
-"""Integrations with engines and model libraries (transformers, torch.library custom ops)."""

@@ -1,1 +1,0 @@
-"""Portable kernels (Triton) shared by several backends. Importing this package never imports triton."""

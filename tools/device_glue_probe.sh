@@ -21,8 +21,7 @@ done
 step glue-sweep "${SWEEP_LIMIT:-300}" python3 "$repo/tools/glue_sweep.py" --no-act \
   --shapes "${SWEEP_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8}" --tokens "${SWEEP_TOKENS:-1024,4096}" \
   --quant "${SWEEP_QUANT:-fp8_block,bf16}" --budget-s "${SWEEP_BUDGET:-260}" \
-  --scatter-blocks "${SCATTER_BLOCKS:-4,8,16}" --scatter-spans "${SCATTER_SPANS:-1,4,8}" --scatter-warps 4 \
-  --scatter-modes "${SCATTER_MODES:-tokens,slots}"
+  --scatter-blocks "${SCATTER_BLOCKS:-4,8,16}" --scatter-spans "${SCATTER_SPANS:-1,4,8}" --scatter-warps 4
 cat "$OUT/steps.txt"
 tail -3 "$OUT/pytest-gpu.log"
 grep -v "^ *$" "$OUT/graph-trace.log" | grep -E "==|_rows|deep_gemm|_expert|kernels" | head -80

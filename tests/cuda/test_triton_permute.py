@@ -209,6 +209,27 @@ def test_a_load_past_the_last_group_writes_no_scale(monkeypatch):
     assert raw[:, -1].isnan().all(), "a scale was stored past the last group"
 
 
+def test_the_shipped_tile_stores_no_scale_past_the_row_of_twelve_groups():
+    """Hidden 1536 (12 groups) with the shipped rule: 256 slots take 8-group programs, so the
+    second column chunk spans groups 8-15. Before session 24 its scale stores were masked by
+    slot only, and groups 12-15 landed past the scale tensor (here: spare NaN rows)."""
+    h, e, k, t = 1536, 4, 4, 64
+    tile = TP.scatter_tile(t * k, h, 128, quant=True, top_k=k)
+    assert tile.h_span == 1024 and h % tile.h_span  # the second chunk runs past the row
+    max_m = TP.masked_rows(t, 64)
+    buf = TP.alloc_padded((e, max_m), h, torch.float8_e4m3fn, DEV, True)
+    raw = torch.full((e, h // 128 + 4, max_m), float("nan"), device=DEV)
+    buf.scales = raw.transpose(-1, -2)[..., : h // 128]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEV)
+    ids, w = _routing(t, e, k, 6)
+    r = TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=True)
+    ref, counts = P.to_masked(x.cpu(), P.index_slots(ids.cpu(), 0, e), max_m)
+    live = torch.arange(max_m)[None, :] < counts[:, None]
+    q, sc = fp8.quantize_group(ref.float())
+    _assert_fp8_matches(r.hidden.cpu()[live], r.scales.cpu()[live], q[live], sc[live])
+    assert raw[:, h // 128 :].isnan().all(), "a scale was stored past the last group"
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_combine_matches_reference_weighted_sum(masked):
     start, e, e_glob, k, t = 1, 5, 8, 3, 7

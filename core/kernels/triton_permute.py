@@ -15,7 +15,8 @@ which reads anything back to the host:
    Masked dispatches of at most FUSED_POSITIONS_MAX_SLOTS slots skip it: the scatter kernel's
    programs compare all slot ids themselves.
 2. `_scatter_rows`: programs [0, n_slot_programs) copy (and quantize) each slot's token row
-   to its destination row and record it in `slot_row`; the remaining programs walk the
+   to its destination row and record it in `slot_row` (quantizing prefill batches load and
+   quantize each token row once for its top-k slots: `ScatterTile.token_rows`); the remaining programs walk the
    destination rows, write the contiguous layout's per-row expert ids / segment starts, and
    keep padding rows zero (see below).
 3. `_combine_rows`: per token, sum over k of router weight x expert row, times the routed

@@ -16,9 +16,9 @@ which reads anything back to the host:
    programs compare all slot ids themselves.
 2. `_scatter_rows`: programs [0, n_slot_programs) copy (and quantize) each slot's token row
    to its destination row and record it in `slot_row` (quantizing prefill batches load and
-   quantize each token row once for its top-k slots: `ScatterTile.token_rows`); the remaining programs walk the
-   destination rows, write the contiguous layout's per-row expert ids / segment starts, and
-   keep padding rows zero (see below).
+   quantize each token row once for its top-k slots: `ScatterTile.token_rows`); the remaining
+   programs walk the destination rows, write the contiguous layout's per-row expert ids /
+   segment starts, and keep padding rows zero (see below).
 3. `_combine_rows`: per token, sum over k of router weight x expert row, times the routed
    scaling factor, in float32, stored in the layer dtype.
 
@@ -71,6 +71,25 @@ def round_to_e4m3_grid(v):
 
 
 @triton.jit
+def e4m3_scale(amax, UE8M0: tl.constexpr):
+    """A 1x128 group's FP8 scale from its amax: amax / 448 (UE8M0: rounded up to a power of
+    two). div_rn (IEEE, once per group): the reference's scale bit for bit on the GPU too."""
+    sc = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    if UE8M0:
+        sc = tl.exp2(tl.ceil(tl.log2(sc)))
+    return sc
+
+
+@triton.jit
+def e4m3_scaled(v, sc, EXACT_ROUND: tl.constexpr):
+    """`v / sc` for a cast to e4m3 (`sc` broadcast against `v`): see `e4m3_group_quant`."""
+    if EXACT_ROUND:
+        return round_to_e4m3_grid(tl.minimum(tl.maximum(v / sc, -448.0), 448.0))
+    else:
+        return v * (1.0 / sc)
+
+
+@triton.jit
 def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
     """One 1x128 FP8 group per row of `v` (float32 [R, 128]): (q, scale) with scale =
     amax / 448 (UE8M0: rounded up to a power of two) and q = v / scale saturated to +-448;
@@ -83,40 +102,22 @@ def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
     The scale is exact (div_rn); q is not bitwise torch's on the GPU, and the GPU tests bound
     the difference to rare one-step flips. Interpreted
     (EXACT_ROUND): the reference's division and clamp, bit for bit."""
-    amax = tl.max(tl.abs(v), axis=1)
-    # div_rn (IEEE, once per group): the scale is the reference's bit for bit on the GPU too.
-    sc = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
-    if UE8M0:
-        sc = tl.exp2(tl.ceil(tl.log2(sc)))
-    if EXACT_ROUND:
-        q = tl.minimum(tl.maximum(v / sc[:, None], -448.0), 448.0)
-        q = round_to_e4m3_grid(q)
-    else:
-        q = v * (1.0 / sc)[:, None]
-    return q, sc
+    sc = e4m3_scale(tl.max(tl.abs(v), axis=1), UE8M0)
+    return e4m3_scaled(v, sc[:, None], EXACT_ROUND), sc
 
 
 @triton.jit
 def e4m3_groups_quant(v, R: tl.constexpr, K: tl.constexpr, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
     """`e4m3_group_quant` over K adjacent 1x128 groups per row: float32 `v [R, K*128]` ->
-    (q `[R, K*128]`, scales `[R, K]`). One load and one store per K groups, so a program keeps
-    K times the bytes in flight per round of memory latency (a step of one group left the
-    quantizing scatter at half the copy bandwidth: docs/device-runs/2026-11-24-session23)."""
+    (q `[R, K*128]`, scales `[R, K]`), from one load of K groups (the token-row scatter quantizes
+    four at a time: docs/device-runs/2026-11-24-session24)."""
     if K == 1:
         q, sc = e4m3_group_quant(v, UE8M0, EXACT_ROUND)
         return q, sc[:, None]
     else:
         v3 = tl.reshape(v, (R, K, 128))
-        amax = tl.max(tl.abs(v3), axis=2)
-        sc = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
-        if UE8M0:
-            sc = tl.exp2(tl.ceil(tl.log2(sc)))
-        if EXACT_ROUND:
-            q3 = tl.minimum(tl.maximum(v3 / sc[:, :, None], -448.0), 448.0)
-            q3 = round_to_e4m3_grid(q3)
-        else:
-            q3 = v3 * (1.0 / sc)[:, :, None]
-        return tl.reshape(q3, (R, K * 128)), sc
+        sc = e4m3_scale(tl.max(tl.abs(v3), axis=2), UE8M0)
+        return tl.reshape(e4m3_scaled(v3, sc[:, :, None], EXACT_ROUND), (R, K * 128)), sc
 
 
 @triton.jit
@@ -338,11 +339,11 @@ def _scatter_rows(
         tok = s // TOP_K
         if WEIGHT_ON_INPUT:
             wt = tl.load(w_ptr + s, mask=valid, other=0.0).to(tl.float32)
-        if STATIC:  # the layer's static input scale: loaded once, not once per column block
-            sc1 = tl.load(static_ptr)
-            sc_static = tl.zeros((BLOCK_S,), dtype=tl.float32) + sc1
         # STEP columns per load: STEP // BLOCK_H quantization groups at a time
         KG: tl.constexpr = STEP // BLOCK_H
+        if STATIC:  # the layer's static input scale, in every group's slot: loaded once
+            sc1 = tl.load(static_ptr)
+            sc_static = tl.zeros((BLOCK_S, KG), dtype=tl.float32) + sc1
         for h1 in tl.static_range(0, H_SPAN, STEP):
             h0 = hc * H_SPAN + h1
             cols = h0 + tl.arange(0, STEP)
@@ -362,7 +363,7 @@ def _scatter_rows(
                 if QUANT:
                     if STATIC:
                         qt = e4m3_static_quant(vt.to(tl.float32), sc1, EXACT_ROUND)
-                        sct = sc_static[:, None] + tl.zeros((BLOCK_S, KG), dtype=tl.float32)
+                        sct = sc_static
                     else:
                         qt, sct0 = e4m3_groups_quant(vt.to(tl.float32), BLOCK_S // TOP_K, KG, UE8M0, EXACT_ROUND)
                         sct = repeat_rows(sct0, BLOCK_S // TOP_K, TOP_K, KG)
@@ -379,9 +380,9 @@ def _scatter_rows(
                         vw = round_to_bf16_grid(vw)
                     v = vw.to(x_ptr.dtype.element_ty)
                 if QUANT:
-                    if STATIC:  # written to every group's scale slot
+                    if STATIC:
                         q = e4m3_static_quant(v.to(tl.float32), sc1, EXACT_ROUND)
-                        sc = sc_static[:, None] + tl.zeros((BLOCK_S, KG), dtype=tl.float32)
+                        sc = sc_static
                     else:
                         q, sc = e4m3_groups_quant(v.to(tl.float32), BLOCK_S, KG, UE8M0, EXACT_ROUND)
                     tl.store(dst + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=m2)

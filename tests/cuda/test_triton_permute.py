@@ -188,46 +188,38 @@ def test_a_prefill_sized_quantizing_scatter_with_the_shipped_tile_matches_the_re
     _assert_fp8_matches(r.hidden.cpu()[live], r.scales.cpu()[live], q[live], sc[live])
 
 
-def test_a_load_past_the_last_group_writes_no_scale(monkeypatch):
-    """Three 1x128 groups scattered two groups per load: the second load's upper half lies past
-    the row, and its scale slot past the scale tensor must stay untouched (the scales sit
-    MN-major in a raw buffer; here one spare group row of NaNs catches a stray store)."""
-    h, e, k, t = 384, 4, 2, 6
-    monkeypatch.setattr(TP, "scatter_tile", lambda slots, hh, bh, **kw: TP.ScatterTile(4, 2 * bh, 4, 2))
-    max_m = TP.masked_rows(t, 8)
-    buf = TP.alloc_padded((e, max_m), h, torch.float8_e4m3fn, DEV, True)
-    raw = torch.full((e, h // 128 + 1, max_m), float("nan"), device=DEV)
-    buf.scales = raw.transpose(-1, -2)[..., : h // 128]
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEV)
-    ids, w = _routing(t, e, k, 5)
-    r = TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=True)
-    idx = P.index_slots(ids.cpu(), 0, e)
-    ref, counts = P.to_masked(x.cpu(), idx, max_m)
-    live = torch.arange(max_m)[None, :] < counts[:, None]
-    q, sc = fp8.quantize_group(ref.float())
-    _assert_fp8_matches(r.hidden.cpu()[live], r.scales.cpu()[live], q[live], sc[live])
-    assert raw[:, -1].isnan().all(), "a scale was stored past the last group"
-
-
-def test_the_shipped_tile_stores_no_scale_past_the_row_of_twelve_groups():
-    """Hidden 1536 (12 groups) with the shipped rule: 256 slots take 8-group programs, so the
-    second column chunk spans groups 8-15. Before session 24 its scale stores were masked by
-    slot only, and groups 12-15 landed past the scale tensor (here: spare NaN rows)."""
-    h, e, k, t = 1536, 4, 4, 64
-    tile = TP.scatter_tile(t * k, h, 128, quant=True, top_k=k)
-    assert tile.h_span == 1024 and h % tile.h_span  # the second chunk runs past the row
+def _check_no_scale_past_the_row(h: int, e: int, k: int, t: int, spare: int, seed: int) -> None:
+    """A masked quantizing scatter of `t` tokens of width `h` under the current tile rule,
+    against the reference, with `spare` group rows of NaNs past the scale tensor (the scales
+    sit MN-major in a raw buffer) that a stray scale store would overwrite."""
     max_m = TP.masked_rows(t, 64)
     buf = TP.alloc_padded((e, max_m), h, torch.float8_e4m3fn, DEV, True)
-    raw = torch.full((e, h // 128 + 4, max_m), float("nan"), device=DEV)
+    raw = torch.full((e, h // 128 + spare, max_m), float("nan"), device=DEV)
     buf.scales = raw.transpose(-1, -2)[..., : h // 128]
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEV)
-    ids, w = _routing(t, e, k, 6)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
+    ids, w = _routing(t, e, k, seed)
     r = TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=True)
     ref, counts = P.to_masked(x.cpu(), P.index_slots(ids.cpu(), 0, e), max_m)
     live = torch.arange(max_m)[None, :] < counts[:, None]
     q, sc = fp8.quantize_group(ref.float())
     _assert_fp8_matches(r.hidden.cpu()[live], r.scales.cpu()[live], q[live], sc[live])
     assert raw[:, h // 128 :].isnan().all(), "a scale was stored past the last group"
+
+
+def test_a_load_past_the_last_group_writes_no_scale(monkeypatch):
+    """Three 1x128 groups scattered two groups per load: the second load's upper half lies past
+    the row, and its scale slot past the scale tensor must stay untouched."""
+    monkeypatch.setattr(TP, "scatter_tile", lambda slots, hh, bh, **kw: TP.ScatterTile(4, 2 * bh, 4, 2))
+    _check_no_scale_past_the_row(h=384, e=4, k=2, t=6, spare=1, seed=5)
+
+
+def test_the_shipped_tile_stores_no_scale_past_the_row_of_twelve_groups():
+    """Hidden 1536 (12 groups) with the shipped rule: 256 slots take 8-group programs, so the
+    second column chunk spans groups 8-15. Before session 24 its scale stores were masked by
+    slot only, and groups 12-15 landed past the scale tensor."""
+    tile = TP.scatter_tile(64 * 4, 1536, 128, quant=True, top_k=4)
+    assert tile.h_span == 1024 and 1536 % tile.h_span  # the second chunk runs past the row
+    _check_no_scale_past_the_row(h=1536, e=4, k=4, t=64, spare=4, seed=6)
 
 
 @pytest.mark.parametrize("masked", [True, False])

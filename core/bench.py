@@ -82,6 +82,8 @@ class Row:
     host_b2b_us: float = float("nan")
     # ... and replaying graphs with the same inputs and `out=`
     host_graph_out_b2b_us: float = float("nan")
+    # `--rounds`: which pass over the run's cells measured this row (0 in a run of one round)
+    round: int = 0
 
 
 def _sync(dev: torch.device) -> None:
@@ -313,7 +315,12 @@ def bench_one(
     breakdown: bool = False,
     sampler: ClockSampler | None = None,
     settle_s: float = BENCH_SETTLE_S,
+    host_columns: bool = True,
 ) -> Row:
+    """One row: the layer of `backend` (or a peer's experts function) at `tokens`, timed as a
+    CUDA-graph replay where it captures; `host_columns`: also the host-time columns (NaN without)."""
+    if _is_peer(backend) and quant.is_quantized:  # before the weights are made: they cost seconds
+        raise moehal.NotSupportedError(f"the {backend} peer takes float (bf16) weights only")
     w13, w2, weights = _weights(shape, cfg, quant, dev)
     h = cfg.hidden_size
     x, ids, wts = bench_inputs(cfg, tokens)
@@ -323,8 +330,6 @@ def bench_one(
     layer: moehal.MoELayer | None = None
     if backend.startswith("transformers:") or backend == "sglang":
         # A peer: another library's experts function on the same float weights and routing.
-        if quant.is_quantized:
-            raise moehal.NotSupportedError(f"the {backend} peer takes float (bf16) weights only")
         if backend == "sglang":
             from moehal.integrations import sglang
 
@@ -350,9 +355,10 @@ def bench_one(
         fn = lambda: layer(xd, ids, wts)
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
     timing = "eager"
-    host, host_b2b = host_time(fn, dev), host_time_back_to_back(fn, dev)
-    host_graph = host_graph_new = host_graph_out = host_graph_out_b2b = float("nan")
-    if dev.type == "cuda" and capturable and layer is not None:
+    nan = float("nan")
+    host, host_b2b = (host_time(fn, dev), host_time_back_to_back(fn, dev)) if host_columns else (nan, nan)
+    host_graph = host_graph_new = host_graph_out = host_graph_out_b2b = nan
+    if host_columns and dev.type == "cuda" and capturable and layer is not None:
         layer.cuda_graph_tokens = tokens  # eager calls replay a captured graph (moehal.graphs)
         host_graph = host_time(fn, dev)
         sets = [(xd.clone(), ids.clone(), wts.clone()) for _ in range(3)]  # other addresses at every call
@@ -492,6 +498,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--goals", action="store_true", help="also check this run's rows against the goals (moehal.bench_goals)"
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every row this many times, cell by cell: a cell's (shape, tokens) rows of every quant scheme "
+        "and backend run next to each other, and the goals compare rows of one round, then take the median "
+        "(for ratios such as fp8 against bf16, which a GPU's drift between distant rows can tip)",
+    )
+    p.add_argument(
+        "--no-host", action="store_true", help="skip the host-time columns (NaN): the device times alone, sooner"
+    )
     args = p.parse_args(argv)
     console = Console()
     dev = detect(args.device).device
@@ -509,14 +526,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from moehal.integrations.transformers import peer_implementations
 
         backends = [b for b in backends if b != "peers"] + [f"transformers:{n}" for n in peer_implementations(dev)]
-    jobs = [
-        (s, q, b, t)
-        for s in args.shapes.split(",")
-        for q in args.quant.split(",")
-        for b in backends
-        for t in map(int, args.tokens.split(","))
-        if not (b == "reference" and t > args.max_reference_tokens)
-    ]
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    shapes, quants, token_counts = args.shapes.split(","), args.quant.split(","), [*map(int, args.tokens.split(","))]
+    if args.rounds == 1:  # grouped by scheme and backend, as the table reads
+        order = [(s, q, b, t, 0) for s in shapes for q in quants for b in backends for t in token_counts]
+    else:  # interleaved: the rows that a goal compares run next to each other, in every round
+        cells = [(s, t) for s in shapes for t in token_counts]
+        order = [(s, q, b, t, r) for r in range(args.rounds) for s, t in cells for q in quants for b in backends]
+    jobs = [j for j in order if not (j[2] == "reference" and j[3] > args.max_reference_tokens)]
+    peers_float = [j for j in jobs if not (_is_peer(j[2]) and QuantScheme.parse(j[1]).is_quantized)]
+    if len(peers_float) < len(jobs):
+        console.print("peers take float weights: their rows run for bf16 only", markup=False)
+    jobs = peers_float
     rows: list[Row] = []
     out = Path(args.out) if args.out else None
 
@@ -532,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "layer_max_tokens": args.max_tokens or "each row's token count",
             "settle_s": args.settle_s,
+            "rounds": args.rounds,
             "rows": [asdict(r) for r in rows],
         }
         out.with_suffix(".json").write_text(json.dumps(data, indent=2))
@@ -545,25 +568,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(jobs))
         try:
-            for shape, q, backend, tokens in jobs:
+            for shape, q, backend, tokens, rnd in jobs:
                 cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
                 try:
-                    rows.append(
-                        bench_one(
-                            shape,
-                            cfg,
-                            QuantScheme.parse(q),
-                            backend,
-                            tokens,
-                            dev,
-                            ceil,
-                            args.reps,
-                            registry,
-                            args.breakdown,
-                            sampler,
-                            args.settle_s,
-                        )
+                    row = bench_one(
+                        shape,
+                        cfg,
+                        QuantScheme.parse(q),
+                        backend,
+                        tokens,
+                        dev,
+                        ceil,
+                        args.reps,
+                        registry,
+                        args.breakdown,
+                        sampler,
+                        args.settle_s,
+                        host_columns=not args.no_host,
                     )
+                    row.round = rnd
+                    rows.append(row)
                     save()
                 except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
                     console.print(
@@ -600,7 +624,9 @@ def results_table(rows: Sequence[Row]) -> Any:
     from rich.table import Table
 
     t = Table(title="moehal bench (whole layer)", title_justify="left")
-    cols = ("shape", "backend", "quant", "tokens", "time us", "timing", "% roofline", "TB/s", "TFLOP/s")
+    rounds = any(r.round for r in rows)  # a run of `--rounds` > 1
+    cols = ("shape", "backend", "quant", "tokens", *(("round",) if rounds else ()), "time us", "timing",
+            "% roofline", "TB/s", "TFLOP/s")  # fmt: skip
     clocks = any(r.sm_mhz == r.sm_mhz for r in rows)  # NaN != NaN: no sample
     for col in (*cols, *(("SM MHz", "W") if clocks else ()), "host us", "host us (graphs)",
                 "host us (graphs, new inputs)", "host us (graphs, out=)", "host us back to back",
@@ -613,6 +639,7 @@ def results_table(rows: Sequence[Row]) -> Any:
             r.backend,
             r.quant,
             str(r.tokens),
+            *((str(r.round),) if rounds else ()),
             f"{r.time_us:.1f}",
             r.timing,
             f"{r.pct_roofline:.0f}",

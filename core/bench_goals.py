@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -85,7 +86,9 @@ ISSUE_4_GOALS: tuple[Goal, ...] = (
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """One covered cell: `value` None where the rows cannot say (a peer or bf16 row missing)."""
+    """One covered cell: `value` None where the rows cannot say (a peer or bf16 row missing).
+    From rows of several rounds (`moehal bench --rounds`), `value` is the median of the rounds'
+    values, `low` and `high` their range, and `rounds` how many gave one."""
 
     goal: Goal
     device: str
@@ -93,6 +96,9 @@ class GoalCheck:
     shape: str
     tokens: int
     value: float | None
+    low: float | None = None
+    high: float | None = None
+    rounds: int = 1
 
     @property
     def met(self) -> bool | None:
@@ -104,9 +110,15 @@ class GoalCheck:
 
     @property
     def value_text(self) -> str:
-        v, m = self.value, self.goal.metric
-        if v is None:
+        if self.value is None:
             return "-"
+        text = self._fmt(self.value)
+        if self.rounds > 1 and self.low is not None and self.high is not None:
+            text += f" ({self._fmt(self.low)}-{self._fmt(self.high)}, {self.rounds} rounds)"
+        return text
+
+    def _fmt(self, v: float) -> str:
+        m = self.goal.metric
         if m == PCT_ROOFLINE:
             return f"{v:.0f}%"
         if m in (VS_PEER, VS_BF16):
@@ -122,44 +134,64 @@ def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+def _round(row: Mapping[str, Any]) -> int:
+    return int(row.get("round") or 0)  # runs from before `--rounds` hold one round
+
+
+def _key(row: Mapping[str, Any]) -> tuple[str, str, str, int, int]:
+    return row["backend"], row["quant"], row["shape"], int(row["tokens"]), _round(row)
+
+
+def _value(g: Goal, r: Mapping[str, Any], by_key: Mapping[tuple, Mapping[str, Any]], peer: str) -> float | None:
+    """Goal `g`'s number for row `r`; a ratio pairs it with the peer's or the bf16 row of its round."""
+    backend, _, shape, tokens, rnd = _key(r)
+    if g.metric not in (VS_PEER, VS_BF16):
+        return _finite(r.get(g.metric))
+    other = by_key.get(
+        (peer, r["quant"], shape, tokens, rnd) if g.metric == VS_PEER else (backend, "bf16", shape, tokens, rnd)
+    )
+    theirs, mine = (_finite(other.get("time_us")) if other else None), _finite(r.get("time_us"))
+    return theirs / mine if theirs and mine else None
+
+
 def check_goals(
     rows: Iterable[Any], device: str = "", goals: Sequence[Goal] = ISSUE_4_GOALS, peer: str = "sglang"
 ) -> list[GoalCheck]:
-    """Every goal against every row that it covers (`moehal.bench.Row` objects or their JSON
-    dicts), of every backend but the peers (`PEERS`: compared against, never checked)."""
+    """Every goal against every cell (backend, shape, tokens) that it covers, from `moehal.bench.Row`
+    objects or their JSON dicts, of every backend but the peers (`PEERS`: compared against, never
+    checked). A ratio (against the peer, or fp8 against bf16) pairs rows of the same round, so a
+    run of several rounds compares rows measured next to each other; the cell's value is then the
+    median over its rounds."""
     plain = [_plain(r) for r in rows]
-    by_key = {(r["backend"], r["quant"], r["shape"], int(r["tokens"])): r for r in plain}
+    by_key = {_key(r): r for r in plain}
+    cells: dict[tuple[str, str, str, int], list[Mapping[str, Any]]] = {}
+    for r in plain:
+        cells.setdefault(_key(r)[:4], []).append(r)
     checks = []
     for g in goals:
-        for r in plain:
-            backend, shape, tokens = r["backend"], r["shape"], int(r["tokens"])
-            if backend in PEERS or not g.covers(r["quant"], tokens):
+        for (backend, quant, shape, tokens), rs in cells.items():
+            if backend in PEERS or not g.covers(quant, tokens):
                 continue
-            mine = _finite(r.get("time_us"))
-            if g.metric == VS_PEER:
-                other = by_key.get((peer, r["quant"], shape, tokens))
-                theirs = _finite(other.get("time_us")) if other else None
-                value = theirs / mine if theirs and mine else None
-            elif g.metric == VS_BF16:
-                other = by_key.get((backend, "bf16", shape, tokens))
-                bf16 = _finite(other.get("time_us")) if other else None
-                value = bf16 / mine if bf16 and mine else None
-            else:
-                value = _finite(r.get(g.metric))
-            checks.append(GoalCheck(g, device, backend, shape, tokens, value))
+            values = [v for v in (_value(g, r, by_key, peer) for r in rs) if v is not None]
+            if not values:
+                checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0))
+                continue
+            mid = statistics.median(values)
+            checks.append(GoalCheck(g, device, backend, shape, tokens, mid, min(values), max(values), len(values)))
     return checks
 
 
 def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
     """`moehal bench --out` JSON files -> rows per device (`ceilings.device`), so that one
-    device's bf16 and fp8 runs are checked together. A device's later file wins a repeated row."""
+    device's bf16 and fp8 runs are checked together. A device's later file wins a repeated row
+    (the same backend, scheme, shape, tokens and round)."""
     runs: dict[str, dict[tuple, dict[str, Any]]] = {}
     for p in paths:
         data = json.loads(Path(p).read_text())
         device = str(data.get("ceilings", {}).get("device", "?"))
         rows = runs.setdefault(device, {})
         for r in data["rows"]:
-            rows[(r["backend"], r["quant"], r["shape"], int(r["tokens"]))] = r
+            rows[_key(r)] = r
     return {d: list(rows.values()) for d, rows in runs.items()}
 
 

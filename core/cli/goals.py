@@ -28,7 +28,7 @@ def run(args: argparse.Namespace, rest: object = None) -> int:
     if args.json:
         print_json([
             {"goal": c.goal.name, "device": c.device, "backend": c.backend, "shape": c.shape, "tokens": c.tokens,
-             "value": c.value, "status": c.status}
+             "value": c.value, "low": c.low, "high": c.high, "rounds": c.rounds, "status": c.status}
             for c in checks
         ])  # fmt: skip
     elif args.markdown:

@@ -146,3 +146,58 @@ def test_bench_goals_flag_checks_the_runs_own_rows(capsys):
     out = capsys.readouterr().out
     assert "goals: reference on" in out and "small_roofline" in out
     assert "decode_vs_peer" in out and "unmeasured" in out, "no SGLang row in this run: not measured"
+
+
+def test_rounds_pair_rows_of_one_round_and_take_the_median():
+    """`moehal bench --rounds`: fp8 is compared with the bf16 row of its own round (measured next
+    to it), and the cell reads the median of its rounds, with their range."""
+    rows = []
+    for rnd, (bf16, fp8, peer) in enumerate([(150.0, 100.0, 180.0), (160.0, 100.0, 190.0), (300.0, 200.0, 200.0)]):
+        rows += [
+            row("cuda", 2048, bf16, round=rnd, pct_roofline=70.0 + rnd),
+            row("cuda", 2048, fp8, quant="fp8_block", round=rnd),
+            row("sglang", 2048, peer, round=rnd),
+        ]
+    checks = check_goals(rows, "dev")
+    assert len(checks) == 3, "one check per cell and goal, not one per round"
+    c = by_cell(checks)
+    fp8 = c["fp8_vs_bf16", "cuda", "s", 2048]
+    # paired per round: 1.5, 1.6, 1.5 -> median 1.5; unpaired medians would give 160 / 100 = 1.6
+    assert (fp8.value, fp8.low, fp8.high, fp8.rounds) == (pytest.approx(1.5), 1.5, 1.6, 3) and fp8.met
+    assert fp8.value_text == "1.50x (1.50x-1.60x, 3 rounds)"
+    peer = c["prefill_vs_peer", "cuda", "s", 2048]
+    assert peer.value == pytest.approx(190 / 160) and peer.low == pytest.approx(200 / 300)
+    assert c["prefill_roofline", "cuda", "s", 2048].value == 71.0
+
+
+def test_a_round_without_its_pair_is_left_out_of_the_median():
+    rows = [
+        row("cuda", 1024, 150.0, round=0),
+        row("cuda", 1024, 100.0, quant="fp8_block", round=0),
+        row("cuda", 1024, 90.0, quant="fp8_block", round=1),  # its bf16 row failed: no pair
+    ]
+    fp8 = by_cell(check_goals(rows))["fp8_vs_bf16", "cuda", "s", 1024]
+    assert (fp8.value, fp8.rounds, fp8.value_text) == (pytest.approx(1.5), 1, "1.50x")
+    alone = by_cell(check_goals(rows[2:]))["fp8_vs_bf16", "cuda", "s", 1024]
+    assert alone.status == "not measured" and alone.rounds == 0
+
+
+def test_runs_keep_every_round_of_a_file(tmp_path):
+    rows = [row("cuda", 2048, 100.0 + r, round=r) for r in range(3)]
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({"ceilings": {"device": "d"}, "rows": rows}))
+    assert len(load_runs([p])["d"]) == 3
+
+
+def test_bench_rounds_interleave_the_cells_rows(tmp_path, capsys):
+    from moehal.bench import main as bench_main
+
+    out = tmp_path / "b"
+    argv = ["--shapes", "tiny", "--tokens", "1,16", "--backends", "reference,sglang", "--quant", "bf16,fp8_block"]
+    assert bench_main([*argv, "--reps", "1", "--rounds", "2", "--no-host", "--settle-s", "0", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    order = [(r["round"], r["tokens"], r["quant"]) for r in data["rows"]]
+    assert order == [(n, t, q) for n in (0, 1) for t in (1, 16) for q in ("bf16", "fp8_block")]
+    assert data["rounds"] == 2
+    printed = capsys.readouterr().out
+    assert "their rows run for bf16 only" in printed and "round" in printed

@@ -278,6 +278,23 @@ def _weights(
     return _WEIGHTS[key]
 
 
+def release_layers(dev: torch.device) -> int:
+    """Before rows of another shape or batch bound: forget the process-wide workspaces that
+    the previous rows' layers bound (`release_workspaces`), collect the dead layers (reference
+    cycles hold their CUDA graphs and pools) and return the cached blocks to the device. Returns
+    the workspace bytes released. The workspaces are meant to be shared by an engine's layers of
+    one shape; a benchmark of many shapes and batch bounds otherwise keeps every set it built."""
+    import gc
+    import sys
+
+    permute = sys.modules.get("moehal.kernels.triton_permute")  # not imported: no workspace exists
+    held = permute.release_workspaces(dev) if permute is not None else 0
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return held
+
+
 def _pipeline_named(
     qualname: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device, registry: moehal.Registry
 ) -> moehal.selection.Pipeline:
@@ -568,8 +585,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(jobs))
         try:
+            last_cell: tuple[str, int | None] | None = None
             for shape, q, backend, tokens, rnd in jobs:
                 cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
+                if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
+                    release_layers(dev)
+                    last_cell = (shape, cfg.max_tokens)
                 try:
                     row = bench_one(
                         shape,

@@ -1,6 +1,8 @@
 """Markdown tables from `moehal bench --out` JSON files: per shape and token count, each
 backend's time and % of roofline, ours against the SGLang peer, and fp8_block against bf16;
-and the SM clock each row held, where the run sampled it.
+and the SM clock each row held, where the run sampled it. A run of several rounds
+(`moehal bench --rounds`) shows each row's median over the rounds, and each ratio's median over
+the rounds of rows measured next to each other (the pairing `moehal goals` uses).
 
     python tools/bench_compare.py docs/device-runs/.../bench.json [more.json ...]
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from collections import defaultdict
 
@@ -18,14 +21,26 @@ def _mhz(r: dict | None) -> str:
     return f"{x:.0f}" if math.isfinite(x) else "-"
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """The round with the median time (an actual row: its roofline share and clocks go with it)."""
+    return sorted(rows, key=lambda r: r["time_us"])[(len(rows) - 1) // 2]
+
+
+def _ratio(num: dict[int, dict], den: dict[int, dict]) -> str:
+    """Median over the rounds that hold both rows of num's time over den's."""
+    pairs = [num[k]["time_us"] / den[k]["time_us"] for k in num.keys() & den.keys()]
+    return f"{statistics.median(pairs):.2f}x" if pairs else "-"
+
+
 def table(path: str) -> str:
     data = json.loads(open(path).read())
-    t: dict[tuple, dict] = defaultdict(dict)
+    t: dict[tuple, dict[tuple, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for r in data["rows"]:
-        t[(r["shape"], r["tokens"])][(r["backend"], r["quant"])] = r
+        t[(r["shape"], r["tokens"])][(r["backend"], r["quant"])][int(r.get("round") or 0)] = r
+    rounds = int(data.get("rounds") or 1)
     lines = [
         f"`{path}`: {data['ceilings'].get('device', '?')}, {data['date']}, layers built for "
-        f"{data.get('layer_max_tokens', 'each row')}",
+        f"{data.get('layer_max_tokens', 'each row')}" + (f", {rounds} rounds (medians)" if rounds > 1 else ""),
         "",
         "| shape | tokens | bf16 us (% roofline) | SGLang bf16 us (%) | vs SGLang | fp8_block us (%) | fp8 vs bf16 |",
         "|---|---|---|---|---|---|---|",
@@ -34,17 +49,23 @@ def table(path: str) -> str:
     if clocks:  # runs that sampled clocks (moehal.clock_sampler): the SM clock each row held
         lines[-2] += " bf16 / SGLang / fp8 SM MHz |"
         lines[-1] += "---|"
-    for (shape, tokens), rows in sorted(t.items()):
-        ours, peer, fp8 = rows.get(("cuda", "bf16")), rows.get(("sglang", "bf16")), rows.get(("cuda", "fp8_block"))
+    for (shape, tokens), cells in sorted(t.items()):
+        ours, peer, fp8 = (
+            cells.get(("cuda", "bf16"), {}),
+            cells.get(("sglang", "bf16"), {}),
+            cells.get(("cuda", "fp8_block"), {}),
+        )
+        mid = {k: _median_row(list(v.values())) if v else None for k, v in (("o", ours), ("p", peer), ("f", fp8))}
 
         def cell(r: dict | None) -> str:
             return f"{r['time_us']:.1f} ({r['pct_roofline']:.0f}%)" if r else "-"
 
-        vs = f"{peer['time_us'] / ours['time_us']:.2f}x" if ours and peer else "-"
-        f8 = f"{ours['time_us'] / fp8['time_us']:.2f}x" if ours and fp8 else "-"
-        line = f"| {shape} | {tokens} | {cell(ours)} | {cell(peer)} | {vs} | {cell(fp8)} | {f8} |"
+        line = (
+            f"| {shape} | {tokens} | {cell(mid['o'])} | {cell(mid['p'])} | {_ratio(peer, ours)} | {cell(mid['f'])} "
+            f"| {_ratio(ours, fp8)} |"
+        )
         if clocks:
-            line += " " + " / ".join(_mhz(r) for r in (ours, peer, fp8)) + " |"
+            line += " " + " / ".join(_mhz(r) for r in mid.values()) + " |"
         lines.append(line)
     return "\n".join(lines)
 

@@ -590,6 +590,26 @@ def workspace(
     return buf
 
 
+def release_workspaces(device: torch.device | str | None = None) -> int:
+    """Forget the process-wide workspaces (of `device`, or of every device) and return the bytes
+    they held. For a process done with one model's layers that builds others: a benchmark moving
+    to another shape or batch bound, an engine unloading a model. The memory is freed once the
+    old layers, which keep the buffers they bound, are gone; layers built afterwards allocate
+    their own. Without it, every (shape, max_tokens) a process ever built keeps its buffers:
+    `moehal bench` ran an H100 out of memory that way after 60 rows of three shapes
+    (docs/device-runs/2026-11-24-session25)."""
+    dev = None if device is None else torch.device(device)
+    held = 0
+    for key in [k for k in _WORKSPACE if dev is None or k[4] == dev]:
+        buf = _WORKSPACE.pop(key)
+        held += sum(
+            t.untyped_storage().nbytes()
+            for t in (buf.hidden, buf.scales, buf.written, buf.expert_rows, buf.counts)
+            if t is not None
+        )
+    return held
+
+
 def contiguous_workspace(
     role: str,
     rows: int,

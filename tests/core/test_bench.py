@@ -169,3 +169,32 @@ def test_bench_reference_rows_run_the_pure_reference_pipeline(tmp_path, monkeypa
     assert main(["--shapes", "tiny", "--tokens", "2", "--backends", "reference", "--reps", "2", "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert rows[0]["pipeline"].startswith("reference.local -> reference.experts"), rows[0]["pipeline"]
+
+
+def test_bench_releases_the_previous_layers_buffers_between_cells(monkeypatch):
+    """Each new (shape, batch bound) first releases what the previous rows' layers bound: the
+    process-wide workspaces are sized per max_tokens, and kept they ran an H100 out of memory
+    after 60 rows of three shapes."""
+    import moehal.bench as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "release_layers", lambda dev: seen.append(dev) or 0)
+    argv = ["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "1", "--no-host"]
+    assert main([*argv, "--quant", "bf16,fp8_block", "--settle-s", "0"]) == 0
+    assert len(seen) == 4, "rows of one scheme at a time: the batch bound changes at every row"
+    seen.clear()
+    assert main([*argv, "--quant", "bf16,fp8_block", "--rounds", "2", "--settle-s", "0"]) == 0
+    assert len(seen) == 4, "interleaved: a cell's schemes share one release, twice per round"
+    seen.clear()
+    assert main([*argv, "--max-tokens", "16", "--settle-s", "0"]) == 0
+    assert len(seen) == 1, "one batch bound for every row: one set of buffers"
+
+
+def test_release_layers_frees_the_process_wide_workspaces():
+    pytest.importorskip("triton")
+    from moehal.bench import release_layers
+    from moehal.kernels import triton_permute as TP
+
+    TP.workspace("test.bench_release", (2, 8), 128, torch.bfloat16, torch.device("cpu"), False)
+    assert release_layers(torch.device("cpu")) >= 2 * 8 * 128 * 2
+    assert not [k for k in TP._WORKSPACE if k[0] == "test.bench_release"]

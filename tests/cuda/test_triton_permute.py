@@ -326,6 +326,21 @@ def test_contiguous_buffers_are_sized_per_call_within_one_allocation():
         full.prefix(cap + 1)
 
 
+def test_released_workspaces_are_forgotten_and_counted(monkeypatch):
+    """`release_workspaces`: later calls allocate afresh; buffers already handed out stay valid
+    (their layers keep them); only the named device's are dropped."""
+    monkeypatch.setattr(TP, "_WORKSPACE", {})
+    a = TP.workspace("test.release", (4, 64), 256, torch.float8_e4m3fn, DEV, True)
+    other = torch.device("meta")
+    b = TP.workspace("test.release", (4, 64), 256, torch.bfloat16, other, False)
+    held = 4 * 64 * 256 + 4 * 2 * 64 * 4 + 2 * 4 * 4 + 4 * 4  # fp8 rows, fp32 scales, row state, counts
+    assert TP.release_workspaces(DEV) == held
+    assert TP.workspace("test.release", (4, 64), 256, torch.float8_e4m3fn, DEV, True) is not a
+    assert a.hidden.shape == (4, 64, 256), "a buffer handed out before stays as it was"
+    assert TP.workspace("test.release", (4, 64), 256, torch.bfloat16, other, False) is b, "another device's stays"
+    assert TP.release_workspaces() > 0 and not TP._WORKSPACE
+
+
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
 def test_the_dispatcher_binds_each_decode_token_count_once(layout, monkeypatch):
     """`cuda.permute` keeps its permute launches per token count (`tp.bind_permute`) up to

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m moehal_cuda.gemm_choice [DEVICE NAME]`: the effective choices of a table."""
     import argparse
 
-    from rich.console import Console
+    from moehal.cli.common import make_console
     from rich.table import Table
 
     ap = argparse.ArgumentParser(prog="python -m moehal_cuda.gemm_choice", description=main.__doc__)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             ch = chooser.choose(int(e), int(n), int(k), dtype, int(tokens))
             us = {name: f"{row.get('us', {}).get(name, float('nan')):.1f}" for name in ("deepgemm", "triton")}
             t.add_row(key, tokens, us["deepgemm"], us["triton"], ch.use)
-    Console().print(t)
+    make_console().print(t)
     pre = chooser.table.get("prefill_fused", {})
     if pre:
         t = Table(title="bf16 prefill: GEMM1 fused with the activation (whole layer)")
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             for tokens, us in rec.get("layer_us", {}).items():
                 tile = chooser.prefill_fused(int(e), int(n), int(k), int(tokens))
                 t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['fused']:.1f}", "yes" if tile else "no")
-        Console().print(t)
+        make_console().print(t)
     port = chooser.table.get("prefill_portable", {})
     if port:
         t = Table(title="prefill: the portable Triton fused MoE in place of the pipeline (whole layer)")
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['portable']:.1f}", gain, runs, shown)
                 shown = ""
             notes += [f"{key}: {note}" for note in band_edge_notes(rec.get("layer_us", {}), band)] if band else []
-        Console().print(t)
+        make_console().print(t)
         for note in notes:  # where a measurement between two counts would move a bound
             print(note)
     return 0

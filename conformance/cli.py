@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from moehal.cli.common import make_console
 from moehal.errors import MoEHalError
 from moehal_conformance import report
 from moehal_conformance.runner import FAIL, PASS
 from moehal_conformance.suite import Suite
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -47,7 +47,7 @@ def _interrupt_on_sigterm() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _interrupt_on_sigterm()
-    console = Console()
+    console = make_console()
     try:
         suite = Suite.create(args.backend, args.device, args.emulate, "quick" if args.quick else "full")
     except MoEHalError as exc:

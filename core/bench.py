@@ -475,8 +475,8 @@ def breakdown_table(rows: Sequence[Row]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from moehal.cli.common import make_console
     from moehal.integrations.sglang import sglang_version
-    from rich.console import Console
     from rich.progress import Progress
 
     p = argparse.ArgumentParser(prog="moehal bench", description=__doc__.splitlines()[0])
@@ -527,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-host", action="store_true", help="skip the host-time columns (NaN): the device times alone, sooner"
     )
     args = p.parse_args(argv)
-    console = Console()
+    console = make_console()
     dev = detect(args.device).device
     registry = moehal.discover()
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console()
+# Width of tables written to a file or a pipe (a device run's log, CI): rich would assume 80
+# columns there and cut the benchmark's cells to "…" (session 25's first logs were unreadable).
+LOG_WIDTH = 220
+
+
+def make_console(**kwargs: Any) -> Console:
+    """A rich console; where it writes to no terminal and `COLUMNS` is unset, `LOG_WIDTH` wide."""
+    c = Console(**kwargs)
+    if not c.is_terminal and "width" not in kwargs and not os.environ.get("COLUMNS"):
+        c = Console(width=LOG_WIDTH, **kwargs)
+    return c
+
+
+console = make_console()
 
 
 def print_json(data: Any) -> None:

@@ -416,8 +416,8 @@ def _meta(dev: torch.device, settle_s: float) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from moehal.bench import SETTLE_S, SHAPES
+    from moehal.cli.common import make_console
     from moehal.hardware import device_slug
-    from rich.console import Console
     from rich.progress import Progress
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -444,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     if dev.type == "cpu":
         from moehal.kernels.host import interpreting
 

@@ -198,3 +198,18 @@ def test_release_layers_frees_the_process_wide_workspaces():
     TP.workspace("test.bench_release", (2, 8), 128, torch.bfloat16, torch.device("cpu"), False)
     assert release_layers(torch.device("cpu")) >= 2 * 8 * 128 * 2
     assert not [k for k in TP._WORKSPACE if k[0] == "test.bench_release"]
+
+
+def test_a_logged_table_keeps_its_cells_whole(capsys, monkeypatch):
+    """Written to a file or pipe (a device run's log), rich assumed 80 columns and cut the
+    benchmark's cells to '…'; the console is now `LOG_WIDTH` wide there, unless COLUMNS says."""
+    from moehal.cli.common import LOG_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--no-host"]) == 0
+    table = capsys.readouterr().out.split("moehal bench (whole layer)")[1]
+    assert "…" not in table and "reference" in table and "host us (graphs)" in table
+    assert make_console().width == LOG_WIDTH
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console().width == 100, "COLUMNS still decides"
+    assert make_console(width=90).width == 90

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from moehal.config import Activation, MoEConfig
@@ -39,6 +40,26 @@ def sglang_version() -> str | None:
         return None
 
 
+# The first failed import's reason, kept for the process: importing again after a failure can
+# raise something else (KeyError: 'sglang', from the half-imported package), and each benchmark
+# row would then report a different, misleading reason.
+_IMPORT_FAILURE: list[str] = []
+
+
+def _import_entry() -> tuple[ModuleType, type]:
+    """SGLang's fused-MoE module and its `MoeRunnerConfig`, or `NotSupportedError` with the
+    reason the first import failed."""
+    if _IMPORT_FAILURE:
+        raise NotSupportedError(_IMPORT_FAILURE[0])
+    try:
+        fm = importlib.import_module(ENTRY_MODULE)
+        runner_config = importlib.import_module(RUNNER_CONFIG_MODULE).MoeRunnerConfig
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no peer here"
+        _IMPORT_FAILURE.append(f"SGLang is not importable here: {type(exc).__name__}: {exc}")
+        raise NotSupportedError(_IMPORT_FAILURE[0]) from exc
+    return fm, runner_config
+
+
 def peer_callable(
     config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, device: torch.device | str
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -48,11 +69,7 @@ def peer_callable(
         raise NotSupportedError("SGLang's Triton fused MoE runs on CUDA devices only")
     if config.activation is not Activation.SILU or not config.gated or config.has_w13_bias or config.has_w2_bias:
         raise NotSupportedError("the SGLang peer is wired for SiLU-and-mul without biases (the benchmark shapes)")
-    try:
-        fm = importlib.import_module(ENTRY_MODULE)
-        runner_config = importlib.import_module(RUNNER_CONFIG_MODULE).MoeRunnerConfig
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no peer here"
-        raise NotSupportedError(f"SGLang is not importable here: {type(exc).__name__}: {exc}") from exc
+    fm, runner_config = _import_entry()
     e = config.num_local_experts
     rc = runner_config(num_experts=e, num_local_experts=e, activation="silu", is_gated=True, inplace=False)
     w13 = w13.to(device, config.dtype).contiguous()

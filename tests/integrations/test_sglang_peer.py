@@ -27,9 +27,27 @@ def test_declines_other_activations():
 
 
 def test_declines_with_the_import_error_when_sglang_is_missing(monkeypatch):
+    monkeypatch.setattr(sglang, "_IMPORT_FAILURE", [])
     monkeypatch.setitem(sys.modules, sglang.ENTRY_MODULE, None)  # import raises ImportError
     with pytest.raises(moehal.NotSupportedError, match="SGLang is not importable here: ModuleNotFoundError"):
         sglang.peer_callable(CFG, *_weights(), "cuda")
+
+
+def test_every_later_call_gives_the_first_import_failure(monkeypatch):
+    """On the GPU machine a failed `import sglang...` (pydantic_core missing) left the package
+    half-imported, and the next rows reported `KeyError: 'sglang'` instead of the cause."""
+    import importlib
+
+    monkeypatch.setattr(sglang, "_IMPORT_FAILURE", [])
+    errors = iter([ModuleNotFoundError("No module named 'pydantic_core'"), KeyError("sglang")])
+
+    def failing_import(name: str):
+        raise next(errors)
+
+    monkeypatch.setattr(importlib, "import_module", failing_import)
+    for _ in range(2):
+        with pytest.raises(moehal.NotSupportedError, match="ModuleNotFoundError: No module named 'pydantic_core'"):
+            sglang.peer_callable(CFG, *_weights(), "cuda")
 
 
 def test_bench_reports_the_peer_as_skipped_not_failed(capsys):

@@ -9,11 +9,16 @@ import pytest
 import torch
 from moehal.bench import main
 
+# Tests that check what a CPU run records (no host times, no clocks, operator names) name the
+# CPU: on a GPU machine the benchmark would take the GPU (three of them failed there, session 25).
+CPU = ["--device", "cpu"]
+
 
 def test_bench_tiny_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
     assert (
-        main(["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "2", "--out", str(out)]) == 0
+        main(["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "2", "--out", str(out)] + CPU)
+        == 0
     )
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["ceilings"]["copy_bytes_per_s"] > 0 and data["ceilings"]["matmul_flops_per_s"] > 0
@@ -64,6 +69,7 @@ def test_bench_breakdown_names_where_the_time_goes(tmp_path):
                 "--breakdown",
                 "--out",
                 str(out),
+                *CPU,
             ]
         )
         == 0
@@ -78,7 +84,7 @@ def test_bench_breakdown_names_where_the_time_goes(tmp_path):
 
 def test_bench_on_cpu_records_no_clocks(tmp_path):
     out = tmp_path / "bench"
-    argv = ["--shapes", "tiny", "--tokens", "2", "--backends", "reference", "--reps", "1", "--out", str(out)]
+    argv = ["--shapes", "tiny", "--tokens", "2", "--backends", "reference", "--reps", "1", "--out", str(out), *CPU]
     assert main([*argv, "--settle-s", "1.5"]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["settle_s"] == 1.5  # recorded as run (a CUDA row settles this long before it is timed)

@@ -435,6 +435,15 @@ def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return graph.replay
 
 
+def medians_by_tokens(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(tokens, value) points of one series, several per token count in a run of `--rounds`:
+    one (tokens, median) per token count, in token order."""
+    by_tokens: dict[int, list[float]] = {}
+    for t, v in points:
+        by_tokens.setdefault(t, []).append(v)
+    return [(t, statistics.median(by_tokens[t])) for t in sorted(by_tokens)]
+
+
 def plot(rows: list[Row], path: Path) -> Path | None:
     try:
         import matplotlib
@@ -448,7 +457,9 @@ def plot(rows: list[Row], path: Path) -> Path | None:
     for ax, shape in zip(axes[0], shapes):
         for key in sorted({(r.backend, r.quant) for r in rows if r.shape == shape}):
             pts = sorted((r.tokens, r.pct_roofline) for r in rows if r.shape == shape and (r.backend, r.quant) == key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
+            # the line joins each token count's median over the rounds; every round is a dot
+            (line,) = ax.plot(*zip(*medians_by_tokens(pts)), label=f"{key[0]} {key[1]}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=line.get_color(), ms=4)
         ax.set_xscale("log", base=2)
         ax.set_title(shape)
         ax.set_xlabel("tokens")

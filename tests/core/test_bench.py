@@ -219,3 +219,11 @@ def test_a_logged_table_keeps_its_cells_whole(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     assert make_console().width == 100, "COLUMNS still decides"
     assert make_console(width=90).width == 90
+
+
+def test_the_plot_draws_each_token_counts_median_over_the_rounds():
+    from moehal.bench import medians_by_tokens
+
+    pts = [(16, 90.0), (1, 50.0), (16, 70.0), (1, 52.0), (16, 80.0)]
+    assert medians_by_tokens(pts) == [(1, 51.0), (16, 80.0)]
+    assert medians_by_tokens([(4, 3.0)]) == [(4, 3.0)]

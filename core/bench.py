@@ -259,23 +259,32 @@ def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
     return total / e
 
 
-_WEIGHTS: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]] = {}
+# One shape's weights at a time (the big shapes take GBs): its float weights, and each scheme's
+# quantized set. Interleaved rounds alternate schemes within a shape, so a set per scheme is
+# kept until the shape changes, rather than made again at every row.
+_FLOAT_WEIGHTS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_QUANTIZED_WEIGHTS: dict[tuple[str, str, str], moehal.ExpertWeights] = {}
 
 
 def _weights(
     shape: str, cfg: moehal.MoEConfig, quant: QuantScheme, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, moehal.ExpertWeights]:
-    """Float and quantized weights, made on the device once per (shape, quant)."""
-    key = (shape, quant.name, str(dev))
-    if key not in _WEIGHTS:
-        _WEIGHTS.clear()  # one shape's weights at a time: the big shapes take GBs
+    """Float and quantized weights, made on the device once per (shape, quant) while rows of
+    one shape follow each other."""
+    key = (shape, str(dev))
+    if key not in _FLOAT_WEIGHTS:
+        _FLOAT_WEIGHTS.clear()
+        _QUANTIZED_WEIGHTS.clear()
         gen = torch.Generator(dev).manual_seed(0)
         e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         w13 = torch.randn(e, cfg.w13_rows, h, generator=gen, device=dev) / h**0.5
         w2 = torch.randn(e, h, i, generator=gen, device=dev) / i**0.5
-        calib = torch.randn(64, h, generator=gen, device=dev)
-        _WEIGHTS[key] = (w13, w2, moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=calib))
-    return _WEIGHTS[key]
+        _FLOAT_WEIGHTS[key] = (w13, w2, torch.randn(64, h, generator=gen, device=dev))
+    w13, w2, calib = _FLOAT_WEIGHTS[key]
+    qkey = (shape, quant.name, str(dev))
+    if qkey not in _QUANTIZED_WEIGHTS:
+        _QUANTIZED_WEIGHTS[qkey] = moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=calib)
+    return w13, w2, _QUANTIZED_WEIGHTS[qkey]
 
 
 def release_layers(dev: torch.device) -> int:

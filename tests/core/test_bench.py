@@ -196,6 +196,35 @@ def test_bench_releases_the_previous_layers_buffers_between_cells(monkeypatch):
     assert len(seen) == 1, "one batch bound for every row: one set of buffers"
 
 
+def test_interleaved_rounds_make_each_schemes_weights_once_per_shape(monkeypatch):
+    """Rounds alternate schemes within a shape: each scheme's weights are made once while the
+    shape lasts (they were made again at every row), and a new shape drops them all."""
+    import moehal.bench as bench
+
+    made = []
+    real = bench.moehal.quantize_weights
+
+    def counted(cfg, quant, *args, **kwargs):
+        made.append(quant.name)
+        return real(cfg, quant, *args, **kwargs)
+
+    monkeypatch.setattr(bench.moehal, "quantize_weights", counted)
+    monkeypatch.setattr(bench, "_FLOAT_WEIGHTS", {})
+    monkeypatch.setattr(bench, "_QUANTIZED_WEIGHTS", {})
+    argv = ["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "1", "--no-host"]
+    assert main([*argv, "--quant", "bf16,fp8_block", "--rounds", "2", "--settle-s", "0"] + CPU) == 0
+    assert made == ["bf16", "fp8_block"], "8 rows, one set per scheme"
+    cpu = torch.device("cpu")
+    cfg = bench.moehal.MoEConfig(**bench.SHAPES["tiny"])
+    w13, _, bf16 = bench._weights("tiny", cfg, bench.QuantScheme.parse("bf16"), cpu)
+    assert bench._weights("tiny", cfg, bench.QuantScheme.parse("bf16"), cpu)[2] is bf16
+    float_again = torch.Generator(cpu).manual_seed(0)  # the same weights as before the cache
+    e, h = cfg.num_local_experts, cfg.hidden_size
+    assert torch.equal(w13, torch.randn(e, cfg.w13_rows, h, generator=float_again) / h**0.5)
+    bench._weights("tiny, again", cfg, bench.QuantScheme.parse("bf16"), cpu)  # (a shape is keyed by its name)
+    assert [k[0] for k in bench._QUANTIZED_WEIGHTS] == ["tiny, again"], "another shape: the first one's sets are gone"
+
+
 def test_release_layers_frees_the_process_wide_workspaces():
     pytest.importorskip("triton")
     from moehal.bench import release_layers

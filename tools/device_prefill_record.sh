@@ -2,7 +2,8 @@
 # One GPU call: #4's prefill record, as session 25 took it on an H200 and an H100. Every cell's
 # bf16, fp8_block and SGLang rows run next to each other, ROUNDS times (`moehal bench --rounds`),
 # so the goals pair each ratio within a round and report its median and range. SGLang is made
-# importable by tools/sglang_peer.py. About 6 minutes on an H200, 7 on an H100, for 81 rows.
+# importable by tools/sglang_peer.py. 81 rows: 380 s on an H200 (session 26, its first run as a
+# script); session 25's calls of the same command took 6-7 minutes.
 #   usage (repo root, .whl carried): OUT=/tmp/out bash tools/device_prefill_record.sh
 #   env: SHAPES, TOKENS (1024,2048,4096), ROUNDS (3), BENCH_LIMIT (540 s)
 set -u

@@ -10,7 +10,8 @@ forward for that T and replays it on every later call with T tokens.
 What a replay costs and assumes:
 - Inputs at the addresses of an earlier call of this token count (persistent buffers, or a
   steady loop whose allocations repeat) replay a graph captured on those very tensors: no
-  copy. Other inputs are copied into a graph's own static inputs (one `torch._foreach_copy_`).
+  copy. Other inputs are copied into a graph's own static inputs (one `torch._foreach_copy_`
+  of their bytes: one kernel).
   The returned tensor is the caller's to keep, as in an ordinary eager call: each call
   allocates its output, and where that address recurs too (a caller that drops each result
   before the next call, or alternates between two buffers, as a residual add does) a direct
@@ -45,6 +46,22 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # static inputs; () for a graph that reads the caller's tensors
     output: torch.Tensor | None  # None for a graph that writes the caller's `out`
+    input_bytes: tuple[torch.Tensor, ...] = ()  # the static inputs as uint8 views (`copy_in`)
+
+    def copy_in(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Copy the caller's tensors into the static inputs. One `torch._foreach_copy_` of
+        tensors of several dtypes (hidden states, ids, weights) takes torch's per-tensor path: a
+        kernel launch each. As bytes they are one list of one dtype: one launch for all. Inputs
+        that are not contiguous take the typed copy, which handles any strides."""
+        if BYTE_COPY_INPUTS and self.input_bytes and all(t.is_contiguous() for t in inputs):
+            torch._foreach_copy_(self.input_bytes, [t.view(torch.uint8) for t in inputs])
+        else:
+            torch._foreach_copy_(self.inputs, inputs)
+
+
+# On by default. False: copying graphs copy their inputs as typed tensors, a launch per dtype
+# (a diagnostic switch for host-time A/Bs, like `MEMO_ENABLED`).
+BYTE_COPY_INPUTS = True
 
 
 # Graphs per token count that read the caller's own input tensors (see `GraphCache`).
@@ -165,7 +182,7 @@ class GraphCache:
         cap = self._graphs.get(base)  # copying graphs serve every kind of call
         if cap is None:
             cap = self._graphs[base] = self._capture(inputs, copy_inputs=True)
-        torch._foreach_copy_(cap.inputs, inputs)  # one call for all inputs, not one per tensor
+        cap.copy_in(inputs)
         cap.graph.replay()
         return target.copy_(cap.output)
 
@@ -245,7 +262,8 @@ class GraphCache:
     def _capture(
         self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool, out: torch.Tensor | None = None
     ) -> _Captured:
-        static = tuple(t.clone() for t in inputs) if copy_inputs else inputs
+        # static inputs are contiguous whatever the first caller's strides: they are copied into as bytes
+        static = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs) if copy_inputs else inputs
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         if out is None:
@@ -260,7 +278,9 @@ class GraphCache:
             raise TypeError(f"graphed forward returned {output.dtype} {tuple(output.shape)}, not its input's")
         # A graph that writes `out` keeps no reference to it: a fresh output, once the caller
         # drops it, must go back to the allocator (its address coming back is what hits).
-        return _Captured(graph, static if copy_inputs else (), output if out is None else None)
+        if not copy_inputs:
+            return _Captured(graph, (), output if out is None else None)
+        return _Captured(graph, static, output, tuple(t.view(torch.uint8) for t in static))
 
 
 @contextmanager

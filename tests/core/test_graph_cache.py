@@ -254,3 +254,44 @@ def test_gc_paused_stops_automatic_collection_and_restores_the_state_it_found():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_copying_graph_copies_its_inputs_as_bytes_in_one_call(fake_cuda_graphs, monkeypatch):
+    """Hidden states, ids and weights have three dtypes: a typed `_foreach_copy_` of them takes
+    torch's per-tensor path (a launch each on a GPU). Contiguous inputs are copied as one list of
+    uint8 views instead; the replay reads exactly what a typed copy would have put there.
+    Non-contiguous inputs (and `BYTE_COPY_INPUTS = False`) take the typed copy."""
+    from moehal import graphs
+
+    def forward(x, ids, w):
+        return x + (ids.float() * w).sum(dim=1, keepdim=True).to(x.dtype)
+
+    copies = []
+    real = torch._foreach_copy_
+
+    def spy(dst, src):
+        copies.append({t.dtype for t in dst})
+        return real(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    cache = GraphCache(forward, torch.device("cpu"))
+
+    def inputs(seed, ids_t=False):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 8, (2, 4) if ids_t else (4, 2), generator=g, dtype=torch.int32)
+        return (torch.randn(4, 16, generator=g).bfloat16(), ids.t() if ids_t else ids, torch.rand(4, 2, generator=g))
+
+    for seed in range(3):  # new tensors at every call: the copying graph
+        args = inputs(seed)
+        assert torch.equal(cache(*args), forward(*args))
+    assert copies == [{torch.uint8}] * 3, "one list of bytes per call"
+    static = cache._graphs[cache.key(args)].inputs
+    assert all(t.is_contiguous() for t in static) and torch.equal(static[1], args[1])
+    copies.clear()
+    strided = inputs(7, ids_t=True)  # ids `[4, 2]` as a transposed view: not contiguous
+    assert not strided[1].is_contiguous()
+    assert torch.equal(cache(*strided), forward(*strided)) and copies == [{torch.bfloat16, torch.int32, torch.float32}]
+    copies.clear()
+    monkeypatch.setattr(graphs, "BYTE_COPY_INPUTS", False)
+    args = inputs(8)
+    assert torch.equal(cache(*args), forward(*args)) and len(copies[0]) == 3

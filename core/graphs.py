@@ -46,14 +46,14 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # static inputs; () for a graph that reads the caller's tensors
     output: torch.Tensor | None  # None for a graph that writes the caller's `out`
-    input_bytes: tuple[torch.Tensor, ...] = ()  # the static inputs as uint8 views (`copy_in`)
+    input_bytes: tuple[torch.Tensor, ...] = ()  # copying graphs: the static inputs as uint8 views (`copy_in`)
 
     def copy_in(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Copy the caller's tensors into the static inputs. One `torch._foreach_copy_` of
         tensors of several dtypes (hidden states, ids, weights) takes torch's per-tensor path: a
         kernel launch each. As bytes they are one list of one dtype: one launch for all. Inputs
         that are not contiguous take the typed copy, which handles any strides."""
-        if BYTE_COPY_INPUTS and self.input_bytes and all(t.is_contiguous() for t in inputs):
+        if BYTE_COPY_INPUTS and all(t.is_contiguous() for t in inputs):
             torch._foreach_copy_(self.input_bytes, [t.view(torch.uint8) for t in inputs])
         else:
             torch._foreach_copy_(self.inputs, inputs)

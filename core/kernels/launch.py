@@ -13,9 +13,11 @@ NVIDIA backend's rules (`triton.backends.compiler.BaseBackend`): per tensor its 
 whether its address is 16-byte aligned; per int whether it is 1, a multiple of 16, and its
 integer width; per constexpr its value; plus the launch options and the current device. A key
 never seen goes through `JITFunction.run` (compiling if needed), and the kernel it returns is
-kept under the key. The key is at least as fine as Triton's, so a kept kernel is the one Triton
-would pick. Anything else (other backends, the interpreter, tuple or descriptor arguments,
-launch hooks such as a profiler's, a callable grid) takes `JITFunction.run` every time.
+kept under the key. A host-side `TensorDescriptor` (TMA weight tiles) is keyed by everything it
+holds but its base address: dtype, shape, strides, block shape and padding, and whether the
+base is 16-byte aligned. The key is at least as fine as Triton's, so a kept kernel is the one
+Triton would pick. Anything else (other backends, the interpreter, tuple arguments, launch
+hooks such as a profiler's, a callable grid) takes `JITFunction.run` every time.
 `VERIFY = True` (the GPU tests) asks Triton for its own choice at every hit and raises on a
 difference.
 """
@@ -37,6 +39,19 @@ class _NoKey(Exception):
     """An argument whose specialization this module does not model: take Triton's path."""
 
 
+@functools.cache
+def _descriptor() -> tuple[type | None, tuple[str, ...]]:
+    """Triton's host-side `TensorDescriptor` class and its fields other than the base tensor
+    (None where this Triton has none)."""
+    try:
+        import dataclasses
+
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None, ()
+    return TensorDescriptor, tuple(f.name for f in dataclasses.fields(TensorDescriptor) if f.name != "base")
+
+
 def _spec(value: Any) -> Any:
     """What Triton's NVIDIA backend specializes a non-constexpr argument on, or finer."""
     if isinstance(value, torch.Tensor):
@@ -46,6 +61,13 @@ def _spec(value: Any) -> Any:
         return (value == 1, not (value & 15), -0x80000000 <= value < 0x80000000, value >= 1 << 63)
     if kind is float or kind is bool or value is None:  # fp32 / u1 / constexpr None: no value attribute
         return kind
+    desc, fields = _descriptor()
+    if kind is desc:
+        # Triton types a descriptor by its dtype and block shape; its shape and strides travel
+        # as launch arguments. Every field but the base address is in the key: finer than Triton.
+        base = value.base
+        held = tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(value, f) for f in fields))
+        return (kind, base.dtype, not (base.data_ptr() & 15), held)
     raise _NoKey
 
 

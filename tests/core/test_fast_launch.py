@@ -223,3 +223,31 @@ def test_the_generated_key_equals_the_per_argument_key(args, block, warps):
         head, last = tuple(args[:-1]), args[-1]
         by_name = runner._key(0, head, {f"p{len(args) - 1}": last, **kwargs})
         assert by_name[-1][0] == (f"p{len(args) - 1}", launch._spec(last))
+
+
+def test_tensor_descriptors_are_keyed_and_take_the_compiled_launcher(kernel):
+    """A host-side TMA descriptor (the fused MoE's weight tiles): the same kind of descriptor
+    over other weights is a hit, launched with this call's descriptor; another block shape or
+    dtype is another specialization, and another key."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    fn, runner, _ = kernel
+    x = torch.zeros(64)
+
+    def desc(b: torch.Tensor, block: list[int]) -> TensorDescriptor:
+        return TensorDescriptor(b, list(b.shape), list(b.stride()), block)
+
+    w1, w2 = torch.zeros(4, 64, 64, dtype=torch.bfloat16), torch.ones(4, 64, 64, dtype=torch.bfloat16)
+    d1, d2 = desc(w1, [1, 32, 64]), desc(w2, [1, 32, 64])
+    runner[(1,)](x, 64, d1, BLOCK=32)
+    runner[(1,)](x, 64, d2, BLOCK=32)
+    assert (runner.misses, runner.hits) == (1, 1)
+    (compiled,) = fn.compiled.values()
+    assert compiled.launches[-1][11] is d2  # this call's descriptor, not the first one's
+    others = [desc(w1, [1, 16, 64]), desc(w1.float(), [1, 32, 64])]
+    for d in others:
+        runner[(1,)](x, 64, d, BLOCK=32)
+    assert (runner.misses, runner.hits, len(fn.compiled)) == (3, 1, 3)  # new keys, new specializations
+    # another shape over the same block: Triton shares the kernel; the key is finer (a miss)
+    runner[(1,)](x, 64, desc(torch.zeros(2, 64, 64, dtype=torch.bfloat16), [1, 32, 64]), BLOCK=32)
+    assert runner.misses == 4 and len(fn.compiled) == 3

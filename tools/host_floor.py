@@ -266,6 +266,11 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     # dicts rather than clearing the kept ones, so no mode pays for another's rebinding.
     experts = layer._experts
     token_moe = getattr(experts, "_tokens", None)
+    # session 27: the portable fused MoE's launches, one `bind_fused_moe` per token count (its
+    # runner, the experts' own or the one DeepGEMM's experts keep for 64-724 tokens)
+    portable = getattr(experts, "_portable", None)
+    if portable is None and type(experts).__name__ == "TritonExpertsRunner":
+        portable = experts
     dispatchers = [d for d in (layer._dispatch, layer._small_dispatch) if isinstance(getattr(d, "_bound", None), dict)]
     try:
         from moehal.kernels import triton_grouped_gemm as tgg
@@ -283,7 +288,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         kept = saved.setdefault((id(obj), attr), getattr(obj, attr))
         setattr(obj, attr, kept if keep else ({} if other is None else other))
 
-    if token_moe is not None or dispatchers:
+    if token_moe is not None or dispatchers or portable is not None:
 
         def bound(keep_18: bool, keep_19: bool) -> None:
             for cls, fn in takes.items():
@@ -291,6 +296,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
             hold(token_moe, "_plans", keep_18)
             hold(experts, "_masked_buffers", keep_18)
             hold(experts, "_activations", keep_19)
+            hold(portable, "_bound", keep_19)
             for d in dispatchers:
                 kept = saved.setdefault((id(d), "_bound"), d._bound)
                 # session 18's dispatcher: the permute kept, the combine bound at every call
@@ -299,7 +305,7 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
 
         modes = {
             "launches bound once per token count (default)": (True, True),
-            "session 18's binds only (masked GEMMs, activation, combine bound at every call)": (True, False),
+            "session 18's binds only (masked GEMMs, activation, combine, portable MoE bound per call)": (True, False),
             "bound at every call": (False, False),
         }
         for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, bound, default=(True, True)).items():

@@ -36,6 +36,10 @@ _KERNEL_QUANT = {
 }
 _SCHEMES = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8})
 _FP8 = (QuantKind.FP8_BLOCK, QuantKind.FP8_TENSOR)
+# Token counts up to this keep their bound launches (`bind_fused_moe`, one per count): at these
+# sizes an eager forward's host time is mostly argument preparation, and it can exceed the
+# GPU's time. Larger batches bind at every call, so a stream of prefill sizes keeps nothing.
+KEEP_BOUND_TOKENS = 1024
 
 
 def triton_available() -> bool:
@@ -139,9 +143,12 @@ class TritonExpertsRunner(ExpertsRunner):
         self.device_name = req.hardware.name if req.hardware.kind in ("rocm", "cuda") else None
         self.all_local = c.ep_size == 1
         self.w: Any = None
+        self._bound: dict[int, Any] = {}  # token count -> its `BoundFusedMoE` on these weights
+        self._tables = kernel.TABLES_VERSION
 
     def load(self, weights: Any) -> None:
         self.w = weights
+        self._bound.clear()  # they hold the previous weights (and their TMA descriptors)
 
     def apply(self, inp: Any) -> Any:
         return self._apply(inp, None)
@@ -161,22 +168,21 @@ class TritonExpertsRunner(ExpertsRunner):
                 hidden, scales = to_fnuz(hidden, scales)  # dispatched as e4m3fn: reinterpret
         else:
             scales = None
-        y = self.kernel.fused_moe(
-            hidden,
-            inp.topk_ids,
-            inp.topk_weights,
-            self.w,
-            activation=c.activation.value,
-            gated=c.gated,
-            swiglu_alpha=c.swiglu_alpha,
-            swiglu_limit=c.swiglu_limit,
-            out_dtype=c.dtype,
-            hidden_scales=scales,
-            all_local=self.all_local,
-            device_name=self.device_name,
-            is_rocm=self.is_rocm,
-            out=out,
-        )
+        t = hidden.shape[0]
+        if self._tables != self.kernel.TABLES_VERSION:  # tuned tables registered since: tiles may differ
+            self._bound.clear()
+            self._tables = self.kernel.TABLES_VERSION
+        bound = self._bound.get(t)
+        if bound is None:
+            bound = self.kernel.bind_fused_moe(
+                t, inp.topk_ids.shape[1], self.w, activation=c.activation.value, gated=c.gated,
+                swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, out_dtype=c.dtype,
+                hidden_dtype=hidden.dtype, quantized_input=scales is not None, all_local=self.all_local,
+                device_name=self.device_name, is_rocm=self.is_rocm,
+            )  # fmt: skip
+            if t <= KEEP_BOUND_TOKENS:
+                self._bound[t] = bound
+        y = bound(hidden, inp.topk_ids, inp.topk_weights, scales, out)
         return StandardOutput(y)
 
 

@@ -105,6 +105,8 @@ def fp8_qmax(fp8_dtype: torch.dtype) -> float:
 # `register_tuned_configs` take precedence over files.
 _TUNED_DIR = pathlib.Path(__file__).resolve().parent
 _RUNTIME_TABLES: dict[str, dict[str, dict[str, Any]]] = {}
+# Bumped by `register_tuned_configs`: whoever keeps bound launches (`bind_fused_moe`) rebinds.
+TABLES_VERSION = 0
 
 
 def table_key(e: int, h: int, i: int, dtype: str) -> str:
@@ -113,8 +115,10 @@ def table_key(e: int, h: int, i: int, dtype: str) -> str:
 
 def register_tuned_configs(device_name: str, table: dict[str, dict[str, Any]]) -> None:
     """Add tuned entries for a device at run time (same format as the JSON files)."""
+    global TABLES_VERSION
     _RUNTIME_TABLES.setdefault(device_slug(device_name), {}).update(table)
     _file_table.cache_clear()
+    TABLES_VERSION += 1
 
 
 @functools.lru_cache(maxsize=32)
@@ -225,28 +229,63 @@ def moe_align_block_size(
     kernel that places each slot, fills the padding and labels the blocks. Equal, element for
     element, to `moe_align_block_size_torch` (about twenty small torch ops).
     """
-    from moehal.kernels.triton_permute import expert_positions
-
     s, e = topk_ids.numel(), num_experts
     if s == 0 or e == 0:
         return moe_align_block_size_torch(topk_ids, block_m, num_experts)
-    dev = topk_ids.device
-    length, nblocks = align_sizes(s, e, block_m)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    slot_pos, counts = expert_positions(ids, e)
-    sorted_ids = torch.empty(length, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(nblocks, dtype=torch.int32, device=dev)
-    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    return bind_align(s, e, block_m)(ids)
+
+
+def _round16(n: int) -> int:
+    """n int32 elements rounded up to a whole number of 16 bytes."""
+    return (n + 3) // 4 * 4
+
+
+def bind_align(num_slots: int, num_experts: int, block_m: int) -> AlignLaunch:
+    """`moe_align_block_size`'s launches for `num_slots` > 0 slots and `num_experts` > 0
+    experts: sizes, grid and constants decided once (a bound forward keeps one)."""
+    from moehal.kernels.triton_permute import expert_positions  # (it imports this module)
+
+    s, e = num_slots, num_experts
+    length, nblocks = align_sizes(s, e, block_m)
     e_p = next_power_of_2(e)
     block = max(16, min(1024, 4096 // e_p))  # a [block, E] comparison per program
     slot_programs = cdiv(s, block)
-    _align_finish[(slot_programs + cdiv(length, block),)](
-        ids, slot_pos, counts, sorted_ids, expert_ids, num_post, s, length, e, slot_programs,
-        BLOCK_M=block_m, E_P=e_p, BLOCK=block,
+    at_experts = _round16(length)
+    offsets = (at_experts, at_experts + _round16(nblocks))
+    return AlignLaunch(
+        expert_positions, length, nblocks, offsets, (slot_programs + cdiv(length, block),),
+        (s, length, e, slot_programs), dict(BLOCK_M=block_m, E_P=e_p, BLOCK=block),
     )  # fmt: skip
-    return sorted_ids, expert_ids, num_post
+
+
+@dataclass(frozen=True)
+class AlignLaunch:
+    """`moe_align_block_size` for one slot count, expert count and block height (`bind_align`)."""
+
+    positions: Any  # `triton_permute.expert_positions`
+    length: int
+    nblocks: int
+    offsets: tuple[int, int]  # where expert_ids and num_post start in the one allocation
+    grid: tuple[int]
+    scalars: tuple[int, int, int, int]  # slots, sorted length, experts, slot programs
+    kw: dict[str, int]
+
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids: the flat, contiguous `[S]` local expert ids -> (sorted_ids, expert_ids,
+        num_tokens_post_padded), as `moe_align_block_size` returns them: three views of one
+        allocation, each starting on a 16-byte boundary."""
+        slot_pos, counts = self.positions(ids, self.scalars[2])
+        at_experts, at_post = self.offsets
+        meta = torch.empty(at_post + 1, dtype=torch.int32, device=ids.device)
+        sorted_ids, expert_ids = meta[: self.length], meta[at_experts : at_experts + self.nblocks]
+        num_post = meta[at_post:]
+        _align_finish[self.grid](
+            ids, slot_pos, counts, sorted_ids, expert_ids, num_post, *self.scalars, **self.kw
+        )  # fmt: skip
+        return sorted_ids, expert_ids, num_post
 
 
 @fast_launch
@@ -731,27 +770,7 @@ def per_token_group_quant_fp8(
     """x `[M, K]` -> (fp8 `[M, K]`, fp32 scales `[M, ceil(K/128)]`), 1x128 groups.
     row_ids int32 `[M]`: rows with a negative id are skipped (their outputs stay unset)."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
-    ng = cdiv(k, GROUP)
-    s = torch.empty((m, ng), dtype=torch.float32, device=x.device)
-    if m and k:
-        _group_quant_fp8_kernel[(m, ng)](
-            x,
-            q,
-            s,
-            k,
-            x.stride(0),
-            q.stride(0),
-            s.stride(0),
-            QMAX=fp8_qmax(fp8_dtype),
-            UE8M0=ue8m0,
-            GROUP_SIZE=GROUP,
-            MIN_NORMAL=_min_normal(fp8_dtype),
-            ROUND_IN_FP32=INTERPRETED,
-            row_ids_ptr=row_ids if row_ids is not None else s,
-            HAS_ROW_IDS=row_ids is not None,
-        )
-    return q, s
+    return bind_row_quant("fp8_group", m, k, fp8_dtype, ue8m0=ue8m0, row_ids=row_ids is not None)(x, row_ids)
 
 
 def per_tensor_quant_fp8(
@@ -761,26 +780,7 @@ def per_tensor_quant_fp8(
     saturated, as `moehal.quant.fp8.quantize_tensor` does (for e4m3fnuz, pass the e4m3fn
     scale doubled: the result is then the e4m3fn grid halved, see the module docstring)."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
-    if m and k:
-        _group_quant_fp8_kernel[(m, cdiv(k, GROUP))](
-            x,
-            q,
-            scale,
-            k,
-            x.stride(0),
-            q.stride(0),
-            0,
-            QMAX=fp8_qmax(fp8_dtype),
-            UE8M0=False,
-            GROUP_SIZE=GROUP,
-            MIN_NORMAL=_min_normal(fp8_dtype),
-            ROUND_IN_FP32=INTERPRETED,
-            row_ids_ptr=scale,
-            HAS_ROW_IDS=False,
-            STATIC=True,
-        )
-    return q
+    return bind_row_quant("fp8_static", m, k, fp8_dtype)(x, None, scale)[0]
 
 
 def _min_normal(fp8_dtype: torch.dtype) -> float:
@@ -791,23 +791,65 @@ def per_token_quant_int8(x: torch.Tensor, row_ids: torch.Tensor | None = None) -
     """x `[M, K]` -> (int8 `[M, K]`, fp32 scales `[M]`), dynamic symmetric per row.
     row_ids int32 `[M]`: rows with a negative id are skipped (their outputs stay unset)."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    s = torch.empty((m,), dtype=torch.float32, device=x.device)
-    if m and k:
+    return bind_row_quant("int8", m, k, torch.int8, row_ids=row_ids is not None)(x, row_ids)
+
+
+def bind_row_quant(
+    mode: str, m: int, k: int, qdtype: torch.dtype, *, ue8m0: bool = False, row_ids: bool = False
+) -> RowQuant:
+    """A row quantizer's launch for `[m, k]` inputs, decided once. mode: 'fp8_group' (1x128
+    groups, `per_token_group_quant_fp8`), 'fp8_static' (one static scale,
+    `per_tensor_quant_fp8`) or 'int8' (per row, `per_token_quant_int8`). row_ids: the calls
+    pass the rows' expert ids, and rows with a negative id are skipped."""
+    if mode == "int8":
         block = next_power_of_2(k)
-        _token_quant_int8_kernel[(m,)](
-            x,
-            q,
-            s,
-            k,
-            x.stride(0),
-            q.stride(0),
-            row_ids if row_ids is not None else s,
-            HAS_ROW_IDS=row_ids is not None,
-            BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
-        )
-    return q, s
+        kw: dict[str, Any] = dict(HAS_ROW_IDS=row_ids, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        return RowQuant(mode, m, k, qdtype, (m,), (m,), (), kw)
+    if mode not in ("fp8_group", "fp8_static"):
+        raise ValueError(f"unknown row quantizer {mode!r}")
+    static = mode == "fp8_static"
+    consts = (fp8_qmax(qdtype), ue8m0 and not static, GROUP, _min_normal(qdtype), INTERPRETED)
+    # constants by position and no tensor by keyword: the fast launcher's cheapest key
+    kw = dict(HAS_ROW_IDS=row_ids and not static, STATIC=static)
+    return RowQuant(mode, m, k, qdtype, () if static else (m, cdiv(k, GROUP)), (m, cdiv(k, GROUP)), consts, kw)
+
+
+@dataclass(frozen=True)
+class RowQuant:
+    """One row quantizer for one input shape (`bind_row_quant`)."""
+
+    mode: str
+    rows: int
+    cols: int
+    qdtype: torch.dtype
+    scale_shape: tuple[int, ...]  # () for 'fp8_static' (the scale is the caller's)
+    grid: tuple[int, ...]
+    consts: tuple[Any, ...]  # the fp8 kernel's constexprs between its strides and row ids
+    kw: dict[str, Any]
+
+    def __call__(
+        self, x: torch.Tensor, row_ids: torch.Tensor | None = None, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[M, K]` -> (quantized `[M, K]`, scales); `scale`: the static fp32 `[1]` scale
+        ('fp8_static', returned as the scales); `row_ids` int32 `[M]` exactly when bound so."""
+        m, k = self.rows, self.cols
+        q = torch.empty((m, k), dtype=self.qdtype, device=x.device)
+        if self.mode == "fp8_static":
+            assert scale is not None, "a static fp8 quantizer takes its scale"
+            s = scale
+        else:
+            s = torch.empty(self.scale_shape, dtype=torch.float32, device=x.device)
+        if not (m and k):
+            return q, s
+        ids = row_ids if row_ids is not None else s
+        if self.mode == "int8":
+            _token_quant_int8_kernel[self.grid](x, q, s, k, x.stride(0), q.stride(0), ids, **self.kw)
+        else:
+            stride_s = 0 if self.mode == "fp8_static" else s.stride(0)
+            _group_quant_fp8_kernel[self.grid](
+                x, q, s, k, x.stride(0), q.stride(0), stride_s, *self.consts, ids, **self.kw
+            )  # fmt: skip
+        return q, s
 
 
 @dataclass(frozen=True)
@@ -885,120 +927,261 @@ def _weight_descriptor(b: torch.Tensor, cfg: TileConfig, paired: bool = False) -
     return TensorDescriptor(b, list(b.shape), list(b.stride()), [1, rows, cfg.block_k])
 
 
-def _launch_gemm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor | None,
+def bind_gemm(
     b: torch.Tensor,
     b_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
-    c: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    sorted_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_post: torch.Tensor,
+    em: int,
     num_valid: int,
     n: int,
+    k: int,
     cfg: TileConfig,
     *,
+    a_dtype: torch.dtype,
     top_k: int,
     gated: bool,
     act: int,
     quant: int,
     alpha: float,
     limit: float,
+    weighted: bool,
     paired: bool = False,
     c_scale: torch.Tensor | None = None,
-    mid_dtype: torch.dtype | None = None,
-) -> None:
-    """One grouped GEMM over the sorted tiles. c_scale (fp8_tensor GEMM1): c is fp8 and the
-    epilogue quantizes with this static scale; mid_dtype: the layer dtype (default c's)."""
-    k = a.shape[1]
-    em = sorted_ids.shape[0]
+    c_dtype: torch.dtype | None = None,
+    mid_dtype: torch.dtype = torch.bfloat16,
+) -> GemmLaunch:
+    """One grouped GEMM over the sorted tiles (`em` sorted slots, `num_valid` live ones) of the
+    weights `b` `[E, N, K]`, decided once: grid, weight operands (the TMA descriptor, when the
+    tile asks for it and `tma_weights_ok` agrees), strides and constants. a_dtype: the dtype
+    of A (fp32 layers take full-precision dots); weighted: the calls pass router weights
+    (MUL_ROUTED_WEIGHT). c_scale (fp8_tensor GEMM1): C is fp8 of `c_dtype` and the epilogue
+    quantizes with this static scale; mid_dtype: the layer dtype."""
     grid = (cdiv(em, cfg.block_m) * cdiv(n, cfg.block_n),)
-    dummy = c  # any tensor: pointers of disabled features are never read
-    a_s = a_scale if a_scale is not None else dummy
-    b_s = b_scale if b_scale is not None else dummy
-    asm, ask = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() > 1 else 0) if a_scale is not None else (0, 0)
+    b_s = b_scale if b_scale is not None else b  # pointers of disabled features: never read
     if b_scale is not None:
         bse = b_scale.stride(0)
         bsn = b_scale.stride(1) if b_scale.dim() > 1 else 0
         bsk = b_scale.stride(2) if b_scale.dim() > 2 else 0
     else:
         bse = bsn = bsk = 0
-    bias_t = bias if bias is not None else dummy
+    bias_t = bias if bias is not None else b
     bie, bin_ = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
     b_tma = cfg.tma and tma_weights_ok(b, cfg, paired)
-    _fused_moe_kernel[grid](
-        a,
-        a_s,
-        b,
-        _weight_descriptor(b, cfg, paired) if b_tma else dummy,
-        b_s,
-        bias_t,
-        c,
-        c_scale if c_scale is not None else dummy,
-        topk_weights if topk_weights is not None else dummy,
-        sorted_ids,
-        expert_ids,
-        num_post,
-        em,
-        num_valid,
-        n if gated else 0,
-        alpha,
-        limit,
-        a.stride(0),
-        a.stride(1),
-        asm,
-        ask,
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        bse,
-        bsn,
-        bsk,
-        bie,
-        bin_,
-        c.stride(0),
-        c.stride(1),
-        N=n,
-        K=k,
-        GROUP_N=GROUP,
-        GROUP_K=GROUP,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        TOP_K=top_k,
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
-        GATED=gated,
-        ACT=act,
-        QUANT=quant,
-        OUT_Q=c_scale is not None,
-        MID=_MID[mid_dtype or c.dtype],
-        QMAX=fp8_qmax(c.dtype) if c_scale is not None else 0.0,
-        MIN_NORMAL=_min_normal(c.dtype) if c_scale is not None else 0.0,
-        HAS_BIAS=bias is not None,
-        B_TMA=b_tma,
-        PAIRED=paired,
-        UPCAST=INTERPRETED,
-        IEEE=a.dtype == torch.float32,
-        FIX_BF16=INTERPRETED,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    out_q = c_scale is not None
+    if out_q and c_dtype is None:
+        raise ValueError("a GEMM that quantizes its output (c_scale) needs the output's fp8 dtype")
+    return GemmLaunch(
+        grid,
+        (b, _weight_descriptor(b, cfg, paired) if b_tma else b, b_s, bias_t),
+        c_scale if out_q else b,
+        (em, num_valid, n if gated else 0, alpha, limit),
+        (*b.stride(), bse, bsn, bsk, bie, bin_),
+        weighted,
+        dict(
+            N=n, K=k, GROUP_N=GROUP, GROUP_K=GROUP, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TOP_K=top_k, MUL_ROUTED_WEIGHT=weighted, GATED=gated,
+            ACT=act, QUANT=quant, OUT_Q=out_q, MID=_MID[mid_dtype],
+            QMAX=fp8_qmax(c_dtype) if out_q else 0.0,  # type: ignore[arg-type]
+            MIN_NORMAL=_min_normal(c_dtype) if out_q else 0.0,  # type: ignore[arg-type]
+            HAS_BIAS=bias is not None, B_TMA=b_tma, PAIRED=paired, UPCAST=INTERPRETED,
+            IEEE=a_dtype == torch.float32, FIX_BF16=INTERPRETED, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
+    )  # fmt: skip
 
 
-def _quantize_rows(
-    x: torch.Tensor, w: TritonMoEWeights, row_ids: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if w.quant == "fp8_tensor":  # GEMM1's input only: GEMM1 quantizes its own output
-        assert w.a13_scale is not None, "fp8_tensor weights carry static activation scales"
-        return per_tensor_quant_fp8(x, w.a13_scale, w.fp8_dtype), w.a13_scale
-    if w.quant == "fp8_block":
-        return per_token_group_quant_fp8(x, w.fp8_dtype, w.ue8m0, row_ids)
-    if w.quant == "int8":
-        return per_token_quant_int8(x, row_ids)
-    return x, None
+@dataclass(frozen=True)
+class GemmLaunch:
+    """One `_fused_moe_kernel` launch with everything but the call's tensors decided
+    (`bind_gemm`)."""
+
+    grid: tuple[int]
+    weights: tuple[Any, ...]  # b, its TMA descriptor (or b), its scales (or b), the bias (or b)
+    c_scale: torch.Tensor  # OUT_Q's static scale (or b: unused)
+    scalars: tuple[Any, ...]  # sorted length, live slots, the up half's offset, alpha, limit
+    b_strides: tuple[int, ...]  # b's three, its scales' three, the bias's two
+    weighted: bool
+    kw: dict[str, Any]
+
+    def __call__(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor | None,
+        c: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        sorted_ids: torch.Tensor,
+        expert_ids: torch.Tensor,
+        num_post: torch.Tensor,
+    ) -> None:
+        """A `[rows, K]` (its scales: `[rows, K/128]`, `[rows]` or `[1]`), C `[slots, N]` with
+        contiguous rows; topk_weights fp32 `[slots]` exactly when bound weighted."""
+        b = self.weights[0]
+        if a_scale is None:
+            a_s, asm, ask = b, 0, 0
+        else:
+            a_s, asm, ask = a_scale, a_scale.stride(0), a_scale.stride(1) if a_scale.dim() > 1 else 0
+        _fused_moe_kernel[self.grid](
+            a, a_s, *self.weights, c, self.c_scale, topk_weights if self.weighted else b, sorted_ids, expert_ids,
+            num_post, *self.scalars, *a.stride(), asm, ask, *self.b_strides, *c.stride(), **self.kw,
+        )  # fmt: skip
+
+
+def bind_fused_moe(
+    tokens: int,
+    top_k: int,
+    w: TritonMoEWeights,
+    *,
+    activation: str = "silu",
+    gated: bool = True,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    out_dtype: torch.dtype = torch.bfloat16,
+    hidden_dtype: torch.dtype | None = None,
+    quantized_input: bool = False,
+    all_local: bool = False,
+    configs: tuple[TileConfig, TileConfig] | None = None,
+    device_name: str | None = None,
+    is_rocm: bool = False,
+) -> BoundFusedMoE:
+    """`fused_moe`'s launches for `tokens` tokens of `top_k` slots on the weights `w`: tiles,
+    sizes, grids, the weights' TMA descriptors and every argument but the call's tensors,
+    decided once. An experts runner keeps one per token count (the host time of an eager
+    forward); `fused_moe` binds and calls in one go.
+
+    hidden_dtype: the dtype of the calls' hidden states (default out_dtype; fp8 or int8 when
+    quantized_input, i.e. the calls pass their scales)."""
+    h = w.w2.shape[1]
+    e, n13 = w.w13.shape[0], w.w13.shape[1]
+    i = w.w2.shape[2]
+    hidden_dtype = hidden_dtype or out_dtype
+    if w.w13_paired and (w.quant != "none" or not gated or n13 != 2 * i):
+        raise ValueError("w13_paired holds unquantized gated weights only (gate and up rows interleaved)")
+    if configs is None:
+        dname = _DTYPE_NAMES.get(out_dtype, "bf16")
+        configs = select_configs(tokens, e, h, i, top_k, w.quant, dname, device_name, is_rocm)
+    cfg1, cfg2 = configs
+    s = tokens * top_k
+    live = tokens > 0 and e > 0
+    static = w.quant == "fp8_tensor"  # GEMM1 stores its output quantized (no pass between)
+    quant1 = quant2 = None
+    if live and not quantized_input and w.quant != "none":
+        mode = {"fp8_tensor": "fp8_static", "fp8_block": "fp8_group", "int8": "int8"}[w.quant]
+        quant1 = bind_row_quant(mode, tokens, h, w.w13.dtype if w.quant != "int8" else torch.int8, ue8m0=w.ue8m0)
+    if live and w.quant in ("fp8_block", "int8"):  # rows of remote experts are never written: skipped
+        quant2 = bind_row_quant(
+            "fp8_group" if w.quant == "fp8_block" else "int8", s, i, w.w13.dtype if w.quant != "int8" else torch.int8,
+            ue8m0=w.ue8m0, row_ids=not all_local,
+        )  # fmt: skip
+    a1_dtype = quant1.qdtype if quant1 is not None else hidden_dtype
+    qcode = _QUANTS[w.quant]
+    align = bind_align(s, e, cfg1.block_m) if live else None
+    em = align.length if align else 0
+    gemm1 = bind_gemm(
+        w.w13, w.w13_scale, w.w13_bias, em, s, i, h, cfg1, a_dtype=a1_dtype, top_k=top_k,
+        gated=gated and n13 == 2 * i, act=_ACTS[activation], quant=qcode, alpha=swiglu_alpha, limit=swiglu_limit,
+        weighted=False, paired=w.w13_paired, c_scale=w.a2_scale if static else None,
+        c_dtype=w.fp8_dtype if static else out_dtype, mid_dtype=out_dtype,
+    )  # fmt: skip
+    inter_dtype = w.fp8_dtype if static else out_dtype
+    a2_dtype = quant2.qdtype if quant2 else inter_dtype
+    gemm2 = bind_gemm(
+        w.w2, w.w2_scale, w.w2_bias, em, s, h, i, cfg2, a_dtype=a2_dtype, top_k=1, gated=False, act=ACT_NONE,
+        quant=qcode, alpha=0.0, limit=0.0, weighted=True, mid_dtype=out_dtype,
+    )  # fmt: skip
+    block_t = min(64, next_power_of_2(tokens)) if INTERPRETED else 1
+    block_h = min(4096 if INTERPRETED else 1024, next_power_of_2(h))
+    return BoundFusedMoE(
+        tokens, top_k, h, i, e, out_dtype, hidden_dtype, quantized_input, all_local, top_k == 1 and all_local,
+        w, configs, align, quant1, gemm1, inter_dtype, quant2, gemm2,
+        (cdiv(tokens, block_t), cdiv(h, block_h)) if live else (0, 0),
+        dict(TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, FIX_BF16=INTERPRETED),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BoundFusedMoE:
+    """`fused_moe` for one token count, top-k and set of weights (`bind_fused_moe`). A call
+    allocates what it returns and its intermediates, and launches: the align pass (two or
+    three kernels), the input's quantization (quantized schemes, unless the caller quantized),
+    GEMM1, the intermediate's quantization (fp8 block and int8), GEMM2 and the top-k sum."""
+
+    tokens: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    experts: int
+    out_dtype: torch.dtype
+    hidden_dtype: torch.dtype
+    quantized_input: bool
+    all_local: bool
+    direct: bool  # top-1 with every expert local: GEMM2 writes the output rows itself
+    w: TritonMoEWeights
+    configs: tuple[TileConfig, TileConfig]
+    align: AlignLaunch | None  # None: no tokens or no experts
+    quant1: RowQuant | None
+    gemm1: GemmLaunch
+    inter_dtype: torch.dtype
+    quant2: RowQuant | None
+    gemm2: GemmLaunch
+    sum_grid: tuple[int, int]
+    sum_kw: dict[str, Any]
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        hidden_scales: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden `[T, H]` of the bound dtype (and its scales exactly when bound for quantized
+        input), topk_ids `[T, K]` local ids (-1: not on this rank), topk_weights `[T, K]`;
+        out: `[T, H]` of out_dtype with contiguous rows, not `hidden` itself (None: a new
+        tensor). Returns the `[T, H]` result."""
+        t, h = self.tokens, self.hidden
+        if (
+            hidden.shape != (t, h) or topk_ids.shape != (t, self.top_k) or hidden.dtype != self.hidden_dtype
+            or (hidden_scales is not None) != self.quantized_input
+        ):  # fmt: skip
+            raise ValueError(
+                f"a fused MoE bound for [{t}, {h}] {self.hidden_dtype} hidden states of top-{self.top_k} "
+                f"({'with' if self.quantized_input else 'without'} scales) got {list(hidden.shape)} {hidden.dtype} "
+                f"of top-{topk_ids.shape[-1]} ({'with' if hidden_scales is not None else 'without'} scales)"
+            )
+        dev = hidden.device
+        if out is None:
+            out = torch.empty((t, h), dtype=self.out_dtype, device=dev)
+        elif out.shape != (t, h) or out.dtype != self.out_dtype or out.stride(-1) != 1:
+            raise ValueError(
+                f"out must be [{t}, {h}] {self.out_dtype} with contiguous rows, got {tuple(out.shape)} {out.dtype}"
+            )
+        align = self.align
+        if align is None:
+            return out if t == 0 else out.zero_()
+        w = self.w
+        ids = topk_ids.reshape(-1)
+        if ids.dtype != torch.int32 or not ids.is_contiguous():
+            ids = ids.to(torch.int32).contiguous()
+        sorted_ids, expert_ids, num_post = align(ids)
+        if self.quant1 is not None:
+            a1, a1_s = self.quant1(hidden, None, w.a13_scale)
+        else:
+            a1, a1_s = hidden, hidden_scales
+        s = t * self.top_k
+        inter = torch.empty((s, self.intermediate), dtype=self.inter_dtype, device=dev)
+        self.gemm1(a1, a1_s, inter, None, sorted_ids, expert_ids, num_post)
+        if self.quant2 is not None:
+            a2, a2_s = self.quant2(inter, None if self.all_local else ids)
+        else:  # unquantized, or fp8_tensor: GEMM1 stored it quantized with the static scale
+            a2, a2_s = inter, w.a2_scale
+        y = out if self.direct else torch.empty((s, h), dtype=self.out_dtype, device=dev)
+        tw = topk_weights.reshape(-1)
+        if tw.dtype != torch.float32 or not tw.is_contiguous():
+            tw = tw.to(torch.float32).contiguous()
+        self.gemm2(a2, a2_s, y, tw, sorted_ids, expert_ids, num_post)
+        if not self.direct:
+            _moe_sum_kernel[self.sum_grid](y, ids, out, t, h, y.stride(0), out.stride(0), **self.sum_kw)
+        return out
 
 
 def fused_moe(
@@ -1028,71 +1211,13 @@ def fused_moe(
     topk_weights `[T, K]` float. all_local: the caller guarantees no -1 (lets top_k == 1
     write straight into the output). out: `[T, H]` of out_dtype with contiguous rows, not
     `hidden` itself, to write the result into (None: a new tensor). No host synchronization;
-    every size is static.
+    every size is static. (`bind_fused_moe` decides the launches; this binds and calls in one
+    go.)
     """
-    t, h = hidden.shape
-    top_k = topk_ids.shape[1]
-    e, n13 = w.w13.shape[0], w.w13.shape[1]
-    i = w.w2.shape[2]
-    out_dtype = out_dtype or hidden.dtype
-    dev = hidden.device
-    if out is None:
-        out = torch.empty((t, h), dtype=out_dtype, device=dev)
-    elif out.shape != (t, h) or out.dtype != out_dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{t}, {h}] {out_dtype} with contiguous rows, got {tuple(out.shape)} {out.dtype}")
-    if t == 0:
-        return out
-    if e == 0:
-        return out.zero_()
-    if configs is None:
-        dname = _DTYPE_NAMES.get(out_dtype, "bf16")
-        configs = select_configs(t, e, h, i, top_k, w.quant, dname, device_name, is_rocm)
-    cfg1, cfg2 = configs
-    if w.w13_paired and (w.quant != "none" or not gated or n13 != 2 * i):
-        raise ValueError("w13_paired holds unquantized gated weights only (gate and up rows interleaved)")
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg1.block_m, e)
-    s = t * top_k
-    if hidden_scales is None:
-        a1, a1_s = _quantize_rows(hidden, w)
-    else:
-        a1, a1_s = hidden, hidden_scales
-    qcode = _QUANTS[w.quant]
-    act = _ACTS[activation]
-    # fp8_tensor: GEMM1 stores its output quantized with the static scale (no pass between)
-    static = w.quant == "fp8_tensor"
-    inter = torch.empty((s, i), dtype=w.fp8_dtype if static else out_dtype, device=dev)
-    _launch_gemm(
-        a1, a1_s, w.w13, w.w13_scale, w.w13_bias, inter, None, sorted_ids, expert_ids, num_post, s, i, cfg1,
-        top_k=top_k, gated=gated and n13 == 2 * i, act=act, quant=qcode, alpha=swiglu_alpha, limit=swiglu_limit,
-        paired=w.w13_paired, c_scale=w.a2_scale if static else None, mid_dtype=out_dtype,
+    bound = bind_fused_moe(
+        hidden.shape[0], topk_ids.shape[1], w, activation=activation, gated=gated, swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit, out_dtype=out_dtype or hidden.dtype, hidden_dtype=hidden.dtype,
+        quantized_input=hidden_scales is not None, all_local=all_local, configs=configs, device_name=device_name,
+        is_rocm=is_rocm,
     )  # fmt: skip
-    ids = topk_ids.reshape(-1).to(torch.int32)
-    if static:
-        a2, a2_s = inter, w.a2_scale
-    else:
-        a2, a2_s = _quantize_rows(inter, w, None if all_local else ids)  # rows of remote experts: never written
-    direct = top_k == 1 and all_local
-    y = out if direct else torch.empty((s, h), dtype=out_dtype, device=dev)
-    tw = topk_weights.reshape(-1).to(torch.float32)
-    _launch_gemm(
-        a2, a2_s, w.w2, w.w2_scale, w.w2_bias, y, tw, sorted_ids, expert_ids, num_post, s, h, cfg2,
-        top_k=1, gated=False, act=ACT_NONE, quant=qcode, alpha=0.0, limit=0.0,
-    )  # fmt: skip
-    if not direct:
-        block_t = min(64, next_power_of_2(t)) if INTERPRETED else 1
-        block_h = min(4096 if INTERPRETED else 1024, next_power_of_2(h))
-        grid = (cdiv(t, block_t), cdiv(h, block_h))
-        _moe_sum_kernel[grid](
-            y,
-            ids,
-            out,
-            t,
-            h,
-            y.stride(0),
-            out.stride(0),
-            TOP_K=top_k,
-            BLOCK_T=block_t,
-            BLOCK_H=block_h,
-            FIX_BF16=INTERPRETED,
-        )
-    return out
+    return bound(hidden, topk_ids, topk_weights, hidden_scales, out)

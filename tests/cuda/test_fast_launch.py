@@ -50,3 +50,47 @@ def test_fast_launches_give_the_same_bits_as_tritons_path(backend, tokens, monke
     torch.cuda.synchronize()
     assert sum(k.hits for k in _launchers()) > before, f"no fast launch in {layer.plan.pipeline.name}"
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "bf16 paired", "fp8_block"])
+def test_the_fused_moe_reads_weights_by_tma_through_fast_launches(weights, monkeypatch):
+    """The portable fused MoE with TMA weight tiles (an H200's tuned tiles at Qwen3-30B-A3B's
+    64-724 tokens): both GEMMs, whose descriptors are bound once, take the compiled launcher
+    (checked against Triton's choice: VERIFY) and give the bits Triton's path gives."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA weight tiles need SM90 or newer")
+    from dataclasses import replace
+
+    from moehal.kernels import launch
+    from moehal.kernels import triton_fused_moe as k
+    from moehal.kernels.tiles import TileConfig
+
+    e, h, i, top_k, t = 16, 512, 256, 4, 96
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, device="cuda", generator=g) / i**0.5
+    tiles = (TileConfig(64, 64, 64, 8, 4, 3, True), TileConfig(64, 128, 64, 8, 4, 3, True))
+    if weights == "fp8_block":
+        f8 = torch.float8_e4m3fn
+        w = k.TritonMoEWeights(
+            w13.to(f8), w2.to(f8), "fp8_block", torch.ones(e, 2 * i // 128, h // 128, device="cuda"),
+            torch.ones(e, h // 128, i // 128, device="cuda"),
+        )  # fmt: skip
+        tiles = tuple(replace(c, block_k=128) for c in tiles)
+    elif weights == "bf16 paired":
+        w = k.TritonMoEWeights(k.pair_gate_up(w13.bfloat16()), w2.bfloat16(), w13_paired=True)
+    else:
+        w = k.TritonMoEWeights(w13.bfloat16(), w2.bfloat16())
+    bound = k.bind_fused_moe(t, top_k, w, configs=tiles)
+    assert bound.gemm1.kw["B_TMA"] and bound.gemm2.kw["B_TMA"]
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    wts, ids = torch.rand(t, e, device="cuda", generator=g).topk(top_k, dim=-1)
+    monkeypatch.setattr(launch, "ENABLED", False)
+    want = bound(x, ids.int(), wts).clone()
+    monkeypatch.setattr(launch, "ENABLED", True)
+    bound(x, ids.int(), wts)  # keys seen for the first time: Triton's path
+    before = k._fused_moe_kernel.hits
+    got = bound(x.clone(), ids.int(), wts.clone())  # new tensors, same launches
+    torch.cuda.synchronize()
+    assert k._fused_moe_kernel.hits == before + 2, "both GEMMs' launches take the compiled launcher"
+    assert torch.equal(got, want)

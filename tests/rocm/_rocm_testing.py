@@ -50,3 +50,30 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all(), "non-finite values in the output"
     scale = ref.float().abs().max().clamp_min(1e-6)
     return float((out.float() - ref.float()).abs().max() / scale)
+
+
+def triton_registry() -> moehal.Registry:
+    """The reference plugin plus the ROCm Triton experts, on whatever device runs this test
+    (on an NVIDIA GPU this is also how the CUDA backend reuses the class)."""
+    from moehal.kernels.triton_experts import TritonExperts, TritonWeightProcessor
+    from moehal.reference import plugin as reference_plugin
+
+    devices = frozenset({"cuda"}) if ON_NVIDIA else frozenset({"rocm"})
+
+    class _Plugin:
+        @moehal.hookimpl
+        def moehal_backend_info(self) -> moehal.BackendInfo:
+            return moehal.BackendInfo(name="tritonmoe", version="0", description="ROCm Triton experts, reused")
+
+        @moehal.hookimpl
+        def moehal_experts(self):
+            return [TritonExperts(devices=devices)]
+
+        @moehal.hookimpl
+        def moehal_weight_processors(self):
+            return [TritonWeightProcessor(devices=devices | {"cpu"})]
+
+    reg = moehal.Registry(moehal.Settings())
+    reg.register(reference_plugin, "reference")
+    reg.register(_Plugin(), "tritonmoe")
+    return reg

@@ -9,46 +9,19 @@ from __future__ import annotations
 import moehal
 import pytest
 import torch
-from _rocm_testing import DEVICE, INTERPRET, ON_NVIDIA, TOL, TOL_DTYPE, needs_triton, problem, rel_err
+from _rocm_testing import DEVICE, INTERPRET, TOL, TOL_DTYPE, needs_triton, problem, rel_err, triton_registry
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput
 from moehal.hardware import HardwareInfo
-from moehal.interfaces import BackendInfo, BuildRequest
+from moehal.interfaces import BuildRequest
 from moehal.quant.activation import quantize_activation
 from moehal.reference.oracle import reference_layer
 
 pytestmark = needs_triton
 
 
-def _triton_registry() -> moehal.Registry:
-    """The reference plugin plus the ROCm Triton experts, on whatever device runs this test
-    (on an NVIDIA GPU this is also how the CUDA backend reuses the class)."""
-    from moehal.kernels.triton_experts import TritonExperts, TritonWeightProcessor
-    from moehal.reference import plugin as reference_plugin
-
-    devices = frozenset({"cuda"}) if ON_NVIDIA else frozenset({"rocm"})
-
-    class _Plugin:
-        @moehal.hookimpl
-        def moehal_backend_info(self) -> BackendInfo:
-            return BackendInfo(name="tritonmoe", version="0", description="ROCm Triton experts, reused")
-
-        @moehal.hookimpl
-        def moehal_experts(self):
-            return [TritonExperts(devices=devices)]
-
-        @moehal.hookimpl
-        def moehal_weight_processors(self):
-            return [TritonWeightProcessor(devices=devices | {"cpu"})]
-
-    reg = moehal.Registry(moehal.Settings())
-    reg.register(reference_plugin, "reference")
-    reg.register(_Plugin(), "tritonmoe")
-    return reg
-
-
 def run_pair(cfg: moehal.MoEConfig, quant: str, t: int, seed: int = 0):
     w, x, ids, wts = problem(cfg, quant, t, seed)
-    reg = _triton_registry()
+    reg = triton_registry()
     ours = moehal.MoELayer(cfg, quant, backend="tritonmoe", device=DEVICE, registry=reg)
     ref = reference_layer(cfg, quant, DEVICE, registry=reg)
     assert ours.plan.pipeline.main.name == "triton", ours.plan
@@ -106,7 +79,7 @@ def test_token_with_no_local_expert_is_zero():
     cfg = moehal.MoEConfig(num_experts=4, top_k=1, hidden_size=64, intermediate_size=64, ep_size=2, ep_rank=0)
     w, x, _, wts = problem(cfg, "bf16", t=3)
     ids = torch.tensor([[0], [3], [1]], dtype=torch.int32, device=DEVICE)  # token 1 goes to rank 1
-    layer = moehal.MoELayer(cfg, "bf16", backend="tritonmoe", device=DEVICE, registry=_triton_registry())
+    layer = moehal.MoELayer(cfg, "bf16", backend="tritonmoe", device=DEVICE, registry=triton_registry())
     layer.load_weights(w)
     out = layer(x, ids, wts)
     assert torch.equal(out[1], torch.zeros_like(out[1]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import moehal
 import pytest
 import torch
-from _rocm_testing import DEVICE, ON_NVIDIA, TOL, needs_triton, problem, rel_err
+from _rocm_testing import DEVICE, TOL, needs_triton, problem, rel_err, triton_registry
 from moehal.reference.oracle import reference_layer
 
 pytestmark = needs_triton
@@ -62,27 +62,7 @@ def test_a_bound_forward_refuses_other_batches():
 
 
 def _layer(cfg: moehal.MoEConfig, quant: str):
-    from moehal.kernels.triton_experts import TritonExperts, TritonWeightProcessor
-    from moehal.reference import plugin as reference_plugin
-
-    devices = frozenset({"cuda"}) if ON_NVIDIA else frozenset({"rocm"})
-
-    class _Plugin:
-        @moehal.hookimpl
-        def moehal_backend_info(self):
-            return moehal.BackendInfo(name="tritonmoe", version="0", description="Triton experts")
-
-        @moehal.hookimpl
-        def moehal_experts(self):
-            return [TritonExperts(devices=devices)]
-
-        @moehal.hookimpl
-        def moehal_weight_processors(self):
-            return [TritonWeightProcessor(devices=devices | {"cpu"})]
-
-    reg = moehal.Registry(moehal.Settings())
-    reg.register(reference_plugin, "reference")
-    reg.register(_Plugin(), "tritonmoe")
+    reg = triton_registry()
     ours = moehal.MoELayer(cfg, quant, backend="tritonmoe", device=DEVICE, registry=reg)
     return ours, reference_layer(cfg, quant, DEVICE, registry=reg)
 

@@ -1066,11 +1066,10 @@ def bind_fused_moe(
     quant1 = quant2 = None
     if live and not quantized_input and w.quant != "none":
         mode = {"fp8_tensor": "fp8_static", "fp8_block": "fp8_group", "int8": "int8"}[w.quant]
-        quant1 = bind_row_quant(mode, tokens, h, w.w13.dtype if w.quant != "int8" else torch.int8, ue8m0=w.ue8m0)
+        quant1 = bind_row_quant(mode, tokens, h, w.w13.dtype, ue8m0=w.ue8m0)  # (fp8 or int8, as the weights)
     if live and w.quant in ("fp8_block", "int8"):  # rows of remote experts are never written: skipped
         quant2 = bind_row_quant(
-            "fp8_group" if w.quant == "fp8_block" else "int8", s, i, w.w13.dtype if w.quant != "int8" else torch.int8,
-            ue8m0=w.ue8m0, row_ids=not all_local,
+            "fp8_group" if w.quant == "fp8_block" else "int8", s, i, w.w13.dtype, ue8m0=w.ue8m0, row_ids=not all_local,
         )  # fmt: skip
     a1_dtype = quant1.qdtype if quant1 is not None else hidden_dtype
     qcode = _QUANTS[w.quant]

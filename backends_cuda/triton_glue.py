@@ -22,6 +22,7 @@ dtype, activation in float32 rounded to the layer dtype, then quantized for GEMM
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
 from moehal.kernels.host import cdiv, next_power_of_2
-from moehal.kernels.launch import fast_launch
+from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_grouped_gemm import num_m_tiles
 from moehal.kernels.triton_permute import (
     INTERPRETED,
@@ -538,15 +539,18 @@ class ActivationLaunch:
         (A layout's unused tensors may be any of the given ones, as in `RowIndex`.)"""
         any_t = masked_m if masked_m is not None else row_expert
         assert any_t is not None
-        _act_rows[self.grid](
+        self._site(
             *self.head,
             any_t if masked_m is None else masked_m,
             any_t if row_expert is None else row_expert,
             any_t if segment_start is None else segment_start,
             any_t if counts is None else counts,
             *self.tail,
-            **self.kw,
         )
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_act_rows, self.grid, **self.kw)
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:

@@ -15,6 +15,17 @@ def pytest_report_header(config):
     ]
 
 
+@pytest.fixture(autouse=True)
+def _verify_fast_launches(monkeypatch):
+    """On a GPU every fast Triton launch (keyed or pinned) in every test is checked against the
+    compiled kernel Triton itself would pick (`moehal.kernels.launch.VERIFY`); a difference
+    raises."""
+    if torch.cuda.is_available():
+        from moehal.kernels import launch
+
+        monkeypatch.setattr(launch, "VERIFY", True)
+
+
 @pytest.fixture
 def registry():
     """A fresh registry loaded from the installed entry points, environment ignored."""

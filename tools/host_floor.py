@@ -241,20 +241,28 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         launch = None
     if launch is not None and hasattr(graphs, "MEMO_ENABLED"):
 
-        def fast(on: bool, memo: bool) -> None:
+        def fast(on: bool, memo: bool, pinned: bool = True) -> None:
             launch.ENABLED, graphs.MEMO_ENABLED = on, memo
+            if hasattr(launch, "PINNED"):  # session 28's pinned sites (absent in older moehal)
+                launch.PINNED = pinned
 
         # interleaved, call by call: this host's times drift by tens of us between back-to-back
         # measurements of one call (session 15), so separate medians would compare drifts
         modes = {
-            "Triton's launch path, DeepGEMM called": (False, False),
-            "fast launches, DeepGEMM called (graphs.MEMO_ENABLED = False)": (True, False),
-            "fast launches, DeepGEMM replayed (default)": (True, True),
+            "Triton's launch path, DeepGEMM called": (False, False, False),
+            "fast launches, DeepGEMM called (graphs.MEMO_ENABLED = False)": (True, False, True),
+            "fast launches, DeepGEMM replayed (default)": (True, True, True),
         }
+        if hasattr(launch, "PINNED"):
+            modes["fast launches, keyed at every launch (launch.PINNED = False), DeepGEMM replayed"] = (
+                True,
+                True,
+                False,
+            )
         memos = getattr(getattr(layer._experts, "ops", None), "memos", None)
         for m in memos or ():
             m.replays = 0
-        for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, fast).items():
+        for name, us in host_interleaved(lambda: layer(x, ids, wts), modes, fast, default=(True, True, True)).items():
             report(f"{tag}: eager forward, {name}", us)
         if memos:  # the replay mode's 203 forwards (3 warm-up): how many DeepGEMM calls they replayed
             print(f"{tag}: DeepGEMM replays in the A/B: masked {memos[0].replays}, contiguous {memos[1].replays}")

@@ -20,12 +20,20 @@ Triton would pick. Anything else (other backends, the interpreter, tuple argumen
 hooks such as a profiler's, a callable grid) takes `JITFunction.run` every time.
 `VERIFY = True` (the GPU tests) asks Triton for its own choice at every hit and raises on a
 difference.
+
+Pinned sites (`site`): a launch that a bound forward makes at every call, with its grid,
+constexprs and options fixed when it is bound. After its first launch a site keeps the kernel
+and a check generated from that launch's key, which compares each positional argument with what
+the key holds (a tensor's dtype and alignment, an int's specialization, ...): no key tuple, no
+hashing, no keyword dict per call. The check is the key's own content, so a pinned launch is
+the launch the key would pick; any difference takes the keyed path above (and pins again).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +41,7 @@ from moehal.kernels.host import INTERPRETED
 
 ENABLED = True  # diagnostics (A/B of host time): False sends every launch through JITFunction.run
 VERIFY = False  # tests: check each fast launch against Triton's own choice of compiled kernel
+PINNED = True  # diagnostics (A/B of host time): False sends a site's launches through the keyed path
 
 
 class _NoKey(Exception):
@@ -80,7 +89,8 @@ def _hooked(hook: Any) -> bool:
 class Launcher:
     """Wraps a `@triton.jit` kernel: `Launcher(kernel)[grid](*args, **kwargs)` launches exactly
     as `kernel[grid](...)` does, with less host time once a specialization has been launched.
-    `hits` and `misses` count fast and Triton-path launches."""
+    `hits` and `misses` count fast and Triton-path launches; `pinned`, the hits of its sites'
+    pinned launches (`Site`)."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
@@ -97,6 +107,7 @@ class Launcher:
         self._driver: Any = None  # (get_current_device, get_current_stream) or False: Triton's path only
         self.hits = 0
         self.misses = 0
+        self.pinned = 0
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         return functools.partial(self._launch, grid)
@@ -198,6 +209,136 @@ class Launcher:
         )  # fmt: skip
         self.hits += 1
         return kernel
+
+    def pin(self, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pin | None:
+        """The kept kernel of this launch, with a check that later arguments have its key (for
+        `Site`); None where the launch takes Triton's path, or none is kept yet."""
+        drivers = self._driver
+        if not drivers or type(grid) is not tuple or not self._spec_names.isdisjoint(kwargs):
+            return None
+        device = drivers[0]()
+        try:
+            key = self._key(device, args, kwargs)
+            entry = self._cache.get(key)
+        except (_NoKey, TypeError):
+            return None
+        if entry is None or entry[4] is None:
+            return None
+        run, function, metadata, _, fixed, kernel = entry
+        n = len(grid)
+        dims = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        return _Pin(
+            device, key, self._make_check(args, key[2 : 2 + len(args)]), dims, run, function, metadata, fixed, kernel
+        )
+
+    def _make_check(self, args: tuple[Any, ...], specs: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], bool]:
+        """`check(args)`: whether positional `args` have these key entries (`_key`'s per-argument
+        part for the pinned launch's `args`), generated as one expression like `_make_keyer`'s.
+        A bound forward passes the same int and float objects at every call (strides, sizes,
+        scalars), so those are compared by identity first."""
+        scope: dict[str, Any] = {"Tensor": torch.Tensor, "spec": _spec}
+        terms = []
+        for i, want in enumerate(specs):
+            a, s, v = f"a{i}", f"s{i}", f"v{i}"
+            scope[s], scope[v] = want, args[i]
+            kind = type(args[i])
+            if self._constexpr[i]:
+                terms.append(f"{a} == {s}")
+            elif kind is torch.Tensor:  # (dtype, aligned): a subclass takes the general spec
+                scope[f"d{i}"] = want[0]
+                aligned = "not" if want[1] else "bool"
+                terms.append(
+                    f"(({a}.dtype is d{i} and {aligned} ({a}.data_ptr() & 15)) if {a}.__class__ is Tensor "
+                    f"else spec({a}) == {s})"
+                )
+            elif kind is int:  # (== 1, multiple of 16, 32-bit, unsigned 64-bit)
+                one, div, i32, u64 = want
+                terms.append(
+                    f"({a} is {v} or ({a}.__class__ is int and ({a} == 1) is {one} and (not ({a} & 15)) is {div} "
+                    f"and (-0x80000000 <= {a} < 0x80000000) is {i32} and ({a} >= 1 << 63) is {u64}))"
+                )
+            elif kind is float:
+                terms.append(f"({a} is {v} or {a}.__class__ is float)")
+            else:  # bool, None, a descriptor, a tensor subclass: the general spec
+                terms.append(f"spec({a}) == {s}")
+        names = "".join(f"a{i}, " for i in range(len(specs)))
+        unpack = f"    ({names}) = args\n" if specs else ""
+        body = (
+            f"def check(args):\n    if len(args) != {len(specs)}:\n        return False\n{unpack}"
+            f"    return {' and '.join(terms) or 'True'}\n"
+        )
+        exec(body, scope)  # noqa: S102 - generated from the kernel's parameters and one launch's key
+        return scope["check"]
+
+
+@dataclass(frozen=True)
+class _Pin:
+    device: int
+    key: tuple[Any, ...]
+    check: Callable[[tuple[Any, ...]], bool]
+    dims: tuple[Any, Any, Any]
+    run: Any
+    function: Any
+    metadata: Any
+    fixed: tuple[Any, ...]
+    kernel: Any
+
+
+class Site:
+    """One launch site of a bound forward: `site(*args)` launches `kernel[grid](*args, **kwargs)`
+    with the grid and keywords (constexprs, launch options) given when it was made. Its first
+    launches take the keyed path, and the second pins its kernel (a site used once costs no more
+    than a keyed launch); later launches whose arguments have the same key go straight to the
+    kept kernel's launcher (see the module's note). `pinned` counts those."""
+
+    __slots__ = ("kernel", "grid", "kwargs", "pinned", "_pin", "_keyed")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> None:
+        self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
+        self.pinned = 0
+        self._pin: _Pin | None = None
+        self._keyed = 0  # launches through the keyed path
+
+    def __call__(self, *args: Any) -> Any:
+        pin = self._pin
+        if pin is not None and PINNED and ENABLED:
+            get_device, get_stream, runtime = self.kernel._driver
+            if (
+                not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook))
+                and get_device() == pin.device and pin.check(args)
+            ):  # fmt: skip
+                if VERIFY:
+                    self._verify(pin, args)
+                g0, g1, g2 = pin.dims
+                stream = get_stream(pin.device)
+                pin.run(g0, g1, g2, stream, pin.function, pin.metadata, None, None, None, *args, *pin.fixed)
+                self.pinned += 1
+                self.kernel.hits += 1
+                self.kernel.pinned += 1
+                return pin.kernel
+        kernel = self.kernel
+        if not isinstance(kernel, Launcher):  # the interpreter: Triton's own launch
+            return kernel[self.grid](*args, **self.kwargs)
+        launched = kernel._launch(self.grid, *args, **self.kwargs)
+        self._keyed += 1
+        if self._keyed > 1 and PINNED and ENABLED:
+            self._pin = kernel.pin(self.grid, args, self.kwargs)
+        return launched
+
+    def _verify(self, pin: _Pin, args: tuple[Any, ...]) -> None:
+        key = self.kernel._key(pin.device, args, self.kwargs)
+        if key != pin.key:
+            raise RuntimeError(f"pinned launch of {self.kernel.__name__}: the arguments' key changed, its check passed")
+        expected = self.kernel.fn.run(*args, grid=self.grid, warmup=True, **self.kwargs)
+        if expected is not pin.kernel:
+            raise RuntimeError(f"pinned launch of {self.kernel.__name__} picked another compiled kernel than Triton")
+
+
+def site(kernel: Any, grid: tuple[int, ...], **kwargs: Any) -> Site:
+    """A pinned launch site of `kernel` (a `fast_launch` kernel, or a plain `@triton.jit` one
+    under the interpreter) with this grid and these keywords; call it with the positional
+    arguments."""
+    return Site(kernel, tuple(grid), kwargs)
 
 
 def fast_launch(fn: Any) -> Any:

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from moehal.hardware import device_slug
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
-from moehal.kernels.launch import fast_launch
+from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig, nearest_count
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def _round16(n: int) -> int:
 def bind_align(num_slots: int, num_experts: int, block_m: int) -> AlignLaunch:
     """`moe_align_block_size`'s launches for `num_slots` > 0 slots and `num_experts` > 0
     experts: sizes, grid and constants decided once (a bound forward keeps one)."""
-    from moehal.kernels.triton_permute import expert_positions  # (it imports this module)
+    from moehal.kernels.triton_permute import bind_positions  # (it imports this module)
 
     s, e = num_slots, num_experts
     length, nblocks = align_sizes(s, e, block_m)
@@ -256,7 +256,7 @@ def bind_align(num_slots: int, num_experts: int, block_m: int) -> AlignLaunch:
     at_experts = _round16(length)
     offsets = (at_experts, at_experts + _round16(nblocks))
     return AlignLaunch(
-        expert_positions, length, nblocks, offsets, (slot_programs + cdiv(length, block),),
+        bind_positions(s, e), length, nblocks, offsets, (slot_programs + cdiv(length, block),),
         (s, length, e, slot_programs), dict(BLOCK_M=block_m, E_P=e_p, BLOCK=block),
     )  # fmt: skip
 
@@ -265,7 +265,7 @@ def bind_align(num_slots: int, num_experts: int, block_m: int) -> AlignLaunch:
 class AlignLaunch:
     """`moe_align_block_size` for one slot count, expert count and block height (`bind_align`)."""
 
-    positions: Any  # `triton_permute.expert_positions`
+    positions: Any  # `triton_permute.BoundPositions` for these slots and experts
     length: int
     nblocks: int
     offsets: tuple[int, int]  # where expert_ids and num_post start in the one allocation
@@ -277,15 +277,17 @@ class AlignLaunch:
         """ids: the flat, contiguous `[S]` local expert ids -> (sorted_ids, expert_ids,
         num_tokens_post_padded), as `moe_align_block_size` returns them: three views of one
         allocation, each starting on a 16-byte boundary."""
-        slot_pos, counts = self.positions(ids, self.scalars[2])
+        slot_pos, counts = self.positions(ids)
         at_experts, at_post = self.offsets
         meta = torch.empty(at_post + 1, dtype=torch.int32, device=ids.device)
         sorted_ids, expert_ids = meta[: self.length], meta[at_experts : at_experts + self.nblocks]
         num_post = meta[at_post:]
-        _align_finish[self.grid](
-            ids, slot_pos, counts, sorted_ids, expert_ids, num_post, *self.scalars, **self.kw
-        )  # fmt: skip
+        self._site(ids, slot_pos, counts, sorted_ids, expert_ids, num_post, *self.scalars)
         return sorted_ids, expert_ids, num_post
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_align_finish, self.grid, **self.kw)
 
 
 @fast_launch
@@ -843,13 +845,15 @@ class RowQuant:
             return q, s
         ids = row_ids if row_ids is not None else s
         if self.mode == "int8":
-            _token_quant_int8_kernel[self.grid](x, q, s, k, x.stride(0), q.stride(0), ids, **self.kw)
+            self._site(x, q, s, k, x.stride(0), q.stride(0), ids)
         else:
             stride_s = 0 if self.mode == "fp8_static" else s.stride(0)
-            _group_quant_fp8_kernel[self.grid](
-                x, q, s, k, x.stride(0), q.stride(0), stride_s, *self.consts, ids, **self.kw
-            )  # fmt: skip
+            self._site(x, q, s, k, x.stride(0), q.stride(0), stride_s, *self.consts, ids)
         return q, s
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_token_quant_int8_kernel if self.mode == "int8" else _group_quant_fp8_kernel, self.grid, **self.kw)
 
 
 @dataclass(frozen=True)
@@ -1020,10 +1024,14 @@ class GemmLaunch:
             a_s, asm, ask = b, 0, 0
         else:
             a_s, asm, ask = a_scale, a_scale.stride(0), a_scale.stride(1) if a_scale.dim() > 1 else 0
-        _fused_moe_kernel[self.grid](
+        self._site(
             a, a_s, *self.weights, c, self.c_scale, topk_weights if self.weighted else b, sorted_ids, expert_ids,
-            num_post, *self.scalars, *a.stride(), asm, ask, *self.b_strides, *c.stride(), **self.kw,
+            num_post, *self.scalars, *a.stride(), asm, ask, *self.b_strides, *c.stride(),
         )  # fmt: skip
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_fused_moe_kernel, self.grid, **self.kw)
 
 
 def bind_fused_moe(
@@ -1179,8 +1187,12 @@ class BoundFusedMoE:
             tw = tw.to(torch.float32).contiguous()
         self.gemm2(a2, a2_s, y, tw, sorted_ids, expert_ids, num_post)
         if not self.direct:
-            _moe_sum_kernel[self.sum_grid](y, ids, out, t, h, y.stride(0), out.stride(0), **self.sum_kw)
+            self._sum_site(y, ids, out, t, h, y.stride(0), out.stride(0))
         return out
+
+    @functools.cached_property
+    def _sum_site(self) -> Site:  # the pinned top-k sum (host time: `moehal.kernels.launch.Site`)
+        return site(_moe_sum_kernel, self.sum_grid, **self.sum_kw)
 
 
 def fused_moe(

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
-from moehal.kernels.launch import fast_launch
+from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
 from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
@@ -410,11 +410,14 @@ class MaskedGemmLaunch:
             sa, sw, sa_strides = a_scale, self.w_scale, a_scale.stride()
         else:
             sa, sw, sa_strides = out, out, (0, 0, 0)
-        _masked_gemm_kernel[self.grid](
-            a, sa, self.w, sw, out, masked_m, self.tiles_m, *a.stride(), *sa_strides, *self.w_strides,
-            *out.stride(), **self.kw,
+        self._site(
+            a, sa, self.w, sw, out, masked_m, self.tiles_m, *a.stride(), *sa_strides, *self.w_strides, *out.stride()
         )  # fmt: skip
         return out
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_masked_gemm_kernel, self.grid, **self.kw)
 
 
 # Shared memory a pipelined tile may use (H100/H200 allow 227 KiB per block; leave headroom
@@ -555,8 +558,12 @@ class MaskedGemmActLaunch:
     ) -> torch.Tensor:
         s_oe, s_om, _ = out.stride()
         s_ye, s_ym, _ = y.stride()
-        _masked_gemm_act_kernel[self.grid](
+        self._site(
             a, self.w13, *self.bias_args, out, y, masked_m, out_rows, self.tiles_m, *a.stride(), *self.w_strides,
-            s_oe, s_om, s_ye, s_ym, *self.tail, **self.kw,
+            s_oe, s_om, s_ye, s_ym, *self.tail,
         )  # fmt: skip
         return out
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_masked_gemm_act_kernel, self.grid, **self.kw)

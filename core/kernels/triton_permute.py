@@ -38,13 +38,14 @@ Portable: no vendor-specific instruction; the FP8 dtype is the destination tenso
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
-from moehal.kernels.launch import fast_launch
+from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_fused_moe import _static_fp8
 
 QUANT_GROUP = 128
@@ -699,31 +700,57 @@ def expert_positions(
     slot order; other slots' entries are left unwritten), and counts int32 `[E]`, the local
     experts' slot counts (written into `counts` when given). Ids outside
     [expert_start, expert_start + E) belong to no expert."""
-    s, e, dev = ids.numel(), num_local_experts, ids.device
-    if counts is None:
-        counts = torch.empty(e, dtype=torch.int32, device=dev)
-    slot_pos = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+    return bind_positions(ids.numel(), num_local_experts, expert_start)(ids, counts)
+
+
+def bind_positions(num_slots: int, num_local_experts: int, expert_start: int = 0) -> BoundPositions:
+    """`expert_positions`' launches for `num_slots` slots and `num_local_experts` experts: chunks
+    and grid decided once (a bound permute or align pass keeps one)."""
+    s = num_slots
     # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
     # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
     # scan steps per expert)
     chunk = min(POSITION_CHUNK, max(256, next_power_of_2(s)))
     n_chunks = cdiv(s, chunk)
-    chunk_counts = counts
-    if n_chunks > 1:
-        chunk_counts = torch.empty(e * n_chunks, dtype=torch.int32, device=dev)
-        _expert_chunk_counts[(e, n_chunks)](ids, chunk_counts, s, expert_start, n_chunks, CHUNK=chunk)
-    _expert_positions[(e, n_chunks)](
-        ids,
-        slot_pos,
-        counts,
-        chunk_counts,
-        s,
-        expert_start,
-        n_chunks,
-        CHUNK=chunk,
-        C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1,
-    )
-    return slot_pos, counts
+    kw = dict(CHUNK=chunk)
+    return BoundPositions(
+        s, num_local_experts, n_chunks, (s, expert_start, n_chunks), (num_local_experts, n_chunks), kw,
+        dict(kw, C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BoundPositions:
+    """`expert_positions` for one slot count and expert range (`bind_positions`)."""
+
+    slots: int
+    experts: int
+    n_chunks: int
+    scalars: tuple[int, int, int]  # slots, the first local expert, chunks
+    grid: tuple[int, int]
+    counts_kw: dict
+    kw: dict
+
+    def __call__(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: the flat, contiguous `[S]` expert ids -> (slot_pos, counts), as `expert_positions`."""
+        e, dev = self.experts, ids.device
+        if counts is None:
+            counts = torch.empty(e, dtype=torch.int32, device=dev)
+        slot_pos = torch.empty(max(self.slots, 1), dtype=torch.int32, device=dev)
+        chunk_counts = counts
+        if self.n_chunks > 1:
+            chunk_counts = torch.empty(e * self.n_chunks, dtype=torch.int32, device=dev)
+            self._counts_site(ids, chunk_counts, *self.scalars)
+        self._site(ids, slot_pos, counts, chunk_counts, *self.scalars)
+        return slot_pos, counts
+
+    @functools.cached_property
+    def _counts_site(self) -> Site:  # the pinned launches (host time: `moehal.kernels.launch.Site`)
+        return site(_expert_chunk_counts, self.grid, **self.counts_kw)
+
+    @functools.cached_property
+    def _site(self) -> Site:
+        return site(_expert_positions, self.grid, **self.kw)
 
 
 def permute(
@@ -861,7 +888,7 @@ class BoundPermute:
             counts = self.kept if self.kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
             slot_pos = slot_row  # not read with FUSED_POS: any int32 tensor will do
         else:
-            slot_pos, counts = expert_positions(ids, e, self.expert_start, self.kept)
+            slot_pos, counts = self._positions(ids, self.kept)
         if self.masked:
             row_expert = seg_start = None
             re_arg = se_arg = counts  # unused
@@ -872,12 +899,20 @@ class BoundPermute:
             re_arg, se_arg, state = row_expert, seg_start, counts  # state unused
         if self.grid is not None:
             w = ids if topk_weights is None else _dense(topk_weights)
-            _scatter_rows[self.grid](
+            self._site(
                 x, x.stride(0), ids, w, slot_pos, counts, slot_row, *self.dest_args, re_arg, se_arg,
-                self.dest.written, state, *self.scalars, **self.kw,
+                self.dest.written, state, *self.scalars,
             )  # fmt: skip
         slot_row = slot_row if s else slot_row[:0]  # (allocated with at least one element)
         return Permuted(self.dest.hidden, self.dest.scales, counts, slot_row, row_expert, seg_start)
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_scatter_rows, self.grid or (0,), **self.kw)
+
+    @functools.cached_property
+    def _positions(self) -> BoundPositions:
+        return bind_positions(self.slots, self.experts, self.expert_start)
 
 
 def combine(
@@ -964,7 +999,9 @@ class BoundCombine:
         else:
             sy_e, sy_m, max_m = 0, y.stride(0), 1
         w = slot_row if topk_weights is None else _dense(topk_weights)
-        _combine_rows[self.grid](
-            y, sy_e, sy_m, slot_row, w, out, out.stride(0), max_m, self.h, self.scaling, **self.kw
-        )  # fmt: skip
+        self._site(y, sy_e, sy_m, slot_row, w, out, out.stride(0), max_m, self.h, self.scaling)
         return out
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_combine_rows, self.grid, **self.kw)

@@ -21,13 +21,14 @@ the weighted fp32 sum, as the reference oracle does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
-from moehal.kernels.launch import fast_launch
+from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
@@ -420,8 +421,12 @@ class _ActLaunch:
             ),
         )  # fmt: skip
 
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_token_gemm_act_kernel, self.grid, **self.kw)
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        _token_gemm_act_kernel[self.grid](x, x.stride(0), ids, *self.weights, out, out.stride(0), *self.tail, **self.kw)
+        self._site(x, x.stride(0), ids, *self.weights, out, out.stride(0), *self.tail)
         return out
 
 
@@ -470,11 +475,15 @@ class _CombineLaunch:
             arrivals = _arrivals(self.cells, out.device)
         else:
             partial = arrivals = out  # unused
-        _token_gemm_combine_kernel[self.grid](
+        self._site(
             act, act.stride(0), ids, weights if weights is not None else ids, w2, b, sb, out, out.stride(0),
-            partial, arrivals, *self.tail, **self.kw,
+            partial, arrivals, *self.tail,
         )  # fmt: skip
         return out
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_token_gemm_combine_kernel, self.grid, **self.kw)
 
 
 class TokenMoE:

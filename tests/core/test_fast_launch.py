@@ -251,3 +251,126 @@ def test_tensor_descriptors_are_keyed_and_take_the_compiled_launcher(kernel):
     # another shape over the same block: Triton shares the kernel; the key is finer (a miss)
     runner[(1,)](x, 64, desc(torch.zeros(2, 64, 64, dtype=torch.bfloat16), [1, 32, 64]), BLOCK=32)
     assert runner.misses == 4 and len(fn.compiled) == 3
+
+
+# --- pinned sites (`launch.site`): a bound forward's launches, checked against one key --------
+
+
+def test_a_site_pins_on_its_second_launch_and_launches_as_the_keyed_path(kernel):
+    fn, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    s = launch.site(runner, (3,), BLOCK=32)
+    for _ in range(4):
+        s(x, 64, w)
+    # Triton's path, a keyed hit that pins, then two pinned launches
+    assert (runner.misses, runner.hits, s.pinned) == (1, 3, 2)
+    (compiled,) = fn.compiled.values()
+    want = (3, 1, 1, 1000, "cufunction", "meta", None, None, None, x, 64, w, 32, 7)
+    assert compiled.launches == [want] * 3
+
+
+def test_a_site_used_once_costs_no_second_key(kernel, monkeypatch):
+    _, runner, _ = kernel
+    keys = []
+    real = runner._key
+    monkeypatch.setattr(runner, "_key", lambda *a: keys.append(1) or real(*a))
+    launch.site(runner, (1,), BLOCK=32)(torch.zeros(64), 64, torch.ones(8))
+    assert len(keys) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda x, n, w: (x[1:], n, w), id="misaligned-tensor"),
+        pytest.param(lambda x, n, w: (x.double(), n, w), id="tensor-dtype"),
+        pytest.param(lambda x, n, w: (x, 65, w), id="int-not-multiple-of-16"),
+        pytest.param(lambda x, n, w: (x, 1, w), id="int-equal-to-1"),
+        pytest.param(lambda x, n, w: (x, 2**40, w), id="int-64-bit"),
+        pytest.param(lambda x, n, w: (x, 2**63, w), id="int-unsigned-64-bit"),
+        pytest.param(lambda x, n, w: (x, 64.0, w), id="int-to-float"),
+        pytest.param(lambda x, n, w: (x, True, w), id="int-to-bool"),
+        pytest.param(lambda x, n, w: (x, n, None), id="tensor-to-none"),
+        pytest.param(lambda x, n, w: (x, n), id="fewer-arguments"),
+    ],
+)
+def test_a_pinned_site_takes_the_keyed_path_on_every_change_triton_specializes_on(kernel, change):
+    fn, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    s = launch.site(runner, (1,), BLOCK=32)
+    s(x, 64, w)
+    s(x, 64, w)
+    assert s._pin is not None
+    args = change(x, 64, w)
+    assert not s._pin.check(args)
+    if len(args) == 3:  # (a call with an argument missing is Triton's to refuse)
+        s(*args)  # Triton's path: a new specialization
+        assert s.pinned == 0 and runner.misses == 2 and len(fn.compiled) == 2
+
+
+def test_a_pinned_site_launches_this_calls_tensors_and_values_triton_does_not_specialize_on(kernel):
+    fn, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    s = launch.site(runner, (1,), BLOCK=32)
+    s(x, 64, w)
+    s(x, 64, w)
+    x2, w2 = torch.zeros(64), torch.full((8,), 2.0)
+    s(x2, 48, w2)  # other tensors, another multiple of 16
+    assert s.pinned == 1 and len(fn.compiled) == 1
+    assert next(iter(fn.compiled.values())).launches[-1][9:] == (x2, 48, w2, 32, 7)
+
+
+def test_hooks_disabled_pins_and_the_interpreter_take_the_keyed_or_tritons_path(kernel, monkeypatch):
+    fn, runner, runtime = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    s = launch.site(runner, (1,), BLOCK=32)
+    for _ in range(2):
+        s(x, 64, w)
+    runtime.launch_enter_hook.calls.append(print)  # a profiler's hook
+    s(x, 64, w)
+    runtime.launch_enter_hook.calls.clear()
+    monkeypatch.setattr(launch, "PINNED", False)
+    s(x, 64, w)
+    assert s.pinned == 0 and runner.misses == 2 and runner.hits == 2
+    monkeypatch.setattr(launch, "PINNED", True)
+    s(x, 64, w)
+    assert s.pinned == 1
+    # a plain `@triton.jit` kernel (the interpreter's): `kernel[grid](*args, **kwargs)` each time
+    calls = []
+
+    class Plain:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    plain = launch.site(Plain(), (2,), BLOCK=8)
+    plain(x, 1)
+    plain(x, 1)
+    assert calls == [((2,), (x, 1), {"BLOCK": 8})] * 2
+
+
+def test_verify_raises_when_a_pinned_kernel_is_not_tritons_choice(kernel, monkeypatch):
+    _, runner, _ = kernel
+    x, w = torch.zeros(64), torch.ones(8)
+    s = launch.site(runner, (1,), BLOCK=32)
+    s(x, 64, w)
+    s(x, 64, w)
+    monkeypatch.setattr(launch, "VERIFY", True)
+    s(x, 64, w)  # agrees
+    s._pin = launch._Pin(
+        *(Compiled(("other",)) if f == "kernel" else getattr(s._pin, f) for f in s._pin.__dataclass_fields__)
+    )
+    with pytest.raises(RuntimeError, match="another compiled kernel"):
+        s(x, 64, w)
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.lists(_values, min_size=0, max_size=5), second=st.lists(_values, min_size=0, max_size=5))
+def test_a_pins_check_passes_exactly_when_the_key_is_the_same(first, second):
+    """The generated check (`Launcher._make_check`) is the key's comparison, argument by argument:
+    it passes for another call's arguments exactly when that call's key equals the pinned one."""
+    params = [Param(f"p{i}") for i in range(5)] + [Param("BLOCK", True)]
+    runner = launch.Launcher(FakeJit(params))
+    kwargs = {"BLOCK": 16}
+    key = runner._key(0, tuple(first), kwargs)
+    check = runner._make_check(tuple(first), key[2 : 2 + len(first)])
+    assert check(tuple(first))
+    assert check(tuple(second)) == (runner._key(0, tuple(second), kwargs) == key)

@@ -1,5 +1,6 @@
 """Fast Triton launches on a GPU (`moehal.kernels.launch`): a layer's forward gives the same
-bits with and without them, and its launches after the first take the compiled launcher."""
+bits with and without them, its launches after the first take the compiled launcher, and from
+the third forward on its bound launches are pinned (`launch.site`)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def test_fast_launches_give_the_same_bits_as_tritons_path(backend, tokens, monke
     torch.cuda.synchronize()
     assert sum(k.hits for k in _launchers()) > before, f"no fast launch in {layer.plan.pipeline.name}"
     assert torch.equal(got, want)
+    # the bound launches pinned at the second forward; the third takes them, each checked (VERIFY)
+    pinned = sum(k.pinned for k in _launchers())
+    again = layer(x.clone(), ids.clone(), wts.clone())
+    torch.cuda.synchronize()
+    assert sum(k.pinned for k in _launchers()) > pinned, f"no pinned launch in {layer.plan.pipeline.name}"
+    assert torch.equal(again, want)
 
 
 @pytest.mark.parametrize("weights", ["bf16", "bf16 paired", "fp8_block"])

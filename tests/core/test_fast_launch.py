@@ -374,3 +374,20 @@ def test_a_pins_check_passes_exactly_when_the_key_is_the_same(first, second):
     check = runner._make_check(tuple(first), key[2 : 2 + len(first)])
     assert check(tuple(first))
     assert check(tuple(second)) == (runner._key(0, tuple(second), kwargs) == key)
+
+
+def test_pinning_again_reuses_the_generated_check(kernel):
+    """Sites bound anew (another token count, a rebound launch) pin with the check generated for
+    the same key entries: a lookup, not a compile; each check still compares its own values."""
+    _, runner, _ = kernel
+    first, second = launch.site(runner, (1,), BLOCK=32), launch.site(runner, (2,), BLOCK=32)
+    x, w = torch.zeros(64), torch.ones(8)
+    for s, n in ((first, 64), (second, 32)):
+        s(x, n, w)
+        s(x, n, w)
+    assert len(runner._checks) == 1
+    assert first._pin.check((x, 64, w)) and second._pin.check((x, 32, w))
+    assert not second._pin.check((x, 33, w))
+    second(x, 33, w)  # another key: Triton's path, then its own check
+    second(x, 33, w)
+    assert len(runner._checks) == 2 and second._pin.check((x, 33, w))

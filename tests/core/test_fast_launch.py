@@ -256,6 +256,15 @@ def test_tensor_descriptors_are_keyed_and_take_the_compiled_launcher(kernel):
 # --- pinned sites (`launch.site`): a bound forward's launches, checked against one key --------
 
 
+def _pinned_site(runner: launch.Launcher) -> tuple[launch.Site, torch.Tensor, torch.Tensor]:
+    """A site of the stand-in kernel launched twice (Triton's path, then a keyed hit that pins)."""
+    x, w = torch.zeros(64), torch.ones(8)
+    s = launch.site(runner, (1,), BLOCK=32)
+    s(x, 64, w)
+    s(x, 64, w)
+    return s, x, w
+
+
 def test_a_site_pins_on_its_second_launch_and_launches_as_the_keyed_path(kernel):
     fn, runner, _ = kernel
     x, w = torch.zeros(64), torch.ones(8)
@@ -295,10 +304,7 @@ def test_a_site_used_once_costs_no_second_key(kernel, monkeypatch):
 )
 def test_a_pinned_site_takes_the_keyed_path_on_every_change_triton_specializes_on(kernel, change):
     fn, runner, _ = kernel
-    x, w = torch.zeros(64), torch.ones(8)
-    s = launch.site(runner, (1,), BLOCK=32)
-    s(x, 64, w)
-    s(x, 64, w)
+    s, x, w = _pinned_site(runner)
     assert s._pin is not None
     args = change(x, 64, w)
     assert not s._pin.check(args)
@@ -309,10 +315,7 @@ def test_a_pinned_site_takes_the_keyed_path_on_every_change_triton_specializes_o
 
 def test_a_pinned_site_launches_this_calls_tensors_and_values_triton_does_not_specialize_on(kernel):
     fn, runner, _ = kernel
-    x, w = torch.zeros(64), torch.ones(8)
-    s = launch.site(runner, (1,), BLOCK=32)
-    s(x, 64, w)
-    s(x, 64, w)
+    s, x, w = _pinned_site(runner)
     x2, w2 = torch.zeros(64), torch.full((8,), 2.0)
     s(x2, 48, w2)  # other tensors, another multiple of 16
     assert s.pinned == 1 and len(fn.compiled) == 1
@@ -349,10 +352,7 @@ def test_hooks_disabled_pins_and_the_interpreter_take_the_keyed_or_tritons_path(
 
 def test_verify_raises_when_a_pinned_kernel_is_not_tritons_choice(kernel, monkeypatch):
     _, runner, _ = kernel
-    x, w = torch.zeros(64), torch.ones(8)
-    s = launch.site(runner, (1,), BLOCK=32)
-    s(x, 64, w)
-    s(x, 64, w)
+    s, x, w = _pinned_site(runner)
     monkeypatch.setattr(launch, "VERIFY", True)
     s(x, 64, w)  # agrees
     s._pin = launch._Pin(

@@ -22,7 +22,7 @@ hooks such as a profiler's, a callable grid) takes `JITFunction.run` every time.
 difference.
 
 Pinned sites (`site`): a launch that a bound forward makes at every call, with its grid,
-constexprs and options fixed when it is bound. After its first launch a site keeps the kernel
+constexprs and options fixed when it is bound. At its second launch a site keeps the kernel
 and a check generated from that launch's key, which compares each positional argument with what
 the key holds (a tensor's dtype and alignment, an int's specialization, ...): no key tuple, no
 hashing, no keyword dict per call. The check is the key's own content, so a pinned launch is
@@ -223,7 +223,7 @@ class Launcher:
             entry = self._cache.get(key)
         except (_NoKey, TypeError):
             return None
-        if entry is None or entry[4] is None:
+        if entry is None:  # (its trailing arguments are fixed: no tensor or int came by keyword)
             return None
         run, function, metadata, _, fixed, kernel = entry
         n = len(grid)

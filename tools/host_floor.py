@@ -7,7 +7,7 @@ Each number is the median host time of one call, timed from an idle GPU until th
 any forward on this host pays per torch op, per CUDA-graph replay and per Triton launch, so the
 forward's own numbers can be read against them.
 
-    python tools/host_floor.py [--shape qwen3_30b_a3b] [--tokens 1] [--profile]
+    python tools/host_floor.py [--shapes qwen3_30b_a3b] [--tokens 1] [--profile] [--eager-only]
 """
 
 from __future__ import annotations
@@ -149,6 +149,16 @@ def floor(report: Callable[[str, float], None]) -> None:
         direct()
         torch.cuda.synchronize()
         report("Triton launch, 16 args (CompiledKernel.run)", host_us(direct))
+        # the same with the 8 tensors as their addresses: no data_ptr() call and no driver
+        # query (cuPointerGetAttribute) per tensor in Triton's launcher (launch.RAW_POINTERS)
+        raw = (*(t.data_ptr() for t in args[:8]), *args[8:], 64)
+
+        def direct_raw() -> None:
+            ck.run(1, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *raw)
+
+        direct_raw()
+        torch.cuda.synchronize()
+        report("Triton launch, 16 args (CompiledKernel.run, tensors as addresses)", host_us(direct_raw))
     except Exception as exc:  # the launcher's signature differs across Triton releases
         print(f"direct launch failed: {type(exc).__name__}: {exc}")
     try:
@@ -226,7 +236,9 @@ def bench_layer(shape: str, tokens: int, quant: str = "bf16") -> tuple[Any, torc
     return layer, x, ids, torch.rand(tokens, cfg.top_k, device=dev)
 
 
-def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float], None], profile: bool) -> None:
+def layer_rows(
+    shape: str, tokens: int, quant: str, report: Callable[[str, float], None], profile: bool, eager_only: bool = False
+) -> None:
     from moehal.routing import TopK
 
     layer, x, ids, wts = bench_layer(shape, tokens, quant)
@@ -234,6 +246,8 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
     print(f"layer: {layer.plan.pipeline.name}")
     report(f"{tag}: eager forward", host_us(lambda: layer(x, ids, wts)))
     report(f"{tag}: eager forward, back to back (per call, 16 queued)", host_us_queued(lambda: layer(x, ids, wts)))
+    if eager_only:
+        return
     try:
         from moehal import graphs
         from moehal.kernels import launch
@@ -241,10 +255,12 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
         launch = None
     if launch is not None and hasattr(graphs, "MEMO_ENABLED"):
 
-        def fast(on: bool, memo: bool, pinned: bool = True) -> None:
+        def fast(on: bool, memo: bool, pinned: bool = True, raw: bool = True) -> None:
             launch.ENABLED, graphs.MEMO_ENABLED = on, memo
             if hasattr(launch, "PINNED"):  # session 28's pinned sites (absent in older moehal)
                 launch.PINNED = pinned
+            if hasattr(launch, "RAW_POINTERS"):  # session 29's tensors as addresses
+                launch.RAW_POINTERS = raw
 
         # interleaved, call by call: this host's times drift by tens of us between back-to-back
         # measurements of one call (session 15), so separate medians would compare drifts
@@ -259,6 +275,8 @@ def layer_rows(shape: str, tokens: int, quant: str, report: Callable[[str, float
                 True,
                 False,
             )
+        if hasattr(launch, "RAW_POINTERS"):
+            modes["pinned, tensors to Triton's launcher (launch.RAW_POINTERS = False)"] = (True, True, True, False)
         memos = getattr(getattr(layer._experts, "ops", None), "memos", None)
         for m in memos or ():
             m.replays = 0
@@ -373,18 +391,23 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     replays = "profile with DeepGEMM replays (the default)"
     p.add_argument("--memo", action=argparse.BooleanOptionalAction, default=True, help=replays)
+    trees = "only the two eager rows per layer (no floor, no A/Bs): for A/Bs of two trees, one process each"
+    p.add_argument("--eager-only", action="store_true", help=trees)
     a = p.parse_args()
 
     def report(what: str, us: float) -> None:
         print(f"{us:9.1f} us  {what}", flush=True)
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    import moehal
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {moehal.__file__}")
     global PROFILE_MEMO
     PROFILE_MEMO = a.memo
-    floor(report)
+    if not a.eager_only:
+        floor(report)
     for shape in a.shapes.split(","):
         for t in a.tokens.split(","):
-            layer_rows(shape, int(t), a.quant, report, a.profile and t == a.tokens.split(",")[0])
+            layer_rows(shape, int(t), a.quant, report, a.profile and t == a.tokens.split(",")[0], a.eager_only)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ constexprs and options fixed when it is bound. At its second launch a site keeps
 and a check generated from that launch's key, which compares each positional argument with what
 the key holds (a tensor's dtype and alignment, an int's specialization, ...): no key tuple, no
 hashing, no keyword dict per call. The check is the key's own content, so a pinned launch is
-the launch the key would pick; any difference takes the keyed path above (and pins again).
+the launch the key would pick; any difference takes the keyed path above (and pins again). A
+pinned launch gives the launcher each GPU tensor as the address the check has read, so Triton's
+launcher skips its own `data_ptr()` call and driver query per tensor (`RAW_POINTERS`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from moehal.kernels.host import INTERPRETED
 ENABLED = True  # diagnostics (A/B of host time): False sends every launch through JITFunction.run
 VERIFY = False  # tests: check each fast launch against Triton's own choice of compiled kernel
 PINNED = True  # diagnostics (A/B of host time): False sends a site's launches through the keyed path
+RAW_POINTERS = True  # diagnostics (A/B of host time): False gives a pinned launch's tensors to Triton's launcher
+_DEVICE_FLAG = "is_cuda"  # the Tensor attribute that says its memory is the GPU's (a CPU test's seam)
 
 
 class _NoKey(Exception):
@@ -228,57 +232,80 @@ class Launcher:
         run, function, metadata, _, fixed, kernel = entry
         n = len(grid)
         dims = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
-        return _Pin(
-            device, key, self._make_check(args, key[2 : 2 + len(args)]), dims, run, function, metadata, fixed, kernel
+        prepare = self._make_prepare(args, key[2 : 2 + len(args)], fixed)
+        return _Pin(device, key, prepare, dims, run, function, metadata, kernel)
+
+    def _make_prepare(
+        self, args: tuple[Any, ...], specs: tuple[Any, ...], fixed: tuple[Any, ...]
+    ) -> Callable[[tuple[Any, ...], bool], tuple[Any, ...] | None]:
+        """`prepare(args, raw)`: the launcher's kernel arguments for positional `args` (then the
+        pinned launch's `fixed` trailing ones) if `args` have these key entries (`_key`'s
+        per-argument part for the pinned launch's `args`), else None. Generated as straight-line
+        code like `_make_keyer`'s. A bound forward passes the same int and float objects at
+        every call (strides, sizes, scalars), so those are compared by identity first.
+
+        With `raw`, a tensor whose memory is the GPU's (as the pinned launch's was) goes to the
+        launcher as its address, which the check reads anyway for the alignment: Triton's
+        launcher takes an int as the address itself, where for a tensor it calls `data_ptr()`
+        and asks the driver whether the address is device memory (`cuPointerGetAttribute`),
+        per tensor per launch. A tensor that is not on the GPU fails the check, and the keyed
+        path gives it to Triton, which refuses it as it always did.
+
+        The generated code depends on the entries only and is kept per entries: pinning again
+        (another token count's launch, or a launch bound anew) costs a dictionary lookup, not a
+        compile (about 0.6 ms)."""
+        device = tuple(
+            bool(getattr(a, _DEVICE_FLAG)) if isinstance(a, torch.Tensor) and a.__class__ is torch.Tensor else None
+            for a in args
         )
-
-    def _make_check(self, args: tuple[Any, ...], specs: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], bool]:
-        """`check(args)`: whether positional `args` have these key entries (`_key`'s per-argument
-        part for the pinned launch's `args`), generated as one expression like `_make_keyer`'s.
-        A bound forward passes the same int and float objects at every call (strides, sizes,
-        scalars), so those are compared by identity first. The generated code depends on the
-        entries only and is kept per entries: pinning again (another token count's launch, or a
-        launch bound anew) costs a dictionary lookup, not a compile (about 0.6 ms)."""
-        factory = self._checks.get(specs)
+        entries = (specs, device)
+        factory = self._checks.get(entries)
         if factory is None:
-            factory = self._checks[specs] = self._check_factory(specs)
-        return factory(*args)
+            factory = self._checks[entries] = self._prepare_factory(specs, device)
+        return factory(*args, fixed)
 
-    def _check_factory(self, specs: tuple[Any, ...]) -> Callable[..., Callable[[tuple[Any, ...]], bool]]:
+    def _prepare_factory(
+        self, specs: tuple[Any, ...], device: tuple[bool | None, ...]
+    ) -> Callable[..., Callable[[tuple[Any, ...], bool], tuple[Any, ...] | None]]:
         scope: dict[str, Any] = {"Tensor": torch.Tensor, "spec": _spec}
-        terms = []
+        lines = []
         for i, want in enumerate(specs):
             a, s, v = f"a{i}", f"s{i}", f"v{i}"
             scope[s] = want
             if self._constexpr[i]:
-                terms.append(f"{a} == {s}")
+                lines.append(f"if {a} != {s}: return None")
             elif type(want) is tuple and len(want) == 2 and isinstance(want[0], torch.dtype):  # a tensor
                 scope[f"d{i}"] = want[0]
-                aligned = "not" if want[1] else "bool"
-                terms.append(
-                    f"(({a}.dtype is d{i} and {aligned} ({a}.data_ptr() & 15)) if {a}.__class__ is Tensor "
-                    f"else spec({a}) == {s})"
-                )
+                misaligned = "p & 15" if want[1] else "not (p & 15)"
+                lines.append(f"if {a}.__class__ is Tensor:")
+                lines.append(f"    p = {a}.data_ptr()")
+                if device[i]:  # pinned on the GPU: only GPU tensors pass, and go as addresses
+                    lines.append(f"    if {a}.dtype is not d{i} or {misaligned} or not {a}.{_DEVICE_FLAG}: return None")
+                    lines.append(f"    if raw: {a} = p")
+                else:
+                    lines.append(f"    if {a}.dtype is not d{i} or {misaligned} or {a}.{_DEVICE_FLAG}: return None")
+                lines.append(f"elif spec({a}) != {s}: return None")
             elif type(want) is tuple and len(want) == 4 and all(type(b) is bool for b in want):  # an int
                 one, div, i32, u64 = want
-                terms.append(
-                    f"({a} is {v} or ({a}.__class__ is int and ({a} == 1) is {one} and (not ({a} & 15)) is {div} "
-                    f"and (-0x80000000 <= {a} < 0x80000000) is {i32} and ({a} >= 1 << 63) is {u64}))"
+                lines.append(
+                    f"if {a} is not {v} and not ({a}.__class__ is int and ({a} == 1) is {one} "
+                    f"and (not ({a} & 15)) is {div} and (-0x80000000 <= {a} < 0x80000000) is {i32} "
+                    f"and ({a} >= 1 << 63) is {u64}): return None"
                 )
             elif want is float:
-                terms.append(f"({a} is {v} or {a}.__class__ is float)")
+                lines.append(f"if {a} is not {v} and {a}.__class__ is not float: return None")
             else:  # bool, None, a descriptor: the general spec
-                terms.append(f"spec({a}) == {s}")
+                lines.append(f"if spec({a}) != {s}: return None")
         n = len(specs)
         names = "".join(f"a{i}, " for i in range(n))
-        unpack = f"        ({names}) = args\n" if n else ""
-        body = (
-            f"def factory({''.join(f'v{i}, ' for i in range(n))}):\n"
-            f"    def check(args):\n        if len(args) != {n}:\n            return False\n{unpack}"
-            f"        return {' and '.join(terms) or 'True'}\n"
-            f"    return check\n"
+        body = "".join(f"        {line}\n" for line in ([f"({names}) = args"] if n else []) + lines)
+        code = (
+            f"def factory({''.join(f'v{i}, ' for i in range(n))}fixed):\n"
+            f"    def prepare(args, raw):\n        if len(args) != {n}:\n            return None\n{body}"
+            f"        return ({names}*fixed,)\n"
+            f"    return prepare\n"
         )
-        exec(body, scope)  # noqa: S102 - generated from the kernel's parameters and one launch's key
+        exec(code, scope)  # noqa: S102 - generated from the kernel's parameters and one launch's key
         return scope["factory"]
 
 
@@ -286,12 +313,11 @@ class Launcher:
 class _Pin:
     device: int
     key: tuple[Any, ...]
-    check: Callable[[tuple[Any, ...]], bool]
+    prepare: Callable[[tuple[Any, ...], bool], tuple[Any, ...] | None]  # `Launcher._make_prepare`
     dims: tuple[Any, Any, Any]
     run: Any
     function: Any
     metadata: Any
-    fixed: tuple[Any, ...]
     kernel: Any
 
 
@@ -314,15 +340,14 @@ class Site:
         pin = self._pin
         if pin is not None and PINNED and ENABLED:
             get_device, get_stream, runtime = self.kernel._driver
-            if (
-                not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook))
-                and get_device() == pin.device and pin.check(args)
-            ):  # fmt: skip
+            hooked = _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+            launch_args = None if hooked or get_device() != pin.device else pin.prepare(args, RAW_POINTERS)
+            if launch_args is not None:
                 if VERIFY:
                     self._verify(pin, args)
                 g0, g1, g2 = pin.dims
                 stream = get_stream(pin.device)
-                pin.run(g0, g1, g2, stream, pin.function, pin.metadata, None, None, None, *args, *pin.fixed)
+                pin.run(g0, g1, g2, stream, pin.function, pin.metadata, None, None, None, *launch_args)
                 self.pinned += 1
                 self.kernel.hits += 1
                 self.kernel.pinned += 1

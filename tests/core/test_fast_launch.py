@@ -307,7 +307,7 @@ def test_a_pinned_site_takes_the_keyed_path_on_every_change_triton_specializes_o
     s, x, w = _pinned_site(runner)
     assert s._pin is not None
     args = change(x, 64, w)
-    assert not s._pin.check(args)
+    assert s._pin.prepare(args, True) is None
     if len(args) == 3:  # (a call with an argument missing is Triton's to refuse)
         s(*args)  # Triton's path: a new specialization
         assert s.pinned == 0 and runner.misses == 2 and len(fn.compiled) == 2
@@ -365,15 +365,22 @@ def test_verify_raises_when_a_pinned_kernel_is_not_tritons_choice(kernel, monkey
 @settings(max_examples=200, deadline=None)
 @given(first=st.lists(_values, min_size=0, max_size=5), second=st.lists(_values, min_size=0, max_size=5))
 def test_a_pins_check_passes_exactly_when_the_key_is_the_same(first, second):
-    """The generated check (`Launcher._make_check`) is the key's comparison, argument by argument:
-    it passes for another call's arguments exactly when that call's key equals the pinned one."""
+    """The generated check (`Launcher._make_prepare`) is the key's comparison, argument by
+    argument: it passes for another call's arguments exactly when that call's key equals the
+    pinned one, and then gives the arguments themselves (CPU tensors stay tensors)."""
     params = [Param(f"p{i}") for i in range(5)] + [Param("BLOCK", True)]
     runner = launch.Launcher(FakeJit(params))
     kwargs = {"BLOCK": 16}
     key = runner._key(0, tuple(first), kwargs)
-    check = runner._make_check(tuple(first), key[2 : 2 + len(first)])
-    assert check(tuple(first))
-    assert check(tuple(second)) == (runner._key(0, tuple(second), kwargs) == key)
+    prepare = runner._make_prepare(tuple(first), key[2 : 2 + len(first)], (16,))
+    assert _same(prepare(tuple(first), True), (*first, 16))
+    got = prepare(tuple(second), True)
+    assert (got is not None) == (runner._key(0, tuple(second), kwargs) == key)
+    assert got is None or _same(got, (*second, 16))
+
+
+def _same(got: tuple[Any, ...] | None, want: tuple[Any, ...]) -> bool:
+    return got is not None and len(got) == len(want) and all(g is w or g == w for g, w in zip(got, want, strict=True))
 
 
 def test_pinning_again_reuses_the_generated_check(kernel):
@@ -386,8 +393,31 @@ def test_pinning_again_reuses_the_generated_check(kernel):
         s(x, n, w)
         s(x, n, w)
     assert len(runner._checks) == 1
-    assert first._pin.check((x, 64, w)) and second._pin.check((x, 32, w))
-    assert not second._pin.check((x, 33, w))
+    assert first._pin.prepare((x, 64, w), True) is not None and second._pin.prepare((x, 32, w), True) is not None
+    assert second._pin.prepare((x, 33, w), True) is None
     second(x, 33, w)  # another key: Triton's path, then its own check
     second(x, 33, w)
-    assert len(runner._checks) == 2 and second._pin.check((x, 33, w))
+    assert len(runner._checks) == 2 and second._pin.prepare((x, 33, w), True) is not None
+
+
+def test_a_pinned_launch_gives_gpu_tensors_to_the_launcher_as_their_addresses(kernel, monkeypatch):
+    """Tensors on the GPU (here: CPU tensors, standing in through `_DEVICE_FLAG`) go to the
+    launcher as the addresses the check read; `RAW_POINTERS = False` gives it the tensors. A
+    tensor that is not on the GPU where the pinned one was takes the keyed path, whose launcher
+    (Triton's) refuses it."""
+    monkeypatch.setattr(launch, "_DEVICE_FLAG", "is_cpu")
+    fn, runner, _ = kernel
+    s, x, w = _pinned_site(runner)
+    x2, w2 = torch.zeros(64), torch.full((8,), 2.0)
+    s(x2, 48, w2)
+    (compiled,) = fn.compiled.values()
+    assert compiled.launches[-1][9:] == (x2.data_ptr(), 48, w2.data_ptr(), 32, 7)
+    monkeypatch.setattr(launch, "RAW_POINTERS", False)
+    s(x2, 48, w2)
+    assert compiled.launches[-1][9:] == (x2, 48, w2, 32, 7)
+    assert s.pinned == 2
+    elsewhere = torch.zeros(64, device="meta")  # not "on the GPU": its address is not device memory
+    assert s._pin.prepare((elsewhere, 48, w2), True) is None
+    s(elsewhere, 48, w2)
+    assert s.pinned == 2 and runner.hits == 4  # the keyed path's hit, with the tensor as it is
+    assert compiled.launches[-1][9:] == (elsewhere, 48, w2, 32, 7)

@@ -83,8 +83,6 @@ class PermuteRunner(DispatchRunner):
         return tp.contiguous_workspace(name, rows, cap, c.hidden_size, dt, device, self.quant)
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, PermuteHandle]:
-        from moehal.kernels import triton_permute as tp
-
         t = hidden.shape[0]
         weights = topk.weights.float() if topk.weights.dtype != torch.float32 else topk.weights
         layout = self.fmt.layout
@@ -108,12 +106,14 @@ class PermuteRunner(DispatchRunner):
         masked = layout is Layout.MASKED
         bound = self._bound.get(t)
         if bound is None:  # the destination, tiles and launch arguments of this token count
+            from moehal.kernels import triton_permute as tp  # (not per call: ~1 us of an eager step)
+
             h = hidden.shape[1]
             bound = (
                 tp.bind_permute(
                     t, self.k, h, self._buffer(t, hidden.device), expert_start=self.start, num_local_experts=self.e,
                     masked=masked, alignment=self.fmt.row_alignment, ue8m0=self.ue8m0, weight_on_input=self.on_input,
-                    static_scale=self.static_scale,
+                    static_scale=self.static_scale, keep=t <= KEEP_BOUND_TOKENS,
                 ),
                 tp.bind_combine(
                     t, self.k, h, masked=masked, weighted=not self.on_input, scaling=self.scale, out_dtype=self.dtype
@@ -137,8 +137,6 @@ class PermuteRunner(DispatchRunner):
         return y if y is out else out.copy_(y)
 
     def _combine(self, expert_out: Any, handle: PermuteHandle, out: torch.Tensor | None) -> torch.Tensor:
-        from moehal.kernels import triton_permute as tp
-
         if isinstance(expert_out, StandardOutput):
             y = expert_out.hidden
             if self.scale == 1.0 or expert_out.scaled:
@@ -148,6 +146,8 @@ class PermuteRunner(DispatchRunner):
             assert handle.slot_row is not None
             launch = handle.combine
             if launch is None or launch.masked != isinstance(expert_out, MaskedOutput):  # experts of another layout
+                from moehal.kernels import triton_permute as tp
+
                 return tp.combine(
                     expert_out.hidden, handle.slot_row, handle.weights, handle.num_tokens, self.k,
                     masked=isinstance(expert_out, MaskedOutput), scaling=self.scale, out_dtype=self.dtype, out=out,

@@ -591,14 +591,31 @@ def workspace(
     return buf
 
 
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A process-wide tensor per (role, shape, dtype, device), for what a call writes before it
+    reads and drops after its forward (a decode step's slot rows, the token-major kernels'
+    activation rows): a `torch.empty` per call cost an eager decode step 2.3 us of host time
+    on an H200 host (docs/device-runs/2026-11-25-session28). The same rule as `workspace`: not
+    for concurrent use from two streams. For launches bound per token count and kept (decode
+    sizes), so the shapes a process sees stay few."""
+    key = (role, shape, dtype, torch.device(device))
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
 def release_workspaces(device: torch.device | str | None = None) -> int:
-    """Forget the process-wide workspaces (of `device`, or of every device) and return the bytes
-    they held. For a process done with one model's layers that builds others: a benchmark moving
-    to another shape or batch bound, an engine unloading a model. The memory is freed once the
-    old layers, which keep the buffers they bound, are gone; layers built afterwards allocate
-    their own. Without it, every (shape, max_tokens) a process ever built keeps its buffers:
-    `moehal bench` ran an H100 out of memory that way after 60 rows of three shapes
-    (docs/device-runs/2026-11-24-session25)."""
+    """Forget the process-wide workspaces and `scratch` (of `device`, or of every device) and
+    return the bytes they held. For a process done with one model's layers that builds others:
+    a benchmark moving to another shape or batch bound, an engine unloading a model. The memory
+    is freed once the old layers, which keep the buffers they bound, are gone; layers built
+    afterwards allocate their own. Without it, every (shape, max_tokens) a process ever built
+    keeps its buffers: `moehal bench` ran an H100 out of memory that way after 60 rows of three
+    shapes (docs/device-runs/2026-11-24-session25)."""
     dev = None if device is None else torch.device(device)
     held = 0
     for key in [k for k in _WORKSPACE if dev is None or k[4] == dev]:
@@ -608,6 +625,8 @@ def release_workspaces(device: torch.device | str | None = None) -> int:
             for t in (buf.hidden, buf.scales, buf.written, buf.expert_rows, buf.counts)
             if t is not None
         )
+    for key in [k for k in _SCRATCH if dev is None or k[3] == dev]:
+        held += _SCRATCH.pop(key).untyped_storage().nbytes()
     return held
 
 
@@ -793,11 +812,14 @@ def bind_permute(
     ue8m0: bool = False,
     weight_on_input: bool = False,
     static_scale: torch.Tensor | None = None,
+    keep: bool = False,
 ) -> BoundPermute:
     """`permute`'s launches for `t` tokens of `top_k` slots and `h` columns into `dest`: tiles,
     grid and every argument but the call's tensors, decided once. An eager dispatcher keeps
     one per token count (host time of a decode step). `static_scale` is bound too: the layer's
-    static input scale, a tensor whose value may change but which stays the same tensor."""
+    static input scale, a tensor whose value may change but which stays the same tensor.
+    `keep`: the caller keeps this bind for its token count; its slot rows are then process-wide
+    scratch (`scratch`), valid until the next dispatch of the same size, like `dest`."""
     e = num_local_experts
     s = t * top_k
     quant = dest.scales is not None
@@ -842,8 +864,9 @@ def bind_permute(
     else:
         n_split = 1
         n_row = cdiv(num_rows, block_r)
+    slot_rows = scratch("permute.slot_row", (max(s, 1),), torch.int32, out.device) if keep else None
     return BoundPermute(
-        s, e, expert_start, masked, fused_pos, kept, dest, num_rows,
+        s, e, expert_start, masked, fused_pos, kept, dest, num_rows, slot_rows,
         (n_slot + n_row,) if n_slot + n_row > 0 else None,
         (out, so_e, so_m, sc, ss_e, ss_m, ss_g, static_scale if static_scale is not None else sc),
         (s, num_rows, max_m, expert_start, n_slot, n_hc, h),
@@ -861,8 +884,9 @@ def bind_permute(
 @dataclass(frozen=True)
 class BoundPermute:
     """`permute` for one token count into one destination (`bind_permute`). A call allocates
-    what each call returns (slot rows; a contiguous layout's row experts and segment starts),
-    runs the positions pass when the batch needs one, and launches the scatter."""
+    what each call returns (slot rows, unless the bind is kept; a contiguous layout's row
+    experts and segment starts), runs the positions pass when the batch needs one, and
+    launches the scatter."""
 
     slots: int
     experts: int
@@ -872,6 +896,7 @@ class BoundPermute:
     kept: torch.Tensor | None  # the destination's persistent per-expert counts (masked)
     dest: PaddedBuffer
     num_rows: int
+    slot_rows: torch.Tensor | None  # process-wide slot rows of a kept bind, else None: one per call
     grid: tuple[int] | None  # None: nothing to launch
     dest_args: tuple  # out, its strides, scales (or out), their strides, the static scale (or scales)
     scalars: tuple  # slots, rows, max_m, expert_start, slot programs, column chunks, H
@@ -883,7 +908,9 @@ class BoundPermute:
         ids = _dense(topk_ids)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+        slot_row = self.slot_rows
+        if slot_row is None:
+            slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
         if self.fused_pos:  # the scatter kernel's programs compare the slot ids themselves
             counts = self.kept if self.kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
             slot_pos = slot_row  # not read with FUSED_POS: any int32 tensor will do

@@ -32,6 +32,7 @@ from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
+from moehal.kernels.triton_permute import scratch
 
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
 _BLOCK_M = 16
@@ -386,7 +387,7 @@ def bind_token_gemm_combine(
     split = split or combine_split(top_k, t, h, cfg.block_n)
     if top_k % split:
         raise ValueError(f"split={split} does not divide top_k={top_k}")
-    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out.dtype)
+    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out)
 
 
 # --- launches bound once per token count ---------------------------------------------------------
@@ -433,8 +434,8 @@ class _ActLaunch:
 @dataclass(frozen=True)
 class _CombineLaunch:
     """`_token_gemm_combine_kernel`'s launch for one token count and one layer's weights: all
-    but act, ids, the router weights and out fixed. A split launch gets a new partial-sums
-    buffer per call, as `token_gemm_combine` always did."""
+    but act, ids, the router weights and out fixed. A split launch writes its partial sums to
+    process-wide scratch (`triton_permute.scratch`), bound with the launch."""
 
     grid: tuple[int]
     cells: int  # (token, N tile) pairs
@@ -442,15 +443,17 @@ class _CombineLaunch:
     weights: tuple  # w2, bias (or w2), the bias' expert stride
     tail: tuple  # w2's strides, scaling, tokens
     kw: dict
+    device: torch.device  # out's: where the split's partial sums and arrival counters live
 
     @staticmethod
     def bind(
         t: int, top_k: int, w2: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig, split: int,
-        scaling: float, use_weights: bool, out_dtype: torch.dtype,
+        scaling: float, use_weights: bool, out: torch.Tensor,
     ) -> _CombineLaunch:  # fmt: skip
         e, h, i = w2.shape
         b = bias if bias is not None else w2
         cells = t * cdiv(h, cfg.block_n)
+        out_dtype = out.dtype
         return _CombineLaunch(
             (cells * split,),
             cells,
@@ -464,17 +467,22 @@ class _CombineLaunch:
                 EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
+            out.device,
         )  # fmt: skip
+
+    @functools.cached_property
+    def _split_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(partial sums, arrival counters) of a split launch: process-wide (`scratch`)."""
+        if not self.partial_numel:
+            return None
+        partial = scratch("token.partial", (self.partial_numel,), torch.float32, self.device)
+        return partial, _arrivals(self.cells, self.device)
 
     def __call__(
         self, act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor
     ) -> torch.Tensor:
         w2, b, sb = self.weights
-        if self.partial_numel:
-            partial = torch.empty(self.partial_numel, dtype=torch.float32, device=out.device)
-            arrivals = _arrivals(self.cells, out.device)
-        else:
-            partial = arrivals = out  # unused
+        partial, arrivals = self._split_buffers or (out, out)  # (unused without a split)
         self._site(
             act, act.stride(0), ids, weights if weights is not None else ids, w2, b, sb, out, out.stride(0),
             partial, arrivals, *self.tail,
@@ -511,29 +519,34 @@ class TokenMoE:
     ) -> None:
         self.w13, self.w13_bias, self.w2, self.w2_bias = w13, w13_bias, w2, w2_bias
         self.activation, self.gated, self.alpha, self.limit, self.scaling = activation, gated, alpha, limit, scaling
-        self._plans: dict[tuple[int, bool], tuple[_ActLaunch, _CombineLaunch]] = {}
+        # (token count, weighted) -> the two launches and the activation rows between them
+        self._plans: dict[tuple[int, bool], tuple[_ActLaunch, _CombineLaunch, torch.Tensor]] = {}
 
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor
     ) -> torch.Tensor:
         """out `[T, H]` = the layer's result for x `[T, H]`, local ids `[T, K]` and fp32 router
-        weights `[T, K]` (contiguous; None: unweighted)."""
-        t, top_k = ids.shape
-        act = torch.empty(t * top_k, self.w2.shape[2], dtype=x.dtype, device=x.device)
-        plan = self._plans.get((t, weights is not None))
+        weights `[T, K]` (contiguous; None: unweighted). The activation rows between the two
+        kernels are process-wide scratch (`triton_permute.scratch`): calls of layers of one
+        shape must not overlap on different streams, as with the permute's workspaces."""
+        plan = self._plans.get((ids.shape[0], weights is not None))
         if (
             plan is None or x.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous()
             or (weights is not None and not weights.is_contiguous())
         ):  # fmt: skip
-            return self._checked(x, ids, weights, act, out)
-        plan[0](x, ids, act)
-        return plan[1](act, ids, weights, out)
+            return self._checked(x, ids, weights, out)
+        first, second, act = plan
+        first(x, ids, act)
+        return second(act, ids, weights, out)
 
     def _checked(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, act: torch.Tensor, out: torch.Tensor
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor
     ) -> torch.Tensor:
         """The first call of a token count (or an unusual one): the checked binds, which raise
         on what the kernels cannot take; their launches are kept for the token count."""
+        t, top_k = ids.shape
+        shape = (t * top_k, self.w2.shape[2])
+        act = scratch("token.act", shape, x.dtype, x.device) if t else x.new_empty(shape)
         first = bind_token_gemm_act(
             x, ids, self.w13, self.w13_bias, act, activation=self.activation, gated=self.gated,
             alpha=self.alpha, limit=self.limit,
@@ -541,6 +554,6 @@ class TokenMoE:
         second = bind_token_gemm_combine(act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling)
         if first is None or second is None:  # no tokens
             return out
-        self._plans[(ids.shape[0], weights is not None)] = (first, second)
+        self._plans[(t, weights is not None)] = (first, second, act)
         first(x, ids, act)
         return second(act, ids, weights, out)

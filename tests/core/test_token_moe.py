@@ -124,6 +124,36 @@ def test_token_moe_binds_each_token_count_once_and_matches_the_functions():
         moe(strided, ids[:1], wts[:1], torch.empty(1, 128, dtype=torch.bfloat16, device=DEV))
 
 
+def test_token_moe_layers_of_one_shape_share_their_scratch_and_stay_exact():
+    """The activation rows and a split combine's partial sums are process-wide scratch (no
+    allocation per eager call): two layers of one shape share them, and calls alternating
+    between the layers on one stream each give what the checked functions give."""
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_token_moe import TokenMoE, token_gemm_act, token_gemm_combine
+
+    cfg = moehal.MoEConfig(num_experts=8, top_k=4, hidden_size=128, intermediate_size=64)
+    kw = dict(activation=_ACTS["silu"], gated=True, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    layers = []
+    for seed in (1, 2):
+        weights, *_ = build_problem(cfg, moehal.QuantScheme.parse("bf16"), seed)
+        w13, w2 = weights.w13.to(DEV), weights.w2.to(DEV)
+        layers.append((TokenMoE(w13, None, w2, None, scaling=1.0, **kw), w13, w2))
+    g = torch.Generator().manual_seed(5)
+    for step in range(4):
+        moe, w13, w2 = layers[step % 2]
+        x = torch.randn(1, 128, generator=g).bfloat16().to(DEV)
+        ids = torch.randperm(8, generator=g)[:4].view(1, 4).int().to(DEV)
+        wts = torch.rand(1, 4, generator=g).to(DEV)
+        act = torch.empty(4, 64, dtype=torch.bfloat16, device=DEV)
+        token_gemm_act(x, ids, w13, None, act, **kw)
+        want = token_gemm_combine(act, ids, wts, w2, None, torch.empty(1, 128, dtype=torch.bfloat16, device=DEV))
+        out = torch.full((1, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+        assert torch.equal(moe(x, ids, wts, out), want)
+    (first, second) = (layer[0]._plans[(1, True)] for layer in layers)
+    assert first[2] is second[2]  # one activation buffer
+    assert first[1].partial_numel and first[1]._split_buffers[0] is second[1]._split_buffers[0]
+
+
 def test_combine_split_rule():
     from moehal.kernels.triton_token_moe import COMBINE_PROGRAMS, combine_split
 

@@ -339,6 +339,12 @@ def test_released_workspaces_are_forgotten_and_counted(monkeypatch):
     assert a.hidden.shape == (4, 64, 256), "a buffer handed out before stays as it was"
     assert TP.workspace("test.release", (4, 64), 256, torch.bfloat16, other, False) is b, "another device's stays"
     assert TP.release_workspaces() > 0 and not TP._WORKSPACE
+    monkeypatch.setattr(TP, "_SCRATCH", {})  # scratch (a kept bind's slot rows) goes the same way
+    rows = TP.scratch("test.release", (16,), torch.int32, DEV)
+    assert TP.scratch("test.release", (16,), torch.int32, DEV) is rows
+    assert TP.scratch("test.release", (16,), torch.int32, other) is not rows
+    assert TP.release_workspaces(DEV) == 16 * 4 and len(TP._SCRATCH) == 1
+    assert TP.scratch("test.release", (16,), torch.int32, DEV) is not rows
 
 
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
@@ -373,6 +379,10 @@ def test_the_dispatcher_binds_each_decode_token_count_once(layout, monkeypatch):
         torch.testing.assert_close(y.cpu().float(), want.float(), rtol=1e-2, atol=1e-2)
     assert sorted(runner._bound) == [3, 5], "decode counts kept, 12 tokens (> KEEP_BOUND_TOKENS) bound per call"
     assert all(combine.num_tokens == t for t, (_, combine) in runner._bound.items()), "each count's own combine"
+    # a kept count's slot rows are process-wide scratch, written by every call: no allocation
+    rows = runner._bound[3][0].slot_rows
+    assert rows is not None and rows.shape == (6,)
+    assert runner.dispatch(_x(3, 9), TopK(*_routing(3, 8, 2, 9)))[1].slot_row is rows
 
 
 @pytest.mark.parametrize("masked", [True, False])

@@ -570,6 +570,15 @@ def stale_splits(max_m: int, block_r: int, num_experts: int) -> int:
 _WORKSPACE: dict[tuple, PaddedBuffer] = {}
 
 
+def _device_key(device: torch.device | str) -> torch.device:
+    """`device` as tensors record it: "cuda" is the current CUDA device, with its index (so that
+    `release_workspaces("cuda")` finds the buffers of tensors on cuda:0)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def workspace(
     role: str,
     lead: tuple[int, ...],
@@ -584,10 +593,11 @@ def workspace(
     number of layers). Not for concurrent use from two streams. `bitmap_cols`: cells per row
     of a contiguous buffer's written-rows bitmap (kernels that split rows over column chunks
     keep one each)."""
-    key = (role, lead, cols, dtype, torch.device(device), quant, bitmap_cols)
+    dev = _device_key(device)
+    key = (role, lead, cols, dtype, dev, quant, bitmap_cols)
     buf = _WORKSPACE.get(key)
     if buf is None:
-        buf = _WORKSPACE[key] = alloc_padded(lead, cols, dtype, torch.device(device), quant, bitmap_cols)
+        buf = _WORKSPACE[key] = alloc_padded(lead, cols, dtype, dev, quant, bitmap_cols)
     return buf
 
 
@@ -601,7 +611,7 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     on an H200 host (docs/device-runs/2026-11-25-session28). The same rule as `workspace`: not
     for concurrent use from two streams. For launches bound per token count and kept (decode
     sizes), so the shapes a process sees stay few."""
-    key = (role, shape, dtype, torch.device(device))
+    key = (role, shape, dtype, _device_key(device))
     buf = _SCRATCH.get(key)
     if buf is None:
         buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
@@ -616,7 +626,7 @@ def release_workspaces(device: torch.device | str | None = None) -> int:
     afterwards allocate their own. Without it, every (shape, max_tokens) a process ever built
     keeps its buffers: `moehal bench` ran an H100 out of memory that way after 60 rows of three
     shapes (docs/device-runs/2026-11-24-session25)."""
-    dev = None if device is None else torch.device(device)
+    dev = None if device is None else _device_key(device)
     held = 0
     for key in [k for k in _WORKSPACE if dev is None or k[4] == dev]:
         buf = _WORKSPACE.pop(key)

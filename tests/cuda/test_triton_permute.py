@@ -330,6 +330,7 @@ def test_released_workspaces_are_forgotten_and_counted(monkeypatch):
     """`release_workspaces`: later calls allocate afresh; buffers already handed out stay valid
     (their layers keep them); only the named device's are dropped."""
     monkeypatch.setattr(TP, "_WORKSPACE", {})
+    monkeypatch.setattr(TP, "_SCRATCH", {})
     a = TP.workspace("test.release", (4, 64), 256, torch.float8_e4m3fn, DEV, True)
     other = torch.device("meta")
     b = TP.workspace("test.release", (4, 64), 256, torch.bfloat16, other, False)
@@ -339,12 +340,18 @@ def test_released_workspaces_are_forgotten_and_counted(monkeypatch):
     assert a.hidden.shape == (4, 64, 256), "a buffer handed out before stays as it was"
     assert TP.workspace("test.release", (4, 64), 256, torch.bfloat16, other, False) is b, "another device's stays"
     assert TP.release_workspaces() > 0 and not TP._WORKSPACE
-    monkeypatch.setattr(TP, "_SCRATCH", {})  # scratch (a kept bind's slot rows) goes the same way
+    # scratch (a kept bind's slot rows, the token-major kernels' activation rows) goes the same way
     rows = TP.scratch("test.release", (16,), torch.int32, DEV)
     assert TP.scratch("test.release", (16,), torch.int32, DEV) is rows
     assert TP.scratch("test.release", (16,), torch.int32, other) is not rows
     assert TP.release_workspaces(DEV) == 16 * 4 and len(TP._SCRATCH) == 1
     assert TP.scratch("test.release", (16,), torch.int32, DEV) is not rows
+    if DEV.type == "cuda":  # "cuda" and the current device's index name the same buffers
+        indexed = torch.device("cuda", torch.cuda.current_device())
+        kept = TP.scratch("test.release", (16,), torch.int32, indexed)
+        assert TP.scratch("test.release", (16,), torch.int32, torch.device("cuda")) is kept
+        assert TP.release_workspaces("cuda") > 0
+        assert TP.scratch("test.release", (16,), torch.int32, indexed) is not kept
 
 
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])

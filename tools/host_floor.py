@@ -159,6 +159,22 @@ def floor(report: Callable[[str, float], None]) -> None:
         direct_raw()
         torch.cuda.synchronize()
         report("Triton launch, 16 args (CompiledKernel.run, tensors as addresses)", host_us(direct_raw))
+        # beneath the launcher's Python wrapper (CudaLauncher.__call__): its C launch function,
+        # with Triton 3.6's argument order (a measurement only; moehal does not call it)
+        run = ck.run
+        if run.global_scratch_size == 0 and run.profile_scratch_size == 0:
+            coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+            def c_launch() -> None:
+                run.launch(1, 1, 1, stream, ck.function, coop, pdl, None, None, ck.packed_metadata, None, None, None,
+                           *raw)  # fmt: skip
+
+            try:
+                c_launch()
+                torch.cuda.synchronize()
+                report("Triton launch, 16 args (the launcher's C function, addresses)", host_us(c_launch))
+            except Exception as exc:  # another release's argument order
+                print(f"C launch failed: {type(exc).__name__}: {exc}")
     except Exception as exc:  # the launcher's signature differs across Triton releases
         print(f"direct launch failed: {type(exc).__name__}: {exc}")
     try:

@@ -254,10 +254,7 @@ class Launcher:
         The generated code depends on the entries only and is kept per entries: pinning again
         (another token count's launch, or a launch bound anew) costs a dictionary lookup, not a
         compile (about 0.6 ms)."""
-        device = tuple(
-            bool(getattr(a, _DEVICE_FLAG)) if isinstance(a, torch.Tensor) and a.__class__ is torch.Tensor else None
-            for a in args
-        )
+        device = tuple(bool(getattr(a, _DEVICE_FLAG)) if isinstance(a, torch.Tensor) else None for a in args)
         entries = (specs, device)
         factory = self._checks.get(entries)
         if factory is None:

@@ -421,3 +421,15 @@ def test_a_pinned_launch_gives_gpu_tensors_to_the_launcher_as_their_addresses(ke
     s(elsewhere, 48, w2)
     assert s.pinned == 2 and runner.hits == 4  # the keyed path's hit, with the tensor as it is
     assert compiled.launches[-1][9:] == (elsewhere, 48, w2, 32, 7)
+    # pinned on a Tensor subclass (a weight kept as a Parameter): plain tensors still pin and
+    # go as addresses; the subclass itself goes as it is (Triton's spec decides for it)
+    monkeypatch.setattr(launch, "RAW_POINTERS", True)
+    param = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    p = launch.site(runner, (1,), BLOCK=32)
+    p(param, 64, w)
+    p(param, 64, w)
+    p(x2, 64, w2)
+    p(param, 64, w2)
+    assert p.pinned == 2
+    assert compiled.launches[-2][9:] == (x2.data_ptr(), 64, w2.data_ptr(), 32, 7)
+    assert compiled.launches[-1][9] is param

@@ -154,6 +154,82 @@ def test_token_moe_layers_of_one_shape_share_their_scratch_and_stay_exact():
     assert first[1].partial_numel and first[1]._split_buffers[0] is second[1]._split_buffers[0]
 
 
+def _silu_moe(seed: int = 1, top_k: int = 4):
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_token_moe import TokenMoE
+
+    cfg = moehal.MoEConfig(num_experts=8, top_k=top_k, hidden_size=128, intermediate_size=64)
+    weights, *_ = build_problem(cfg, moehal.QuantScheme.parse("bf16"), seed)
+    w13, w2 = weights.w13.to(DEV), weights.w2.to(DEV)
+    return lambda: TokenMoE(w13, None, w2, None, activation=_ACTS["silu"], gated=True, alpha=0.0, limit=0.0,
+                            scaling=1.0)  # fmt: skip
+
+
+def _decode_inputs(t: int, g: torch.Generator, top_k: int = 4):
+    x = torch.randn(t, 128, generator=g).bfloat16().to(DEV)
+    ids = torch.stack([torch.randperm(8, generator=g)[:top_k] for _ in range(t)]).int().to(DEV)
+    return x, ids, torch.rand(t, top_k, generator=g).to(DEV)
+
+
+def test_pdl_is_bound_where_it_can_run_and_refused_where_it_cannot():
+    """`TokenMoE` binds its pair with programmatic dependent launch (GEMM1 releases, the
+    combine launches early, prefetches and waits) exactly where `pdl_supported` says so: a
+    compiled Triton on an SM90+ GPU. Elsewhere (the interpreter, the CPU) the pair launches in
+    order, and asking for PDL is an error, not a silent fallback."""
+    from moehal.kernels import triton_token_moe as tm
+
+    assert not tm.pdl_supported(torch.device("cpu"))
+    moe = _silu_moe()()
+    x, ids, wts = _decode_inputs(1, torch.Generator().manual_seed(0))
+    moe(x, ids, wts, torch.empty(1, 128, dtype=torch.bfloat16, device=DEV))
+    first, second, _ = moe._plans[(1, True)]
+    on = tm.pdl_supported(x.device)
+    assert first.kw["RELEASE"] is on and second.kw["PDL"] is on
+    assert second.kw.get("launch_pdl", False) is on
+    assert second.kw["PREFETCH"] == (tm.PREFETCH if on else 0)
+    assert second.kw["LINE"] == 64 and second.kw["LINES"] == 1  # 64 bf16 per 128-byte line; I = 64
+    if not on:
+        act = torch.empty(4, 64, dtype=torch.bfloat16, device=DEV)
+        with pytest.raises(ValueError, match="SM90"):
+            tm.bind_token_gemm_combine(act, ids, wts, moe.w2, None, torch.empty(1, 128, dtype=torch.bfloat16,
+                                       device=DEV), pdl=True)  # fmt: skip
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="programmatic dependent launch runs on a GPU")
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_pdl_pair_is_bitwise_the_in_order_pair_eager_and_replayed(monkeypatch, prefetch):
+    """The combine launched early (and prefetching w2 under each L2 policy) computes what the
+    in-order pair computes, bit for bit: eagerly at 1, 3 and 4 tokens (split and unsplit
+    combines), and replayed from a CUDA graph on new inputs."""
+    from moehal.graphs import capture
+    from moehal.kernels import triton_token_moe as tm
+
+    if not tm.pdl_supported(torch.device(DEV)):
+        pytest.skip("this GPU has no programmatic dependent launch (SM90+)")
+    make = _silu_moe(seed=2)
+    monkeypatch.setattr(tm, "PDL", False)
+    in_order = make()
+    monkeypatch.setattr(tm, "PDL", True)
+    monkeypatch.setattr(tm, "PREFETCH", prefetch)
+    early = make()
+    g = torch.Generator().manual_seed(prefetch)
+    for t in (1, 3, 4, 1):
+        x, ids, wts = _decode_inputs(t, g)
+        want = in_order(x, ids, wts, torch.empty(t, 128, dtype=torch.bfloat16, device=DEV))
+        got = early(x, ids, wts, torch.full((t, 128), float("nan"), dtype=torch.bfloat16, device=DEV))
+        assert torch.equal(got, want)
+    assert early._plans[(1, True)][1].kw["PDL"] and early._plans[(1, True)][1].kw["PREFETCH"] == prefetch
+    x, ids, wts = _decode_inputs(1, g)
+    out = torch.empty(1, 128, dtype=torch.bfloat16, device=DEV)
+    graph, _ = capture(lambda: early(x, ids, wts, out), torch.device(DEV), warmup=1)
+    for _ in range(3):
+        nx, nids, nwts = _decode_inputs(1, g)
+        x.copy_(nx), ids.copy_(nids), wts.copy_(nwts)
+        graph.replay()
+        want = in_order(nx, nids, nwts, torch.empty(1, 128, dtype=torch.bfloat16, device=DEV))
+        assert torch.equal(out, want)
+
+
 def test_combine_split_rule():
     from moehal.kernels.triton_token_moe import COMBINE_PROGRAMS, combine_split
 

@@ -95,7 +95,7 @@ def compile_for(
     target = GPUTarget(backend, arch, warp)
     done = []
     for fn, sig, consts, options in launches:
-        opts = {k: v for k, v in options.items() if k in ("num_warps", "num_stages", "num_ctas", "launch_pdl")}
+        opts = {k: v for k, v in options.items() if k in ("num_warps", "num_stages", "num_ctas")}
         try:
             out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=opts)
         except Exception as exc:
@@ -108,11 +108,6 @@ def compile_for(
             if backend == "cuda" and "cp.async.bulk.tensor" not in out.asm["ptx"]:
                 raise RuntimeError(f"{name} {consts}: a tensor descriptor, but no TMA copy in the PTX")
             name += "[tensordesc]"
-        if opts.get("launch_pdl"):
-            # launched with programmatic dependent launch: it must wait for the kernel before it
-            if backend == "cuda" and "griddepcontrol.wait" not in out.asm["ptx"]:
-                raise RuntimeError(f"{name} {consts}: launched with PDL, but no griddepcontrol.wait in the PTX")
-            name += "[pdl]"
         done.append(name)
     return done
 

@@ -34,28 +34,8 @@ from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
 from moehal.kernels.triton_permute import scratch
 
-try:  # grid dependency control (programmatic dependent launch, SM90+)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without it: the combine is never launched early (`pdl_supported`)
-    gdc_launch_dependents = gdc_wait = None
-
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
 _BLOCK_M = 16
-
-
-@triton.jit
-def _prefetch_l2(ptrs, POLICY: tl.constexpr):
-    """Ask for each address' 128-byte line in L2 (no registers, no wait); POLICY 2 marks the
-    lines to be evicted last, 1 leaves the cache's default policy."""
-    if POLICY == 2:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-    else:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
 
 
 # the token count is a plain argument (one compile serves every decode size a graph captures)
@@ -88,10 +68,7 @@ def _token_gemm_act_kernel(
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
-    RELEASE: tl.constexpr,
 ):
-    if RELEASE:  # let the combine be scheduled now: it prefetches its weights (see PDL)
-        gdc_launch_dependents()
     # N-tile-major order: the programs running together read one N tile of every slot's
     # expert, so slots that share an expert share that tile in L2
     pid = tl.program_id(0)
@@ -146,10 +123,6 @@ def _token_gemm_combine_kernel(
     USE_WEIGHTS: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
-    LINES: tl.constexpr,
 ):
     # N-tile-major, as in _token_gemm_act_kernel; SPLIT programs share a (token, N tile), each
     # summing TOP_K / SPLIT of its experts (more weight bytes in flight per SM)
@@ -173,25 +146,11 @@ def _token_gemm_combine_kernel(
     live = (ids >= 0) & (ids < E)
     ids = tl.where(live, ids, 0)
     wts = tl.where(live, wts, 0.0)
-    K_PART: tl.constexpr = TOP_K // SPLIT
-    if PREFETCH > 0:
-        # Launched early (PDL), while GEMM1 still runs: pull this program's w2 rows into L2,
-        # one address per 128-byte line. Ids and router weights were written before GEMM1
-        # started, so they are safe to read before the wait; act is not.
-        lines = tl.arange(0, LINES) * LINE
-        for q in tl.static_range(K_PART):
-            pick = kk == part * K_PART + q
-            e64 = tl.sum(tl.where(pick, ids, 0), axis=0).to(tl.int64)
-            on = tl.sum(tl.where(pick & live, 1, 0), axis=0)
-            ok = n_mask[:, None] & (lines < I_SIZE * on)[None, :]
-            p = b_ptr + e64 * stride_be + offs_n[:, None] * stride_bn + lines[None, :]
-            _prefetch_l2(tl.where(ok, p, b_ptr), PREFETCH)
-    if PDL:
-        gdc_wait()  # GEMM1's act rows are complete and visible from here on
     NK: tl.constexpr = I_SIZE // BLOCK_K
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # one flat loop over (k, K tile): the pipeline runs across experts without draining
+    K_PART: tl.constexpr = TOP_K // SPLIT
     for j in range(0, K_PART * NK):
         k = part * K_PART + j // NK
         kb = j % NK
@@ -261,28 +220,6 @@ TILE_N = 32
 # 1 at four); 512 split Qwen3's 4-token combine in 2 and cost it ~7 us.
 COMBINE_PROGRAMS = 256
 
-# Programmatic dependent launch (PDL) of TokenMoE's pair: GEMM1's programs let the combine be
-# scheduled as soon as they have all started, and the combine's programs prefetch their w2
-# rows into L2 while GEMM1 streams w13, then wait for GEMM1's act rows (`gdc_wait`). What it
-# buys is the gap between the two kernels: GEMM1's tail and the combine's start, with the
-# memory system idle. Read when a token count is bound; `False` (an A/B) launches the two in
-# order. `PREFETCH` is the prefetch's L2 policy: 0 none, 1 the default, 2 evict last.
-PDL = True
-PREFETCH = 2
-
-
-@functools.cache
-def _pdl_device(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Whether TokenMoE's pair can launch with PDL on `device`: compiled Triton (not the
-    interpreter) with grid dependency control, on an NVIDIA GPU of SM90 or newer."""
-    if INTERPRETED or gdc_wait is None or device.type != "cuda":
-        return False
-    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
-
 
 def _decode_tile(n: int, k: int, depths: tuple[int, ...]) -> TileConfig:
     """`TILE_N` wide, the first of `depths` dividing K (else 64), 2 warps, 4 stages (see the
@@ -343,7 +280,6 @@ def bind_token_gemm_act(
     gated: bool,
     alpha: float = 0.0,
     limit: float = 0.0,
-    release: bool = False,
 ) -> _ActLaunch | None:
     """Check `token_gemm_act`'s arguments and choose its tile: its launch for this token count
     and these weights (None for no tokens), to call as `launch(x, ids, out)`.
@@ -352,9 +288,7 @@ def bind_token_gemm_act(
     not local (that slot's row of `out` is left as it is: `token_gemm_combine` skips it);
     w13 `[E, N13, H]` with N13 = 2 * I ([gate; up]) when gated, else I; bias `[E, N13]` or
     None; out `[T * K, I]` in x's dtype. `activation`: `moehal.kernels.triton_fused_moe` ids.
-    release: each program lets the next kernel, launched with PDL, be scheduled as it starts
-    (`TokenMoE`'s pair; a no-op for any other next kernel). No host synchronization:
-    CUDA-graph capturable.
+    No host synchronization: CUDA-graph capturable.
     """
     t, h = x.shape
     top_k = ids.shape[-1]
@@ -371,7 +305,7 @@ def bind_token_gemm_act(
     cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
     if t == 0:
         return None
-    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit, release)
+    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit)
 
 
 def combine_split(top_k: int, tokens: int, n: int, block_n: int) -> int:
@@ -428,8 +362,6 @@ def bind_token_gemm_combine(
     *,
     scaling: float = 1.0,
     split: int | None = None,
-    pdl: bool = False,
-    prefetch: int = 0,
 ) -> _CombineLaunch | None:
     """Check `token_gemm_combine`'s arguments and choose its tile and split: its launch for
     this token count and these weights (None for no tokens), to call as
@@ -439,12 +371,6 @@ def bind_token_gemm_combine(
     `[E, H, I]` in act's dtype; bias `[E, H]` or None; out `[T, H]`. split: programs per
     (token, N tile), each summing top_k / split experts, a divisor of top_k (None:
     `combine_split`); the parts are added in a fixed order. No host synchronization.
-
-    pdl: launch with programmatic dependent launch, waiting on the GPU for the kernel before
-    it (`gdc_wait`) before reading act. Only for the kernel right after `token_gemm_act` on
-    the same ids and weights (`TokenMoE`): its programs read ids and weights before the wait,
-    and may run while that kernel does. prefetch (with pdl): the L2 policy of prefetching the
-    program's w2 rows before the wait (`PREFETCH`); w2's rows must be contiguous.
     """
     t, top_k = ids.shape
     e, h, i = w2.shape
@@ -461,10 +387,7 @@ def bind_token_gemm_combine(
     split = split or combine_split(top_k, t, h, cfg.block_n)
     if top_k % split:
         raise ValueError(f"split={split} does not divide top_k={top_k}")
-    if pdl and not pdl_supported(out.device):
-        raise ValueError(f"pdl=True needs compiled Triton on an SM90+ NVIDIA GPU, not {out.device}")
-    prefetch = prefetch if pdl and w2.stride(2) == 1 else 0
-    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out, pdl, prefetch)
+    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out)
 
 
 # --- launches bound once per token count ---------------------------------------------------------
@@ -483,7 +406,7 @@ class _ActLaunch:
     @staticmethod
     def bind(
         t: int, top_k: int, w13: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
-        activation: int, gated: bool, alpha: float, limit: float, release: bool = False,
+        activation: int, gated: bool, alpha: float, limit: float,
     ) -> _ActLaunch:  # fmt: skip
         e, _, h = w13.shape
         i = w13.shape[1] // 2 if gated else w13.shape[1]
@@ -495,7 +418,7 @@ class _ActLaunch:
             dict(
                 E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED,
-                EXACT_ROUND=INTERPRETED, RELEASE=release, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                EXACT_ROUND=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
         )  # fmt: skip
 
@@ -525,11 +448,9 @@ class _CombineLaunch:
     @staticmethod
     def bind(
         t: int, top_k: int, w2: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig, split: int,
-        scaling: float, use_weights: bool, out: torch.Tensor, pdl: bool = False, prefetch: int = 0,
+        scaling: float, use_weights: bool, out: torch.Tensor,
     ) -> _CombineLaunch:  # fmt: skip
         e, h, i = w2.shape
-        line = 128 // w2.element_size()  # elements per 128-byte line (prefetch)
-        launch = {"launch_pdl": True} if pdl else {}  # (a Triton without the option never gets it)
         b = bias if bias is not None else w2
         cells = t * cdiv(h, cfg.block_n)
         out_dtype = out.dtype
@@ -543,8 +464,8 @@ class _CombineLaunch:
                 E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), SPLIT=split, N=h, I_SIZE=i,
                 BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
                 USE_WEIGHTS=use_weights, UPCAST=INTERPRETED,
-                EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16, PDL=pdl, PREFETCH=prefetch, LINE=line,
-                LINES=next_power_of_2(cdiv(i, line)), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+                EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
             out.device,
         )  # fmt: skip
@@ -626,14 +547,11 @@ class TokenMoE:
         t, top_k = ids.shape
         shape = (t * top_k, self.w2.shape[2])
         act = scratch("token.act", shape, x.dtype, x.device) if t else x.new_empty(shape)
-        pdl = PDL and pdl_supported(x.device)
         first = bind_token_gemm_act(
             x, ids, self.w13, self.w13_bias, act, activation=self.activation, gated=self.gated,
-            alpha=self.alpha, limit=self.limit, release=pdl,
+            alpha=self.alpha, limit=self.limit,
         )  # fmt: skip
-        second = bind_token_gemm_combine(
-            act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling, pdl=pdl, prefetch=PREFETCH
-        )
+        second = bind_token_gemm_combine(act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling)
         if first is None or second is None:  # no tokens
             return out
         self._plans[(t, weights is not None)] = (first, second, act)

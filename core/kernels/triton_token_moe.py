@@ -39,10 +39,20 @@ from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
-from moehal.kernels.triton_permute import e4m3_group_quant, scratch
+from moehal.kernels.triton_permute import e4m3_scale, e4m3_scaled, scratch
 
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
 _BLOCK_M = 16
+
+
+@triton.jit
+def _e4m3_row_group(v, row0, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """One 1x128 FP8 group of a row (float32 `[128]`): (the e4m3 dot operand `[BLOCK_M, 128]`
+    with the group in row `row0`'s live row and zeros elsewhere, its scale). Quantized once,
+    as a row, then broadcast: the operand's other rows are dead (`_BLOCK_M`)."""
+    sc = e4m3_scale(tl.max(tl.abs(v), axis=0), UE8M0)
+    q = e4m3_scaled(v, sc, EXACT_ROUND)
+    return tl.where(row0, q[None, :], 0.0).to(tl.float8e4nv), sc
 
 
 @triton.jit
@@ -53,7 +63,6 @@ def _fp8_gemm1_act(
     bias_ptr,
     e64,
     offs_m,
-    m_mask,
     offs_n,
     n_mask,
     stride_be,
@@ -82,14 +91,14 @@ def _fp8_gemm1_act(
     as the quantizing scatter does for the grouped GEMMs), each tile's product scaled by its
     group's scale and the weight block's. fp32 `[BLOCK_M, BLOCK_N]`, activation applied."""
     offs_k = tl.arange(0, 128)
-    x_ptrs = x_ptr + offs_m[:, None] * 0 + offs_k[None, :]
+    row0 = (offs_m < 1)[:, None]
+    x_row = x_ptr + offs_k
     b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     s_row = bs_ptr + e64 * stride_bse
     g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, K // 128):
-        q, x_s = e4m3_group_quant(tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32), UE8M0, EXACT_ROUND)
-        a = q.to(tl.float8e4nv)
+        a, x_s = _e4m3_row_group(tl.load(x_row).to(tl.float32), row0, UE8M0, EXACT_ROUND)
         bg = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         sg = tl.load(s_row + (offs_n // 128) * stride_bsn + kb * stride_bsk, mask=n_mask, other=0.0)
         if GATED:
@@ -100,10 +109,10 @@ def _fp8_gemm1_act(
             bg = bg.to(tl.float32)
             if GATED:
                 bu = bu.to(tl.float32)
-        g += tl.dot(a, bg) * x_s[:, None] * sg[None, :]
+        g += tl.dot(a, bg) * (x_s * sg)[None, :]
         if GATED:
-            u += tl.dot(a, bu) * x_s[:, None] * su[None, :]
-        x_ptrs += 128
+            u += tl.dot(a, bu) * (x_s * su)[None, :]
+        x_row += 128
         b_ptrs += 128 * stride_bk
     if HAS_BIAS:
         brow = bias_ptr + e64 * stride_bias_e
@@ -167,7 +176,7 @@ def _token_gemm_act_kernel(
     n_mask = offs_n < I_SIZE
     if FP8:
         a = _fp8_gemm1_act(
-            x_ptr + t * stride_xt, b_ptr, bs_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
+            x_ptr + t * stride_xt, b_ptr, bs_ptr, bias_ptr, e64, offs_m, offs_n, n_mask,
             stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bias_e, alpha, limit,
             out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, ACT, GATED, HAS_BIAS, UE8M0, UPCAST, EXACT_ROUND,
         )  # fmt: skip
@@ -254,26 +263,25 @@ def _token_gemm_combine_kernel(
         e64 = tl.sum(tl.where(pick, ids, 0), axis=0).to(tl.int64)
         on = tl.sum(tl.where(pick & live, 1, 0), axis=0)  # 1 for a local expert, else 0
         cols = kb * BLOCK_K + offs_k
-        a = tl.load(
-            act_ptr + (slot0 + k) * stride_as + offs_m[:, None] * 0 + cols[None, :],
-            mask=(offs_m < on)[:, None],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + cols[:, None] * stride_bk,
-            mask=n_mask[None, :] & (offs_k < on * BLOCK_K)[:, None],
-            other=0.0,
-        )
+        b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + cols[:, None] * stride_bk
+        b_mask = n_mask[None, :] & (offs_k < on * BLOCK_K)[:, None]
         if FP8:  # a K tile is one 1x128 group of the act row: quantized here, as GEMM2's input
-            q, a_s = e4m3_group_quant(a.to(tl.float32), UE8M0, EXACT_ROUND)
-            a = q.to(tl.float8e4nv)
+            av = tl.load(act_ptr + (slot0 + k) * stride_as + cols, mask=offs_k < on * BLOCK_K, other=0.0)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            a, a_s = _e4m3_row_group(av.to(tl.float32), (offs_m < 1)[:, None], UE8M0, EXACT_ROUND)
             w_s = tl.load(bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn + kb * stride_bsk, mask=n_mask,
                           other=0.0)  # fmt: skip
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
+            acc += tl.dot(a, b) * (a_s * w_s)[None, :]
         else:
+            a = tl.load(
+                act_ptr + (slot0 + k) * stride_as + offs_m[:, None] * 0 + cols[None, :],
+                mask=(offs_m < on)[:, None],
+                other=0.0,
+            )
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)

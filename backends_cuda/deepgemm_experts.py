@@ -496,7 +496,6 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         self._tokens = TokenMoE(
             w.w13, w.w13_bias, w.w2, w.w2_bias, activation=_ACTS[c.activation.value], gated=c.gated,
             alpha=c.swiglu_alpha, limit=c.swiglu_limit, scaling=c.routed_scaling_factor,
-            w13_scale=w.w13_scale if self.fp8 else None, w2_scale=w.w2_scale if self.fp8 else None, ue8m0=self.ue8m0,
         )  # fmt: skip
         return self._tokens
 
@@ -582,7 +581,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         is per expert row, which the dispatcher's combine then writes into `out`."""
         if isinstance(inp, StandardInput) and inp.hidden.shape[0]:
             t = inp.hidden.shape[0]
-            portable = self.static or t > self.decode_max_tokens  # (no decode kernels for static scales)
+            portable = self.static or t > self.decode_max_tokens  # the decode kernels read bf16 weights only
             return self._apply_portable(inp, out) if portable else self._apply_tokens(inp, out)
         return self.apply(inp)
 
@@ -733,13 +732,11 @@ class DeepGemmExperts(Experts):
         return [masked, contig] if fits else [contig, masked]
 
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
-        """bf16 (and fp16) layers, and SM90 fp8 block-scale ones, take token-major input at
-        decode sizes: two Triton kernels for the whole layer, no permute and no gather
-        (`moehal.kernels.triton_token_moe`, which quantizes fp8 activations in 1x128 groups
-        itself); bf16 and SM90 fp8 layers also at prefill sizes where this device's table
-        measured the portable Triton fused MoE faster for this layer shape
-        (`portable_prefill_tokens`). The input is unquantized either way: the portable kernel
-        quantizes fp8 activations itself too."""
+        """bf16 (and fp16) layers take token-major input at decode sizes: two Triton kernels
+        for the whole layer, no permute and no gather (`moehal.kernels.triton_token_moe`); bf16
+        and SM90 fp8 layers also at prefill sizes where this device's table measured the
+        portable Triton fused MoE faster for this layer shape (`portable_prefill_tokens`). The
+        input is unquantized either way: the portable kernel quantizes fp8 activations itself."""
         c = req.config
         if req.quant.kind is QuantKind.FP8_TENSOR:
             fp8t = fp8_tensor_portable_band(req, self.fp8_tensor_portable_max_tokens)
@@ -751,17 +748,13 @@ class DeepGemmExperts(Experts):
                 return SmallBatchFormat(fmt, hi, why)
             return SmallBatchFormat(fmt, 0, "", lo, why, hi)  # a band of sizes only
         band = portable_prefill_tokens(req, self.portable_prefill_min_tokens)
-        kind = req.quant.kind
-        if kind is QuantKind.BF16 or (kind is QuantKind.FP8_BLOCK and not _is_sm100(req)):
-            # the decode kernels read bf16 weights, or fp8 ones with DeepGEMM's SM90 fp32 block
-            # scales as they are (SM100's packed UE8M0 scales only DeepGEMM reads)
-            weight_bytes = 1 if kind is QuantKind.FP8_BLOCK else c.dtype.itemsize
-            per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * weight_bytes  # w13 + w2
+        if req.quant.kind is not QuantKind.BF16:
+            n = 0  # the decode kernels read bf16 weights only
+        else:
+            per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * c.dtype.itemsize  # w13 + w2
             n = self.small_batch_max_tokens
             if n is None:
                 n = small_batch_tokens(c.num_local_experts, c.top_k, per_token)
-        else:
-            n = 0
         if n == 0 and band is None:
             return None
         fmt = ActivationFormat(Layout.STANDARD, c.dtype)

@@ -1,13 +1,12 @@
 """Decode path, measured: the token-major kernels (`moehal.kernels.triton_token_moe`) against the
 masked path on the bench shapes, and their tiles. A device diagnostic for issue #4.
 
-    python3 tools/token_moe_sweep.py [--shapes ...] [--tokens 1,2,4,8,16] [--tiles] [--quant fp8_block]
+    python3 tools/token_moe_sweep.py [--shapes ...] [--tokens 1,2,4,8,16] [--tiles]
 
 1. Whole layer (graph replay, 10 back to back, median of 20), the same layer once with and once
    without the small-batch format, at each token count.
 2. --tiles: each kernel alone over a grid of tiles at 1 and 4 tokens (graph of 10 launches),
-   beside the tile the layer would use. fp8_block: the kernels on the layer's fp8 weights and
-   block scales (K tiles are always one 128-wide group there, so the grid varies the rest).
+   beside the tile the layer would use.
 """
 
 from __future__ import annotations
@@ -26,12 +25,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def layers(shape: str, dev: torch.device, quant_name: str = "bf16") -> tuple[Any, dict[str, Any]]:
+def layers(shape: str, dev: torch.device) -> tuple[Any, dict[str, Any]]:
     import moehal
     from moehal.bench import SHAPES, _weights
 
     cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=4096)
-    quant = moehal.QuantScheme.parse(quant_name)
+    quant = moehal.QuantScheme.parse("bf16")
     _, _, weights = _weights(shape, cfg, quant, dev)
     req = moehal.BuildRequest(cfg, quant, moehal.detect(dev))
     pipes, _ = moehal.enumerate_pipelines(req, moehal.discover(), "cuda")
@@ -65,9 +64,6 @@ def tiles(cfg: Any, layer: Any, dev: torch.device, tokens: int) -> dict:
     from moehal_cuda.tuning import time_graph
 
     w = layer._experts.w
-    fp8 = w.w13_scale is not None
-    scales1 = dict(w13_scale=w.w13_scale, ue8m0=layer._experts.ue8m0) if fp8 else {}
-    scales2 = dict(w2_scale=w.w2_scale, ue8m0=layer._experts.ue8m0) if fp8 else {}
     x, ids, wts = routing(cfg, tokens, dev)
     act = torch.randn(tokens * cfg.top_k, cfg.intermediate_size, device=dev).to(cfg.dtype)
     out = torch.empty(tokens, cfg.hidden_size, device=dev, dtype=cfg.dtype)
@@ -78,25 +74,17 @@ def tiles(cfg: Any, layer: Any, dev: torch.device, tokens: int) -> dict:
     res: dict = {"tokens": tokens, "used_act": str(used1), "used_combine": str(used2)}
 
     def t1(cfg_: TileConfig | None) -> float:
-        def run() -> None:
-            token_gemm_act(x, ids, w.w13, None, act, cfg_, activation=1, gated=True, **scales1)
-
-        return time_graph([run] * 10)
+        return time_graph([lambda: token_gemm_act(x, ids, w.w13, None, act, cfg_, activation=1, gated=True)] * 10)
 
     def t2(cfg_: TileConfig | None, split: int | None = None) -> float:
-        def run() -> None:
-            token_gemm_combine(act, ids, wts, w.w2, None, out, cfg_, split=split, **scales2)
-
-        return time_graph([run] * 10)
+        return time_graph([lambda: token_gemm_combine(act, ids, wts, w.w2, None, out, cfg_, split=split)] * 10)
 
     res["act_used_us"] = t1(used1)
     res["combine_used_us"] = t2(used2)
     grid1, grid2 = [], []
-    shapes = ((16, 32, 64, 128), (128,), ((1, 4), (2, 4), (2, 6), (4, 4))) if fp8 else None
-    bns, bks, schedules = shapes or ((16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (2, 4), (8, 4)))
-    for bn in bns:
-        for bk in bks:
-            for warps, stages in schedules:
+    for bn in (16, 32, 64):
+        for bk in (64, 128, 256):
+            for warps, stages in ((4, 3), (4, 5), (2, 4), (8, 4)):
                 c = TileConfig(16, bn, bk, 1, warps, stages)
                 for split in (1, 2, 4):
                     if cfg.intermediate_size % bk or cfg.top_k % split or (warps, stages) == (8, 4):
@@ -123,15 +111,14 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--tiles", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--quant", default="bf16", help="bf16 or fp8_block")
     a = ap.parse_args()
     dev = torch.device("cuda")
     results = []
     for shape in a.shapes.split(","):
         t0 = time.monotonic()
-        cfg, ls = layers(shape, dev, a.quant)
+        cfg, ls = layers(shape, dev)
         small = ls["token"].plan.pipeline.small
-        print(f"== {shape} {a.quant}: small batch {small}", flush=True)
+        print(f"== {shape}: small batch {small}", flush=True)
         if small is None:  # the layer runs masked at every size (deepgemm_experts.small_batch_tokens)
             continue
         print(f"  {'T':>4s} {'token-major':>12s} {'masked':>10s} {'ratio':>6s}")

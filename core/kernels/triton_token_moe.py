@@ -17,13 +17,6 @@ Ids are the STANDARD layout's local expert ids (int32 or int64, -1 = expert not 
 rank: the slot contributes nothing). Rounding follows the modular path: the GEMM1 output (+
 bias) and each GEMM2 row (+ bias) are rounded to the layer dtype before the activation and
 the weighted fp32 sum, as the reference oracle does.
-
-FP8 block-scale weights (e4m3, one fp32 scale per 128x128 block, DeepGEMM's SM90 layout) take
-the same two kernels: the input stays bf16, and each program quantizes what it reads in 1x128
-groups (the token's row in GEMM1, the act row in GEMM2; one group per 128-deep K tile), as
-the scheme's dispatch and activation would for the grouped GEMMs. At one token that halves
-the weight bytes the kernels stream, where the grouped path adds a quantizing scatter and a
-gather to them.
 """
 
 from __future__ import annotations
@@ -37,91 +30,12 @@ import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
-from moehal.kernels.triton_fused_moe import _activation, _to
+from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
-from moehal.kernels.triton_permute import e4m3_scale, e4m3_scaled, scratch
+from moehal.kernels.triton_permute import scratch
 
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
 _BLOCK_M = 16
-
-
-@triton.jit
-def _e4m3_row_group(v, row0, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """One 1x128 FP8 group of a row (float32 `[128]`): (the e4m3 dot operand `[BLOCK_M, 128]`
-    with the group in row `row0`'s live row and zeros elsewhere, its scale). Quantized once,
-    as a row, then broadcast: the operand's other rows are dead (`_BLOCK_M`)."""
-    sc = e4m3_scale(tl.max(tl.abs(v), axis=0), UE8M0)
-    q = e4m3_scaled(v, sc, EXACT_ROUND)
-    return tl.where(row0, q[None, :], 0.0).to(tl.float8e4nv), sc
-
-
-@triton.jit
-def _fp8_gemm1_act(
-    x_ptr,
-    b_ptr,
-    bs_ptr,
-    bias_ptr,
-    e64,
-    offs_m,
-    offs_n,
-    n_mask,
-    stride_be,
-    stride_bn,
-    stride_bk,
-    stride_bse,
-    stride_bsn,
-    stride_bsk,
-    stride_bias_e,
-    alpha,
-    limit,
-    out_ty: tl.constexpr,
-    I_SIZE: tl.constexpr,
-    K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ACT: tl.constexpr,
-    GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    UE8M0: tl.constexpr,
-    UPCAST: tl.constexpr,
-    EXACT_ROUND: tl.constexpr,
-):
-    """`_gemm1_act` for FP8 block-scale weights (`[E, N13, H]` e4m3, fp32 scales per 128x128
-    block): the token's row is quantized in 1x128 groups as it is read (one group per K tile,
-    as the quantizing scatter does for the grouped GEMMs), each tile's product scaled by its
-    group's scale and the weight block's. fp32 `[BLOCK_M, BLOCK_N]`, activation applied."""
-    offs_k = tl.arange(0, 128)
-    row0 = (offs_m < 1)[:, None]
-    x_row = x_ptr + offs_k
-    b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    s_row = bs_ptr + e64 * stride_bse
-    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K // 128):
-        a, x_s = _e4m3_row_group(tl.load(x_row).to(tl.float32), row0, UE8M0, EXACT_ROUND)
-        bg = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        sg = tl.load(s_row + (offs_n // 128) * stride_bsn + kb * stride_bsk, mask=n_mask, other=0.0)
-        if GATED:
-            bu = tl.load(b_ptrs + I_SIZE * stride_bn, mask=n_mask[None, :], other=0.0)
-            su = tl.load(s_row + ((offs_n + I_SIZE) // 128) * stride_bsn + kb * stride_bsk, mask=n_mask, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-            if GATED:
-                bu = bu.to(tl.float32)
-        g += tl.dot(a, bg) * (x_s * sg)[None, :]
-        if GATED:
-            u += tl.dot(a, bu) * (x_s * su)[None, :]
-        x_row += 128
-        b_ptrs += 128 * stride_bk
-    if HAS_BIAS:
-        brow = bias_ptr + e64 * stride_bias_e
-        g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    g = _to(g, out_ty, EXACT_ROUND).to(tl.float32)
-    u = _to(u, out_ty, EXACT_ROUND).to(tl.float32)
-    return _activation(g, u, alpha, limit, ACT, GATED)
 
 
 # the token count is a plain argument (one compile serves every decode size a graph captures)
@@ -132,7 +46,6 @@ def _token_gemm_act_kernel(
     stride_xt,
     ids_ptr,
     b_ptr,
-    bs_ptr,
     bias_ptr,
     stride_bias_e,
     out_ptr,
@@ -140,9 +53,6 @@ def _token_gemm_act_kernel(
     stride_be,
     stride_bn,
     stride_bk,
-    stride_bse,
-    stride_bsn,
-    stride_bsk,
     alpha,
     limit,
     num_slots,
@@ -156,8 +66,6 @@ def _token_gemm_act_kernel(
     ACT: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    FP8: tl.constexpr,
-    UE8M0: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
@@ -174,18 +82,11 @@ def _token_gemm_act_kernel(
     m_mask = offs_m < 1  # the token's row, broadcast over the tile (stride 0), live in row 0
     offs_n = (pid // num_slots) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I_SIZE
-    if FP8:
-        a = _fp8_gemm1_act(
-            x_ptr + t * stride_xt, b_ptr, bs_ptr, bias_ptr, e64, offs_m, offs_n, n_mask,
-            stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bias_e, alpha, limit,
-            out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, ACT, GATED, HAS_BIAS, UE8M0, UPCAST, EXACT_ROUND,
-        )  # fmt: skip
-    else:
-        a = _gemm1_act(
-            x_ptr + t * stride_xt, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
-            0, 0, 1, stride_be, stride_bn, stride_bk, stride_bias_e, alpha, limit,
-            out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, UPCAST, EXACT_ROUND,
-        )  # fmt: skip
+    a = _gemm1_act(
+        x_ptr + t * stride_xt, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
+        0, 0, 1, stride_be, stride_bn, stride_bk, stride_bias_e, alpha, limit,
+        out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, UPCAST, EXACT_ROUND,
+    )  # fmt: skip
     o_ptrs = out_ptr + s.to(tl.int64) * stride_os + offs_m[:, None] * 0 + offs_n[None, :]
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -198,7 +99,6 @@ def _token_gemm_combine_kernel(
     ids_ptr,
     w_ptr,
     b_ptr,
-    bs_ptr,
     bias_ptr,
     stride_bias_e,
     out_ptr,
@@ -208,9 +108,6 @@ def _token_gemm_combine_kernel(
     stride_be,
     stride_bn,
     stride_bk,
-    stride_bse,
-    stride_bsn,
-    stride_bsk,
     scaling,
     num_tokens,
     E: tl.constexpr,
@@ -224,8 +121,6 @@ def _token_gemm_combine_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_WEIGHTS: tl.constexpr,
-    FP8: tl.constexpr,
-    UE8M0: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
@@ -263,29 +158,20 @@ def _token_gemm_combine_kernel(
         e64 = tl.sum(tl.where(pick, ids, 0), axis=0).to(tl.int64)
         on = tl.sum(tl.where(pick & live, 1, 0), axis=0)  # 1 for a local expert, else 0
         cols = kb * BLOCK_K + offs_k
-        b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + cols[:, None] * stride_bk
-        b_mask = n_mask[None, :] & (offs_k < on * BLOCK_K)[:, None]
-        if FP8:  # a K tile is one 1x128 group of the act row: quantized here, as GEMM2's input
-            av = tl.load(act_ptr + (slot0 + k) * stride_as + cols, mask=offs_k < on * BLOCK_K, other=0.0)
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            a, a_s = _e4m3_row_group(av.to(tl.float32), (offs_m < 1)[:, None], UE8M0, EXACT_ROUND)
-            w_s = tl.load(bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn + kb * stride_bsk, mask=n_mask,
-                          other=0.0)  # fmt: skip
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b) * (a_s * w_s)[None, :]
-        else:
-            a = tl.load(
-                act_ptr + (slot0 + k) * stride_as + offs_m[:, None] * 0 + cols[None, :],
-                mask=(offs_m < on)[:, None],
-                other=0.0,
-            )
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b)
+        a = tl.load(
+            act_ptr + (slot0 + k) * stride_as + offs_m[:, None] * 0 + cols[None, :],
+            mask=(offs_m < on)[:, None],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + cols[:, None] * stride_bk,
+            mask=n_mask[None, :] & (offs_k < on * BLOCK_K)[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)
         # this expert's row is complete at its last K tile: round it as GEMM2's output, weigh
         # it, add it (selects, not a branch, so the loop body stays one straight pipeline)
         last = kb == NK - 1
@@ -361,31 +247,6 @@ def _tile(cfg: TileConfig, k: int, what: str) -> TileConfig:
     return cfg if cfg.block_m == _BLOCK_M else replace(cfg, block_m=_BLOCK_M)
 
 
-FP8_GROUP = 128  # FP8 block-scale: 1x128 activation groups, 128x128 weight blocks
-
-
-def _check_weights(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, what: str) -> bool:
-    """Whether `w` is FP8 block-scale (e4m3 with its `[E, N / 128, K / 128]` fp32 scales) rather
-    than in x's dtype; raises on anything else."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"takes bf16/fp16 activations, got {x.dtype}")
-    if w.dtype == x.dtype and scale is None:
-        return False
-    if w.dtype != torch.float8_e4m3fn or scale is None:
-        raise ValueError(
-            f"{what} must be in x's dtype {x.dtype}, or float8_e4m3fn with its block scales; "
-            f"got {w.dtype} with {'no' if scale is None else 'a'} scale"
-        )
-    e, n, k = w.shape
-    want = (e, cdiv(n, FP8_GROUP), k // FP8_GROUP)
-    if k % FP8_GROUP or tuple(scale.shape) != want or scale.dtype != torch.float32:
-        raise ValueError(
-            f"{what}: FP8 block scales must be float32 {list(want)} for weights {list(w.shape)} (K a multiple of "
-            f"{FP8_GROUP}), got {scale.dtype} {list(scale.shape)}"
-        )
-    return True
-
-
 def token_gemm_act(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -398,15 +259,12 @@ def token_gemm_act(
     gated: bool,
     alpha: float = 0.0,
     limit: float = 0.0,
-    w13_scale: torch.Tensor | None = None,
-    ue8m0: bool = False,
 ) -> torch.Tensor:
     """out[s] = act(x[s // K] @ w13[ids[s]]^T + bias[ids[s]]) for every slot s = t * K + k.
     (Arguments: `bind_token_gemm_act`.)"""
     launch = bind_token_gemm_act(
-        x, ids, w13, bias, out, config, activation=activation, gated=gated, alpha=alpha, limit=limit,
-        w13_scale=w13_scale, ue8m0=ue8m0,
-    )  # fmt: skip
+        x, ids, w13, bias, out, config, activation=activation, gated=gated, alpha=alpha, limit=limit
+    )
     return out if launch is None else launch(x, ids, out)
 
 
@@ -422,8 +280,6 @@ def bind_token_gemm_act(
     gated: bool,
     alpha: float = 0.0,
     limit: float = 0.0,
-    w13_scale: torch.Tensor | None = None,
-    ue8m0: bool = False,
 ) -> _ActLaunch | None:
     """Check `token_gemm_act`'s arguments and choose its tile: its launch for this token count
     and these weights (None for no tokens), to call as `launch(x, ids, out)`.
@@ -432,9 +288,6 @@ def bind_token_gemm_act(
     not local (that slot's row of `out` is left as it is: `token_gemm_combine` skips it);
     w13 `[E, N13, H]` with N13 = 2 * I ([gate; up]) when gated, else I; bias `[E, N13]` or
     None; out `[T * K, I]` in x's dtype. `activation`: `moehal.kernels.triton_fused_moe` ids.
-    FP8 block-scale weights: w13 e4m3 with `w13_scale` fp32 `[E, N13 / 128, H / 128]` (one
-    scale per 128x128 block, DeepGEMM's SM90 layout); the row is quantized in 1x128 groups in
-    the kernel (`ue8m0`: power-of-two scales), as the fp8_block scheme's dispatch would.
     No host synchronization: CUDA-graph capturable.
     """
     t, h = x.shape
@@ -444,19 +297,15 @@ def bind_token_gemm_act(
     if kw != h or n13 != (2 * i if gated else i) or out.shape[0] != t * top_k or ids.shape[0] != t:
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, ids {tuple(ids.shape)}, w13 {tuple(w13.shape)}, "
                          f"out {tuple(out.shape)}")  # fmt: skip
-    fp8 = _check_weights(x, w13, w13_scale, "w13")
-    if out.dtype != x.dtype:
-        raise ValueError(f"out must be in x's dtype {x.dtype}, got {out.dtype}")
+    if x.dtype != w13.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"takes bf16/fp16 operands of one dtype, got {x.dtype} and {w13.dtype}")
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous():
         raise ValueError("x and out rows and the ids must be contiguous")
     cfg = _tile(config or token_config(i, h), h, "token_gemm_act")
     cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
-    if fp8:
-        cfg = replace(cfg, block_k=FP8_GROUP)  # one 1x128 group of the row per K tile
     if t == 0:
         return None
-    return _ActLaunch.bind(t, top_k, w13, w13_scale if fp8 else None, ue8m0, bias, cfg, activation, gated, alpha,
-                           limit)  # fmt: skip
+    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit)
 
 
 def combine_split(top_k: int, tokens: int, n: int, block_n: int) -> int:
@@ -494,15 +343,11 @@ def token_gemm_combine(
     *,
     scaling: float = 1.0,
     split: int | None = None,
-    w2_scale: torch.Tensor | None = None,
-    ue8m0: bool = False,
 ) -> torch.Tensor:
     """out[t] = scaling * sum_k weights[t, k] * (act[t*K + k] @ w2[ids[t, k]]^T + bias[ids[t, k]]),
     over the local slots (id >= 0) in k order; weights None: an unweighted sum. (Arguments:
     `bind_token_gemm_combine`.)"""
-    launch = bind_token_gemm_combine(
-        act, ids, weights, w2, bias, out, config, scaling=scaling, split=split, w2_scale=w2_scale, ue8m0=ue8m0
-    )
+    launch = bind_token_gemm_combine(act, ids, weights, w2, bias, out, config, scaling=scaling, split=split)
     return out if launch is None else launch(act, ids, weights, out)
 
 
@@ -517,8 +362,6 @@ def bind_token_gemm_combine(
     *,
     scaling: float = 1.0,
     split: int | None = None,
-    w2_scale: torch.Tensor | None = None,
-    ue8m0: bool = False,
 ) -> _CombineLaunch | None:
     """Check `token_gemm_combine`'s arguments and choose its tile and split: its launch for
     this token count and these weights (None for no tokens), to call as
@@ -527,30 +370,24 @@ def bind_token_gemm_combine(
     act `[T * K, I]` (from `token_gemm_act`); ids `[T, K]`; weights fp32 `[T, K]`; w2
     `[E, H, I]` in act's dtype; bias `[E, H]` or None; out `[T, H]`. split: programs per
     (token, N tile), each summing top_k / split experts, a divisor of top_k (None:
-    `combine_split`); the parts are added in a fixed order. FP8 block-scale weights: w2 e4m3
-    with `w2_scale` fp32 `[E, H / 128, I / 128]`; each act row is quantized in 1x128 groups in
-    the kernel (`ue8m0`: power-of-two scales). No host synchronization.
+    `combine_split`); the parts are added in a fixed order. No host synchronization.
     """
     t, top_k = ids.shape
     e, h, i = w2.shape
-    if act.shape != (t * top_k, i) or out.shape != (t, h):
+    if act.shape != (t * top_k, i) or out.shape != (t, h) or act.dtype != w2.dtype:
         raise ValueError(f"shapes do not match: act {tuple(act.shape)} {act.dtype}, ids {tuple(ids.shape)}, "
                          f"w2 {tuple(w2.shape)} {w2.dtype}, out {tuple(out.shape)}")  # fmt: skip
-    fp8 = _check_weights(act, w2, w2_scale, "w2")
     if weights is not None and (weights.shape != ids.shape or not weights.is_contiguous()):
         raise ValueError(f"weights must be contiguous {tuple(ids.shape)}, got {tuple(weights.shape)}")
     if act.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous():
         raise ValueError("act and out rows and the ids must be contiguous")
     cfg = _tile(config or combine_config(h, i), i, "token_gemm_combine")
-    if fp8:
-        cfg = replace(cfg, block_k=FP8_GROUP)  # a K tile is one 1x128 group of the act row
     if t == 0:
         return None
     split = split or combine_split(top_k, t, h, cfg.block_n)
     if top_k % split:
         raise ValueError(f"split={split} does not divide top_k={top_k}")
-    scale = w2_scale if fp8 else None
-    return _CombineLaunch.bind(t, top_k, w2, scale, ue8m0, bias, cfg, split, scaling, weights is not None, out)
+    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out)
 
 
 # --- launches bound once per token count ---------------------------------------------------------
@@ -562,28 +399,26 @@ class _ActLaunch:
     x, ids and out fixed (grid, weight pointers and strides, constexprs)."""
 
     grid: tuple[int]
-    weights: tuple  # w13, its scales (or w13), bias (or w13), the bias' expert stride
-    tail: tuple  # w13's and its scales' strides, alpha, limit, slots
+    weights: tuple  # w13, bias (or w13), the bias' expert stride
+    tail: tuple  # w13's strides, alpha, limit, slots
     kw: dict
 
     @staticmethod
     def bind(
-        t: int, top_k: int, w13: torch.Tensor, scale: torch.Tensor | None, ue8m0: bool, bias: torch.Tensor | None,
-        cfg: TileConfig, activation: int, gated: bool, alpha: float, limit: float,
+        t: int, top_k: int, w13: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
+        activation: int, gated: bool, alpha: float, limit: float,
     ) -> _ActLaunch:  # fmt: skip
         e, _, h = w13.shape
         i = w13.shape[1] // 2 if gated else w13.shape[1]
         b = bias if bias is not None else w13
-        s = scale if scale is not None else w13
-        s_strides = scale.stride() if scale is not None else (0, 0, 0)
         return _ActLaunch(
             (t * top_k * cdiv(i, cfg.block_n),),
-            (w13, s, b, b.stride(0) if bias is not None else 0),
-            (*w13.stride(), *s_strides, float(alpha), float(limit), t * top_k),
+            (w13, b, b.stride(0) if bias is not None else 0),
+            (w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k),
             dict(
                 E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                ACT=activation, GATED=gated, HAS_BIAS=bias is not None, FP8=scale is not None, UE8M0=ue8m0,
-                UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED,
+                EXACT_ROUND=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
         )  # fmt: skip
 
@@ -605,32 +440,30 @@ class _CombineLaunch:
     grid: tuple[int]
     cells: int  # (token, N tile) pairs
     partial_numel: int  # 0: no split
-    weights: tuple  # w2, its scales (or w2), bias (or w2), the bias' expert stride
-    tail: tuple  # w2's and its scales' strides, scaling, tokens
+    weights: tuple  # w2, bias (or w2), the bias' expert stride
+    tail: tuple  # w2's strides, scaling, tokens
     kw: dict
     device: torch.device  # out's: where the split's partial sums and arrival counters live
 
     @staticmethod
     def bind(
-        t: int, top_k: int, w2: torch.Tensor, scale: torch.Tensor | None, ue8m0: bool, bias: torch.Tensor | None,
-        cfg: TileConfig, split: int, scaling: float, use_weights: bool, out: torch.Tensor,
+        t: int, top_k: int, w2: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig, split: int,
+        scaling: float, use_weights: bool, out: torch.Tensor,
     ) -> _CombineLaunch:  # fmt: skip
         e, h, i = w2.shape
         b = bias if bias is not None else w2
-        s = scale if scale is not None else w2
-        s_strides = scale.stride() if scale is not None else (0, 0, 0)
         cells = t * cdiv(h, cfg.block_n)
         out_dtype = out.dtype
         return _CombineLaunch(
             (cells * split,),
             cells,
             cells * split * cfg.block_n if split > 1 else 0,
-            (w2, s, b, b.stride(0) if bias is not None else 0),
-            (*w2.stride(), *s_strides, float(scaling), t),
+            (w2, b, b.stride(0) if bias is not None else 0),
+            (w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t),
             dict(
                 E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), SPLIT=split, N=h, I_SIZE=i,
                 BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-                USE_WEIGHTS=use_weights, FP8=scale is not None, UE8M0=ue8m0, UPCAST=INTERPRETED,
+                USE_WEIGHTS=use_weights, UPCAST=INTERPRETED,
                 EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
@@ -648,10 +481,10 @@ class _CombineLaunch:
     def __call__(
         self, act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor
     ) -> torch.Tensor:
-        w2, s, b, sb = self.weights
+        w2, b, sb = self.weights
         partial, arrivals = self._split_buffers or (out, out)  # (unused without a split)
         self._site(
-            act, act.stride(0), ids, weights if weights is not None else ids, w2, s, b, sb, out, out.stride(0),
+            act, act.stride(0), ids, weights if weights is not None else ids, w2, b, sb, out, out.stride(0),
             partial, arrivals, *self.tail,
         )  # fmt: skip
         return out
@@ -683,12 +516,8 @@ class TokenMoE:
         alpha: float,
         limit: float,
         scaling: float,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        ue8m0: bool = False,
     ) -> None:
         self.w13, self.w13_bias, self.w2, self.w2_bias = w13, w13_bias, w2, w2_bias
-        self.w13_scale, self.w2_scale, self.ue8m0 = w13_scale, w2_scale, ue8m0  # FP8 block-scale weights
         self.activation, self.gated, self.alpha, self.limit, self.scaling = activation, gated, alpha, limit, scaling
         # (token count, weighted) -> the two launches and the activation rows between them
         self._plans: dict[tuple[int, bool], tuple[_ActLaunch, _CombineLaunch, torch.Tensor]] = {}
@@ -720,12 +549,9 @@ class TokenMoE:
         act = scratch("token.act", shape, x.dtype, x.device) if t else x.new_empty(shape)
         first = bind_token_gemm_act(
             x, ids, self.w13, self.w13_bias, act, activation=self.activation, gated=self.gated,
-            alpha=self.alpha, limit=self.limit, w13_scale=self.w13_scale, ue8m0=self.ue8m0,
+            alpha=self.alpha, limit=self.limit,
         )  # fmt: skip
-        second = bind_token_gemm_combine(
-            act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling, w2_scale=self.w2_scale,
-            ue8m0=self.ue8m0,
-        )  # fmt: skip
+        second = bind_token_gemm_combine(act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling)
         if first is None or second is None:  # no tokens
             return out
         self._plans[(t, weights is not None)] = (first, second, act)

@@ -32,7 +32,6 @@ def drive() -> None:
         ("bf16", Layout.CONTIGUOUS, dict(has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5), (None,)),
         ("bf16", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True), (AlwaysTriton,)),
         ("fp8_block", Layout.MASKED, dict(activation="gelu", gated=False), (None, AlwaysTriton)),
-        ("fp8_block", Layout.MASKED, dict(), (None,)),  # (the decode kernels on fp8 weights, gated)
         ("fp8_block:ue8m0", Layout.CONTIGUOUS, dict(ep_rank=1, ep_size=2), (None,)),
         # static input scales: the scatter's and the activation's STATIC specializations
         ("fp8_tensor", Layout.MASKED, dict(), (None,)),
@@ -62,9 +61,9 @@ def drive() -> None:
                 ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].int()
                 inp, handle = disp.dispatch(x, TopK(ids, torch.rand(t, cfg.top_k, generator=g)))
                 disp.combine(ex.apply(inp), handle)
-        if quant_name in ("bf16", "fp8_block") and layout is Layout.MASKED and not extra:  # decode batches token-major
+        if quant_name == "bf16" and layout is Layout.MASKED and not extra:  # decode batches token-major
             small = CudaPermuteDispatcher().build(req, ActivationFormat(Layout.STANDARD, cfg.dtype))
-            ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(quant_name != "bf16"), None)
+            ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(False), None)
             ex.load(weights)
             x = torch.randn(2, 512, generator=g).bfloat16()
             ids = torch.rand(2, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].int()

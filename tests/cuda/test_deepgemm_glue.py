@@ -294,31 +294,10 @@ def test_prefill_batches_run_the_portable_fused_moe_between_masked_calls(extra):
 def test_fp8_prefill_batches_run_the_portable_fused_moe_on_deepgemms_scales(quant_name, extra):
     """fp8 layers (SM90 scales): prefill-sized calls reach the experts unquantized and run the
     portable fused MoE on DeepGEMM's fp8 weights and fp32 block scales (it quantizes the
-    activations in 1x128 groups itself), between masked fp8 calls (here with no decode range)."""
+    activations in 1x128 groups itself), between masked fp8 calls; no decode range (the decode
+    kernels read bf16 weights only)."""
     steps = (12, 3, 9, 5, 16)
     assert _check_layer(quant_name, Layout.MASKED, {**extra, "portable_prefill": 9, "steps": steps}) == 3
-
-
-@pytest.mark.parametrize(
-    "quant_name,layout,extra",
-    [
-        (
-            "fp8_block",
-            Layout.MASKED,
-            dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5),
-        ),
-        ("fp8_block:ue8m0", Layout.MASKED, dict(activation="gelu", gated=False, ep_rank=1, ep_size=2)),
-        ("fp8_block", Layout.CONTIGUOUS, dict(gemm="triton")),
-    ],
-    ids=["fp8-swiglu-bias-scaled", "fp8-ue8m0-gelu-ep-slice", "fp8-contiguous"],
-)
-def test_fp8_block_decode_batches_run_token_major_between_grouped_calls(quant_name, layout, extra):
-    """fp8 block-scale (SM90 scales): decode-sized calls run the token-major kernels on
-    DeepGEMM's fp8 weights and fp32 block scales (quantizing the row and the act rows in 1x128
-    groups themselves), between grouped fp8 calls whose stale-row bookkeeping they must leave
-    intact; every call against the oracle."""
-    steps = (12, 1, 2, 7, 1, 3)
-    assert _check_layer(quant_name, layout, {**extra, "small_batch": 2, "steps": steps}) == 3
 
 
 @pytest.mark.parametrize("layout", [Layout.MASKED, Layout.CONTIGUOUS])
@@ -338,7 +317,7 @@ def test_contiguous_padding_rows_stay_zero_when_a_batch_shrinks(quant_name):
     _check_layer(quant_name, Layout.CONTIGUOUS, dict(steps=(12, 7)))
 
 
-def test_small_batch_format_is_declared_for_bf16_fp8_block_and_fp8_tensor(monkeypatch):
+def test_small_batch_format_is_declared_for_bf16_and_fp8_tensor_only(monkeypatch):
     from moehal_cuda.deepgemm_experts import DeepGemmExperts, small_batch_tokens
 
     cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=256, intermediate_size=128)
@@ -349,11 +328,7 @@ def test_small_batch_format_is_declared_for_bf16_fp8_block_and_fp8_tensor(monkey
     assert small_batch_tokens(32, 8, 704 * 2**20) == 0  # DeepSeek-V3's EP8 slice: masked at every size
     big = MoEConfig(num_experts=32, top_k=8, hidden_size=7168, intermediate_size=2048)
     assert DeepGemmExperts().small_batch_format(BuildRequest(big, QuantScheme.parse("bf16"), hw)) is None
-    # fp8 block-scale: the decode kernels on fp8 weights; the rule weighs the weights' bytes
-    for name in ("fp8_block", "fp8_block:ue8m0"):
-        fp8 = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse(name), hw))
-        assert fp8 is not None and fp8.max_tokens == 4 and fp8.fmt == ActivationFormat(Layout.STANDARD, cfg.dtype)
-    assert DeepGemmExperts().small_batch_format(BuildRequest(big, QuantScheme.parse("fp8_block"), hw)) is None
+    assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), hw)) is None
     monkeypatch.setattr(DeepGemmExperts, "small_batch_max_tokens", 0)
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("bf16"), hw)) is None
     assert small.prefill_min_tokens is None  # on a CPU no table measured anything: no prefill range
@@ -470,16 +445,15 @@ def test_prefill_range_joins_the_small_batch_format(monkeypatch, tmp_path):
     assert small is not None and (small.prefill_min_tokens, small.prefill_max_tokens) == (91, None)
     assert small.max_tokens == 4 and [small.takes(t) for t in (4, 5, 90, 91, 8192)] == [True, False, False, True, True]
     assert str(small) == "standard[bfloat16] at <= 4 and >= 91 tokens"
-    fp8 = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), gpu))
-    assert fp8 is not None and (fp8.max_tokens, fp8.prefill_min_tokens) == (4, None)  # decode only: no fp8 record
-    # fp8 records are their own (dtype=fp8_block in the key): a band, beside the decode range
+    assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), gpu)) is None
+    # fp8 records are their own (dtype=fp8_block in the key): a band, and no decode range
     rec = {"layer_us": {"1024": {"current": 100.0, "portable": 90.0}, "4096": {"current": 100.0, "portable": 101.0}}}
     table = json.loads(path.read_text())
     table["prefill_portable"][gc.layer_key(128, 256, 128, 8, True, "fp8_block")] = rec
     path.write_text(json.dumps(table))
     gc.load_table.cache_clear()
     fp8 = DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), gpu))
-    assert fp8 is not None and (fp8.max_tokens, fp8.prefill_min_tokens, fp8.prefill_max_tokens) == (4, 1024, 2048)
+    assert fp8 is not None and (fp8.max_tokens, fp8.prefill_min_tokens, fp8.prefill_max_tokens) == (0, 1024, 2048)
     assert fp8.fmt == ActivationFormat(Layout.STANDARD, cfg.dtype), "unquantized: the kernel quantizes"
     sm100 = HardwareInfo("cuda", torch.device("cuda", 0), "Test GPU 80GB", (10, 0))
     assert DeepGemmExperts().small_batch_format(BuildRequest(cfg, QuantScheme.parse("fp8_block"), sm100)) is None

@@ -10,6 +10,7 @@ they use (`flashinfer_layouts`) are tested on CPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -46,17 +47,48 @@ def flashinfer_decision(needed: Sequence[str]) -> Decision:
         import flashinfer.fused_moe as fmoe
     except Exception as exc:  # noqa: BLE001
         return decline(f"flashinfer failed to import: {type(exc).__name__}: {exc}", "libraries")
-    missing = [n for n in needed if not (hasattr(fmoe, n) or hasattr(flashinfer, n))]
+    del flashinfer, fmoe  # imported to report a broken install above; names resolve through `_fi`
+    missing = [n for n in needed if _fi_lookup(n) is None]
     if missing:
-        return decline(f"flashinfer {v} lacks {missing}", "libraries")
+        return decline(f"flashinfer {v} lacks {missing} (looked in {', '.join(FI_MODULES)})", "libraries")
     return accept(f"flashinfer {v}", "libraries")
 
 
-def _fi(name: str) -> Any:
-    import flashinfer
-    import flashinfer.fused_moe as fmoe
+# Where FlashInfer keeps the names used here, across releases: the fused MoE API in `fused_moe`
+# (re-exported at the top level), the CuteDSL masked grouped GEMM in `cute_dsl.blockscaled_gemm`
+# (re-exported by `gemm` in later releases; neither re-exports it at the top level), the NVFP4
+# grouped quantizers in `cute_dsl` and `fp4_quantization`.
+FI_MODULES = (
+    "flashinfer.fused_moe",
+    "flashinfer",
+    "flashinfer.gemm",
+    "flashinfer.cute_dsl",
+    "flashinfer.cute_dsl.blockscaled_gemm",
+    "flashinfer.fp4_quantization",
+)
 
-    return getattr(fmoe, name, None) or getattr(flashinfer, name)
+
+def _fi_lookup(name: str) -> Any | None:
+    """FlashInfer's `name` from the first of `FI_MODULES` that has it, or None."""
+    import importlib
+
+    for mod in FI_MODULES:
+        try:
+            found = getattr(importlib.import_module(mod), name, None)
+        except Exception:  # noqa: BLE001 - a module this release lacks, or one that fails to import
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+@functools.cache
+def _fi(name: str) -> Any:
+    """FlashInfer's `name` (resolved once; `flashinfer_decision` checked that it exists)."""
+    found = _fi_lookup(name)
+    if found is None:
+        raise ImportError(f"flashinfer has no {name} in {FI_MODULES}")
+    return found
 
 
 def routing_method_type(req: BuildRequest) -> int:
@@ -65,6 +97,21 @@ def routing_method_type(req: BuildRequest) -> int:
     if r.method is RoutingMethod.DEEPSEEK_V3:
         return ROUTING_DEEPSEEK_V3
     return ROUTING_RENORMALIZE if r.renormalize else ROUTING_DEFAULT
+
+
+def kernel_route_scale(req: BuildRequest) -> float:
+    """The `routed_scaling_factor` to hand the trtllm-gen kernel. Only its DeepSeek-V3 routing
+    applies the argument (it scales the top-k weights: `mRouteScale`). Its softmax routings
+    (`routingCustom`) ignore it, so there it is folded into GEMM2's output scales at load
+    (`w2_scale_factor`), and the kernel gets 1.0, in case a later release starts applying it."""
+    factor = float(req.config.routed_scaling_factor)
+    return factor if routing_method_type(req) == ROUTING_DEEPSEEK_V3 else 1.0
+
+
+def w2_scale_factor(req: BuildRequest) -> float:
+    """What GEMM2's output scales are multiplied by at load: the routed scaling the kernel's
+    routing does not apply (`kernel_route_scale`); the output is linear in them."""
+    return float(req.config.routed_scaling_factor) / kernel_route_scale(req)
 
 
 def logits_for_kernel(logits: torch.Tensor, method: int) -> torch.Tensor:
@@ -95,23 +142,27 @@ class TrtllmWeights:
     correction_bias: torch.Tensor | None = None
 
 
-def prepare_trtllm_fp8_block(weights: ExpertWeights) -> TrtllmWeights:
+def prepare_trtllm_fp8_block(weights: ExpertWeights, w2_scaling: float = 1.0) -> TrtllmWeights:
     """Canonical FP8 block weights -> trtllm-gen MajorK layout: W13 (and its scale blocks) in
-    w3-then-w1 order (the kernel's GEMM1 is (up, gate)); W2 unchanged."""
+    w3-then-w1 order (the kernel's GEMM1 is (up, gate)); W2 unchanged, its block scales times
+    `w2_scaling` (`w2_scale_factor`)."""
     assert weights.w13_scale is not None and weights.w2_scale is not None
     return TrtllmWeights(
         L.swap_w13_halves(weights.w13),
         weights.w2.contiguous(),
         L.swap_w13_halves(weights.w13_scale.float()),
-        weights.w2_scale.float().contiguous(),
+        (weights.w2_scale.float() * w2_scaling).contiguous(),
         correction_bias=weights.correction_bias,
     )
 
 
-def prepare_trtllm_fp8_tensor(weights: ExpertWeights, epilogue_tile_m: int = 128) -> TrtllmWeights:
+def prepare_trtllm_fp8_tensor(
+    weights: ExpertWeights, epilogue_tile_m: int = 128, w2_scaling: float = 1.0
+) -> TrtllmWeights:
     """Canonical FP8 per-tensor weights -> trtllm-gen: W13 swapped to [w3; w1], rows interleaved
     for the gated activation, both weights row-shuffled for the epilogue tile; the three
-    per-expert output scales folded from weight and static activation scales."""
+    per-expert output scales folded from weight and static activation scales (GEMM2's times
+    `w2_scaling`, `w2_scale_factor`)."""
     assert weights.w13_scale is not None and weights.w2_scale is not None
     assert weights.a13_scale is not None and weights.a2_scale is not None
     w13 = L.swap_w13_halves(weights.w13).view(torch.uint8)
@@ -126,7 +177,7 @@ def prepare_trtllm_fp8_tensor(weights: ExpertWeights, epilogue_tile_m: int = 128
         None,
         out1_scale=(a13 * s13 / a2).contiguous(),  # GEMM1 output requantized with a2
         out1_gate_scale=(a13 * s13).contiguous(),
-        out2_scale=(a2 * s2).contiguous(),
+        out2_scale=(a2 * s2 * w2_scaling).contiguous(),
         a13_scale=a13,
         correction_bias=weights.correction_bias,
     )
@@ -146,7 +197,7 @@ class TrtllmFp8BlockProcessor(_TrtllmProcessor):
     quant_schemes = frozenset({FP8_BLOCK})
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
-        return prepare_trtllm_fp8_block(weights)
+        return prepare_trtllm_fp8_block(weights, w2_scale_factor(req))
 
 
 class TrtllmFp8TensorProcessor(_TrtllmProcessor):
@@ -155,7 +206,7 @@ class TrtllmFp8TensorProcessor(_TrtllmProcessor):
     quant_schemes = frozenset({FP8_TENSOR})
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
-        return prepare_trtllm_fp8_tensor(weights)
+        return prepare_trtllm_fp8_tensor(weights, w2_scaling=w2_scale_factor(req))
 
 
 class _TrtllmRunner(FusedRunner):
@@ -165,8 +216,10 @@ class _TrtllmRunner(FusedRunner):
         self.w: TrtllmWeights | None = None
         r = req.config.routing
         assert r is not None
-        self.n_group = r.n_group if r.method is RoutingMethod.DEEPSEEK_V3 else None
-        self.topk_group = r.topk_group if r.method is RoutingMethod.DEEPSEEK_V3 else None
+        # 0 without groups: releases before Optional[int] typed these int (vLLM passes 0 too)
+        self.n_group = r.n_group if r.method is RoutingMethod.DEEPSEEK_V3 else 0
+        self.topk_group = r.topk_group if r.method is RoutingMethod.DEEPSEEK_V3 else 0
+        self.route_scale = kernel_route_scale(req)
 
     def load(self, weights: Any) -> None:
         self.w = weights
@@ -176,13 +229,20 @@ class _TrtllmRunner(FusedRunner):
         cb = self.w.correction_bias
         return cb.to(torch.bfloat16) if cb is not None else None
 
+    def _out(self, y: Any) -> torch.Tensor:
+        """The kernel's result in the layer dtype: a tensor with `do_finalize=True`, which
+        FlashInfer plans to return as a one-element list from 0.8."""
+        if isinstance(y, (list, tuple)):
+            y = y[0]
+        return y.to(self.c.dtype)
+
 
 class TrtllmFp8BlockRunner(_TrtllmRunner):
     def forward(self, hidden: torch.Tensor, topk: TopK | None, router_logits: torch.Tensor | None) -> torch.Tensor:
         assert router_logits is not None and self.w is not None
         c, w = self.c, self.w
         q, s = fp8.quantize_group(hidden)  # 1x128 groups; the kernel wants scales [H/128, T]
-        return _fi("trtllm_fp8_block_scale_moe")(
+        y = _fi("trtllm_fp8_block_scale_moe")(
             logits_for_kernel(router_logits, self.method),
             self._bias(),
             q,
@@ -198,11 +258,12 @@ class TrtllmFp8BlockRunner(_TrtllmRunner):
             c.intermediate_size,
             c.local_expert_start,
             c.num_local_experts,
-            float(c.routed_scaling_factor),
+            self.route_scale,
             routing_method_type=self.method,
             use_shuffled_weight=False,
             weight_layout=0,
-        ).to(c.dtype)
+        )
+        return self._out(y)
 
 
 class TrtllmFp8TensorRunner(_TrtllmRunner):
@@ -210,7 +271,7 @@ class TrtllmFp8TensorRunner(_TrtllmRunner):
         assert router_logits is not None and self.w is not None and self.w.a13_scale is not None
         c, w = self.c, self.w
         q, _ = fp8.quantize_tensor(hidden, self.w.a13_scale)
-        return _fi("trtllm_fp8_per_tensor_scale_moe")(
+        y = _fi("trtllm_fp8_per_tensor_scale_moe")(
             logits_for_kernel(router_logits, self.method),
             self._bias(),
             q,
@@ -226,10 +287,11 @@ class TrtllmFp8TensorRunner(_TrtllmRunner):
             c.intermediate_size,
             c.local_expert_start,
             c.num_local_experts,
-            float(c.routed_scaling_factor),
+            self.route_scale,
             False,  # use_routing_scales_on_input
             routing_method_type=self.method,
-        ).to(c.dtype)
+        )
+        return self._out(y)
 
 
 class _TrtllmFused(FusedForward):
@@ -249,6 +311,17 @@ class _TrtllmFused(FusedForward):
 
     def check_libraries(self, req: BuildRequest) -> Decision:
         return flashinfer_decision([self._fn])
+
+    def check_routing(self, req: BuildRequest) -> Decision:
+        d = super().check_routing(req)
+        r = req.config.routing
+        if d.ok and r is not None and r.method is RoutingMethod.DEEPSEEK_V3 and not r.renormalize:
+            return decline(
+                "the kernel's DeepSeek-V3 routing always divides the selected weights by their sum "
+                "(norm_topk_prob); RoutingConfig.renormalize=False asks for raw weights",
+                "routing",
+            )
+        return d
 
     def check_shape(self, req: BuildRequest) -> Decision:
         c = req.config
@@ -365,6 +438,9 @@ class CuteDslStandardRunner(ExpertsRunner):
             num_local_experts=c.num_local_experts,
             local_expert_offset=c.local_expert_start,
             output_dtype=c.dtype,
+            # releases that preallocate for CUDA graphs size their buffers by it (later ones
+            # accept and ignore it)
+            **({"max_num_tokens": c.max_tokens} if c.max_tokens is not None else {}),
         )
 
     def load(self, weights: Any) -> None:
@@ -373,7 +449,9 @@ class CuteDslStandardRunner(ExpertsRunner):
     def apply(self, inp: Any) -> Any:
         assert isinstance(inp, StandardInput) and self.w is not None
         w, c = self.w, self.c
-        x, x_sf = _fi("fp4_quantize")(inp.hidden, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=True)
+        # the wrapper gathers token rows: their block scales in the linear [T, H/16] layout (only
+        # the weights' scales are swizzled), as FlashInfer's own MoE tests and SGLang quantize
+        x, x_sf = _fi("fp4_quantize")(inp.hidden, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=False)
         # local ids (-1 = remote) -> global ids; remote slots point at a local expert with weight 0
         ids = inp.topk_ids
         valid = ids >= 0
@@ -406,11 +484,13 @@ class CuteDslMaskedRunner(ExpertsRunner):
         a13 = w.a13_gs.reshape(1).expand(e).contiguous()
         a2 = w.a2_gs.reshape(1).expand(e).contiguous()
         xq, xs = _fi("scaled_fp4_grouped_quantize")(inp.hidden, inp.masked_m, a13)
-        h1 = torch.empty(m, 2 * i, e, dtype=torch.bfloat16, device=inp.hidden.device)
+        # outputs are logical (m, n, l) over (l, m, n) memory: the kernel writes through its
+        # data pointer with N innermost, experts outermost
+        h1 = torch.empty(e, m, 2 * i, dtype=torch.bfloat16, device=inp.hidden.device).permute(1, 2, 0)
         w13 = w.w13.permute(1, 2, 0)  # [2I, H/2, E] logical (n, k, l)
         gemm((xq, xs), (w13, w.w13_sf), h1, inp.masked_m, alpha=w.w13_alpha.view(1, 1, e), alpha_dtype="float32", **kw)
         aq, as_ = _fi("silu_and_mul_scaled_nvfp4_experts_quantize")(h1.permute(2, 0, 1), inp.masked_m, a2)
-        y = torch.empty(m, h, e, dtype=torch.bfloat16, device=inp.hidden.device)
+        y = torch.empty(e, m, h, dtype=torch.bfloat16, device=inp.hidden.device).permute(1, 2, 0)
         w2 = w.w2.permute(1, 2, 0)
         gemm((aq, as_), (w2, w.w2_sf), y, inp.masked_m, alpha=w.w2_alpha.view(1, 1, e), alpha_dtype="float32", **kw)
         out = y.permute(2, 0, 1)

@@ -1,0 +1,243 @@
+"""How the SM100 FlashInfer runners call FlashInfer, on the CPU, against a stand-in `flashinfer`
+package whose functions record their arguments and honour the documented layout contracts
+(the kernels need SM100; no machine here has one). Each contract below is the vendor's, read
+from its source (session 30's audit, docs/device-runs/2026-11-25-session30):
+
+- where each name lives: the CuteDSL masked grouped GEMM in `flashinfer.cute_dsl.blockscaled_gemm`
+  (`flashinfer.gemm` in later releases), not at the top level;
+- `CuteDslMoEWrapper.run` reads activation block scales in the linear `[T, H/16]` layout;
+- the masked grouped GEMM writes its `(m, n, l)` output through its data pointer as `(l, m, n)`
+  memory, and the NVFP4 activation quantizer views its `[l, m, 2I]` input flat;
+- trtllm-gen applies `routed_scaling_factor` in its DeepSeek-V3 routing only, and always
+  renormalizes there.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+from moehal.config import MoEConfig
+from moehal.formats import ActivationFormat, Layout, MaskedInput, StandardInput
+from moehal.hardware import HardwareInfo
+from moehal.interfaces import BuildRequest
+from moehal.quant import NVFP4, QuantScheme
+from moehal.routing import RoutingConfig
+from moehal.weights import quantize_weights
+from moehal_cuda import flashinfer_moe as fm
+
+SM100 = HardwareInfo("cuda", torch.device("cuda", 0), "Test B200", (10, 0))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def named(self, name: str) -> list[tuple[tuple, dict]]:
+        return [(a, k) for n, a, k in self.calls if n == name]
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)  # find_spec sees it
+    m.__path__ = []  # a package: its submodules resolve through sys.modules only
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    return m
+
+
+def _as_lmn(out: torch.Tensor) -> torch.Tensor:
+    """What the CuteDSL kernel writes: `out`'s memory as contiguous `(l, m, n)`, whatever its
+    strides say (it takes the data pointer only, with N innermost)."""
+    m, n, groups = out.shape
+    return torch.as_strided(out, (groups, m, n), (m * n, n, 1))
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """A `flashinfer` laid out as the releases that keep the masked GEMM in
+    `cute_dsl.blockscaled_gemm` (no `flashinfer.gemm` here)."""
+    rec = Recorder()
+
+    def record(name: str, result: Any = None) -> Any:
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            rec.calls.append((name, args, kwargs))
+            return result(*args, **kwargs) if callable(result) else result
+
+        return fn
+
+    def fp4_quantize(x: torch.Tensor, gs: torch.Tensor, sf_vec_size: int = 16, **kw: Any) -> tuple:
+        t, h = x.shape
+        rows = t if not kw.get("is_sf_swizzled_layout", True) else -(-t // 128) * 128
+        return torch.zeros(t, h // 2, dtype=torch.uint8), torch.zeros(rows, h // sf_vec_size, dtype=torch.uint8)
+
+    class Wrapper:
+        def __init__(self, **kwargs: Any) -> None:
+            rec.calls.append(("CuteDslMoEWrapper", (), kwargs))
+            self.hidden = kwargs["hidden_size"]
+
+        def run(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            rec.calls.append(("CuteDslMoEWrapper.run", (x, *args), kwargs))
+            return torch.zeros(x.shape[0], self.hidden, dtype=torch.bfloat16)
+
+    def grouped_gemm_nt_masked(lhs: tuple, rhs: tuple, out: torch.Tensor, masked_m: torch.Tensor, **kw: Any) -> None:
+        rec.calls.append(("grouped_gemm_nt_masked", (lhs, rhs, out, masked_m), kw))
+        a = lhs[0]
+        m, n, groups = out.shape
+        if a.dim() == 3 and a.shape[0] == groups and a.dtype == torch.bfloat16:  # GEMM2: act rows from the quantizer
+            cols = torch.arange(n) % a.shape[2]
+            _as_lmn(out).copy_(a[:, :, cols])
+        else:  # GEMM1: a pattern of (expert, row, column)
+            e, r, c = torch.meshgrid(torch.arange(groups), torch.arange(m), torch.arange(n), indexing="ij")
+            _as_lmn(out).copy_((e * 64 + r * 8 + c % 7).to(out.dtype))  # (<= 256: exact in bf16)
+
+    def silu_quantize(x: torch.Tensor, masked_m: torch.Tensor, gs: torch.Tensor) -> tuple:
+        rec.calls.append(("silu_and_mul_scaled_nvfp4_experts_quantize", (x, masked_m, gs), {}))
+        x.view(-1, x.shape[-1])  # as FlashInfer does: a non-contiguous input raises here
+        return x[..., : x.shape[-1] // 2].clone(), torch.zeros(1)
+
+    def grouped_quantize(x: torch.Tensor, masked_m: torch.Tensor, gs: torch.Tensor) -> tuple:
+        rec.calls.append(("scaled_fp4_grouped_quantize", (x, masked_m, gs), {}))
+        return torch.zeros(1, dtype=torch.uint8), torch.zeros(1)
+
+    def trtllm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(args[2].shape[0], args[2].shape[1], dtype=torch.bfloat16)
+
+    fused = _module(
+        "flashinfer.fused_moe",
+        CuteDslMoEWrapper=Wrapper,
+        trtllm_fp8_block_scale_moe=record("trtllm_fp8_block_scale_moe", trtllm),
+        trtllm_fp8_per_tensor_scale_moe=record("trtllm_fp8_per_tensor_scale_moe", lambda *a, **k: [trtllm(*a, **k)]),
+    )
+    cute = _module(
+        "flashinfer.cute_dsl",
+        scaled_fp4_grouped_quantize=grouped_quantize,
+        silu_and_mul_scaled_nvfp4_experts_quantize=silu_quantize,
+    )
+    blockscaled = _module("flashinfer.cute_dsl.blockscaled_gemm", grouped_gemm_nt_masked=grouped_gemm_nt_masked)
+    top = _module("flashinfer", fp4_quantize=record("fp4_quantize", fp4_quantize), fused_moe=fused, cute_dsl=cute)
+    for mod in (top, fused, cute, blockscaled):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.delitem(sys.modules, "flashinfer.gemm", raising=False)
+    fm._fi.cache_clear()
+    yield rec
+    fm._fi.cache_clear()
+
+
+def _cfg(**kw: Any) -> MoEConfig:
+    return MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, **kw)
+
+
+def _nvfp4_weights(cfg: MoEConfig):
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g)
+    return quantize_weights(cfg, NVFP4, w13, w2, calibration_input=torch.randn(8, 256, generator=g))
+
+
+def test_names_resolve_from_the_modules_each_release_keeps_them_in(fake_flashinfer, monkeypatch):
+    req = BuildRequest(_cfg(), NVFP4, SM100)
+    masked = fm.CuteDslNvfp4MaskedExperts()
+    assert masked.check_libraries(req).ok  # grouped_gemm_nt_masked from cute_dsl.blockscaled_gemm
+    assert (
+        fm._fi("grouped_gemm_nt_masked") is sys.modules["flashinfer.cute_dsl.blockscaled_gemm"].grouped_gemm_nt_masked
+    )
+    # a later release: the GEMM in flashinfer.gemm, blockscaled_gemm gone
+    fm._fi.cache_clear()
+    newer = _module("flashinfer.gemm", grouped_gemm_nt_masked=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "flashinfer.gemm", newer)
+    monkeypatch.delitem(sys.modules, "flashinfer.cute_dsl.blockscaled_gemm")
+    assert masked.check_libraries(req).ok and fm._fi("grouped_gemm_nt_masked") is newer.grouped_gemm_nt_masked
+    # neither: declined, saying where it looked
+    monkeypatch.delitem(sys.modules, "flashinfer.gemm")
+    d = masked.check_libraries(req)
+    assert (
+        not d.ok
+        and "lacks ['grouped_gemm_nt_masked']" in d.reason
+        and "flashinfer.cute_dsl.blockscaled_gemm" in d.reason
+    )
+
+
+def test_cutedsl_standard_runner_quantizes_activations_with_linear_scales(fake_flashinfer):
+    cfg = _cfg(max_tokens=64)
+    req = BuildRequest(cfg, NVFP4, SM100)
+    runner = fm.CuteDslStandardRunner(req, ActivationFormat(Layout.STANDARD, cfg.dtype))
+    runner.load(fm.prepare_cutedsl_nvfp4(_nvfp4_weights(cfg), standard=True))
+    ids = torch.tensor([[0, 3], [1, -1], [2, 1]], dtype=torch.int32)
+    inp = StandardInput(torch.randn(3, 256).bfloat16(), None, ids, torch.rand(3, 2))
+    assert runner.apply(inp).hidden.shape == (3, 256)
+    ((_, kw),) = fake_flashinfer.named("fp4_quantize")
+    assert kw["is_sf_swizzled_layout"] is False and kw["sf_vec_size"] == 16
+    ((args, _),) = fake_flashinfer.named("CuteDslMoEWrapper.run")
+    assert args[1].shape == (3, 256 // 16)  # one scale row per token: the wrapper gathers rows
+    assert torch.equal(args[2], torch.tensor([[0, 3], [1, 0], [2, 1]], dtype=torch.int32))  # remote -> local 0
+    assert args[3][1, 1] == 0  # ... with weight 0
+    ((_, ctor),) = fake_flashinfer.named("CuteDslMoEWrapper")
+    assert ctor["max_num_tokens"] == 64 and ctor["use_cuda_graph"] is True
+
+
+def test_cutedsl_masked_runner_keeps_outputs_expert_major(fake_flashinfer):
+    cfg = _cfg()
+    req = BuildRequest(cfg, NVFP4, SM100)
+    runner = fm.CuteDslMaskedRunner(req, ActivationFormat(Layout.MASKED, cfg.dtype))
+    runner.load(fm.prepare_cutedsl_nvfp4(_nvfp4_weights(cfg), standard=False))
+    e, m = 4, 8
+    masked_m = torch.tensor([3, 0, 8, 5], dtype=torch.int32)
+    out = runner.apply(MaskedInput(torch.randn(e, m, 256).bfloat16(), None, masked_m, 4, 16)).hidden
+    gemms = fake_flashinfer.named("grouped_gemm_nt_masked")
+    assert len(gemms) == 2
+    for args, kw in gemms:  # logical (m, n, l) over (l, m, n) memory
+        assert args[2].permute(2, 0, 1).is_contiguous() and kw["c_dtype"] == "bfloat16"
+    # GEMM1's pattern, through the activation's gate half and GEMM2, lands where it belongs
+    i = cfg.intermediate_size
+    ex, row, col = torch.meshgrid(torch.arange(e), torch.arange(m), torch.arange(256), indexing="ij")
+    want = (ex * 64 + row * 8 + (col % i) % 7).float()
+    live = (torch.arange(m)[None, :] < masked_m[:, None])[..., None]
+    assert out.shape == (e, m, 256)
+    assert torch.equal(out.float(), torch.where(live, want, 0.0))
+
+
+@pytest.mark.parametrize(
+    "routing,kernel_scale,folded",
+    [
+        (RoutingConfig("softmax"), 1.0, 2.5),  # the kernel ignores the factor: folded into GEMM2's scales
+        (RoutingConfig("softmax", renormalize=False), 1.0, 2.5),
+        (RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True), 2.5, 1.0),
+    ],
+    ids=["renormalize", "softmax", "deepseek_v3"],
+)
+@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_tensor"])
+def test_trtllm_routed_scaling_is_applied_once(fake_flashinfer, routing, kernel_scale, folded, scheme):
+    cfg = _cfg(routing=routing, routed_scaling_factor=2.5)
+    quant = QuantScheme.parse(scheme)
+    req = BuildRequest(cfg, quant, SM100)
+    g = torch.Generator().manual_seed(4)
+    calib = torch.randn(8, 256, generator=g)
+    w = quantize_weights(cfg, quant, torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g),
+                         calibration_input=calib)  # fmt: skip
+    impl = fm.TrtllmFp8BlockMoE() if scheme == "fp8_block" else fm.TrtllmFp8TensorMoE()
+    proc = fm.TrtllmFp8BlockProcessor() if scheme == "fp8_block" else fm.TrtllmFp8TensorProcessor()
+    assert impl.check_routing(req).ok
+    prepared = proc.process(w, req)
+    if scheme == "fp8_block":
+        torch.testing.assert_close(prepared.w2_scale, w.w2_scale.float() * folded)
+    else:
+        torch.testing.assert_close(prepared.out2_scale, (w.a2_scale * w.w2_scale).float() * folded)
+    runner = impl.build(req)
+    runner.load(prepared)
+    y = runner.forward(torch.randn(3, 256).bfloat16(), None, torch.randn(3, 4))
+    assert y.shape == (3, 256) and y.dtype == cfg.dtype  # (fp8_tensor's stand-in returns a list, as 0.8 will)
+    ((args, kw),) = fake_flashinfer.named(impl._fn)
+    assert args[15] == kernel_scale
+    deepseek = routing.method.value == "deepseek_v3"
+    assert args[10:12] == ((2, 1) if deepseek else (0, 0))  # n_group, topk_group
+    assert kw["routing_method_type"] == (2 if deepseek else 1 if routing.renormalize else 0)
+
+
+def test_trtllm_declines_deepseek_routing_without_renormalizing():
+    cfg = _cfg(routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=1, renormalize=False))
+    d = fm.TrtllmFp8BlockMoE().check_routing(BuildRequest(cfg, QuantScheme.parse("fp8_block"), SM100))
+    assert not d.ok and "norm_topk_prob" in d.reason

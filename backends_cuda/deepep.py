@@ -40,6 +40,17 @@ from moehal_cuda.support import sm_decision
 LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # csrc/kernels/legacy/launch.cuh SWITCH_HIDDEN
 LL_MAX_TOPK = 11
 DEFAULT_CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+# Both modes take the layer's hidden states as they are, and DeepEP's kernels read bf16 (low
+# latency asserts it; normal mode sizes its NVLink buffers for 2-byte elements).
+_BF16_ONLY = "DeepEP sends bf16 hidden states; the layer dtype is {dtype}"
+
+
+def _topk_idx_dtype() -> torch.dtype:
+    """The dtype DeepEP takes top-k ids in: `deep_ep.topk_idx_t` where the release names it
+    (typically int64), else int64."""
+    import deep_ep
+
+    return getattr(deep_ep, "topk_idx_t", torch.int64)
 
 
 def _deep_ep_decision() -> Decision:
@@ -85,10 +96,11 @@ class DeepEPLowLatencyRunner(DispatchRunner):
         )
         self.use_fp8 = fmt.is_quantized
         self.round_scale = fmt.scales is ScaleKind.GROUP_128_UE8M0
+        self.idx_dtype = _topk_idx_dtype()
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, _LLHandle]:
         c = self.c
-        ids = topk.ids.to(torch.int64)
+        ids = topk.ids.to(self.idx_dtype)
         w = topk.weights.float()
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
@@ -160,6 +172,8 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
         if fmt.layout is not Layout.MASKED:
             return decline("DeepEP low latency produces the masked layout only", "format")
+        if req.config.dtype != torch.bfloat16:
+            return decline(_BF16_ONLY.format(dtype=req.config.dtype), "format")
         rows = req.config.ep_size * (req.config.max_tokens or 0)
         if rows % fmt.row_alignment:
             return decline(
@@ -202,6 +216,7 @@ class DeepEPNormalRunner(DispatchRunner):
         self.buffer = deep_ep.Buffer(req.process_group, nvl, rdma)
         self.quant = fmt.is_quantized
         self.ue8m0 = fmt.scales is ScaleKind.GROUP_128_UE8M0
+        self.idx_dtype = _topk_idx_dtype()
         self.capacity = 0  # contiguous rows at the worst case; 0: unknown (no max_tokens)
         if c.max_tokens is not None:
             slots = c.max_tokens * c.ep_size * min(c.top_k, c.num_local_experts)
@@ -211,7 +226,7 @@ class DeepEPNormalRunner(DispatchRunner):
         from moehal.kernels import triton_permute as tp
 
         c = self.c
-        ids = topk.ids.to(torch.int64)
+        ids = topk.ids.to(self.idx_dtype)
         w = topk.weights.float()
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
@@ -282,6 +297,8 @@ class DeepEPNormalDispatcher(Dispatcher):
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
         if fmt.layout is not Layout.CONTIGUOUS:
             return decline("DeepEP normal mode is paired with the contiguous layout", "format")
+        if req.config.dtype != torch.bfloat16:
+            return decline(_BF16_ONLY.format(dtype=req.config.dtype), "format")
         if fmt.scales is ScaleKind.NONE:
             ok = fmt.dtype == req.config.dtype
             return accept(predicate="format") if ok else decline(f"sends {req.config.dtype}", "format")

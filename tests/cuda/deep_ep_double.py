@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+TOPK_IDX_T = torch.int64  # what `deep_ep.topk_idx_t` names in the releases that define it
+
 
 class World:
     """The ranks' rendezvous. One rank computes at a time (`lock`: Triton's interpreter is not
@@ -140,6 +142,8 @@ class Buffer:
     ) -> tuple:
         assert topk_idx is not None and topk_weights is not None and is_token_in_rank is not None
         assert num_tokens_per_expert is not None
+        assert x.dtype == torch.bfloat16, "DeepEP's normal dispatch takes bf16 x (or an fp8 tuple)"
+        assert topk_idx.dtype == TOPK_IDX_T, "top-k ids in deep_ep.topk_idx_t"
         e_loc = num_tokens_per_expert.numel() // self.size
         lo = self.rank * e_loc
         posts = self.world.exchange(self.rank, (x, topk_idx, topk_weights, is_token_in_rank))
@@ -185,6 +189,8 @@ class Buffer:
     ) -> tuple:
         assert not use_ue8m0 or round_scale, "use_ue8m0 requires round_scale"
         assert not use_ue8m0, "the double sends fp32 scales only"
+        assert x.dtype == torch.bfloat16, "DeepEP's low-latency dispatch asserts bf16 x"
+        assert topk_idx.dtype == TOPK_IDX_T, "top-k ids in deep_ep.topk_idx_t"
         t_max, e_loc = num_max_dispatch_tokens_per_rank, num_experts // self.size
         assert x.shape[0] <= t_max, "more tokens than num_max_dispatch_tokens_per_rank"
         posts = self.world.exchange(self.rank, (x, topk_idx))
@@ -224,5 +230,6 @@ def module() -> types.ModuleType:
     """A `deep_ep` module made of this double, for `sys.modules`."""
     m = types.ModuleType("deep_ep")
     m.Buffer = Buffer  # type: ignore[attr-defined]
+    m.topk_idx_t = TOPK_IDX_T  # type: ignore[attr-defined]
     m.__moehal_test_double__ = True  # type: ignore[attr-defined]
     return m

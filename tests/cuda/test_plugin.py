@@ -131,6 +131,23 @@ def test_cutedsl_registers_one_variant_per_dispatch_layout():
     assert layouts == {Layout.MASKED, Layout.STANDARD}
 
 
+def test_deepep_declines_layers_that_are_not_bf16():
+    """Both DeepEP modes send the layer's hidden states as they are, and DeepEP reads bf16 (low
+    latency asserts it; normal mode sizes its buffers for 2-byte elements): an fp16 layer is
+    declined with the reason, for unquantized and FP8 formats alike."""
+    from moehal_cuda.deepep import DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
+
+    cfg = MoEConfig(num_experts=64, top_k=8, hidden_size=7168, intermediate_size=2048, ep_size=8, max_tokens=128)
+    pairs = ((DeepEPLowLatencyDispatcher(), Layout.MASKED), (DeepEPNormalDispatcher(), Layout.CONTIGUOUS))
+    for dispatcher, layout in pairs:
+        fp8 = ActivationFormat(layout, torch.float8_e4m3fn, ScaleKind.GROUP_128, 64)
+        assert dispatcher.can_produce(fp8, _req((9, 0), cfg=cfg)).ok
+        half = cfg.with_(dtype=torch.float16)
+        for fmt in (fp8, ActivationFormat(layout, torch.float16, ScaleKind.NONE, 64)):
+            d = dispatcher.can_produce(fmt, _req((9, 0), cfg=half))
+            assert not d.ok and d.reason == "DeepEP sends bf16 hidden states; the layer dtype is torch.float16"
+
+
 def test_deepep_limits_checked_at_build():
     from moehal_cuda.deepep import DeepEPLowLatencyDispatcher
 

@@ -1,4 +1,4 @@
-"""AMD AITER fused MoE (`aiter.fused_moe`), when `aiter` is importable on MI300/MI350.
+"""AMD AITER fused MoE (`aiter.fused_moe.fused_moe`), when `aiter` is importable on MI300/MI350.
 
 Written against the API in ROCm/aiter `aiter/fused_moe.py :: fused_moe(hidden_states, w1, w2,
 topk_weight, topk_ids, expert_mask=None, activation=ActivationType.Silu,
@@ -26,7 +26,16 @@ from moehal.quant import BF16, FP8_BLOCK, W8A8_INT8, QuantKind, QuantScheme
 from moehal_rocm import hw as rocm_hw
 from moehal_rocm.weights import AITER_LAYOUT
 
-_REQUIRED = ("fused_moe", "ActivationType", "QuantType")
+_REQUIRED = ("ActivationType", "QuantType")  # at the package's top level (`aiter.ops.enum`)
+
+
+def _fused_moe() -> Any:
+    """AITER's `fused_moe` function. It lives in the `aiter.fused_moe` submodule, which
+    `import aiter` does not load: `aiter.fused_moe` is absent in a fresh process, and the
+    module (not the function) once vLLM or SGLang has imported it. Imported as they do."""
+    from aiter.fused_moe import fused_moe
+
+    return fused_moe
 
 
 class AiterExpertsRunner(ExpertsRunner):
@@ -34,6 +43,7 @@ class AiterExpertsRunner(ExpertsRunner):
         import aiter
 
         self.aiter = aiter
+        self.fused_moe = _fused_moe()
         self.fmt = fmt
         c = req.config
         self.e = c.num_local_experts
@@ -59,10 +69,12 @@ class AiterExpertsRunner(ExpertsRunner):
     def apply(self, inp: Any) -> Any:
         assert self.w is not None, "weights not loaded"
         assert isinstance(inp, StandardInput)
+        if inp.hidden.shape[0] == 0:  # an EP rank that received no tokens (SGLang skips AITER here too)
+            return StandardOutput(inp.hidden.new_zeros(inp.hidden.shape))
         ids = inp.topk_ids
         if self.expert_mask is not None:
             ids = torch.where(ids < 0, torch.full_like(ids, self.e), ids)
-        out = self.aiter.fused_moe(
+        out = self.fused_moe(
             inp.hidden,
             self.w["w13"],
             self.w["w2"],
@@ -90,7 +102,8 @@ class AiterExperts(Experts):
     supports_bias = False
     weight_layout: ClassVar[str] = AITER_LAYOUT
     graph_capturable = False  # not verified on hardware: claim nothing
-    deterministic = True
+    # CK's second stage adds the top-k rows into the output atomically, in no fixed order
+    deterministic = False
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         d = super().check_hardware(req)
@@ -113,6 +126,10 @@ class AiterExperts(Experts):
         except Exception as exc:  # noqa: BLE001 - a broken install declines, it does not crash
             return decline(f"aiter is installed but fails to import ({type(exc).__name__}: {exc})", "libraries")
         missing = [n for n in _REQUIRED if not hasattr(aiter, n)]
+        try:
+            _fused_moe()
+        except Exception:  # noqa: BLE001 - an older layout, or a submodule that fails to import
+            missing.append("aiter.fused_moe.fused_moe")
         if missing or not hasattr(aiter.QuantType, "per_128x128"):
             version = rocm_hw.aiter_version() or "unknown version"
             return decline(

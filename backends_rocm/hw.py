@@ -31,4 +31,6 @@ def triton_version() -> str | None:
 
 
 def aiter_version() -> str | None:
-    return package_version("aiter") or package_version("amd-aiter")
+    """AMD AITER's version. Its distribution is `amd-aiter`; `aiter` on PyPI is an unrelated
+    package, so that name is only a fallback for source builds that register as it."""
+    return package_version("amd-aiter") or package_version("aiter")

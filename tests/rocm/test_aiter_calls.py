@@ -1,0 +1,96 @@
+"""How `rocm.aiter` calls AITER, on the CPU, against a stand-in `aiter` package laid out as AMD
+ships it (`amd-aiter`; ROCm/aiter `aiter/__init__.py` and `aiter/fused_moe.py`): the enums at
+the top level, `fused_moe` in the `aiter.fused_moe` submodule, which `import aiter` does not
+load. No AMD GPU is here; this checks moehal's side of the call (session 30's audit)."""
+
+from __future__ import annotations
+
+import enum
+import importlib.machinery
+import sys
+import types
+from typing import Any
+
+import moehal
+import pytest
+import torch
+from moehal.formats import ActivationFormat, Layout, StandardInput
+from moehal.hardware import HardwareInfo
+from moehal.interfaces import BuildRequest
+from moehal_rocm.aiter_experts import AiterExperts
+
+MI300 = HardwareInfo("rocm", torch.device("cpu"), "AMD Instinct MI300X", (9, 4), "gfx942")
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    m.__path__ = []
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    return m
+
+
+class ActivationType(enum.Enum):
+    Silu = 0
+    Gelu = 1
+
+
+class QuantType(enum.Enum):
+    No = 0
+    per_Token = 2
+    per_128x128 = 4
+
+
+@pytest.fixture
+def fake_aiter(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple, dict]]:
+    calls: list[tuple[tuple, dict]] = []
+
+    def fused_moe(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(((hidden, *args), kwargs))
+        return torch.zeros_like(hidden)
+
+    top = _module("aiter", ActivationType=ActivationType, QuantType=QuantType)  # no fused_moe attribute
+    monkeypatch.setitem(sys.modules, "aiter", top)
+    monkeypatch.setitem(sys.modules, "aiter.fused_moe", _module("aiter.fused_moe", fused_moe=fused_moe))
+    return calls
+
+
+def _req(**kw: Any) -> BuildRequest:
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128, **kw)
+    return BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), MI300)
+
+
+def test_fused_moe_comes_from_its_submodule(fake_aiter, monkeypatch):
+    """Accepted with `fused_moe` only in `aiter.fused_moe` (a fresh process), and still called
+    as the function once that submodule is an attribute of the package (after vLLM or SGLang
+    imported it); declined, naming it, where the submodule is missing."""
+    d = AiterExperts().check_libraries(_req())
+    assert d.ok, d
+    sys.modules["aiter"].fused_moe = sys.modules["aiter.fused_moe"]  # what an engine's import leaves
+    req = _req(ep_size=2, ep_rank=1)
+    runner = AiterExperts().build(req, ActivationFormat(Layout.STANDARD, torch.bfloat16))
+    runner.load({"w13": torch.zeros(2, 256, 128), "w2": torch.zeros(2, 128, 128), "w13_scale": None, "w2_scale": None})
+    ids = torch.tensor([[0, -1], [1, 0], [-1, -1]], dtype=torch.int64)
+    out = runner.apply(StandardInput(torch.randn(3, 128).bfloat16(), None, ids, torch.rand(3, 2))).hidden
+    assert out.shape == (3, 128)
+    ((args, kw),) = fake_aiter
+    assert args[4].dtype == torch.int32 and args[4].tolist() == [[0, 2], [1, 0], [2, 2]]  # remote -> masked E_local
+    assert kw["expert_mask"].tolist() == [1, 1, 0] and kw["quant_type"] is QuantType.No
+    monkeypatch.delitem(sys.modules, "aiter.fused_moe")
+    del sys.modules["aiter"].fused_moe
+    d = AiterExperts().check_libraries(_req())
+    assert not d.ok and "aiter.fused_moe.fused_moe" in d.reason
+
+
+def test_no_tokens_skip_the_kernel(fake_aiter):
+    runner = AiterExperts().build(_req(), ActivationFormat(Layout.STANDARD, torch.bfloat16))
+    runner.load({"w13": None, "w2": None, "w13_scale": None, "w2_scale": None})
+    empty = StandardInput(torch.zeros(0, 128).bfloat16(), None, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2))
+    assert runner.apply(empty).hidden.shape == (0, 128) and not fake_aiter
+
+
+def test_aiter_is_not_claimed_deterministic():
+    """CK's second stage adds the top-k rows into the output atomically, in no fixed order:
+    conformance must not hold AITER to bitwise repeatability."""
+    assert AiterExperts.deterministic is False

@@ -2,8 +2,9 @@
 
 - `LocalFlatDispatcher` (one device): npu_moe_init_routing_v2 sorts the (token, k) slots by
   expert and, for W8A8, quantizes them per token in the same op; the group list comes back
-  as cumulative ends (expert_tokens_num_type=0). Combine gathers each slot's row through the
-  op's gather index, weights and sums over k (plain torch).
+  as counts (expert_tokens_num_type=1: the kernel, aclnnMoeInitRoutingV3, refuses 0, the
+  cumulative form). Combine gathers each slot's row through the op's gather index, weights
+  and sums over k (plain torch).
 - `HcclDispatcher` (expert parallelism across processes): npu_moe_distribute_dispatch /
   npu_moe_distribute_combine over the HCCL group (quant_mode 2 = dynamic per-token int8),
   group list as counts (expert_token_nums_type=1). Needs ep_size > 1 and a process group.
@@ -62,15 +63,15 @@ class LocalFlatRunner(DispatchRunner):
             hidden = (hidden.float() * weights.float()).to(hidden.dtype)
             weights = torch.ones_like(weights)
         ids = topk.ids.to(torch.int32)
-        x, row_idx, ends, x_scale = self.ops.moe_init_routing_v2(
+        x, row_idx, counts, x_scale = self.ops.moe_init_routing_v2(
             hidden,
             ids,
             num_experts=self.num_experts,
             active_expert_range=(self.start, self.start + self.num_local),
             quantize=self.quantize,
-            expert_tokens_num_type=0,
+            expert_tokens_num_type=1,
         )
-        out = FlatInput(x, x_scale if self.quantize else None, ends, 0)
+        out = FlatInput(x, x_scale if self.quantize else None, counts, 1)
         return out, _LocalHandle(row_idx, ids, weights)
 
     def combine(self, expert_out: Any, handle: _LocalHandle) -> torch.Tensor:
@@ -116,6 +117,7 @@ class _HcclHandle:
     weights: torch.Tensor
     expand_idx: torch.Tensor
     ep_recv_counts: torch.Tensor
+    expand_scales: torch.Tensor  # dispatch's, handed back to combine (required on Atlas A2)
 
 
 class HcclRunner(DispatchRunner):
@@ -143,11 +145,11 @@ class HcclRunner(DispatchRunner):
         ids[:t] = topk.ids.to(torch.int32)
         w = torch.zeros(self.max_tokens, self.top_k, dtype=torch.float32, device=dev)
         w[:t] = topk.weights.float()
-        expand_x, dyn_scale, expand_idx, counts, recv, _tp, _ = self.ops.moe_distribute_dispatch(
+        expand_x, dyn_scale, expand_idx, counts, recv, _tp, expand_scales = self.ops.moe_distribute_dispatch(
             x, ids, w, self.group, self.world, self.rank, self.num_experts, self.quantize
         )
         out = FlatInput(expand_x, dyn_scale if self.quantize else None, counts, 1)
-        return out, _HcclHandle(t, ids, w, expand_idx, recv)
+        return out, _HcclHandle(t, ids, w, expand_idx, recv, expand_scales)
 
     def combine(self, expert_out: Any, handle: _HcclHandle) -> torch.Tensor:
         if not isinstance(expert_out, FlatOutput):
@@ -162,6 +164,7 @@ class HcclRunner(DispatchRunner):
             self.world,
             self.rank,
             self.num_experts,
+            handle.expand_scales,
         )[: handle.num_tokens]
         if self.scale != 1.0:
             y = y.float() * self.scale

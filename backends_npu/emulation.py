@@ -110,10 +110,18 @@ def npu_grouped_matmul(
                     "int8 grouped matmul without scales returns the int32 accumulator (output_dtype=int32)"
                 )
             return [torch.where(live[:, None], acc, 0.0).to(torch.int32)]
+        out_dtype = output_dtype or torch.bfloat16
+        # Atlas A2/A3, int8 x with per-token scales: a bf16 output takes a bf16 weight scale and
+        # an fp16 output an fp32 one (the op's documented dtype table; fp32 with bf16 only on 910_95)
+        want = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}.get(out_dtype)
+        if per_token_scale is not None and scale[0].dtype != want:
+            raise ValueError(
+                f"int8 grouped matmul with per-token scales: a {out_dtype} output takes a {want} weight scale, "
+                f"got {scale[0].dtype}"
+            )
         y = acc * scale[0].double()[gi]
         if per_token_scale is not None:
             y = y * per_token_scale[0].double()[:, None]
-        out_dtype = output_dtype or torch.bfloat16
     else:
         y = torch.einsum("mk,mkn->mn", a.float(), w.float()[gi]) if m else a.new_zeros(0, n, dtype=torch.float32)
         out_dtype = output_dtype or a.dtype
@@ -215,11 +223,18 @@ def npu_moe_init_routing_v2(
     - expanded_row_idx int32 `[N*K]`: the gather index, expanded_row_idx[row] = position of
       slot `row` in expanded_x (row_idx_type=0); -1 for dropped slots (the documentation
       leaves their value open; the backend masks them by expert range itself);
-    - expert_tokens_count_or_cumsum int64 `[end - start]`: cumsum (type 0) or counts (type 1);
+    - expert_tokens_count_or_cumsum int64 `[end - start]`: counts (type 1). The kernel behind
+      the op (aclnnMoeInitRoutingV3) refuses type 0, the cumulative form, in its tiling check
+      ("expert_tokens_num_type currently not support 0"), and so does this; type 2 (key-value
+      pairs) is not emulated;
     - expanded_scale float32 `[N*K]`: per-row dynamic scale (quant_mode=1), else unspecified.
     """
     if drop_pad_mode != 0 or row_idx_type != 0 or quant_mode not in (-1, 1) or scale is not None:
         raise NotImplementedError("only dropless routing, gather row index, no/dynamic quant is emulated")
+    if expert_tokens_num_type not in (1, 2):
+        raise ValueError(f"expert_tokens_num_type currently not support {expert_tokens_num_type}")
+    if expert_tokens_num_type == 2:
+        raise NotImplementedError("expert_tokens_num_type=2 (key-value pairs) is not emulated")
     n, k = expert_idx.shape
     start, end = active_expert_range if active_expert_range else (0, expert_num)
     ids = expert_idx.reshape(-1).to(torch.int64)
@@ -242,7 +257,7 @@ def npu_moe_init_routing_v2(
         expanded_x = torch.where(live_sorted[:, None], rows, torch.zeros_like(rows))
         expanded_scale = torch.zeros(num_slots, dtype=torch.float32, device=x.device)
     row_idx = torch.where(kept, pos, torch.full_like(pos, -1)).to(torch.int32)
-    tokens = torch.cumsum(counts, 0) if expert_tokens_num_type == 0 else counts
+    tokens = counts
     if active_num not in (-1, num_slots) and active_num < num_slots:
         raise NotImplementedError("active_num < N*K is not emulated")
     return expanded_x, row_idx, tokens, expanded_scale
@@ -354,11 +369,17 @@ def npu_moe_distribute_combine(
     ep_world_size: int,
     ep_rank_id: int,
     moe_expert_num: int,
+    *,
+    expand_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """ptaoplist_002363: the inverse of dispatch. expand_x `[A, H]` bf16 expert outputs
+    """ptaoplist_002363: the inverse of dispatch. `expand_scales` (dispatch's last output) is
+    required on Atlas A2, as the documentation says, and so here: the emulation refuses a
+    combine without it. expand_x `[A, H]` bf16 expert outputs
     (one unweighted row per received row); expert_ids / expert_scales `[BS, K]` this rank's
     routing. Returns `[BS, H]` bf16: sum over k of expert_scales[t, k] * the row of slot
     (t, k) on its expert's rank. Emulated with torch.distributed all_gather on `group_ep`."""
+    if expand_scales is None:
+        raise ValueError("npu_moe_distribute_combine: expand_scales is required (Atlas A2)")
     bs, k = expert_ids.shape
     local = moe_expert_num // ep_world_size
     all_y = _gather(expand_x, group_ep)  # [W, A, H]
@@ -399,11 +420,13 @@ def fused_deep_moe(
     """DeepEP-Ascend `Buffer.fused_deep_moe` (doc/FUSED_DEEP_MOE.md), one rank (EP world 1).
 
     x `[bs, H]` bf16; topk_idx `[bs, K]` (-1 = not dispatched); topk_weights fp32 `[bs, K]`.
-    Weights: gmm1 `[E, H, 2I]`, gmm1 scale `[E, 2I]`, gmm2 `[E, I, H]`, gmm2 scale `[E, H]`.
+    Weights: gmm1 `[E, H, 2I]`, gmm1 scale `[E, 2I]`, gmm2 scale `[E, H]`.
     FUSED_DEEP_MOE (1): gmm1 columns (and its scale) are tile-permuted (`unpermute_w13_columns`),
-    scales float32; quant_mode 1 = int8, 0 = bf16 (scales ignored).
-    DISPATCH_FFN_COMBINE (2): gmm1 unpermuted, scales int64 holding the float32 bit pattern
-    (sign-extended), int8 only.
+    gmm2 `[E, H, I]` as the checkpoint holds it (the documentation's example and the vendor's
+    test cast it to NZ untransposed), scales float32; int8 (quant_mode 1): the op's
+    definition takes INT8 weights only.
+    DISPATCH_FFN_COMBINE (2): gmm1 unpermuted, gmm2 `[E, I, H]`, scales int64 holding the
+    float32 bit pattern (sign-extended), int8 only.
     Math: dynamic per-token int8 x -> gmm1 -> dequant -> SwiGLU (silu(gate) * up) -> dynamic
     per-token int8 -> gmm2 -> dequant -> bf16 per row -> weighted sum over k -> bf16.
     Returns (out `[bs, H]` bf16, ep_recv_count int32 `[E]` rows per local expert).
@@ -421,9 +444,12 @@ def fused_deep_moe(
         s2 = gmm2_weight_scale.to(torch.int32).view(torch.float32)
         w1 = gmm1_permuted_weight
     elif fuse_mode == FUSED_DEEP_MOE:
+        if quant_mode != 1 or gmm1_permuted_weight.dtype != torch.int8:
+            raise ValueError("FUSED_DEEP_MOE takes INT8 weights (quant_mode=1); its op definition has no BF16 form")
         s1 = unpermute_w13_columns(gmm1_permuted_weight_scale.float())
         s2 = gmm2_weight_scale.float()
         w1 = unpermute_w13_columns(gmm1_permuted_weight)
+        gmm2_weight = gmm2_weight.transpose(1, 2)  # [E, H, I] -> the [E, I, H] the math below reads
     else:
         raise NotImplementedError(f"fuse_mode {fuse_mode} is not emulated")
     ids = topk_idx.to(torch.int64)

@@ -6,7 +6,9 @@ ordinary `FusedForward` registration with the limits its own documentation state
 (sgl-project/sgl-kernel-npu `python/deep_ep/doc/FUSED_DEEP_MOE.md`, and the FusedDeepMoe
 tiling checks `csrc/deepep/ops/op_host/fused_deep_moe_tiling.cpp`):
 
-- FuseMode.FUSED_DEEP_MOE (1, `aclnnFusedDeepMoe`): quant_mode 1 (INT8) or 0 (BF16);
+- FuseMode.FUSED_DEEP_MOE (1, `aclnnFusedDeepMoe`): quant_mode 1, INT8 weights (the op's
+  definition, `csrc/deepep/ops/op_host/fused_deep_moe.cpp`, takes INT8 FRACTAL_NZ weights and
+  fp32 scales only; no source shows a BF16 form); gmm2 weights `[E, H, I]` untransposed;
   bs in [1, 256] (max_tokens), hidden in [512, 7168] and a multiple of 32, gmm1 width 2I in
   [1024, 6144] and a multiple of 1024, top_k <= 12 (and <= experts), experts <= 512;
   fp32 scales; tile-permuted gmm1 weights.
@@ -23,7 +25,7 @@ import torch
 from moehal.capability import Decision, accept, decline
 from moehal.config import Activation
 from moehal.interfaces import BuildRequest, FusedForward, FusedRunner
-from moehal.quant import BF16, W8A8_INT8, QuantKind
+from moehal.quant import W8A8_INT8, QuantKind
 from moehal.routing import TopK
 from moehal_npu.common import BACKEND, NpuImplementation, vendor_ops
 from moehal_npu.emulation import DISPATCH_FFN_COMBINE, FUSED_DEEP_MOE
@@ -105,7 +107,7 @@ class _FuseEP(NpuImplementation, FusedForward):
         d = super().check_quant(req)
         if d.ok:
             return d
-        modes = "INT8 (quant_mode 1) or BF16 (0)" if self.fuse_mode == FUSED_DEEP_MOE else "W8A8 INT8 only"
+        modes = "INT8 weights only (its op definition)" if self.fuse_mode == FUSED_DEEP_MOE else "W8A8 INT8 only"
         return decline(f"{d.reason}: {self.mode_name} takes {modes} ({DOC})", d.predicate)
 
     def check_parallel(self, req: BuildRequest) -> Decision:
@@ -147,13 +149,13 @@ class _FuseEP(NpuImplementation, FusedForward):
 
 
 class FusedDeepMoe(_FuseEP):
-    """FuseMode.FUSED_DEEP_MOE: the default fuse mode; INT8 or BF16."""
+    """FuseMode.FUSED_DEEP_MOE: the default fuse mode; W8A8 INT8."""
 
     name = "fuseep_fused_deep_moe"
     mode_name = "FuseMode.FUSED_DEEP_MOE"
     priority = 30
-    description = "DeepEP-Ascend fused_deep_moe, FuseMode.FUSED_DEEP_MOE (aclnnFusedDeepMoe), INT8 or BF16"
-    quant_schemes = frozenset({BF16, W8A8_INT8})
+    description = "DeepEP-Ascend fused_deep_moe, FuseMode.FUSED_DEEP_MOE (aclnnFusedDeepMoe), W8A8 INT8"
+    quant_schemes = frozenset({W8A8_INT8})
     fuse_mode = FUSED_DEEP_MOE
     weight_layout = FUSED_DEEP_MOE_LAYOUT
 

@@ -132,7 +132,8 @@ class VendorOps:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """npu_moe_init_routing_v2 (dropless, gather row index). x `[N, H]` bf16, expert_idx
         int32 `[N, K]` -> (expanded_x `[N*K, H]` bf16 or int8, expanded_row_idx int32 `[N*K]`,
-        expert tokens int64 `[end-start]` (type 0 cumsum, 1 counts), expanded_scale fp32 `[N*K]`)."""
+        expert tokens int64 `[end-start]` (type 1: counts; 2: key-value pairs; the kernel,
+        aclnnMoeInitRoutingV3, refuses 0), expanded_scale fp32 `[N*K]`)."""
         n, k = expert_idx.shape
         kw: dict[str, Any] = dict(
             scale=None,
@@ -200,21 +201,26 @@ class VendorOps:
         world_size: int,
         rank: int,
         num_experts: int,
+        expand_scales: torch.Tensor,
     ) -> torch.Tensor:
         """npu_moe_distribute_combine: expand_x `[A, H]` bf16 unweighted expert rows -> `[BS, H]`
-        bf16, weighted by expert_scales and summed over k on the tokens' own rank."""
+        bf16, weighted by expert_scales and summed over k on the tokens' own rank.
+        expand_scales: dispatch's last output, handed back (a required argument on Atlas A2;
+        vllm-ascend always passes it)."""
         if self.emulate:
             from moehal_npu import emulation
 
             return emulation.npu_moe_distribute_combine(
-                expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, group, world_size, rank, num_experts
-            )
+                expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, group, world_size, rank, num_experts,
+                expand_scales=expand_scales,
+            )  # fmt: skip
         import torch_npu
 
         name = self.hccl_comm_name(group)
         return torch_npu.npu_moe_distribute_combine(
-            expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, name, world_size, rank, num_experts
-        )
+            expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, name, world_size, rank, num_experts,
+            expand_scales=expand_scales,
+        )  # fmt: skip
 
     # DeepEP-Ascend -------------------------------------------------------------------------------
     def fused_deep_moe(

@@ -30,9 +30,9 @@ W13_TILE = 128
 
 @dataclass(frozen=True)
 class NpuWeights:
-    """Kernel-layout weights. w13 `[E, H, 2I]`, w2 `[E, I, H]` (NZ on hardware); scales
-    `[E, 2I]` / `[E, H]` (fp32, or int64 bit patterns for DISPATCH_FFN_COMBINE), None for BF16
-    experts."""
+    """Kernel-layout weights. w13 `[E, H, 2I]`, w2 `[E, I, H]` (`[E, H, I]` for FUSED_DEEP_MOE),
+    NZ on hardware; scales `[E, 2I]` / `[E, H]`: fp32 (w2's bf16 for the grouped-matmul experts,
+    int64 bit patterns for DISPATCH_FFN_COMBINE), None for BF16 experts."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -70,7 +70,7 @@ class GmmWeights(_NpuProcessor):
     name = "gmm_weights"
     layout = GMM_LAYOUT
     priority = 20
-    description = "w13 -> [E,H,2I], w2 -> [E,I,H], NZ cast, fp32 scales [E,N]"
+    description = "w13 -> [E,H,2I], w2 -> [E,I,H], NZ cast; scales [E,N]: w13's fp32, w2's bf16"
     quant_schemes = frozenset({BF16, W8A8_INT8})
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> NpuWeights:
@@ -78,28 +78,28 @@ class GmmWeights(_NpuProcessor):
         if req.quant.kind is QuantKind.BF16:
             return NpuWeights(w13, w2, None, None)
         assert weights.w13_scale is not None and weights.w2_scale is not None
-        return NpuWeights(w13, w2, weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous())
+        # w13's scale feeds npu_dequant_swiglu_quant, which takes fp32. w2's scale feeds the
+        # second grouped matmul, whose int8 path on Atlas A2/A3 pairs a bf16 output with a bf16
+        # scale (fp32 with fp16 output); layers here are bf16 (`check_dtype`), as in vllm-ascend.
+        s2 = weights.w2_scale.to(torch.bfloat16).contiguous()
+        return NpuWeights(w13, w2, weights.w13_scale.float().contiguous(), s2)
 
 
 class FusedDeepMoeWeights(_NpuProcessor):
     name = "fused_deep_moe_weights"
     layout = FUSED_DEEP_MOE_LAYOUT
     priority = 20
-    description = "FUSED_DEEP_MOE: w13 -> [E,H,2I] tile-permuted, scale permute, NZ cast"
-    quant_schemes = frozenset({BF16, W8A8_INT8})
+    description = "FUSED_DEEP_MOE: w13 -> [E,H,2I] tile-permuted, scale permute; w2 [E,H,I] as is; NZ cast"
+    quant_schemes = frozenset({W8A8_INT8})
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> NpuWeights:
         ops = vendor_ops(req)
         w13 = ops.format_cast_nz(permute_w13_columns(weights.w13.transpose(1, 2)).contiguous())
-        w2 = ops.format_cast_nz(weights.w2.transpose(1, 2).contiguous())
-        e, n13, h = weights.w13.shape
-        if req.quant.kind is QuantKind.BF16:
-            # quant_mode 0 does not read the scales; the Python API still takes fp32 tensors.
-            s13 = torch.ones(e, n13, dtype=torch.float32, device=w13.device)
-            s2 = torch.ones(e, h, dtype=torch.float32, device=w13.device)
-        else:
-            assert weights.w13_scale is not None and weights.w2_scale is not None
-            s13, s2 = weights.w13_scale.float(), weights.w2_scale.float()
+        # gmm2 stays [E, H, I], as the documentation's example, DeepEP-Ascend's test and SGLang's
+        # FuseEP weights hold it (NZ cast only)
+        w2 = ops.format_cast_nz(weights.w2.contiguous())
+        assert weights.w13_scale is not None and weights.w2_scale is not None
+        s13, s2 = weights.w13_scale.float(), weights.w2_scale.float()
         return NpuWeights(w13, w2, permute_w13_columns(s13).contiguous(), s2.contiguous())
 
 

@@ -41,7 +41,8 @@ def test_grouped_matmul_int8_scales_and_raw_accumulator():
     gen = torch.Generator().manual_seed(2)
     x = torch.randint(-127, 128, (12, 64), generator=gen, dtype=torch.int8)
     w = torch.randint(-127, 128, (4, 64, 8), generator=gen, dtype=torch.int8)
-    scale, pts = torch.rand(4, 8, generator=gen) + 0.5, torch.rand(12, generator=gen) + 0.5
+    # a bf16 output takes a bf16 weight scale on Atlas A2/A3 (the op's dtype table)
+    scale, pts = (torch.rand(4, 8, generator=gen) + 0.5).bfloat16(), torch.rand(12, generator=gen) + 0.5
     gl = torch.tensor(COUNTS)
     (acc,) = emulation.npu_grouped_matmul([x], [w], group_list=gl, group_list_type=1, output_dtype=torch.int32)
     (y,) = emulation.npu_grouped_matmul(
@@ -55,6 +56,11 @@ def test_grouped_matmul_int8_scales_and_raw_accumulator():
         torch.testing.assert_close(y[s:e].double(), ref, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError):
         emulation.npu_grouped_matmul([x], [w], group_list=gl, group_list_type=1, output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="takes a torch.bfloat16 weight scale"):  # fp32 with bf16: 910_95 only
+        emulation.npu_grouped_matmul(
+            [x], [w], scale=[scale.float()], per_token_scale=[pts], group_list=gl, group_list_type=1,
+            output_dtype=torch.bfloat16,
+        )  # fmt: skip
 
 
 def test_swiglu_is_silu_of_first_half_times_second():
@@ -106,8 +112,16 @@ def test_format_cast_keeps_logical_values():
     assert torch.equal(emulation.npu_format_cast(w, 29), w)
 
 
+def test_moe_init_routing_v2_refuses_cumulative_token_counts():
+    """The kernel behind the op (aclnnMoeInitRoutingV3) takes counts (1) or key-value pairs (2),
+    and refuses 0, the cumulative form, in its tiling check; so does the emulation."""
+    x, ids = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expert_tokens_num_type currently not support 0"):
+        emulation.npu_moe_init_routing_v2(x, ids, expert_num=4, expert_tokens_num_type=0, expert_tokens_num_flag=True)
+
+
 @pytest.mark.parametrize("quant_mode", [-1, 1])
-@pytest.mark.parametrize("tokens_type", [0, 1])
+@pytest.mark.parametrize("tokens_type", [1])
 def test_moe_init_routing_v2(quant_mode, tokens_type):
     gen = torch.Generator().manual_seed(7)
     n, k, e, h = 9, 3, 8, 16
@@ -127,7 +141,7 @@ def test_moe_init_routing_v2(quant_mode, tokens_type):
     flat = ids.reshape(-1).long()
     kept = (flat >= start) & (flat < end)
     counts = torch.bincount(flat[kept] - start, minlength=end - start)
-    assert torch.equal(tokens, torch.cumsum(counts, 0) if tokens_type == 0 else counts)
+    assert torch.equal(tokens, counts)
     assert bool((row_idx[~kept] == -1).all())
     pos = row_idx[kept].long()
     assert sorted(pos.tolist()) == list(range(int(kept.sum())))  # a permutation onto the first rows
@@ -192,9 +206,20 @@ def _fused_oracle(x, ids, wts, w13, s13, w2, s2, quantized):
     return out
 
 
+def test_fused_deep_moe_takes_int8_weights_only():
+    """FUSED_DEEP_MOE's op definition takes INT8 FRACTAL_NZ weights and fp32 scales; no vendor
+    source shows a BF16 form, so the emulation refuses one rather than invent its math."""
+    e, h, i = 2, 64, 128
+    w13 = torch.zeros(e, h, 2 * i, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="INT8 weights"):
+        emulation.fused_deep_moe(
+            torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), w13,
+            torch.ones(e, 2 * i), torch.zeros(e, h, i, dtype=torch.bfloat16), torch.ones(e, h), 1, e, quant_mode=0,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "fuse_mode,quantized",
-    [(emulation.FUSED_DEEP_MOE, True), (emulation.FUSED_DEEP_MOE, False), (emulation.DISPATCH_FFN_COMBINE, True)],
+    "fuse_mode,quantized", [(emulation.FUSED_DEEP_MOE, True), (emulation.DISPATCH_FFN_COMBINE, True)]
 )
 def test_fused_deep_moe(fuse_mode, quantized):
     gen = torch.Generator().manual_seed(8)
@@ -212,8 +237,8 @@ def test_fused_deep_moe(fuse_mode, quantized):
         w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(torch.bfloat16)
         s13, s2 = torch.ones(e, 2 * i), torch.ones(e, h)
     g1, g2 = w13.transpose(1, 2), w2.transpose(1, 2)  # [E,H,2I], [E,I,H]
-    if fuse_mode == emulation.FUSED_DEEP_MOE:
-        g1, g1s, g2s = permute_w13_columns(g1), permute_w13_columns(s13), s2
+    if fuse_mode == emulation.FUSED_DEEP_MOE:  # gmm2 stays [E,H,I] (the vendor's doc, test and SGLang)
+        g1, g1s, g2, g2s = permute_w13_columns(g1), permute_w13_columns(s13), w2, s2
     else:
         g1s, g2s = float_bits_as_int64(s13), float_bits_as_int64(s2)
     out, recv = emulation.fused_deep_moe(

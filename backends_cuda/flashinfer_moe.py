@@ -111,7 +111,7 @@ def kernel_route_scale(req: BuildRequest) -> float:
 def w2_scale_factor(req: BuildRequest) -> float:
     """What GEMM2's output scales are multiplied by at load: the routed scaling the kernel's
     routing does not apply (`kernel_route_scale`); the output is linear in them."""
-    return float(req.config.routed_scaling_factor) / kernel_route_scale(req)
+    return 1.0 if routing_method_type(req) == ROUTING_DEEPSEEK_V3 else float(req.config.routed_scaling_factor)
 
 
 def logits_for_kernel(logits: torch.Tensor, method: int) -> torch.Tensor:

@@ -188,3 +188,17 @@ class DispatchFfnCombine(_FuseEP):
     quant_schemes = frozenset({W8A8_INT8})
     fuse_mode = DISPATCH_FFN_COMBINE
     weight_layout = DISPATCH_FFN_COMBINE_LAYOUT
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        d = super().check_libraries(req)
+        if not d.ok or req.emulating(BACKEND):
+            return d
+        from moehal_npu.ops import fuse_mode_enum
+
+        if fuse_mode_enum() is None:
+            return decline(
+                "this DeepEP-Ascend predates fuse modes (no deep_ep.buffer.FuseMode); DISPATCH_FFN_COMBINE "
+                "needs a newer sgl-kernel-npu build",
+                "libraries",
+            )
+        return d

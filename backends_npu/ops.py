@@ -16,6 +16,17 @@ import torch
 ACL_FORMAT_FRACTAL_NZ = 29
 
 
+def fuse_mode_enum() -> Any:
+    """DeepEP-Ascend's `FuseMode` (`deep_ep.buffer`), or None where the installed release
+    predates fuse modes: there `Buffer.fused_deep_moe` takes no `fuse_mode` and runs
+    FUSED_DEEP_MOE (sgl-kernel-npu's earlier `deep_ep/buffer.py`)."""
+    try:
+        from deep_ep.buffer import FuseMode
+    except ImportError:
+        return None
+    return FuseMode
+
+
 class VendorOps:
     """One method per vendor op. Shapes and dtypes in each docstring; semantics (and the
     documentation each follows) in `moehal_npu.emulation`."""
@@ -256,9 +267,12 @@ class VendorOps:
             from moehal_npu import emulation
 
             return emulation.fused_deep_moe(*args, quant_mode=quant_mode, fuse_mode=fuse_mode)
-        from deep_ep.buffer import FuseMode
-
-        return buffer.fused_deep_moe(*args, quant_mode=quant_mode, fuse_mode=FuseMode(fuse_mode))
+        modes = fuse_mode_enum()
+        if modes is None:  # a release before fuse modes: its fused_deep_moe is FUSED_DEEP_MOE
+            if fuse_mode != 1:
+                raise RuntimeError("this DeepEP-Ascend predates fuse modes (no deep_ep.buffer.FuseMode)")
+            return buffer.fused_deep_moe(*args, quant_mode=quant_mode)
+        return buffer.fused_deep_moe(*args, quant_mode=quant_mode, fuse_mode=modes(fuse_mode))
 
     def low_latency_buffer(self, group: Any, max_tokens: int, hidden: int, num_experts: int, local: int) -> Any:
         """A DeepEP-Ascend `Buffer` in low-latency mode for fused_deep_moe (None when emulated)."""

@@ -200,3 +200,49 @@ def test_zero_tokens_through_the_flat_layout(npu_registry, quant):
     layer.load_weights(w)
     out = layer(x, ids, wts)
     assert out.shape == (0, SMALL.hidden_size) and out.dtype == torch.bfloat16
+
+
+def _deep_ep(monkeypatch, fuse_mode: object | None) -> None:
+    """A stand-in `deep_ep` whose `buffer` module has `FuseMode` (a release with fuse modes)
+    or not (an earlier one)."""
+    import enum
+    import importlib.machinery
+    import types
+
+    pkg, buf = types.ModuleType("deep_ep"), types.ModuleType("deep_ep.buffer")
+    pkg.__spec__ = importlib.machinery.ModuleSpec("deep_ep", None, is_package=True)
+    pkg.__path__, pkg.buffer = [], buf
+    if fuse_mode is not None:
+        buf.FuseMode = enum.IntEnum("FuseMode", {"FUSED_DEEP_MOE": 1, "DISPATCH_FFN_COMBINE": 2})
+    monkeypatch.setitem(sys.modules, "deep_ep", pkg)
+    monkeypatch.setitem(sys.modules, "deep_ep.buffer", buf)
+
+
+@pytest.mark.parametrize("has_fuse_modes", [True, False])
+def test_fused_deep_moe_calls_each_deep_ep_release_as_it_takes_it(monkeypatch, has_fuse_modes):
+    """DeepEP-Ascend releases before fuse modes have no `deep_ep.buffer.FuseMode`, and their
+    `fused_deep_moe` takes no `fuse_mode`: FUSED_DEEP_MOE is called without one there, and
+    DISPATCH_FFN_COMBINE, which they lack, is declined at build with the reason."""
+    _deep_ep(monkeypatch, True if has_fuse_modes else None)
+    calls = []
+
+    class Buffer:
+        def fused_deep_moe(self, *args, **kw):
+            calls.append(kw)
+            return args[0], None
+
+    vendor = ops.VendorOps(emulate=False)
+    x = torch.zeros(1, 8)
+    vendor.fused_deep_moe(Buffer(), x, *([None] * 6), 1, 4, quant_mode=1, fuse_mode=1)
+    if has_fuse_modes:
+        assert calls[-1]["quant_mode"] == 1 and int(calls[-1]["fuse_mode"]) == 1
+    else:
+        assert calls[-1] == {"quant_mode": 1}
+        with pytest.raises(RuntimeError, match="predates fuse modes"):
+            vendor.fused_deep_moe(Buffer(), x, *([None] * 6), 1, 4, quant_mode=1, fuse_mode=2)
+    monkeypatch.setattr("moehal_npu.common.module_available", lambda name: True)  # torch_npu "installed"
+    req = BuildRequest(FUSE, moehal.QuantScheme.parse("w8a8_int8"), detect("cpu"), moehal.Settings())
+    d = fuseep.DispatchFfnCombine().check_libraries(req)
+    assert d.ok is has_fuse_modes
+    if not has_fuse_modes:
+        assert "predates fuse modes" in d.reason

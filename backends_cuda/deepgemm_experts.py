@@ -13,8 +13,10 @@ Nothing reads device memory back to the host; buffers are persistent per shape (
 DeepGEMM JIT kernels are compiled (run one forward before capturing).
 
 Scale layouts: activation scales are produced MN-major and TMA-aligned by our kernels, the
-layout DeepGEMM consumes without a transform. SM90 takes FP32 128x128 weight scales as they
-are; SM100 takes UE8M0 scales packed into int32, which the weight processor prepares once.
+layout DeepGEMM's SM90 kernels consume without a transform. SM90 takes FP32 128x128 weight
+scales as they are. SM100 takes UE8M0 scales packed into int32: the weight processor prepares
+the weights' once, and DeepGEMM packs the FP32 activation scales at every call (not run: no
+SM100 machine; producing them packed, as SGLang's Blackwell path does, would skip that).
 
 FP8 per-tensor (`fp8_tensor`, SM90) is a special case of the block scales: the weight processor
 writes each expert's scale into all of its 128x128 blocks, and the dispatcher and the
@@ -33,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 from moehal.capability import Decision, accept, decline
 from moehal.config import MoEConfig
+from moehal.errors import WeightError
 from moehal.formats import (
     ActivationFormat,
     ContiguousInput,
@@ -102,12 +105,29 @@ def prepare_weights(weights: ExpertWeights, quant: QuantScheme, sm100: bool, dg:
     s13, s2 = weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous()
     if sm100:
         assert dg is not None
+        for name, scale in (("w13_scale", s13), ("w2_scale", s2)):
+            check_power_of_two_scales(scale, name)
         e, n13, h = w13.shape
         i = w2.shape[2]
         tf = dg_fn(dg, "transform_sf_into_required_layout")
         s13 = tf(s13, n13, h, (1, 128, 128), num_groups=e, is_sfa=False)
         s2 = tf(s2, h, i, (1, 128, 128), num_groups=e, is_sfa=False)
     return DeepGemmWeights(w13, w2, s13, s2, b13, b2)
+
+
+def check_power_of_two_scales(scale: torch.Tensor, name: str) -> None:
+    """SM100's weight-scale transform packs fp32 scales into UE8M0 exponents, and it asserts on
+    the device that each is a power of two: a scale that is not kills the CUDA context at load
+    (DeepGEMM `transpose_and_pack_fp32_into_ue8m0`). Checked here on its bits instead, with
+    what to do about it."""
+    bits = scale.float().contiguous().view(torch.int32)
+    bad = int(((bits & 0x807FFFFF) != 0).sum())
+    if bad:
+        raise WeightError(
+            f"{name}: {bad} of {scale.numel()} fp8_block:ue8m0 weight scales are not positive powers of two, "
+            "which DeepGEMM's SM100 scale packing requires; requantize the checkpoint's weights with UE8M0 "
+            "scales (moehal.quantize_weights with the fp8_block:ue8m0 scheme does)"
+        )
 
 
 def per_expert_block_scales(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -528,7 +548,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):  # canonical weights given directly (tests, no processor)
-            weights = prepare_weights(weights, self.req.quant, False, None)
+            sm100 = _is_sm100(self.req)
+            weights = prepare_weights(weights, self.req.quant, sm100, import_deep_gemm() if sm100 else None)
         self.w = weights
         self._portable = None
         self._tokens = None

@@ -505,7 +505,8 @@ class PaddedBuffer:
     previous call wrote: per expert for masked buffers, per row for contiguous ones.
 
     scales are stored MN-major (the last two dims swapped in memory), the layout DeepGEMM's
-    TMA loads want for per-token-group scale factors, so no transform runs per call.
+    TMA loads want for per-token-group scale factors, so no transform runs per call on SM90
+    (SM100's kernels read packed UE8M0 scales: DeepGEMM packs these fp32 ones per call).
     """
 
     hidden: torch.Tensor  # [E, M, H] (masked) or [M, H] (contiguous)

@@ -5,6 +5,8 @@ GPU with DeepGEMM, tests/cuda/test_gpu.py runs the real kernels."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -733,3 +735,47 @@ def test_prefill_band_is_the_longest_run_of_measured_wins(portable_us):
     assert (len(inside), inside[0]) == (length, start)
     assert all(r[1] <= share for r in runs if r[0] == length)
     assert (hi is None) == (inside[-1] == len(counts) - 1)
+
+
+def _fake_deep_gemm(monkeypatch) -> list[tuple]:
+    """A stand-in `deep_gemm` whose SM100 weight-scale transform records its calls."""
+    import types
+
+    from moehal_cuda import support
+
+    calls: list[tuple] = []
+
+    def transform(sf, mn, k, recipe, num_groups=None, is_sfa=None):
+        calls.append((tuple(sf.shape), mn, k, recipe, num_groups, is_sfa))
+        return sf
+
+    fake = types.ModuleType("deep_gemm")
+    fake.transform_sf_into_required_layout = transform
+    monkeypatch.setitem(support._DG, "mod", fake)
+    return calls
+
+
+def test_sm100_weights_get_their_scale_transform_whoever_loads_them(monkeypatch):
+    """fp8_block:ue8m0 on SM100: canonical weights handed to the runner directly (no weight
+    processor) get DeepGEMM's scale transform too, as the processor's do; and scales that are not
+    powers of two are refused on the host, where DeepGEMM's device assert would kill the CUDA
+    context at load."""
+    from moehal.errors import WeightError
+    from moehal.hardware import HardwareInfo
+    from moehal_cuda.deepgemm_experts import DeepGemmWeightProcessor
+
+    calls = _fake_deep_gemm(monkeypatch)
+    sm100 = HardwareInfo("cuda", torch.device("cuda", 0), "Test B200", (10, 0))
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    quant = QuantScheme.parse("fp8_block:ue8m0")
+    g = torch.Generator().manual_seed(0)
+    w = quantize_weights(cfg, quant, torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g))
+    req = BuildRequest(cfg, quant, sm100)
+    runner = DeepGemmExpertsRunner(req, _fmt(quant, Layout.MASKED), TorchGemmOps(True))
+    runner.load(w)
+    assert calls == [((4, 2, 2), 256, 256, (1, 128, 128), 4, False), ((4, 2, 1), 256, 128, (1, 128, 128), 4, False)]
+    DeepGemmWeightProcessor().process(w, req)
+    assert calls[2:] == calls[:2]  # the processor's call, the same
+    bad = dataclasses.replace(w, w2_scale=w.w2_scale * 1.5)  # fp8_block scales, not UE8M0
+    with pytest.raises(WeightError, match="w2_scale: .* not positive powers of two"):
+        runner.load(bad)

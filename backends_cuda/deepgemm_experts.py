@@ -259,8 +259,9 @@ class TorchGemmOps:
 MaskedGemm = Callable[[torch.Tensor, Any, torch.Tensor, Any, torch.Tensor, torch.Tensor, int], None]
 
 
-# GEMM1 fused with the activation: (x, w13, w13_bias, activation buffer, y, masked_m) -> None
-FusedGemm1 = Callable[[torch.Tensor, torch.Tensor, Any, Any, torch.Tensor, torch.Tensor], None]
+# GEMM1 fused with the activation:
+# (x, x scales, w13, w13 scales, w13_bias, GEMM2's static input scale, activation buffer, y, masked_m) -> None
+FusedGemm1 = Callable[[torch.Tensor, Any, torch.Tensor, Any, Any, Any, Any, torch.Tensor, torch.Tensor], None]
 
 
 # Fuse GEMM1 with the activation only for batches of at most this many rows per local expert
@@ -275,40 +276,50 @@ FUSE_MAX_ROWS_PER_EXPERT = 2
 # 2048 only (docs/device-runs/2026-11-23-session8).
 
 
-def _fusable(choice: GemmChoice, config: MoEConfig) -> bool:
+def _fusable(choice: GemmChoice, config: MoEConfig, fp8: bool = False) -> bool:
     """Fuse where the table holds the fused kernel's own measured tile, or where the tuned GEMM1
     tile keeps its pipeline depth once it holds the up tile too (`fused_act_config` may shorten
-    its K tile, not its stages): elsewhere the fused kernel would run an untuned, shallower
-    pipeline, and the unfused path is the measured one."""
+    its K tile, not its stages; fp8 widens its N tile to whole 128-column groups): elsewhere the
+    fused kernel would run an untuned, shallower pipeline, and the unfused path is the measured
+    one."""
     from moehal.kernels.triton_grouped_gemm import fused_act_config
 
     if choice.fused_config is not None:  # the fused kernel's own tile, measured
         return True
     cfg = choice.config
-    return cfg is not None and fused_act_config(cfg, config.hidden_size).num_stages == cfg.num_stages
+    adapted = fused_act_config(cfg, config.hidden_size, 1 if fp8 else 2, quant=fp8) if cfg is not None else None
+    return cfg is not None and adapted is not None and adapted.num_stages == cfg.num_stages
 
 
-def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfig) -> FusedGemm1:
-    """GEMM1 and the activation in one Triton kernel (bf16 layers whose GEMM1 runs on Triton):
-    the GEMM1 output never goes through memory, and a decode step has one launch fewer. The
-    launch is bound on the first call and kept while the operands keep their shapes and
-    weights (host time of an eager decode step; `MaskedGemmActLaunch.takes`)."""
+def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfig, ue8m0: bool = False) -> FusedGemm1:
+    """GEMM1 and the activation in one Triton kernel (layers whose GEMM1 runs on Triton): the
+    GEMM1 output never goes through memory, and a decode step has one launch fewer. FP8
+    layers' kernel quantizes its output for GEMM2 as the activation kernel would (1x128
+    groups, `ue8m0` scales, or GEMM2's static input scale). The launch is bound on the first
+    call and kept while the operands keep their shapes and weights (host time of an eager
+    decode step; `MaskedGemmActLaunch.takes`)."""
     from moehal.kernels.triton_fused_moe import _ACTS
-    from moehal.kernels.triton_grouped_gemm import MaskedGemmActLaunch, bind_masked_gemm_act
+    from moehal.kernels.triton_grouped_gemm import Fp8Operands, MaskedGemmActLaunch, bind_masked_gemm_act
 
     tile = choice.fused_config or choice.config
     assert tile is not None
     act = _ACTS[config.activation.value]
     launch: MaskedGemmActLaunch | None = None
 
-    def run(x: torch.Tensor, w13: torch.Tensor, b13: Any, act_buf: Any, y: torch.Tensor, mm: torch.Tensor) -> None:
+    def run(
+        x: torch.Tensor, sx: Any, w13: torch.Tensor, sw13: Any, b13: Any, a2_scale: Any, act_buf: Any,
+        y: torch.Tensor, mm: torch.Tensor,
+    ) -> None:  # fmt: skip
         nonlocal launch
-        if launch is None or not launch.takes(x, w13, b13, act_buf.hidden, y):
+        if launch is None or not launch.takes(x, w13, b13, act_buf.hidden, y, sw13, a2_scale):
+            fp8 = None
+            if sw13 is not None:
+                fp8 = Fp8Operands(sx, sw13, act_buf.scales, ue8m0, a2_scale)
             launch = bind_masked_gemm_act(
                 x, w13, b13, act_buf.hidden, act_buf.expert_rows, y, total_rows, tile, activation=act,
-                gated=config.gated, alpha=config.swiglu_alpha, limit=config.swiglu_limit,
+                gated=config.gated, alpha=config.swiglu_alpha, limit=config.swiglu_limit, fp8=fp8,
             )  # fmt: skip
-        launch(x, act_buf.hidden, act_buf.expert_rows, y, mm)
+        launch(x, act_buf.hidden, act_buf.expert_rows, y, mm, sx, act_buf.scales)
 
     return run
 
@@ -419,6 +430,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
     # bf16 layers whose GEMM1 runs on Triton run it fused with the activation (class-level so a
     # benchmark can compare both; the unfused path is what DeepGEMM GEMM1s always take)
     fuse_gemm1_activation: ClassVar[bool] = True
+    # the same for FP8 layers (fp8_block, fp8_tensor): the fused kernel also quantizes GEMM2's input
+    fuse_fp8_gemm1_activation: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -461,7 +474,10 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
             fused = None
             few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
-            if not self.fp8 and self.fuse_gemm1_activation:
+            if self.fp8 and self.fuse_fp8_gemm1_activation:
+                if choices[0].triton and few_rows and _fusable(choices[0], c, fp8=True):
+                    fused = triton_masked_gemm_act(choices[0], bound, c, self.ue8m0)
+            elif not self.fp8 and self.fuse_gemm1_activation:
                 if choices[0].triton and few_rows:
                     fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
                 elif c.gated and self.chooser is not None:
@@ -626,7 +642,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             hb, ab, yb = bufs
             gemm1, gemm2, gemm1_act = self._masked_gemms(inp)
             if gemm1_act is not None:
-                gemm1_act(inp.hidden, w.w13, w.w13_bias, ab, yb.hidden, inp.masked_m)
+                x, sx, mm = inp.hidden, inp.scales, inp.masked_m
+                gemm1_act(x, sx, w.w13, w.w13_scale, w.w13_bias, w.a2_scale, ab, yb.hidden, mm)
             else:
                 gemm1(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.masked_m, inp.expected_m)
                 self._masked_activation(inp, bufs)(inp.masked_m)

@@ -35,9 +35,16 @@ import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
-from moehal.kernels.tiles import TileConfig
+from moehal.kernels.tiles import FP8_GROUP, TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
-from moehal.kernels.triton_permute import masked_row_tile, publish_rows, stale_splits, zero_stale_rows
+from moehal.kernels.triton_permute import (
+    e4m3_groups_quant,
+    e4m3_static_quant,
+    masked_row_tile,
+    publish_rows,
+    stale_splits,
+    zero_stale_rows,
+)
 
 
 def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> TileConfig:
@@ -105,7 +112,8 @@ def _dot_k(
     DUAL: tl.constexpr,
 ):
     """fp32 a[e, offs_m, :] @ w[e, offs_n, :]^T, and with DUAL the same for weight rows
-    offs_n + n_second (a gated layer's up half) in the same K loop, sharing the A tile."""
+    offs_n + n_second (a gated layer's up half) in the same K loop, sharing the A tile. FP8:
+    each K tile's product scaled by its activation group's and weight block's scales."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + e64 * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
@@ -114,6 +122,7 @@ def _dot_k(
     if FP8:
         as_ptrs = a_scale_ptr + e64 * stride_ase + offs_m * stride_asm
         bs_ptrs = b_scale_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+        bs2_ptrs = b_scale_ptr + e64 * stride_bse + ((offs_n + n_second) // 128) * stride_bsn
     for kb in range(0, K // BLOCK_K):
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
@@ -129,6 +138,9 @@ def _dot_k(
             a_s = tl.load(as_ptrs + kg * stride_ask, mask=m_mask, other=0.0)
             b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            if DUAL:  # the up half's rows offs_n + n_second: their own 128-row scale blocks
+                b2_s = tl.load(bs2_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
+                acc2 += tl.dot(a, b2) * a_s[:, None] * b2_s[None, :]
         else:
             acc += tl.dot(a, b)
             if DUAL:
@@ -141,7 +153,9 @@ def _dot_k(
 @triton.jit
 def _gemm1_act(
     a_ptr,
+    a_scale_ptr,
     b_ptr,
+    b_scale_ptr,
     bias_ptr,
     e64,
     offs_m,
@@ -151,13 +165,19 @@ def _gemm1_act(
     stride_ae,
     stride_am,
     stride_ak,
+    stride_ase,
+    stride_asm,
+    stride_ask,
     stride_be,
     stride_bn,
     stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     stride_bias_e,
     alpha,
     limit,
-    out_ty: tl.constexpr,
+    mid_ty: tl.constexpr,
     I_SIZE: tl.constexpr,
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -166,26 +186,28 @@ def _gemm1_act(
     ACT: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
     """GEMM1 of expert e64 on the A rows offs_m (gate and up halves in one K loop when gated),
     plus the bias, then the activation: fp32 [BLOCK_M, BLOCK_N]. As the unfused path: the GEMM1
-    output (+ bias) rounded to the layer dtype, the activation in fp32. Shared by the fused
-    masked kernel and the token-major one (`moehal.kernels.triton_token_moe`)."""
+    output (+ bias) rounded to `mid_ty` (the layer dtype), the activation in fp32. FP8: fp8
+    operands with their block scales (the scale arguments are unused otherwise). Shared by
+    the fused masked kernel and the token-major one (`moehal.kernels.triton_token_moe`)."""
     g, u = _dot_k(
-        a_ptr, a_ptr, b_ptr, b_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
-        stride_ae, stride_am, stride_ak, 0, 0, 0,
-        stride_be, stride_bn, stride_bk, 0, 0, 0,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, GATED,
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
+        stride_ae, stride_am, stride_ak, stride_ase, stride_asm, stride_ask,
+        stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, GATED,
     )  # fmt: skip
     if HAS_BIAS:
         brow = bias_ptr + e64 * stride_bias_e
         g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             u += tl.load(brow + I_SIZE + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    g = _to(g, out_ty, EXACT_ROUND).to(tl.float32)
-    u = _to(u, out_ty, EXACT_ROUND).to(tl.float32)
+    g = _to(g, mid_ty, EXACT_ROUND).to(tl.float32)
+    u = _to(u, mid_ty, EXACT_ROUND).to(tl.float32)
     return _activation(g, u, alpha, limit, ACT, GATED)
 
 
@@ -247,10 +269,14 @@ def _masked_gemm_kernel(
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _masked_gemm_act_kernel(
     a_ptr,
+    a_scale_ptr,
     b_ptr,
+    b_scale_ptr,
     bias_ptr,
     stride_bias_e,
     out_ptr,
+    out_scale_ptr,
+    static_ptr,
     y_ptr,
     masked_m_ptr,
     state_ptr,
@@ -258,11 +284,20 @@ def _masked_gemm_act_kernel(
     stride_ae,
     stride_am,
     stride_ak,
+    stride_ase,
+    stride_asm,
+    stride_ask,
     stride_be,
     stride_bn,
     stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     stride_oe,
     stride_om,
+    stride_ose,
+    stride_osm,
+    stride_osg,
     stride_ye,
     stride_ym,
     alpha,
@@ -280,6 +315,9 @@ def _masked_gemm_act_kernel(
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     N_SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
+    UE8M0: tl.constexpr,
+    STATIC: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
@@ -303,13 +341,32 @@ def _masked_gemm_act_kernel(
     e64 = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I_SIZE
+    mid_ty = y_ptr.dtype.element_ty  # the layer dtype: GEMM1's output and the activation round to it
     a = _gemm1_act(
-        a_ptr, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
-        stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_bias_e, alpha, limit,
-        out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, UPCAST, EXACT_ROUND,
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
+        stride_ae, stride_am, stride_ak, stride_ase, stride_asm, stride_ask,
+        stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bias_e, alpha, limit,
+        mid_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, FP8, UPCAST, EXACT_ROUND,
     )  # fmt: skip
+    live = m_mask[:, None] & n_mask[None, :]
     o_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
+    if FP8:
+        # GEMM2's fp8 input, as the unfused activation kernel writes it (`moehal_cuda.triton_glue`):
+        # the activation rounded to the layer dtype, then 1x128 groups (BLOCK_N // 128 per tile)
+        # with scales of their own, or the static scale in every group's slot
+        a = tl.where(live, _to(a, mid_ty, EXACT_ROUND).to(tl.float32), 0.0)
+        if STATIC:
+            sc1 = tl.load(static_ptr)
+            q = e4m3_static_quant(a, sc1, EXACT_ROUND)
+            sc = tl.zeros((BLOCK_M, BLOCK_N // 128), dtype=tl.float32) + sc1
+        else:
+            q, sc = e4m3_groups_quant(a, BLOCK_M, BLOCK_N // 128, UE8M0, EXACT_ROUND)
+        tl.store(o_ptrs, q.to(out_ptr.dtype.element_ty), mask=live)
+        grp = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        s_ptrs = out_scale_ptr + e64 * stride_ose + offs_m[:, None] * stride_osm + grp[None, :] * stride_osg
+        tl.store(s_ptrs, sc, mask=m_mask[:, None] & (grp * 128 < I_SIZE)[None, :])
+    else:
+        tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=live)
 
 
 def num_m_tiles(total_rows: int, num_experts: int, block_m: int) -> int:
@@ -431,12 +488,17 @@ def smem_bytes(config: TileConfig, elem_bytes: int, b_tiles: int = 1) -> int:
 
 
 @functools.cache  # called on every fused forward: the answer per (tile, K) never changes
-def fused_act_config(config: TileConfig, k: int, elem_bytes: int = 2) -> TileConfig:
+def fused_act_config(config: TileConfig, k: int, elem_bytes: int = 2, quant: bool = False) -> TileConfig:
     """A GEMM1 tile tuned for the plain kernel, adapted to the fused one, which keeps a gate and
     an up B tile per stage: a shorter K tile first (down to 64; the stages, so the bytes in
     flight, stay), then fewer stages, until the pipeline fits `SMEM_BUDGET` (a tuned 16x64x256,
-    5-stage tile needs 368 KiB fused and failed to launch on an H100)."""
+    5-stage tile needs 368 KiB fused and failed to launch on an H100).
+
+    `quant` (an fp8 activation output): the N tile is widened to whole 1x128 groups first,
+    since each group's scale comes from its own 128 columns, all in one program."""
     c = config
+    if quant and c.block_n % FP8_GROUP:
+        c = replace(c, block_n=cdiv(c.block_n, FP8_GROUP) * FP8_GROUP)
     while smem_bytes(c, elem_bytes, 2) > SMEM_BUDGET and c.block_k > 64 and k % (c.block_k // 2) == 0:
         c = replace(c, block_k=c.block_k // 2)
     while smem_bytes(c, elem_bytes, 2) > SMEM_BUDGET and c.num_stages > 1:
@@ -459,17 +521,31 @@ def masked_gemm_act(
     gated: bool,
     alpha: float = 0.0,
     limit: float = 0.0,
+    fp8: Fp8Operands | None = None,
 ) -> torch.Tensor:
-    """GEMM1 and the activation in one kernel (the masked layout, bf16/fp16, no quantization):
+    """GEMM1 and the activation in one kernel (the masked layout):
 
         out[e, m, :] = act(a[e, m] @ w13[e]^T + bias[e])      for m < masked_m[e]
 
+    bf16/fp16 operands, or with `fp8` FP8 block-scale ones and an fp8 output quantized in 1x128
+    groups, as `moehal_cuda.triton_glue.activation` quantizes GEMM2's input.
     (Arguments: `bind_masked_gemm_act`, which this binds and calls in one go.)"""
     launch = bind_masked_gemm_act(
         a, w13, bias, out, out_rows, y, total_rows, config, activation=activation, gated=gated, alpha=alpha,
-        limit=limit,
+        limit=limit, fp8=fp8,
     )  # fmt: skip
-    return launch(a, out, out_rows, y, masked_m)
+    return launch(a, out, out_rows, y, masked_m, fp8.a_scale if fp8 else None, fp8.out_scale if fp8 else None)
+
+
+@dataclass(frozen=True)
+class Fp8Operands:
+    """The FP8 side of `bind_masked_gemm_act`: scales of its operands and of its output."""
+
+    a_scale: torch.Tensor  # fp32 [E, max_m, K/128], any strides (MN-major, as DeepGEMM takes them)
+    w13_scale: torch.Tensor  # fp32 [E, N13/128, K/128]
+    out_scale: torch.Tensor  # fp32 [E, max_m, I/128], any strides: the output's group scales
+    ue8m0: bool = False  # the output's group scales rounded up to powers of two
+    static_scale: torch.Tensor | None = None  # fp32 [1]: quantize the output with it (fp8_tensor)
 
 
 def bind_masked_gemm_act(
@@ -486,14 +562,19 @@ def bind_masked_gemm_act(
     gated: bool,
     alpha: float = 0.0,
     limit: float = 0.0,
+    fp8: Fp8Operands | None = None,
 ) -> MaskedGemmActLaunch:
     """Check `masked_gemm_act`'s arguments and adapt its tile: its launch for these shapes, this
-    total-rows bound and these weights, to call as `launch(a, out, out_rows, y, masked_m)`
-    with tensors of the same shapes (`launch.takes`).
+    total-rows bound and these weights, to call as
+    `launch(a, out, out_rows, y, masked_m, a_scale, out_scale)` with tensors of the same shapes
+    (`launch.takes`; the scales only with `fp8`).
 
     a `[E, max_m, K]`; w13 `[E, N13, K]` with N13 = 2 * I ([gate; up]) when gated, else I;
-    bias `[E, N13]` or None; out `[E, max_m, I]` in a's dtype. `activation`: the
-    `moehal.kernels.triton_fused_moe` ids (1 silu, 2 gelu, 3 swiglu_oai with alpha/limit).
+    bias `[E, N13]` or None; out `[E, max_m, I]`, in a's dtype (bf16/fp16), or float8_e4m3fn
+    with `fp8` (a and w13 then float8_e4m3fn, I a multiple of 128); y `[E, max_m, H]` in the
+    layer dtype, which GEMM1's output and the activation are rounded to, as the unfused path
+    stores them. `activation`: the `moehal.kernels.triton_fused_moe` ids (1 silu, 2 gelu,
+    3 swiglu_oai with alpha/limit).
 
     Like `moehal_cuda.triton_glue.activation`, it keeps the padding of `out` and of the GEMM2
     output `y [E, max_m, H]` zero: rows live in the previous call and not now are zeroed, from
@@ -505,24 +586,43 @@ def bind_masked_gemm_act(
     n13 = w13.shape[1]
     if n13 != (2 * i if gated else i) or w13.shape[0] != e or w13.shape[2] != k or tuple(out.shape[:2]) != (e, max_m):
         raise ValueError(f"shapes do not match: a {tuple(a.shape)}, w13 {tuple(w13.shape)}, out {tuple(out.shape)}")
-    if a.dtype != w13.dtype or a.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the fused GEMM1 takes bf16/fp16 operands of one dtype, got {a.dtype} and {w13.dtype}")
+    if fp8 is None:
+        if a.dtype != w13.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"the fused GEMM1 takes bf16/fp16 operands of one dtype, got {a.dtype} and {w13.dtype}")
+    else:
+        fp8_dt = torch.float8_e4m3fn
+        if a.dtype != fp8_dt or w13.dtype != fp8_dt or out.dtype != fp8_dt:
+            raise ValueError(f"fp8 fused GEMM1 takes e4m3 operands and output, got {a.dtype}, {w13.dtype}, {out.dtype}")
+        if i % FP8_GROUP or k % FP8_GROUP:
+            raise ValueError(f"fp8 fused GEMM1 needs I and K in whole 128-wide groups, got I={i}, K={k}")
+        if tuple(fp8.w13_scale.shape) != (e, n13 // FP8_GROUP, k // FP8_GROUP):
+            raise ValueError(f"w13_scale must be [E, N13/128, K/128], got {tuple(fp8.w13_scale.shape)}")
+        if tuple(fp8.out_scale.shape) != (e, max_m, i // FP8_GROUP):
+            raise ValueError(f"out_scale must be [E, max_m, I/128], got {tuple(fp8.out_scale.shape)}")
+        static = fp8.static_scale
+        if static is not None and (fp8.ue8m0 or static.numel() != 1):
+            raise ValueError("static_scale quantizes the output with fp32 group scales, one scale value")
     if out.stride(-1) != 1 or tuple(out_rows.shape) != (2, e):
         raise ValueError("out must be row-contiguous and out_rows int32 [2, E]")
-    config = fused_act_config(config, k, a.element_size())
-    if not config.fits(i, k, False):
+    config = fused_act_config(config, k, a.element_size(), quant=fp8 is not None)
+    if not config.fits(i, k, fp8 is not None):
         raise ValueError(f"tile {config} does not fit N={i}, K={k}")
     tiles_m = num_m_tiles(min(total_rows, e * max_m), e, config.block_m)
     n_split = stale_splits(max_m, 16, e)
     b = bias if bias is not None else w13
+    sw = fp8.w13_scale if fp8 is not None else w13
+    static_arg = fp8.static_scale if fp8 is not None and fp8.static_scale is not None else sw
     return MaskedGemmActLaunch(
         a.shape, out.shape, y.shape, (tiles_m * cdiv(i, config.block_n) + e * n_split,), tiles_m, w13, bias,
-        (b, b.stride(0) if bias is not None else 0), w13.stride(), (float(alpha), float(limit), y.shape[-1]),
+        fp8.w13_scale if fp8 is not None else None, fp8.static_scale if fp8 is not None else None,
+        (b, b.stride(0) if bias is not None else 0), (*w13.stride(), *(sw.stride() if fp8 is not None else (0, 0, 0))),
+        sw, static_arg, (float(alpha), float(limit), y.shape[-1]),
         dict(
             E=e, E_P=max(16, next_power_of_2(e)), I_SIZE=i, K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, GROUP_M=config.group_m, ACT=activation, GATED=gated,
-            HAS_BIAS=bias is not None, N_SPLIT=n_split, UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            HAS_BIAS=bias is not None, N_SPLIT=n_split, FP8=fp8 is not None,
+            UE8M0=fp8 is not None and fp8.ue8m0, STATIC=fp8 is not None and fp8.static_scale is not None,
+            UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages,
         ),
     )  # fmt: skip
 
@@ -530,8 +630,9 @@ def bind_masked_gemm_act(
 @dataclass(frozen=True)
 class MaskedGemmActLaunch:
     """`_masked_gemm_act_kernel`'s launch for one input shape, one total-rows bound and one
-    layer's GEMM1 weights (`bind_masked_gemm_act`): all but the call's activations, the two
-    output buffers, their row record and masked_m fixed (host time, as `MaskedGemmLaunch`)."""
+    layer's GEMM1 weights (`bind_masked_gemm_act`): all but the call's activations (and their
+    scales), the two output buffers (and the activation's scales), their row record and masked_m
+    fixed (host time, as `MaskedGemmLaunch`)."""
 
     shape: torch.Size  # a's [E, max_m, K]
     out_shape: torch.Size  # [E, max_m, I]
@@ -540,27 +641,49 @@ class MaskedGemmActLaunch:
     tiles_m: int
     w13: torch.Tensor
     bias: torch.Tensor | None
+    w13_scale: torch.Tensor | None  # fp8: the weights' block scales; None: bf16/fp16
+    static_scale: torch.Tensor | None  # fp8_tensor: the output's static scale
     bias_args: tuple  # bias (or w13), its expert stride
-    w_strides: tuple[int, ...]
+    w_strides: tuple[int, ...]  # w13's and w13_scale's (zeros without scales)
+    w_scale_arg: torch.Tensor  # w13_scale, or w13 (unused)
+    static_arg: torch.Tensor  # static_scale, or any tensor (unused)
     tail: tuple  # alpha, limit, H
     kw: dict
 
     def takes(self, a: torch.Tensor, w13: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-              y: torch.Tensor) -> bool:  # fmt: skip
+              y: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              static_scale: torch.Tensor | None = None) -> bool:  # fmt: skip
         """Whether this launch computes these operands (else bind again: the checks run)."""
         return (
-            w13 is self.w13 and bias is self.bias and a.shape == self.shape and out.shape == self.out_shape
-            and y.shape == self.y_shape and out.stride(-1) == 1
+            w13 is self.w13 and bias is self.bias and w13_scale is self.w13_scale and static_scale is self.static_scale
+            and a.shape == self.shape and out.shape == self.out_shape and y.shape == self.y_shape
+            and out.stride(-1) == 1
         )  # fmt: skip
 
     def __call__(
-        self, a: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor, y: torch.Tensor, masked_m: torch.Tensor
+        self,
+        a: torch.Tensor,
+        out: torch.Tensor,
+        out_rows: torch.Tensor,
+        y: torch.Tensor,
+        masked_m: torch.Tensor,
+        a_scale: torch.Tensor | None = None,
+        out_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`a_scale` and `out_scale` (fp8 launches only): of the shapes `Fp8Operands` gives."""
         s_oe, s_om, _ = out.stride()
         s_ye, s_ym, _ = y.stride()
+        if self.w13_scale is not None:
+            assert a_scale is not None and out_scale is not None, "an fp8 launch takes a_scale and out_scale"
+            sa, so = a_scale, out_scale
+            sa_strides, so_strides = a_scale.stride(), out_scale.stride()
+        else:
+            sa = so = out
+            sa_strides, so_strides = (0, 0, 0), (0, 0, 0)
         self._site(
-            a, self.w13, *self.bias_args, out, y, masked_m, out_rows, self.tiles_m, *a.stride(), *self.w_strides,
-            s_oe, s_om, s_ye, s_ym, *self.tail,
+            a, sa, self.w13, self.w_scale_arg, *self.bias_args, out, so, self.static_arg, y, masked_m, out_rows,
+            self.tiles_m, *a.stride(), *sa_strides, *self.w_strides, s_oe, s_om, *so_strides, s_ye, s_ym,
+            *self.tail,
         )  # fmt: skip
         return out
 

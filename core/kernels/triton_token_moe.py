@@ -83,9 +83,10 @@ def _token_gemm_act_kernel(
     offs_n = (pid // num_slots) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I_SIZE
     a = _gemm1_act(
-        x_ptr + t * stride_xt, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
-        0, 0, 1, stride_be, stride_bn, stride_bk, stride_bias_e, alpha, limit,
-        out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, UPCAST, EXACT_ROUND,
+        x_ptr + t * stride_xt, x_ptr, b_ptr, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
+        0, 0, 1, 0, 0, 0, stride_be, stride_bn, stride_bk, 0, 0, 0, stride_bias_e, alpha, limit,
+        out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, False, UPCAST,
+        EXACT_ROUND,
     )  # fmt: skip
     o_ptrs = out_ptr + s.to(tl.int64) * stride_os + offs_m[:, None] * 0 + offs_n[None, :]
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])

@@ -103,6 +103,11 @@ class DeepGemmWithPrefillFusion(AlwaysTriton):
 
 # The masked cases again, with the Triton masked GEMM in place of DeepGEMM's (per-shape choice).
 TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if lay is Layout.MASKED]
+# The FP8 masked cases with the Triton GEMMs and GEMM1 fused with the activation and the
+# quantization of GEMM2's input at decode sizes (`fuse_fp8_gemm1_activation`), UE8M0 scales too.
+FP8_FUSED_CASES = [
+    (q, lay, {**x, "gemm": "triton", "fuse_fp8": True}) for q, lay, x in TRITON_GEMM_CASES if q.startswith("fp8")
+] + [("fp8_block:ue8m0", Layout.MASKED, dict(gemm="triton", fuse_fp8=True))]
 # The gated masked cases with DeepGEMM's GEMMs and prefill-sized batches fused (bf16 only).
 PREFILL_FUSED_CASES = [
     (q, lay, {**x, "gemm": "prefill_fused"}) for q, lay, x in CASES if lay is Layout.MASKED and x.get("gated", True)
@@ -111,9 +116,10 @@ PREFILL_FUSED_CASES = [
 
 @pytest.mark.parametrize(
     "quant_name,layout,extra",
-    CASES + TRITON_GEMM_CASES + PREFILL_FUSED_CASES,
+    CASES + TRITON_GEMM_CASES + FP8_FUSED_CASES + PREFILL_FUSED_CASES,
     ids=[f"{q}-{lay.value}-{i}" for i, (q, lay, _) in enumerate(CASES)]
     + [f"{q}-{lay.value}-triton-gemm-{i}" for i, (q, lay, _) in enumerate(TRITON_GEMM_CASES)]
+    + [f"{q}-{lay.value}-fp8-fused-{i}" for i, (q, lay, _) in enumerate(FP8_FUSED_CASES)]
     + [f"{q}-{lay.value}-prefill-fused-{i}" for i, (q, lay, _) in enumerate(PREFILL_FUSED_CASES)],
 )
 def test_layer_matches_reference(quant_name, layout, extra):
@@ -131,6 +137,7 @@ def _check_layer(quant_name, layout, extra) -> int:
         "prefill_fused": DeepGemmWithPrefillFusion,
     }
     chooser = choosers.get(extra.pop("gemm", None), lambda: None)()
+    fuse_fp8 = extra.pop("fuse_fp8", False)  # FP8 layers fuse GEMM1, the activation and GEMM2's quantization
     steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
     small = extra.pop("small_batch", 0)  # batches of <= this many tokens go token-major
     prefill = extra.pop("portable_prefill", None)  # ... and batches of >= this many (the portable fused MoE)
@@ -157,6 +164,7 @@ def _check_layer(quant_name, layout, extra) -> int:
     std = ActivationFormat(Layout.STANDARD, cfg.dtype)
     small_fmt = SmallBatchFormat(std, small, "", prefill) if small or prefill is not None else None
     ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(fp8), chooser, small_fmt)
+    ex.fuse_fp8_gemm1_activation = fuse_fp8
     ex.load(weights)
     # the oracle: static scales are the reference experts' own (they quantize bf16 input)
     ref_fmt = fmt.unquantized(cfg.dtype) if static else fmt
@@ -234,11 +242,12 @@ def _check_layer(quant_name, layout, extra) -> int:
             few = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
             tile = chooser.prefill_fused(e, cfg.w13_rows, 256, bound // cfg.top_k) if cfg.gated else None
             want = tile is not None if prefill else ex.masked_choices[bound][0].triton and few
-            assert (fused is not None) == (want and not fp8)
+            assert (fused is not None) == (want and (not fp8 or (fuse_fp8 and not prefill)))
             if prefill and fused is not None:
                 assert ex.masked_choices[bound][0].fused_config == tile
-        # the fused and the unfused path both ran on these buffers (bf16)
-        assert fp8 or {f is not None for _, _, f in ex._masked.values()} == {True, False}
+        # the fused and the unfused path both ran on these buffers (bf16; fp8 where it fuses)
+        if not fp8 or fuse_fp8:
+            assert {f is not None for _, _, f in ex._masked.values()} == {True, False}
         if prefill:
             assert all(not c[1].triton for c in ex.masked_choices.values())  # GEMM2 stays DeepGEMM's
         elif isinstance(chooser, TritonForSmallBatches):

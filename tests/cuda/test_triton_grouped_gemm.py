@@ -271,3 +271,61 @@ def test_shipped_tables_keep_every_token_row_in_order():
             counts = [int(t) for t in rows]
             assert counts == sorted(counts), f"{path.name} {key}: rows out of order"
             assert {1, 4, 16, 128, 1024, 4096} <= set(counts), f"{path.name} {key}: rows missing: {counts}"
+
+
+@pytest.mark.parametrize(
+    "mode,cfg",
+    [
+        ("group", TileConfig(16, 128, 128, 1, 4, 1)),
+        ("ue8m0", TileConfig(16, 32, 64, 1, 4, 1)),  # a plain-GEMM tile: widened to one 128-column group
+        ("static", TileConfig(16, 256, 128, 1, 4, 1)),  # two groups per program
+    ],
+)
+def test_fp8_fused_gemm1_quantizes_gemm2_input_as_the_unfused_path(mode, cfg):
+    """The fused FP8 GEMM1 + activation writes GEMM2's fp8 input and its 1x128 group scales (or
+    the static scale in every slot) as GEMM1 -> bf16 -> SiLU-and-mul -> bf16 -> quantize does;
+    rows past masked_m are left alone, rows live before and not now are zeroed, in the
+    activation buffer and in GEMM2's output buffer."""
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_grouped_gemm import Fp8Operands, bind_masked_gemm_act
+
+    e, max_m, k, i, h = 4, 64, 256, 256, 64
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(e, max_m, k, generator=g)
+    w13 = torch.randn(e, 2 * i, k, generator=g) / k**0.5
+    aq, a_s = fp8.quantize_group(a)
+    wq, w_s = fp8.quantize_block(w13)
+    a_s_mn = a_s.transpose(1, 2).contiguous().transpose(1, 2)  # MN-major, as dispatchers write it
+    out = torch.full((e, max_m, i), 3.0).to(torch.float8_e4m3fn)
+    out_s = torch.full((e, i // 128, max_m), 7.0).transpose(1, 2)  # MN-major too
+    y = torch.full((e, max_m, h), 5.0, dtype=torch.bfloat16)
+    before, counts = [10, 0, 40, 2], [3, 0, 17, 9]
+    rows = torch.tensor([before, before], dtype=torch.int32)
+    static = torch.tensor([0.02]) if mode == "static" else None
+    ops = Fp8Operands(a_s_mn.to(DEV), w_s.to(DEV), out_s.to(DEV), mode == "ue8m0", None if static is None else static.to(DEV))
+    out, y, rows = out.to(DEV), y.to(DEV), rows.to(DEV)
+    launch = bind_masked_gemm_act(
+        aq.to(DEV), wq.to(DEV), None, out, rows, y, sum(counts), cfg, activation=_ACTS["silu"], gated=True, fp8=ops
+    )
+    assert launch.kw["BLOCK_N"] % 128 == 0
+    launch(aq.to(DEV), out, rows, y, torch.tensor(counts, dtype=torch.int32, device=DEV), ops.a_scale, ops.out_scale)
+    # the unfused path's numbers: GEMM1 in fp32 -> bf16, the activation in fp32 -> bf16, quantized
+    hh = torch.einsum("emk,enk->emn", fp8.dequantize_group(aq, a_s), fp8.dequantize_block(wq, w_s)).bfloat16().float()
+    act = (torch.nn.functional.silu(hh[..., :i]) * hh[..., i:]).bfloat16().float()
+    if static is None:
+        want_q, want_s = fp8.quantize_group(act, ue8m0=mode == "ue8m0")
+    else:
+        want_q, _ = fp8.quantize_tensor(act, static)
+        want_s = static.expand(e, max_m, i // 128)
+    out, out_s, y = out.cpu(), ops.out_scale.cpu(), y.cpu()
+    for x, c in enumerate(counts):
+        got = fp8.dequantize_group(out[x, :c], out_s[x, :c])
+        want = fp8.dequantize_group(want_q[x, :c], want_s[x, :c])
+        torch.testing.assert_close(out_s[x, :c], want_s[x, :c], rtol=1e-2, atol=0)
+        # one e4m3 step (2^-3 relative) where a bf16 rounding of GEMM1 differs in the last bit
+        torch.testing.assert_close(got, want, rtol=0.13, atol=1e-3 * float(act.abs().max()))
+        stale = slice(c, max(c, before[x]))
+        assert (out[x, stale].float() == 0).all() and (y[x, stale].float() == 0).all(), f"expert {x}: stale rows"
+        rest = slice(max(c, before[x]), max_m)
+        assert (out[x, rest].float() == 3).all() and (y[x, rest].float() == 5).all(), f"expert {x}: padding written"
+        assert (out_s[x, c:] == 7).all(), f"expert {x}: scales of rows past masked_m written"

@@ -13,6 +13,11 @@ Variants:
   deepgemm-only       no tuned Triton GEMMs and no prefill fusion: DeepGEMM runs every masked GEMM
   act=R/S/W           masked batches with many row tiles run the activation with R rows, S columns
                       and W warps per program (`moehal_cuda.triton_glue.act_tile`)
+  fp8-fused           FP8 layers fuse GEMM1 with the activation and GEMM2's input quantization
+                      where GEMM1 runs on Triton at decode sizes (`fuse_fp8_gemm1_activation`),
+                      on the plain GEMM1 tile adapted to the fused kernel
+  fp8-fused=M/N/K/W/S the same on this tile (block M, N, K, warps, stages)
+  fp8-unfused         the same switch off (whatever the shipped default)
 """
 
 from __future__ import annotations
@@ -73,6 +78,26 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             glue.act_tile = rule
+    elif name.startswith("fp8-fused") or name == "fp8-unfused":
+        import moehal_cuda.deepgemm_experts as dge
+        from moehal.kernels.tiles import TileConfig
+        from moehal_cuda.gemm_choice import GemmChoice
+
+        runner, make = dge.DeepGemmExpertsRunner, dge.triton_masked_gemm_act
+        was = runner.fuse_fp8_gemm1_activation
+        runner.fuse_fp8_gemm1_activation = name != "fp8-unfused"
+        if "=" in name:
+            m, n, k, w, st = (int(v) for v in name.split("=", 1)[1].split("/"))
+            tile = TileConfig(m, n, k, 1, w, st)
+
+            def forced(choice, total_rows, config, ue8m0=False):  # noqa: ANN001, ANN202
+                return make(GemmChoice("triton", choice.config, choice.tuned_tokens, tile), total_rows, config, ue8m0)
+
+            dge.triton_masked_gemm_act = forced
+        try:
+            yield
+        finally:
+            runner.fuse_fp8_gemm1_activation, dge.triton_masked_gemm_act = was, make
     else:
         raise SystemExit(f"unknown variant {name!r}")
 

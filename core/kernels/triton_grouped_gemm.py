@@ -72,11 +72,11 @@ def _expert_tile(
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Program pid -> (expert, rows offs_m, row mask, N tile). The expert is >= E past the last
-    live tile (the grid is a bound): such programs have nothing to do."""
+    """Program pid -> (expert, rows offs_m, row mask, M tile, N tile). The expert is >= E past
+    the last live tile (the grid is a bound): such programs have nothing to do."""
     pid_m, pid_n = _grouped_tile(pid, num_m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, offs_m, m_mask = masked_row_tile(pid_m, masked_m_ptr, E, E_P, BLOCK_M)
-    return e, offs_m, m_mask, pid_n
+    return e, offs_m, m_mask, pid_m, pid_n
 
 
 @triton.jit
@@ -247,7 +247,7 @@ def _masked_gemm_kernel(
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    e, offs_m, m_mask, pid_n = _expert_tile(
+    e, offs_m, m_mask, _, pid_n = _expert_tile(
         tl.program_id(0), masked_m_ptr, num_m_tiles, N, E, E_P, BLOCK_M, BLOCK_N, GROUP_M
     )
     if e >= E:
@@ -277,6 +277,8 @@ def _masked_gemm_act_kernel(
     out_ptr,
     out_scale_ptr,
     static_ptr,
+    stage_ptr,
+    count_ptr,
     y_ptr,
     masked_m_ptr,
     state_ptr,
@@ -318,6 +320,7 @@ def _masked_gemm_act_kernel(
     FP8: tl.constexpr,
     UE8M0: tl.constexpr,
     STATIC: tl.constexpr,
+    SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
@@ -335,7 +338,9 @@ def _masked_gemm_act_kernel(
         zero_stale_rows(y_ptr + e_off * stride_ye, stride_ym, 0, H, cnt, before, part, N_SPLIT, 16, 256)
         publish_rows(state_ptr, ex, cnt, E, N_SPLIT)
         return
-    e, offs_m, m_mask, pid_n = _expert_tile(pid, masked_m_ptr, num_m_tiles, I_SIZE, E, E_P, BLOCK_M, BLOCK_N, GROUP_M)
+    e, offs_m, m_mask, pid_m, pid_n = _expert_tile(
+        pid, masked_m_ptr, num_m_tiles, I_SIZE, E, E_P, BLOCK_M, BLOCK_N, GROUP_M
+    )
     if e >= E:
         return
     e64 = e.to(tl.int64)
@@ -355,16 +360,44 @@ def _masked_gemm_act_kernel(
         # the activation rounded to the layer dtype, then 1x128 groups (BLOCK_N // 128 per tile)
         # with scales of their own, or the static scale in every group's slot
         a = tl.where(live, _to(a, mid_ty, EXACT_ROUND).to(tl.float32), 0.0)
-        if STATIC:
-            sc1 = tl.load(static_ptr)
-            q = e4m3_static_quant(a, sc1, EXACT_ROUND)
-            sc = tl.zeros((BLOCK_M, BLOCK_N // 128), dtype=tl.float32) + sc1
+        if SPLIT > 1:
+            # N tiles narrower than a group (decode: more programs streaming weights): the SPLIT
+            # programs of one group stage their slices (exact: already on the layer dtype's grid)
+            # and count in; the last to arrive reads the group back and quantizes it. A CTA
+            # barrier, then a gpu-scope acq_rel atomic by one thread (CUTLASS's semaphore):
+            # the slices are visible to the last program, which re-arms the counter.
+            g0 = (pid_n * BLOCK_N) // 128
+            st_rows = stage_ptr + (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * I_SIZE
+            tl.store(st_rows + offs_n[None, :], a.to(mid_ty), mask=live)
+            tl.debug_barrier()
+            cnt = count_ptr + pid_m * (I_SIZE // 128) + g0
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+                cols = g0 * 128 + tl.arange(0, 128)
+                v = tl.load(st_rows + cols[None, :], mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+                v = v.to(tl.float32)
+                if STATIC:
+                    sc1 = tl.load(static_ptr)
+                    q = e4m3_static_quant(v, sc1, EXACT_ROUND)
+                    sc = tl.zeros((BLOCK_M, 1), dtype=tl.float32) + sc1
+                else:
+                    q, sc = e4m3_groups_quant(v, BLOCK_M, 1, UE8M0, EXACT_ROUND)
+                g_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + cols[None, :]
+                tl.store(g_ptrs, q.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+                grp = g0 + tl.arange(0, 1)
+                s_ptrs = out_scale_ptr + e64 * stride_ose + offs_m[:, None] * stride_osm + grp[None, :] * stride_osg
+                tl.store(s_ptrs, sc, mask=m_mask[:, None])
         else:
-            q, sc = e4m3_groups_quant(a, BLOCK_M, BLOCK_N // 128, UE8M0, EXACT_ROUND)
-        tl.store(o_ptrs, q.to(out_ptr.dtype.element_ty), mask=live)
-        grp = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
-        s_ptrs = out_scale_ptr + e64 * stride_ose + offs_m[:, None] * stride_osm + grp[None, :] * stride_osg
-        tl.store(s_ptrs, sc, mask=m_mask[:, None] & (grp * 128 < I_SIZE)[None, :])
+            if STATIC:
+                sc1 = tl.load(static_ptr)
+                q = e4m3_static_quant(a, sc1, EXACT_ROUND)
+                sc = tl.zeros((BLOCK_M, BLOCK_N // 128), dtype=tl.float32) + sc1
+            else:
+                q, sc = e4m3_groups_quant(a, BLOCK_M, BLOCK_N // 128, UE8M0, EXACT_ROUND)
+            tl.store(o_ptrs, q.to(out_ptr.dtype.element_ty), mask=live)
+            grp = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+            s_ptrs = out_scale_ptr + e64 * stride_ose + offs_m[:, None] * stride_osm + grp[None, :] * stride_osg
+            tl.store(s_ptrs, sc, mask=m_mask[:, None] & (grp * 128 < I_SIZE)[None, :])
     else:
         tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=live)
 
@@ -494,10 +527,11 @@ def fused_act_config(config: TileConfig, k: int, elem_bytes: int = 2, quant: boo
     flight, stay), then fewer stages, until the pipeline fits `SMEM_BUDGET` (a tuned 16x64x256,
     5-stage tile needs 368 KiB fused and failed to launch on an H100).
 
-    `quant` (an fp8 activation output): the N tile is widened to whole 1x128 groups first,
-    since each group's scale comes from its own 128 columns, all in one program."""
+    `quant` (an fp8 activation output): an N tile must hold whole 1x128 groups or a whole
+    fraction of one (its programs then meet to quantize the group), so one wider than 128
+    columns is widened to whole groups first."""
     c = config
-    if quant and c.block_n % FP8_GROUP:
+    if quant and c.block_n % FP8_GROUP and FP8_GROUP % c.block_n:
         c = replace(c, block_n=cdiv(c.block_n, FP8_GROUP) * FP8_GROUP)
     while smem_bytes(c, elem_bytes, 2) > SMEM_BUDGET and c.block_k > 64 and k % (c.block_k // 2) == 0:
         c = replace(c, block_k=c.block_k // 2)
@@ -612,17 +646,25 @@ def bind_masked_gemm_act(
     b = bias if bias is not None else w13
     sw = fp8.w13_scale if fp8 is not None else w13
     static_arg = fp8.static_scale if fp8 is not None and fp8.static_scale is not None else sw
+    # fp8 with N tiles narrower than a group: each group's programs stage their slices of the
+    # activation in the layer dtype, per M tile of this launch, and count their arrivals there
+    split = FP8_GROUP // config.block_n if fp8 is not None and config.block_n < FP8_GROUP else 1
+    stage, counts = sw, sw
+    if split > 1:
+        stage = torch.empty(max(tiles_m, 1) * config.block_m, i, dtype=y.dtype, device=a.device)
+        counts = torch.zeros(max(tiles_m, 1) * (i // FP8_GROUP), dtype=torch.int32, device=a.device)
     return MaskedGemmActLaunch(
         a.shape, out.shape, y.shape, (tiles_m * cdiv(i, config.block_n) + e * n_split,), tiles_m, w13, bias,
         fp8.w13_scale if fp8 is not None else None, fp8.static_scale if fp8 is not None else None,
         (b, b.stride(0) if bias is not None else 0), (*w13.stride(), *(sw.stride() if fp8 is not None else (0, 0, 0))),
-        sw, static_arg, (float(alpha), float(limit), y.shape[-1]),
+        (sw, static_arg, stage, counts), (float(alpha), float(limit), y.shape[-1]),
         dict(
             E=e, E_P=max(16, next_power_of_2(e)), I_SIZE=i, K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, GROUP_M=config.group_m, ACT=activation, GATED=gated,
             HAS_BIAS=bias is not None, N_SPLIT=n_split, FP8=fp8 is not None,
             UE8M0=fp8 is not None and fp8.ue8m0, STATIC=fp8 is not None and fp8.static_scale is not None,
-            UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages,
+            SPLIT=split, UPCAST=INTERPRETED, EXACT_ROUND=INTERPRETED, num_warps=config.num_warps,
+            num_stages=config.num_stages,
         ),
     )  # fmt: skip
 
@@ -645,8 +687,9 @@ class MaskedGemmActLaunch:
     static_scale: torch.Tensor | None  # fp8_tensor: the output's static scale
     bias_args: tuple  # bias (or w13), its expert stride
     w_strides: tuple[int, ...]  # w13's and w13_scale's (zeros without scales)
-    w_scale_arg: torch.Tensor  # w13_scale, or w13 (unused)
-    static_arg: torch.Tensor  # static_scale, or any tensor (unused)
+    # w13_scale (or w13: unused), static_scale (or any tensor: unused), and where an N tile is
+    # narrower than a group, the staged activation and the groups' arrival counters (else unused)
+    fp8_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     tail: tuple  # alpha, limit, H
     kw: dict
 
@@ -681,7 +724,7 @@ class MaskedGemmActLaunch:
             sa = so = out
             sa_strides, so_strides = (0, 0, 0), (0, 0, 0)
         self._site(
-            a, sa, self.w13, self.w_scale_arg, *self.bias_args, out, so, self.static_arg, y, masked_m, out_rows,
+            a, sa, self.w13, self.fp8_args[0], *self.bias_args, out, so, *self.fp8_args[1:], y, masked_m, out_rows,
             self.tiles_m, *a.stride(), *sa_strides, *self.w_strides, s_oe, s_om, *so_strides, s_ye, s_ym,
             *self.tail,
         )  # fmt: skip

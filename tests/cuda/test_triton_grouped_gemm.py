@@ -277,7 +277,8 @@ def test_shipped_tables_keep_every_token_row_in_order():
     "mode,cfg",
     [
         ("group", TileConfig(16, 128, 128, 1, 4, 1)),
-        ("ue8m0", TileConfig(16, 32, 64, 1, 4, 1)),  # a plain-GEMM tile: widened to one 128-column group
+        ("ue8m0", TileConfig(16, 32, 64, 1, 4, 1)),  # 4 programs per group: they meet to quantize it
+        ("static", TileConfig(16, 64, 128, 1, 4, 1)),  # 2 programs per group
         ("static", TileConfig(16, 256, 128, 1, 4, 1)),  # two groups per program
     ],
 )
@@ -302,13 +303,18 @@ def test_fp8_fused_gemm1_quantizes_gemm2_input_as_the_unfused_path(mode, cfg):
     before, counts = [10, 0, 40, 2], [3, 0, 17, 9]
     rows = torch.tensor([before, before], dtype=torch.int32)
     static = torch.tensor([0.02]) if mode == "static" else None
-    ops = Fp8Operands(a_s_mn.to(DEV), w_s.to(DEV), out_s.to(DEV), mode == "ue8m0", None if static is None else static.to(DEV))
+    ops = Fp8Operands(
+        a_s_mn.to(DEV), w_s.to(DEV), out_s.to(DEV), mode == "ue8m0", None if static is None else static.to(DEV)
+    )
     out, y, rows = out.to(DEV), y.to(DEV), rows.to(DEV)
     launch = bind_masked_gemm_act(
         aq.to(DEV), wq.to(DEV), None, out, rows, y, sum(counts), cfg, activation=_ACTS["silu"], gated=True, fp8=ops
     )
-    assert launch.kw["BLOCK_N"] % 128 == 0
+    assert launch.kw["SPLIT"] == max(1, 128 // cfg.block_n)
     launch(aq.to(DEV), out, rows, y, torch.tensor(counts, dtype=torch.int32, device=DEV), ops.a_scale, ops.out_scale)
+    # split groups: the last program of each re-armed its arrival counter for the next launch
+    if launch.kw["SPLIT"] > 1:
+        assert not launch.fp8_args[3].any()
     # the unfused path's numbers: GEMM1 in fp32 -> bf16, the activation in fp32 -> bf16, quantized
     hh = torch.einsum("emk,enk->emn", fp8.dequantize_group(aq, a_s), fp8.dequantize_block(wq, w_s)).bfloat16().float()
     act = (torch.nn.functional.silu(hh[..., :i]) * hh[..., i:]).bfloat16().float()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -430,8 +430,12 @@ class DeepGemmExpertsRunner(ExpertsRunner):
     # bf16 layers whose GEMM1 runs on Triton run it fused with the activation (class-level so a
     # benchmark can compare both; the unfused path is what DeepGEMM GEMM1s always take)
     fuse_gemm1_activation: ClassVar[bool] = True
-    # the same for FP8 layers (fp8_block, fp8_tensor): the fused kernel also quantizes GEMM2's input
-    fuse_fp8_gemm1_activation: ClassVar[bool] = False
+    # The same for FP8 layers (fp8_block, fp8_tensor), whose fused kernel also quantizes GEMM2's
+    # input: None (the default), where the device's table measured the whole layer faster fused
+    # (`GemmChooser.decode_fused`; on an H200 it ranged from 7% faster to 15% slower by shape and
+    # size: docs/device-runs/2026-11-25-session31); True, wherever GEMM1 runs on Triton at decode
+    # sizes; False, never.
+    fuse_fp8_gemm1_activation: ClassVar[bool | None] = None
 
     def __init__(
         self,
@@ -474,9 +478,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
             fused = None
             few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
-            if self.fp8 and self.fuse_fp8_gemm1_activation:
-                if choices[0].triton and few_rows and _fusable(choices[0], c, fp8=True):
-                    fused = triton_masked_gemm_act(choices[0], bound, c, self.ue8m0)
+            if self.fp8:
+                fused = self._fp8_fused_gemm1(choices, bound, e, tokens) if few_rows else None
             elif not self.fp8 and self.fuse_gemm1_activation:
                 if choices[0].triton and few_rows:
                     fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
@@ -489,6 +492,27 @@ class DeepGemmExpertsRunner(ExpertsRunner):
                         self.masked_choices[bound] = (fused_choice, choices[1])
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
+
+    def _fp8_fused_gemm1(
+        self, choices: tuple[GemmChoice, GemmChoice], bound: int, e: int, tokens: int
+    ) -> FusedGemm1 | None:
+        """FP8 GEMM1 fused with the activation and GEMM2's input quantization, for a decode
+        batch whose GEMM1 runs on Triton, where `fuse_fp8_gemm1_activation` says so; its tile
+        is then the recorded choice."""
+        c, g1 = self.config, choices[0]
+        fuse, tile = self.fuse_fp8_gemm1_activation, None
+        if fuse is None:  # the device's whole-layer measurements decide
+            chooser = self.chooser
+            fuse, tile = (False, None)
+            if chooser is not None:
+                fuse, tile = chooser.decode_fused(e, c.w13_rows, c.hidden_size, "fp8_block", tokens)
+        if not fuse or not g1.triton:
+            return None
+        choice = replace(g1, fused_config=tile) if tile is not None else g1
+        if tile is None and not _fusable(g1, c, fp8=True):
+            return None
+        self.masked_choices[bound] = (choice, choices[1])
+        return triton_masked_gemm_act(choice, bound, c, self.ue8m0)
 
     def _masked_activation(self, inp: MaskedInput, bufs: tuple[Any, Any, Any]) -> Any:
         """The activation's launch on the masked workspaces `bufs` for this batch's row bound,

@@ -17,6 +17,15 @@ keyed by token count (the nearest measured count on a log scale is used). bf16 G
 where the experts fuse GEMM1 with the activation may also hold that fused kernel's own tile,
 `"fused": {"config", "us", "adapted_us"}` (`python -m moehal_cuda.tuning --fused-only`).
 
+`"decode_fused"` holds whole-layer measurements of FP8 decode batches with GEMM1 fused with the
+activation and GEMM2's input quantization, per fp8 GEMM1 shape and token count, with the fused
+tile where it is not the plain GEMM1 tile adapted (`tools/decode_fused_records.py`, from
+`tools/bench_ab.py` logs):
+
+    "decode_fused": {"E=128,N=1536,K=2048,dtype=fp8_block":
+                        {"source": "...", "layer_us": {"1": {"current": 24.6, "fused": 22.8,
+                                                             "config": {BLOCK_M, ...}}, ...}}}
+
 Beside the entries, `"prefill_fused"` holds whole-layer measurements of prefill batches with
 GEMM1 run as the fused GEMM1 + activation kernel in place of the chosen GEMM1 followed by the
 activation kernel, per bf16 GEMM1 shape (`tools/fused_prefill_probe.py`; the entries compare
@@ -53,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moehal.hardware import device_slug
-from moehal.kernels.tiles import TileConfig  # pure Python: declaring the CUDA plugin imports no triton
+from moehal.kernels.tiles import FP8_GROUP, TileConfig  # pure Python: declaring the CUDA plugin imports no triton
 
 TUNED_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 # Triton replaces DeepGEMM only when it measured at least this much faster: two H100 runs of
@@ -156,6 +165,24 @@ class GemmChooser:
             return None
         cfg = TileConfig.from_dict(rec["config"])
         return cfg if cfg.fits(n13 // 2, k, False) else None
+
+    def decode_fused(self, e: int, n13: int, k: int, dtype: str, tokens: int) -> tuple[bool, TileConfig | None]:
+        """Whether an FP8 decode batch of `tokens` with GEMM1 shape (e, n13, k) fuses GEMM1 with
+        the activation and GEMM2's input quantization, and on which tile: (True, tile), or
+        (True, None) for the plain GEMM1 tile adapted to the fused kernel, where the table's
+        whole-layer measurement at the nearest measured count (log scale) has the fused layer at
+        least `MIN_GAIN` faster; (False, None) without a table, a record or such a win."""
+        rec = self.table.get("decode_fused", {}).get(entry_key(e, n13, k, dtype)) if self.table else None
+        if not rec or not rec.get("layer_us"):
+            return False, None
+        us = rec["layer_us"][str(nearest([int(t) for t in rec["layer_us"]], tokens))]
+        if us["fused"] > (1.0 - MIN_GAIN) * us["current"]:
+            return False, None
+        if not us.get("config"):
+            return True, None
+        cfg = TileConfig.from_dict(us["config"])
+        whole = cfg.block_n % FP8_GROUP == 0 or FP8_GROUP % cfg.block_n == 0  # groups, or a fraction of one
+        return (True, cfg) if whole and cfg.fits(n13 // 2, k, True) else (False, None)
 
     def portable_prefill_range(
         self, e: int, h: int, i: int, top_k: int, gated: bool, dtype: str = "bf16"
@@ -274,6 +301,20 @@ def main(argv: list[str] | None = None) -> int:
             for tokens, us in rec.get("layer_us", {}).items():
                 tile = chooser.prefill_fused(int(e), int(n), int(k), int(tokens))
                 t.add_row(key, tokens, f"{us['current']:.1f}", f"{us['fused']:.1f}", "yes" if tile else "no")
+        make_console().print(t)
+    dec = chooser.table.get("decode_fused", {})
+    if dec:
+        t = Table(title="fp8 decode: GEMM1 fused with the activation and GEMM2's quantization (whole layer)")
+        for col in ("GEMM1", "tokens", "current us", "fused us", "gain", "fused", "tile"):
+            t.add_column(col, justify="right" if col != "GEMM1" else "left")
+        for key, rec in dec.items():
+            e, n, k, dtype = (p.split("=")[1] for p in key.split(","))
+            for tokens, us in rec.get("layer_us", {}).items():
+                fuse, tile = chooser.decode_fused(int(e), int(n), int(k), dtype, int(tokens))
+                shown = "adapted" if tile is None else f"{tile.block_m}x{tile.block_n}x{tile.block_k}"
+                cur, fus = us["current"], us["fused"]
+                row = (f"{cur:.1f}", f"{fus:.1f}", f"{cur / fus:.3f}x", "yes" if fuse else "no", shown if fuse else "")
+                t.add_row(key, tokens, *row)
         make_console().print(t)
     port = chooser.table.get("prefill_portable", {})
     if port:

@@ -14,10 +14,11 @@ Variants:
   act=R/S/W           masked batches with many row tiles run the activation with R rows, S columns
                       and W warps per program (`moehal_cuda.triton_glue.act_tile`)
   fp8-fused           FP8 layers fuse GEMM1 with the activation and GEMM2's input quantization
-                      where GEMM1 runs on Triton at decode sizes (`fuse_fp8_gemm1_activation`),
-                      on the plain GEMM1 tile adapted to the fused kernel
+                      wherever GEMM1 runs on Triton at decode sizes (`fuse_fp8_gemm1_activation`
+                      True), on the plain GEMM1 tile adapted to the fused kernel
   fp8-fused=M/N/K/W/S the same on this tile (block M, N, K, warps, stages)
-  fp8-unfused         the same switch off (whatever the shipped default)
+  fp8-unfused         never fused (the switch False); `shipped` fuses where the device's table
+                      measured the whole layer faster (`tools/decode_fused_records.py`)
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ def main() -> None:
     a = p.parse_args()
     dev = torch.device("cuda")
     quant = QuantScheme.parse(a.quant)
+    shipped = DeepGemmExpertsRunner.fuse_fp8_gemm1_activation
     for shape in a.shapes.split(","):
         for t in map(int, a.tokens.split(",")):
             cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=t)
@@ -68,7 +69,7 @@ def main() -> None:
                 f"{shape} {a.quant} T={t}: fused bounds {fused_bounds}; {diff}/{a.calls} eager calls differ from the "
                 f"unfused path (worst rel L2 {worst:.2e}); {unstable}/{a.calls} replays differ from the first"
             )
-    DeepGemmExpertsRunner.fuse_fp8_gemm1_activation = False
+    DeepGemmExpertsRunner.fuse_fp8_gemm1_activation = shipped
 
 
 if __name__ == "__main__":

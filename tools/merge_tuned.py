@@ -1,7 +1,8 @@
 """Merge rows of a tuning table measured on a device into the table shipped for that device:
 per GEMM shape, per token count, and likewise the `"prefill_fused"` records of
 `tools/fused_prefill_probe.py --json` and the `"prefill_portable"` records of
-`tools/portable_prefill_probe.py --json` (`python -m moehal_cuda.tuning --update` does the same on the
+`tools/portable_prefill_probe.py --json`, and the `"decode_fused"` records of
+`tools/decode_fused_records.py` (`python -m moehal_cuda.tuning --update` does the same on the
 device; this is for a table brought back from one).
 
     python tools/merge_tuned.py NEW.json [--into backends_cuda/tuned/masked_gemm.<slug>.json]
@@ -28,7 +29,8 @@ def merge(shipped: dict, new: dict) -> list[str]:
         shipped["entries"][key] = by_tokens(entry)
     # whole-layer records (tools/fused_prefill_probe.py): a shape's record is replaced as a whole,
     # so that one record never mixes counts measured by two methods or with two tiles
-    for kind in ("prefill_fused", "prefill_portable"):  # (tools/portable_prefill_probe.py: the latter)
+    # (tools/portable_prefill_probe.py: prefill_portable; tools/decode_fused_records.py: decode_fused)
+    for kind in ("prefill_fused", "prefill_portable", "decode_fused"):
         for key, rec in new.get(kind, {}).items():
             pre = shipped.setdefault(kind, {})
             if pre.get(key) != rec:

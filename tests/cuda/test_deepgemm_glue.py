@@ -68,6 +68,18 @@ class AlwaysTriton:
     def prefill_fused(self, e, n13, k, tokens):
         return None
 
+    def decode_fused(self, e, n13, k, dtype, tokens):
+        return False, None
+
+
+class TritonFp8FusedMeasured(AlwaysTriton):
+    """Triton everywhere, and a table whose whole-layer FP8 decode records have the fused GEMM1
+    faster at up to 3 tokens, on a tile of its own (4 programs per 1x128 group)."""
+
+    def decode_fused(self, e, n13, k, dtype, tokens):
+        assert dtype == "fp8_block"
+        return (True, TileConfig(16, 32, 64, 1, 4, 1)) if tokens <= 3 else (False, None)
+
 
 class TritonForSmallBatches(AlwaysTriton):
     """Triton (so, for bf16, GEMM1 fused with the activation) up to 16 tokens, DeepGEMM above:
@@ -107,7 +119,12 @@ TRITON_GEMM_CASES = [(q, lay, {**x, "gemm": "triton"}) for q, lay, x in CASES if
 # quantization of GEMM2's input at decode sizes (`fuse_fp8_gemm1_activation`), UE8M0 scales too.
 FP8_FUSED_CASES = [
     (q, lay, {**x, "gemm": "triton", "fuse_fp8": True}) for q, lay, x in TRITON_GEMM_CASES if q.startswith("fp8")
-] + [("fp8_block:ue8m0", Layout.MASKED, dict(gemm="triton", fuse_fp8=True))]
+] + [
+    ("fp8_block:ue8m0", Layout.MASKED, dict(gemm="triton", fuse_fp8=True)),
+    # the default: where the device's table measured the fused layer faster (here: 3 tokens)
+    ("fp8_block", Layout.MASKED, dict(activation="swiglu_oai", has_w13_bias=True, gemm="fp8_measured")),
+    ("fp8_tensor", Layout.MASKED, dict(gemm="fp8_measured")),
+]
 # The gated masked cases with DeepGEMM's GEMMs and prefill-sized batches fused (bf16 only).
 PREFILL_FUSED_CASES = [
     (q, lay, {**x, "gemm": "prefill_fused"}) for q, lay, x in CASES if lay is Layout.MASKED and x.get("gated", True)
@@ -135,9 +152,12 @@ def _check_layer(quant_name, layout, extra) -> int:
         "mixed": TritonForSmallBatches,
         "fused_tile": TritonWithFusedTile,
         "prefill_fused": DeepGemmWithPrefillFusion,
+        "fp8_measured": TritonFp8FusedMeasured,
     }
     chooser = choosers.get(extra.pop("gemm", None), lambda: None)()
-    fuse_fp8 = extra.pop("fuse_fp8", False)  # FP8 layers fuse GEMM1, the activation and GEMM2's quantization
+    # FP8 layers fuse GEMM1, the activation and GEMM2's quantization: always (True), never
+    # (False), or where the chooser's whole-layer records say so (None, the default)
+    fuse_fp8 = extra.pop("fuse_fp8", None)
     steps = extra.pop("steps", (12, 3, 7))  # later calls reuse buffers holding stale rows
     small = extra.pop("small_batch", 0)  # batches of <= this many tokens go token-major
     prefill = extra.pop("portable_prefill", None)  # ... and batches of >= this many (the portable fused MoE)
@@ -242,11 +262,17 @@ def _check_layer(quant_name, layout, extra) -> int:
             few = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
             tile = chooser.prefill_fused(e, cfg.w13_rows, 256, bound // cfg.top_k) if cfg.gated else None
             want = tile is not None if prefill else ex.masked_choices[bound][0].triton and few
-            assert (fused is not None) == (want and (not fp8 or (fuse_fp8 and not prefill)))
+            if fp8:  # FP8: never in prefill; at decode sizes as the switch or the records say
+                tokens = -(-bound // cfg.top_k)
+                measured = chooser.decode_fused(e, cfg.w13_rows, 256, "fp8_block", tokens)
+                want = want and not prefill and (fuse_fp8 if fuse_fp8 is not None else measured[0])
+                if fused is not None and fuse_fp8 is None:  # the recorded tile is the fused kernel's
+                    assert ex.masked_choices[bound][0].fused_config == measured[1]
+            assert (fused is not None) == want
             if prefill and fused is not None:
                 assert ex.masked_choices[bound][0].fused_config == tile
         # the fused and the unfused path both ran on these buffers (bf16; fp8 where it fuses)
-        if not fp8 or fuse_fp8:
+        if not fp8 or fuse_fp8 or isinstance(chooser, TritonFp8FusedMeasured):
             assert {f is not None for _, _, f in ex._masked.values()} == {True, False}
         if prefill:
             assert all(not c[1].triton for c in ex.masked_choices.values())  # GEMM2 stays DeepGEMM's

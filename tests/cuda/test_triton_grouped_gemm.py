@@ -335,3 +335,56 @@ def test_fp8_fused_gemm1_quantizes_gemm2_input_as_the_unfused_path(mode, cfg):
         rest = slice(max(c, before[x]), max_m)
         assert (out[x, rest].float() == 3).all() and (y[x, rest].float() == 5).all(), f"expert {x}: padding written"
         assert (out_s[x, c:] == 7).all(), f"expert {x}: scales of rows past masked_m written"
+
+
+def test_chooser_fuses_fp8_decode_only_where_the_whole_layer_measured_faster(tmp_path):
+    """`GemmChooser.decode_fused`: the nearest measured count (log scale) decides; a win inside
+    MIN_GAIN is no win; no recorded tile means the plain GEMM1 tile adapted."""
+    key = entry_key(128, 1536, 2048, "fp8_block")
+    tile = TileConfig(16, 32, 128, 1, 4, 5)
+    layer_us = {
+        "1": {"current": 24.6, "fused": 22.8, "config": tile.as_dict()},  # -7.3%
+        "2": {"current": 37.6, "fused": 36.2},  # -3.7%, the adapted tile
+        "4": {"current": 47.6, "fused": 47.4, "config": tile.as_dict()},  # -0.4%: noise
+        "16": {"current": 123.4, "fused": 120.9, "config": TileConfig(16, 48, 128).as_dict()},  # no whole group
+    }
+    table = {"entries": {}, "decode_fused": {key: {"source": "test", "layer_us": layer_us}}}
+    table_path("Test GPU", tmp_path).write_text(json.dumps(table))
+    ch = GemmChooser("Test GPU", tmp_path)
+    assert ch.decode_fused(128, 1536, 2048, "fp8_block", 1) == (True, tile)
+    assert ch.decode_fused(128, 1536, 2048, "fp8_block", 2) == (True, None)
+    assert ch.decode_fused(128, 1536, 2048, "fp8_block", 3) == (False, None)  # nearest: 4
+    assert ch.decode_fused(128, 1536, 2048, "fp8_block", 16) == (False, None)
+    assert ch.decode_fused(128, 2048, 768, "fp8_block", 1) == (False, None)  # no record for this GEMM1
+    assert GemmChooser("Other GPU", tmp_path).decode_fused(128, 1536, 2048, "fp8_block", 1) == (False, None)
+
+
+def test_decode_fused_records_come_from_bench_ab_logs():
+    """`tools/decode_fused_records.py`: per shape and count, the unfused time and the fastest
+    fused variant with its tile (none for the adapted tile), keyed by the fp8 GEMM1 shape."""
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).parents[2] / "tools" / "decode_fused_records.py"
+    spec = importlib.util.spec_from_file_location("decode_fused_records", tool)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    log = """NVIDIA H200
+== qwen3_30b_a3b fp8_block T=2
+  fp8-unfused               37.6 us    +0.0%  (38.1, 37.6, 37.4)
+  fp8-fused                 36.2 us    -3.7%  (36.2, 35.9, 36.2)
+  fp8-fused=16/32/128/4/5      36.4 us    -3.6%  (36.2, 36.7, 36.4)
+== qwen3_30b_a3b fp8_block T=1
+  fp8-unfused               24.6 us    +0.0%  (24.6, 24.6, 24.3)
+  fp8-fused=16/32/128/4/5      22.8 us    -7.3%  (22.8, 22.6, 23.2)
+== mixtral_8x7b bf16 T=1
+  shipped                   99.0 us    +0.0%  (99.0)
+"""
+    recs = mod.records(mod.parse(log), "the log")
+    assert list(recs) == ["E=128,N=1536,K=2048,dtype=fp8_block"]
+    rec = recs["E=128,N=1536,K=2048,dtype=fp8_block"]
+    assert rec["source"] == "the log" and list(rec["layer_us"]) == ["1", "2"]
+    assert rec["layer_us"]["2"] == {"current": 37.6, "fused": 36.2}
+    tile = TileConfig(16, 32, 128, 1, 4, 5).as_dict()
+    assert rec["layer_us"]["1"] == {"current": 24.6, "fused": 22.8, "config": tile}

@@ -279,9 +279,9 @@ FUSE_MAX_ROWS_PER_EXPERT = 2
 def _fusable(choice: GemmChoice, config: MoEConfig, fp8: bool = False) -> bool:
     """Fuse where the table holds the fused kernel's own measured tile, or where the tuned GEMM1
     tile keeps its pipeline depth once it holds the up tile too (`fused_act_config` may shorten
-    its K tile, not its stages; fp8 widens its N tile to whole 128-column groups): elsewhere the
-    fused kernel would run an untuned, shallower pipeline, and the unfused path is the measured
-    one."""
+    its K tile, not its stages; for fp8, an N tile wider than 128 columns grows to whole 1x128
+    groups): elsewhere the fused kernel would run an untuned, shallower pipeline, and the
+    unfused path is the measured one."""
     from moehal.kernels.triton_grouped_gemm import fused_act_config
 
     if choice.fused_config is not None:  # the fused kernel's own tile, measured
@@ -432,9 +432,9 @@ class DeepGemmExpertsRunner(ExpertsRunner):
     fuse_gemm1_activation: ClassVar[bool] = True
     # The same for FP8 layers (fp8_block, fp8_tensor), whose fused kernel also quantizes GEMM2's
     # input: None (the default), where the device's table measured the whole layer faster fused
-    # (`GemmChooser.decode_fused`; on an H200 it ranged from 7% faster to 15% slower by shape and
-    # size: docs/device-runs/2026-11-25-session31); True, wherever GEMM1 runs on Triton at decode
-    # sizes; False, never.
+    # (`GemmChooser.decode_fused`; unrestricted, it ranged from 10% faster to 24% slower by shape,
+    # size and tile on an H200: docs/device-runs/2026-11-25-session31); True, wherever GEMM1 runs
+    # on Triton at decode sizes; False, never.
     fuse_fp8_gemm1_activation: ClassVar[bool | None] = None
 
     def __init__(
@@ -480,7 +480,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
             few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
             if self.fp8:
                 fused = self._fp8_fused_gemm1(choices, bound, e, tokens) if few_rows else None
-            elif not self.fp8 and self.fuse_gemm1_activation:
+            elif self.fuse_gemm1_activation:
                 if choices[0].triton and few_rows:
                     fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
                 elif c.gated and self.chooser is not None:

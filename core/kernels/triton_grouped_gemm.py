@@ -38,10 +38,12 @@ from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import FP8_GROUP, TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
 from moehal.kernels.triton_permute import (
+    arrivals,
     e4m3_groups_quant,
     e4m3_static_quant,
     masked_row_tile,
     publish_rows,
+    scratch,
     stale_splits,
     zero_stale_rows,
 )
@@ -650,9 +652,9 @@ def bind_masked_gemm_act(
     # activation in the layer dtype, per M tile of this launch, and count their arrivals there
     split = FP8_GROUP // config.block_n if fp8 is not None and config.block_n < FP8_GROUP else 1
     stage, counts = sw, sw
-    if split > 1:
-        stage = torch.empty(max(tiles_m, 1) * config.block_m, i, dtype=y.dtype, device=a.device)
-        counts = torch.zeros(max(tiles_m, 1) * (i // FP8_GROUP), dtype=torch.int32, device=a.device)
+    if split > 1:  # process-wide (a CUDA graph may capture them), as the decode paths' scratch
+        stage = scratch("gemm1_act.stage", (max(tiles_m, 1) * config.block_m, i), y.dtype, a.device)
+        counts = arrivals(max(tiles_m, 1) * (i // FP8_GROUP), a.device)
     return MaskedGemmActLaunch(
         a.shape, out.shape, y.shape, (tiles_m * cdiv(i, config.block_n) + e * n_split,), tiles_m, w13, bias,
         fp8.w13_scale if fp8 is not None else None, fp8.static_scale if fp8 is not None else None,

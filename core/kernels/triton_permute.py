@@ -619,6 +619,23 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     return buf
 
 
+# Arrival counters of kernels whose programs meet to finish a piece of work (the token-major
+# split combine, the fused FP8 GEMM1's narrow tiles): zero between launches, as each launch's
+# last program re-arms its cells, so launches queued on one stream may share them. Kept for the
+# process's life: a CUDA graph may have captured any of them.
+_ARRIVALS: list[torch.Tensor] = []
+
+
+def arrivals(cells: int, device: torch.device) -> torch.Tensor:
+    """At least `cells` int32 arrival counters on `device`, all zero between launches."""
+    for a in _ARRIVALS:
+        if a.device == device and a.numel() >= cells:
+            return a
+    a = torch.zeros(max(cells, 4096), dtype=torch.int32, device=device)
+    _ARRIVALS.append(a)
+    return a
+
+
 def release_workspaces(device: torch.device | str | None = None) -> int:
     """Forget the process-wide workspaces and `scratch` (of `device`, or of every device) and
     return the bytes they held. For a process done with one model's layers that builds others:

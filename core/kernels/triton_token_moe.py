@@ -32,7 +32,7 @@ from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
-from moehal.kernels.triton_permute import scratch
+from moehal.kernels.triton_permute import arrivals, scratch
 
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
 _BLOCK_M = 16
@@ -319,20 +319,6 @@ def combine_split(top_k: int, tokens: int, n: int, block_n: int) -> int:
     return split
 
 
-# Arrival counters of split combines, zero between calls (each call's last program re-arms its
-# cells). Kept for the process's life: a CUDA graph may have captured any of them.
-_ARRIVALS: list[torch.Tensor] = []
-
-
-def _arrivals(cells: int, device: torch.device) -> torch.Tensor:
-    for a in _ARRIVALS:
-        if a.device == device and a.numel() >= cells:
-            return a
-    a = torch.zeros(max(cells, 4096), dtype=torch.int32, device=device)
-    _ARRIVALS.append(a)
-    return a
-
-
 def token_gemm_combine(
     act: torch.Tensor,
     ids: torch.Tensor,
@@ -477,7 +463,7 @@ class _CombineLaunch:
         if not self.partial_numel:
             return None
         partial = scratch("token.partial", (self.partial_numel,), torch.float32, self.device)
-        return partial, _arrivals(self.cells, self.device)
+        return partial, arrivals(self.cells, self.device)
 
     def __call__(
         self, act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor

@@ -287,8 +287,9 @@ def _fusable(choice: GemmChoice, config: MoEConfig, fp8: bool = False) -> bool:
     if choice.fused_config is not None:  # the fused kernel's own tile, measured
         return True
     cfg = choice.config
-    adapted = fused_act_config(cfg, config.hidden_size, 1 if fp8 else 2, quant=fp8) if cfg is not None else None
-    return cfg is not None and adapted is not None and adapted.num_stages == cfg.num_stages
+    if cfg is None:
+        return False
+    return fused_act_config(cfg, config.hidden_size, 1 if fp8 else 2, quant=fp8).num_stages == cfg.num_stages
 
 
 def triton_masked_gemm_act(choice: GemmChoice, total_rows: int, config: MoEConfig, ue8m0: bool = False) -> FusedGemm1:

@@ -267,6 +267,38 @@ def _masked_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _store_fp8_groups(
+    v,
+    out_rows,
+    scale_rows,
+    stride_sg,
+    static_ptr,
+    cols,
+    g0,
+    m_mask,
+    I_SIZE,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    UE8M0: tl.constexpr,
+    STATIC: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    """fp32 `v [R, G*128]` (columns `cols`: groups g0 .. g0+G-1) -> e4m3 at `out_rows + cols`
+    and a scale per row and group at `scale_rows + group * stride_sg`: each group's own
+    (`e4m3_groups_quant`), or the static one in every group's slot; rows in `m_mask` and
+    columns below I_SIZE only."""
+    if STATIC:
+        sc1 = tl.load(static_ptr)
+        q = e4m3_static_quant(v, sc1, EXACT_ROUND)
+        sc = tl.zeros((R, G), dtype=tl.float32) + sc1
+    else:
+        q, sc = e4m3_groups_quant(v, R, G, UE8M0, EXACT_ROUND)
+    tl.store(out_rows + cols[None, :], q.to(out_rows.dtype.element_ty), mask=m_mask[:, None] & (cols < I_SIZE)[None, :])
+    grp = g0 + tl.arange(0, G)
+    tl.store(scale_rows + grp[None, :] * stride_sg, sc, mask=m_mask[:, None] & (grp * 128 < I_SIZE)[None, :])
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _masked_gemm_act_kernel(
@@ -356,12 +388,13 @@ def _masked_gemm_act_kernel(
         mid_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, FP8, UPCAST, EXACT_ROUND,
     )  # fmt: skip
     live = m_mask[:, None] & n_mask[None, :]
-    o_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
+    o_rows = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om
     if FP8:
         # GEMM2's fp8 input, as the unfused activation kernel writes it (`moehal_cuda.triton_glue`):
         # the activation rounded to the layer dtype, then 1x128 groups (BLOCK_N // 128 per tile)
         # with scales of their own, or the static scale in every group's slot
         a = tl.where(live, _to(a, mid_ty, EXACT_ROUND).to(tl.float32), 0.0)
+        s_rows = out_scale_ptr + e64 * stride_ose + offs_m[:, None] * stride_osm
         if SPLIT > 1:
             # N tiles narrower than a group (decode: more programs streaming weights): the SPLIT
             # programs of one group stage their slices (exact: already on the layer dtype's grid)
@@ -378,30 +411,17 @@ def _masked_gemm_act_kernel(
                 cols = g0 * 128 + tl.arange(0, 128)
                 v = tl.load(st_rows + cols[None, :], mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
                 v = v.to(tl.float32)
-                if STATIC:
-                    sc1 = tl.load(static_ptr)
-                    q = e4m3_static_quant(v, sc1, EXACT_ROUND)
-                    sc = tl.zeros((BLOCK_M, 1), dtype=tl.float32) + sc1
-                else:
-                    q, sc = e4m3_groups_quant(v, BLOCK_M, 1, UE8M0, EXACT_ROUND)
-                g_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + cols[None, :]
-                tl.store(g_ptrs, q.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-                grp = g0 + tl.arange(0, 1)
-                s_ptrs = out_scale_ptr + e64 * stride_ose + offs_m[:, None] * stride_osm + grp[None, :] * stride_osg
-                tl.store(s_ptrs, sc, mask=m_mask[:, None])
+                _store_fp8_groups(
+                    v, o_rows, s_rows, stride_osg, static_ptr, cols, g0, m_mask, I_SIZE, BLOCK_M, 1, UE8M0, STATIC,
+                    EXACT_ROUND,
+                )  # fmt: skip
         else:
-            if STATIC:
-                sc1 = tl.load(static_ptr)
-                q = e4m3_static_quant(a, sc1, EXACT_ROUND)
-                sc = tl.zeros((BLOCK_M, BLOCK_N // 128), dtype=tl.float32) + sc1
-            else:
-                q, sc = e4m3_groups_quant(a, BLOCK_M, BLOCK_N // 128, UE8M0, EXACT_ROUND)
-            tl.store(o_ptrs, q.to(out_ptr.dtype.element_ty), mask=live)
-            grp = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
-            s_ptrs = out_scale_ptr + e64 * stride_ose + offs_m[:, None] * stride_osm + grp[None, :] * stride_osg
-            tl.store(s_ptrs, sc, mask=m_mask[:, None] & (grp * 128 < I_SIZE)[None, :])
+            _store_fp8_groups(
+                a, o_rows, s_rows, stride_osg, static_ptr, offs_n, pid_n * (BLOCK_N // 128), m_mask, I_SIZE,
+                BLOCK_M, BLOCK_N // 128, UE8M0, STATIC, EXACT_ROUND,
+            )  # fmt: skip
     else:
-        tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=live)
+        tl.store(o_rows + offs_n[None, :], _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=live)
 
 
 def num_m_tiles(total_rows: int, num_experts: int, block_m: int) -> int:

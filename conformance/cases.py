@@ -11,7 +11,7 @@ Families:
   hidden sizes that are not multiples of 128.
 - shapes: 0, 1 and odd token counts, all tokens to one expert, experts without tokens,
   top-k from 1 to 10, large and small expert counts.
-- padding: masked layouts keep padding rows zero.
+- padding: masked and contiguous layouts keep padding rows zero; contiguous ones mark them -1.
 - routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
 - determinism, cuda_graph, out_buffer, double_process, bad_input, honesty.
 """
@@ -136,7 +136,11 @@ class CaseBuilder:
     ) -> Iterator[Case]:
         pipes, decisions = self.pipelines(config, quant)
         if check == "padding":
-            pipes = [p for p in pipes if p.kind == "modular" and p.fmt is not None and p.fmt.layout_name == "masked"]
+            pipes = [
+                p
+                for p in pipes
+                if p.kind == "modular" and p.fmt is not None and p.fmt.layout_name in ("masked", "contiguous")
+            ]
             if not pipes:
                 return
         if not pipes:
@@ -215,7 +219,7 @@ class CaseBuilder:
         # row alignment, say, shows here and not with the best dispatcher alone) ------------
         for quant in claimed[:2]:
             cases.extend(self.cases_for("pairs", "numeric", "silu", base, quant, per_layout=None, tokens=9))
-        # masked padding ----------------------------------------------------------------------
+        # padding rows ------------------------------------------------------------------------
         for quant in claimed:
             # With biases, computing a padding row would make it non-zero; backends without
             # bias support are checked without (then only leaks into the output show).

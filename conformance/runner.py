@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from moehal.errors import InputError, MoEHalError, WeightsAlreadyProcessedError
-from moehal.formats import MaskedInput, MaskedOutput
+from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput
 from moehal.graphs import gc_paused
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
@@ -171,11 +171,24 @@ class CaseRunner:
         d = self.device
         stages = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d))
         disp, y = stages["adapted"], stages["expert_out"]
-        if not isinstance(disp, MaskedInput) or not isinstance(y, MaskedOutput):
-            raise TypeError(f"expected masked input/output, got {type(disp).__name__}/{type(y).__name__}")
-        pad = torch.arange(y.hidden.shape[1], device=d)[None, :] >= disp.masked_m[:, None]
-        if not bool(pad.any()):
-            raise AssertionError("the problem has no padding rows; the case is mis-built")
+        if isinstance(disp, MaskedInput) and isinstance(y, MaskedOutput):
+            pad = torch.arange(y.hidden.shape[1], device=d)[None, :] >= disp.masked_m[:, None]
+            if not bool(pad.any()):
+                raise AssertionError("the problem has no padding rows; the case is mis-built")
+        elif isinstance(disp, ContiguousInput) and isinstance(y, ContiguousOutput):
+            # the dispatcher's half of the contract: row_expert names the live rows only
+            live = disp.live_rows()
+            wrong = torch.nonzero((disp.row_expert >= 0) != live).flatten()
+            if wrong.numel():
+                res.status = FAIL
+                res.detail = (
+                    f"row_expert marks {wrong.numel()} rows wrongly (first: row {int(wrong[0])}): "
+                    "a token's row carries its expert, padding rows and the tail -1"
+                )
+                return
+            pad = ~live  # none where the format's alignment is 1 and the batch fills the rows
+        else:
+            raise TypeError(f"expected masked or contiguous input/output, got {type(disp).__name__}/{type(y).__name__}")
         leaked = y.hidden[pad].float().abs().max().item() if pad.any() else 0.0
         if leaked != 0.0:
             res.status, res.detail = FAIL, f"padding rows are not zero (max |value| {leaked:.3g}); with biases set"

@@ -143,9 +143,12 @@ class StandardInput:
 @dataclass(frozen=True, slots=True)
 class ContiguousInput:
     """Expert-sorted rows. hidden `[M_pad, H]`; scales `[M_pad, H/128]` or `[M_pad]`;
-    row_expert int32 `[M_pad]`: the local expert of each row (whole aligned segment), -1
-    for the unused tail (DeepGEMM's `m_indices`); counts int32 `[E_local]` valid rows per
-    expert; segment_start int32 `[E_local]` first row of each expert.
+    row_expert int32 `[M_pad]`: the local expert of each valid row, -1 for the padding rows
+    that align each segment and for the unused tail (DeepGEMM's `m_indices`: its SM90 FP8
+    kernel skips the 64-row half of a tile whose first row is -1). A segment's valid rows come
+    first, so every row at a multiple of the alignment inside a segment is valid. Consumers
+    tell live rows by `row_expert >= 0`. counts int32 `[E_local]` valid rows per expert;
+    segment_start int32 `[E_local]` first row of each expert.
     M_pad is a static worst case (T*K + E_local*(alignment-1), rounded up), never read
     back to the host. Padding rows hold zeros."""
 
@@ -154,6 +157,13 @@ class ContiguousInput:
     row_expert: torch.Tensor
     counts: torch.Tensor
     segment_start: torch.Tensor
+
+    def live_rows(self) -> torch.Tensor:
+        """bool `[M_pad]`: the rows that hold a token, from `segment_start` and `counts` alone
+        (what `row_expert >= 0` must say; a check for conformance and tests, not the hot path)."""
+        r = torch.arange(self.hidden.shape[0], device=self.hidden.device)[:, None]
+        start = self.segment_start.long()[None, :]
+        return ((r >= start) & (r < start + self.counts.long()[None, :])).any(dim=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,7 +95,8 @@ def to_contiguous(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x `[T, H]` -> (hidden `[M_pad, H]`, row_expert int32 `[M_pad]`, segment_start int32
     `[E_local]`, slot_row int64 `[S]`). Each expert's segment starts at a multiple of
-    `alignment`; row_expert marks a whole segment with its expert and the tail with -1."""
+    `alignment`; row_expert marks an expert's rows with it, and its padding rows and the tail
+    with -1 (DeepGEMM's `m_indices`)."""
     e, dev = idx.num_local_experts, x.device
     m_pad = contiguous_rows(idx.num_tokens * idx.top_k, e, alignment)
     counts = idx.counts.to(torch.int64)
@@ -111,7 +112,9 @@ def to_contiguous(
     out[slot_row] = x[slot_tokens(idx)]  # invalid slots land in the spare last row
     rows = torch.arange(m_pad, device=dev)
     seg = torch.searchsorted(seg_end, rows, right=True)
-    row_expert = torch.where(seg < e, seg, torch.full_like(seg, -1)).to(torch.int32)
+    seg_c = seg.clamp(max=max(e - 1, 0))
+    live = (seg < e) & (rows - seg_start[seg_c] < counts[seg_c]) if e else seg < e
+    row_expert = torch.where(live, seg, torch.full_like(seg, -1)).to(torch.int32)
     return out[:m_pad], row_expert, seg_start.to(torch.int32), slot_row
 
 

@@ -19,6 +19,10 @@ Variants:
   fp8-fused=M/N/K/W/S the same on this tile (block M, N, K, warps, stages)
   fp8-unfused         never fused (the switch False); `shipped` fuses where the device's table
                       measured the whole layer faster (`tools/decode_fused_records.py`)
+  whole-segments      contiguous layouts mark padding rows with their expert, not -1
+                      (`triton_permute.MARK_PADDING_ROWS` False): DeepGEMM's FP8 GEMM computes them
+                      (layers take the contiguous layout where masked buffers exceed the budget:
+                      `--max-tokens`)
 """
 
 from __future__ import annotations
@@ -99,6 +103,14 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             runner.fuse_fp8_gemm1_activation, dge.triton_masked_gemm_act = was, make
+    elif name == "whole-segments":
+        import moehal.kernels.triton_permute as tp
+
+        tp.MARK_PADDING_ROWS = False
+        try:
+            yield
+        finally:
+            tp.MARK_PADDING_ROWS = True
     else:
         raise SystemExit(f"unknown variant {name!r}")
 

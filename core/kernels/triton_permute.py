@@ -49,6 +49,10 @@ from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_fused_moe import _static_fp8
 
 QUANT_GROUP = 128
+# Contiguous layouts mark padding rows -1 in `row_expert` (DeepGEMM's `m_indices` convention):
+# DeepGEMM's SM90 FP8 grouped GEMM then skips each 64-row half of a 128-row tile whose first row
+# is padding. False marks whole segments with their expert, as before session 32 (for A/Bs).
+MARK_PADDING_ROWS = True
 
 
 # --- kernels ----------------------------------------------------------------------------------
@@ -301,6 +305,7 @@ def _scatter_rows(
     H_SPAN: tl.constexpr,
     STEP: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
+    MARK_PADDING: tl.constexpr,
 ):
     # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
     # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
@@ -414,7 +419,10 @@ def _scatter_rows(
         seg_start_r = tl.sum(tl.where(j[None, :] < seg[:, None], aligned[None, :], 0), axis=1)
         cnt_r = tl.sum(tl.where(j[None, :] == seg[:, None], counts[None, :], 0), axis=1)
         new_valid = has & (r - seg_start_r < cnt_r)
-        tl.store(row_expert_ptr + r, tl.where(has, seg, -1), mask=rin)
+        marked = has
+        if MARK_PADDING:  # padding rows of a segment read -1, as its unused tail does
+            marked = new_valid
+        tl.store(row_expert_ptr + r, tl.where(marked, seg, -1), mask=rin)
         if rp == 0:
             tl.store(seg_start_ptr + j, seg_end - aligned, mask=j < E)
         prev = tl.load(written_ptr + r, mask=rin, other=0)
@@ -905,6 +913,7 @@ def bind_permute(
             BLOCK_S=block_s, BLOCK_R=block_r,
             BLOCK_H=block_h, H_SPAN=h_span, STEP=step, num_warps=tile.num_warps,
             TOKEN_ROWS=tile.token_rows and not weight_on_input and top_k & (top_k - 1) == 0 and block_s % top_k == 0,
+            MARK_PADDING=MARK_PADDING_ROWS,
         ),
     )  # fmt: skip
 

@@ -9,7 +9,9 @@ import types
 
 import moehal
 import torch
+from moehal.formats import ContiguousInput
 from moehal.interfaces import BackendInfo
+from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
 from moehal_conformance import report
 from moehal_conformance.cli import main as conformance_main
@@ -55,17 +57,43 @@ class _ClaimsNothing(ReferenceExperts):
     devices = frozenset({"npu"})
 
 
-def _plugin(name, experts):
+class _WholeSegmentsRunner(LocalDispatchRunner):
+    """Marks every row of an expert's aligned segment with the expert, padding rows too: the
+    numbers stay right, but `row_expert` no longer says which rows hold a token."""
+
+    def dispatch(self, hidden, topk):
+        inp, handle = super().dispatch(hidden, topk)
+        if isinstance(inp, ContiguousInput):
+            r = torch.arange(inp.hidden.shape[0])[:, None]
+            a = self.fmt.row_alignment
+            ends = inp.segment_start.long() + (inp.counts.long() + a - 1) // a * a  # the segments' aligned ends
+            seg = (r >= ends[None, :]).sum(1)
+            whole = torch.where(seg < ends.numel(), seg, -1).to(torch.int32)
+            inp = dataclasses.replace(inp, row_expert=whole)
+        return inp, handle
+
+
+class _WholeSegments(ReferenceDispatcher):
+    name = "segments"
+    priority = 40
+
+    def build(self, req, fmt):
+        return _WholeSegmentsRunner(req, fmt)
+
+
+def _plugin(name, experts, dispatcher=None):
     ns = types.SimpleNamespace()
     ns.moehal_backend_info = moehal.hookimpl(lambda: BackendInfo(name, "9.9", "throwaway"))
     ns.moehal_experts = moehal.hookimpl(lambda: [experts])
+    if dispatcher is not None:
+        ns.moehal_dispatchers = moehal.hookimpl(lambda: [dispatcher])
     return ns
 
 
-def _suite(name, experts):
+def _suite(name, experts, dispatcher=None):
     reg = moehal.Registry(moehal.Settings())
     reg.load_entry_points()
-    assert reg.register(_plugin(name, experts), name).status == "loaded"
+    assert reg.register(_plugin(name, experts, dispatcher), name).status == "loaded"
     return Suite(name, reg, torch.device("cpu"), profile="quick")
 
 
@@ -87,6 +115,29 @@ def test_experts_wrong_only_into_out_fail_the_out_buffer_check():
     assert all("differs from the call without out" in r.detail for r in failed)
     assert any(r.status == "pass" and r.check == "numeric" for r in suite.results)
     assert not suite.ok
+
+
+def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():
+    class _Experts(ReferenceExperts):  # the reference's, on segments aligned to 8 rows
+        name = "aligned"
+        priority = 40
+
+        def input_formats(self, req):
+            formats = super().input_formats(req)
+            return [dataclasses.replace(f, row_alignment=8) if f.layout_name == "contiguous" else f for f in formats]
+
+    def padding_statuses(suite):
+        suite.run([c for c in suite.cases() if c.check == "padding"])
+        by_layout = {}
+        for r in suite.results:
+            by_layout.setdefault(r.layout, set()).add(r.status)
+        return by_layout
+
+    # the reference dispatcher marks padding rows -1: the aligned segments pass
+    assert padding_statuses(_suite("aligned", _Experts())) == {"contiguous": {"pass"}, "masked": {"pass"}}
+    suite = _suite("segments", _Experts(), _WholeSegments())
+    assert padding_statuses(suite) == {"contiguous": {"fail"}, "masked": {"pass"}}
+    assert all("row_expert marks" in r.detail for r in suite.results if r.layout == "contiguous")
 
 
 def test_a_backend_claiming_nothing_gets_declines_with_reasons():

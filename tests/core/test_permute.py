@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moehal import permute
+from moehal.formats import ContiguousInput
 
 
 @st.composite
@@ -51,9 +52,14 @@ def test_masked_and_contiguous_round_trip(r, alignment):
     hc, row_expert, seg_start, slot_row = permute.to_contiguous(x, idx, alignment)
     assert hc.shape[0] == permute.contiguous_rows(t * k, e_local, alignment)
     assert (seg_start % alignment == 0).all()
+    live = torch.zeros(hc.shape[0], dtype=torch.bool)
     for j in range(e_local):
         s, n = int(seg_start[j]), int(idx.counts[j])
         assert (row_expert[s : s + n] == j).all()
+        live[s : s + n] = True
+    assert (row_expert[~live] == -1).all()  # padding rows and the tail: -1
+    inp = ContiguousInput(hc, None, row_expert, idx.counts, seg_start)
+    assert torch.equal(inp.live_rows(), live)
     used = slot_row[idx.valid]
     assert used.unique().numel() == used.numel()  # no two slots share a row
     assert torch.allclose(permute.from_contiguous(hc, idx, slot_row, w), expected, atol=1e-6)

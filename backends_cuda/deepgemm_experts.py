@@ -163,9 +163,20 @@ class DeepGemmOps:
     decode loop: the dispatcher's and these experts' buffers are persistent workspaces) replay
     a one-kernel CUDA graph instead of DeepGEMM's C++ host path (`moehal.graphs.LaunchMemo`).
     DeepGEMM reads the masked row counts and the contiguous row-to-expert map on the GPU, so a
-    graph is valid for every call with the same tensors, `expected_m` and SM count."""
+    graph is valid for every call with the same tensors, `expected_m` and SM count.
+
+    Contiguous GEMMs take the segments' ends (`psum`, DeepGEMM's "psum layout") where the
+    release offers it, on SM90: its tiles then cover each expert's rows and stop, where with
+    `m_indices` alone the bf16 kernel also computes the tiles past the last segment (the call's
+    worst case holds up to 127 padding rows per expert; about a sixth of Qwen3-30B-A3B's rows
+    at 4096 tokens)."""
+
+    # Pass the segments' ends to DeepGEMM's contiguous GEMMs where it takes them (SM90; for A/Bs)
+    psum_layout: ClassVar[bool] = True
 
     def __init__(self, fp8: bool, sm100: bool, replay_graphs: bool = True) -> None:
+        import inspect
+
         from moehal.graphs import LaunchMemo
 
         dg = import_deep_gemm()
@@ -174,6 +185,12 @@ class DeepGemmOps:
         self._masked = dg_fn(dg, names[0])
         self._contig = dg_fn(dg, names[1])
         self._kw: dict[str, Any] = {"recipe": (1, 1, 128)} if (fp8 and sm100) else {}
+        try:
+            params = inspect.signature(self._contig).parameters
+        except (TypeError, ValueError):  # a C function without a signature: an older release
+            params = {}
+        # SM100 is left on `m_indices`: its psum path was never run here
+        self.takes_psum = self.psum_layout and not sm100 and "use_psum_layout" in params
         # an engine may change DeepGEMM's SM count between calls (SGLang's overlap modes): key on it
         sms = getattr(dg, "get_num_sms", None)
         memo = lambda fn: LaunchMemo(fn, context=sms)  # noqa: E731
@@ -188,10 +205,19 @@ class DeepGemmOps:
         self._run_masked(a, sa, w, sw, d, mm, em)
 
     def contiguous(
-        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor
+        self,
+        a: torch.Tensor,
+        sa: Any,
+        w: torch.Tensor,
+        sw: Any,
+        d: torch.Tensor,
+        layout: torch.Tensor,
+        psum: torch.Tensor | None = None,
     ) -> None:
-        """`d[r] = a[r] @ w[layout[r]].T` for rows with `layout[r] >= 0`."""
-        self._run_contig(a, sa, w, sw, d, layout)
+        """`d[r] = a[r] @ w[layout[r]].T` for rows with `layout[r] >= 0`. `psum` int32 `[E]`
+        (where `takes_psum`): each expert's segment end, segment_start + counts; DeepGEMM
+        then reads it in place of `layout`."""
+        self._run_contig(a, sa, w, sw, d, layout if psum is None else psum, psum is not None)
 
     def _masked_call(
         self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int
@@ -202,12 +228,13 @@ class DeepGemmOps:
             self._masked(a, w, d, mm, em)
 
     def _contig_call(
-        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor
+        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor, psum: bool
     ) -> None:
+        kw = {**self._kw, "use_psum_layout": True} if psum else self._kw
         if self.fp8:
-            self._contig((a, sa), (w, sw), d, layout, **self._kw)
+            self._contig((a, sa), (w, sw), d, layout, **kw)
         else:
-            self._contig(a, w, d, layout)
+            self._contig(a, w, d, layout, **kw)
 
 
 # DeepGEMM's masked grouped GEMM computes and stores whole BLOCK_M tiles of each group: with
@@ -246,8 +273,17 @@ class TorchGemmOps:
     ) -> None:
         d.copy_(torch.einsum("emk,enk->emn", self._deq(a, sa, False), self._deq(w, sw, True)).to(d.dtype))
 
+    takes_psum = False
+
     def contiguous(
-        self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, layout: torch.Tensor
+        self,
+        a: torch.Tensor,
+        sa: Any,
+        w: torch.Tensor,
+        sw: Any,
+        d: torch.Tensor,
+        layout: torch.Tensor,
+        psum: torch.Tensor | None = None,
     ) -> None:
         af, wf = self._deq(a, sa, False), self._deq(w, sw, True)
         for e in range(wf.shape[0]):
@@ -682,12 +718,20 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         from moehal_cuda.triton_glue import RowIndex, activation, add_bias
 
         if isinstance(inp, ContiguousInput):
-            m = inp.hidden.shape[0]
-            hb, ab, yb = self._buffers((m,), inp.hidden.device)
+            m, dev = inp.hidden.shape[0], inp.hidden.device
+            hb, ab, yb = self._buffers((m,), dev)
             rows = RowIndex(m, 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
-            self.ops.contiguous(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.row_expert)
+            psum = None
+            if self.ops.takes_psum:  # the segments' ends, in a persistent tensor (graph memos key on it)
+                from moehal.kernels.triton_permute import scratch
+
+                c = self.config
+                role = f"dg.psum:{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"  # per layer shape, as _buffers
+                psum = scratch(role, tuple(inp.counts.shape), torch.int32, dev)
+                torch.add(inp.segment_start, inp.counts, out=psum)
+            self.ops.contiguous(inp.hidden, inp.scales, w.w13, w.w13_scale, hb.hidden, inp.row_expert, psum)
             activation(hb.hidden, ab, yb.hidden, rows, self.config, w.w13_bias, self.ue8m0, static_scale=w.a2_scale)
-            self.ops.contiguous(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.row_expert)
+            self.ops.contiguous(ab.hidden, ab.scales, w.w2, w.w2_scale, yb.hidden, inp.row_expert, psum)
             if w.w2_bias is not None:
                 add_bias(yb.hidden, w.w2_bias, rows)
             return ContiguousOutput(yb.hidden)

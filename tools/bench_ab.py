@@ -23,6 +23,8 @@ Variants:
                       (`triton_permute.MARK_PADDING_ROWS` False): DeepGEMM's FP8 GEMM computes them
                       (layers take the contiguous layout where masked buffers exceed the budget:
                       `--max-tokens`)
+  m-indices           DeepGEMM's contiguous GEMMs get the row-to-expert map only, not the segments'
+                      ends (`DeepGemmOps.psum_layout` False)
 """
 
 from __future__ import annotations
@@ -103,6 +105,14 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             runner.fuse_fp8_gemm1_activation, dge.triton_masked_gemm_act = was, make
+    elif name == "m-indices":
+        from moehal_cuda.deepgemm_experts import DeepGemmOps
+
+        DeepGemmOps.psum_layout = False
+        try:
+            yield
+        finally:
+            DeepGemmOps.psum_layout = True
     elif name == "whole-segments":
         import moehal.kernels.triton_permute as tp
 

@@ -1,0 +1,122 @@
+"""DeepGEMM's contiguous GEMMs on the segments' ends (`use_psum_layout`), on any device.
+
+A stand-in deep_gemm module computes as DeepGEMM's SM90 kernels walk each layout (its
+`deep_gemm/include/deep_gemm/scheduler/gemm.cuh`): with `m_indices`, every 128-row tile of the
+buffer, on the weights of the expert its first row names (expert 0 for a -1, the unused tail
+included, as its bf16 kernel does); with the psum layout, expert g's tiles from
+align(psum[g-1], 128) up to its segment end psum[g], and no tile past the last one. The runner
+must hand it the segments' ends, and both layouts must give the reference's numbers."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from moehal.config import MoEConfig
+from moehal.formats import ActivationFormat, Layout
+from moehal.hardware import detect
+from moehal.interfaces import BuildRequest
+from moehal.quant import QuantScheme
+from moehal.reference.dispatcher import ReferenceDispatcher
+from moehal.reference.experts import ReferenceExperts
+from moehal.routing import TopK
+from moehal.weights import quantize_weights
+from moehal_cuda import deepgemm_experts as dge
+from moehal_cuda.dispatch import CudaPermuteDispatcher
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TILE = 128
+
+
+class _DeepGemm:
+    """deep_gemm's bf16 contiguous GEMM, in torch; `calls` records each call's layout."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.tiles = 0  # 128-row tiles computed, over all calls
+
+    @staticmethod
+    def get_mk_alignment_for_contiguous_layout() -> int:
+        return TILE
+
+    def m_grouped_bf16_gemm_nt_masked(self, *args, **kwargs) -> None:
+        raise AssertionError("these tests run the contiguous layout only")
+
+    def m_grouped_bf16_gemm_nt_contiguous(
+        self, a, b, d, grouped_layout, compiled_dims="nk", use_psum_layout=False, ensure_zero_padding=True,
+        expected_m_for_psum_layout=None,
+    ) -> None:  # fmt: skip
+        self.calls.append("psum" if use_psum_layout else "m_indices")
+        if use_psum_layout:
+            start = 0
+            for g, end in enumerate(grouped_layout.tolist()):
+                for t0 in range(start, end, TILE):
+                    d[t0 : t0 + TILE] = (a[t0 : t0 + TILE].float() @ b[g].float().t()).to(d.dtype)
+                    self.tiles += 1
+                start = -(-end // TILE) * TILE
+            return
+        for t0 in range(0, a.shape[0], TILE):
+            e = max(0, int(grouped_layout[t0]))
+            d[t0 : t0 + TILE] = (a[t0 : t0 + TILE].float() @ b[e].float().t()).to(d.dtype)
+            self.tiles += 1
+
+
+class _OlderDeepGemm(_DeepGemm):
+    """A release whose contiguous GEMM takes `m_indices` only."""
+
+    def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, grouped_layout) -> None:
+        super().m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
+
+
+def _runner(dg, monkeypatch, cfg, quant, fmt):
+    monkeypatch.setattr(dge, "import_deep_gemm", lambda: dg)
+    req = BuildRequest(cfg, quant, detect(DEV))
+    return dge.DeepGemmExpertsRunner(req, fmt, dge.DeepGemmOps(False, False, replay_graphs=False)), req
+
+
+@pytest.mark.parametrize("psum_layout", [True, False])
+def test_contiguous_gemms_on_segment_ends_match_the_reference(psum_layout, monkeypatch):
+    monkeypatch.setattr(dge.DeepGemmOps, "psum_layout", psum_layout)
+    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160, has_w2_bias=True)
+    quant = QuantScheme.parse("bf16")
+    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
+    g = torch.Generator().manual_seed(3)
+    w13 = torch.randn(8, cfg.w13_rows, 256, generator=g) / 16
+    w2 = torch.randn(8, 256, 128, generator=g) / 11
+    weights = quantize_weights(cfg, quant, w13, w2, w2_bias=torch.randn(8, 256, generator=g) * 0.1).to(DEV)
+    dg = _DeepGemm()
+    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
+    assert ex.ops.takes_psum is psum_layout
+    ex.load(weights)
+    disp = CudaPermuteDispatcher().build(req, fmt)
+    rdisp, rex = ReferenceDispatcher().build(req, fmt), ReferenceExperts().build(req, fmt)
+    rex.load(weights)
+    # 150 tokens: expert 5's rows pass a 128-row tile; 1 token: most experts have none
+    for t in (150, 1, 17):
+        x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
+        ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(t)]).int().to(DEV)
+        ids[:, 0] = torch.where(ids[:, 1:].eq(5).any(1), ids[:, 0], 5)  # expert 5 in every token
+        topk = TopK(ids, (torch.rand(t, 3, generator=g) + 0.1).to(DEV))
+        inp, handle = disp.dispatch(x, topk)
+        tiles = dg.tiles
+        y = disp.combine(ex.apply(inp), handle)
+        rinp, rhandle = rdisp.dispatch(x, topk)
+        ry = rdisp.combine(rex.apply(rinp), rhandle)
+        err = ((y.float() - ry.float()).abs().max() / ry.float().abs().max()).item()
+        assert err < 2e-2, f"{t} tokens: rel err {err:.4f}"
+        # the psum layout computes the segments' tiles only; m_indices every tile of the call's rows
+        live_tiles = sum(-(-int(n) // TILE) for n in inp.counts.tolist())
+        want = live_tiles if psum_layout else inp.hidden.shape[0] // TILE
+        assert dg.tiles - tiles == 2 * want
+    assert set(dg.calls) == {"psum" if psum_layout else "m_indices"}
+
+
+def test_releases_without_the_psum_layout_and_sm100_keep_m_indices(monkeypatch):
+    older = _OlderDeepGemm()
+    monkeypatch.setattr(dge, "import_deep_gemm", lambda: older)
+    assert "use_psum_layout" not in inspect.signature(older.m_grouped_bf16_gemm_nt_contiguous).parameters
+    assert not dge.DeepGemmOps(False, False, replay_graphs=False).takes_psum
+    monkeypatch.setattr(dge, "import_deep_gemm", lambda: _DeepGemm())
+    assert dge.DeepGemmOps(False, False, replay_graphs=False).takes_psum
+    assert not dge.DeepGemmOps(False, True, replay_graphs=False).takes_psum  # SM100: never run there

@@ -232,12 +232,19 @@ def _expert_positions(
     num_slots,
     expert_start,
     n_chunks,
+    seg_start_ptr,
     CHUNK: tl.constexpr,
     C_P: tl.constexpr,
+    SEG_ALIGN: tl.constexpr,
+    E_P: tl.constexpr,
 ):
     """Program (e, c): positions of expert e's slots in chunk c (the expert's slots in earlier
     chunks, from `_expert_chunk_counts`, plus the rank within the chunk); program (e, 0) also
-    writes the expert's count. One chunk: no counts pass, the chunk's own sum is the count."""
+    writes the expert's count. One chunk: no counts pass, the chunk's own sum is the count.
+    SEG_ALIGN > 0 (several chunks): program (e, 0) also writes where expert e's segment starts
+    in a contiguous layout whose segments are aligned to SEG_ALIGN rows (every expert's count
+    is known from the counts pass), so the scatter reads it instead of summing over experts
+    per slot."""
     e = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -255,6 +262,13 @@ def _expert_positions(
     tl.store(slot_pos_ptr + offs, base + tl.cumsum(hit, axis=0) - 1, mask=hit != 0)
     if c == 0:
         tl.store(counts_ptr + e, total)
+        if SEG_ALIGN > 0:
+            jj = tl.arange(0, E_P)
+            ck = tl.arange(0, C_P)
+            live = (jj[:, None] < tl.num_programs(0)) & (ck[None, :] < n_chunks)
+            every = tl.load(chunk_counts_ptr + jj[:, None] * n_chunks + ck[None, :], mask=live, other=0)
+            aligned = (tl.sum(every, axis=1) + SEG_ALIGN - 1) // SEG_ALIGN * SEG_ALIGN
+            tl.store(seg_start_ptr + e, tl.sum(tl.where(jj < e, aligned, 0), axis=0))
 
 
 @fast_launch
@@ -306,15 +320,16 @@ def _scatter_rows(
     STEP: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
     MARK_PADDING: tl.constexpr,
+    SEG_GIVEN: tl.constexpr,
+    ROW_BLOCKS_IN_SEGMENT: tl.constexpr,
 ):
     # FUSED_POS (masked, small batches): no `_expert_positions` launch before this one; each
     # program derives what it needs from all S_P slot ids (a decode step has a few dozen).
+    # SEG_GIVEN (contiguous): the positions pass wrote each expert's segment start; slot
+    # programs read it, without the per-program sums over every expert (2x the scatter's time
+    # at 128 experts, docs/device-runs/2026-11-25-session32).
     pid = tl.program_id(0)
     j = tl.arange(0, E_P)
-    if not MASKED:
-        counts = tl.load(counts_ptr + j, mask=j < E, other=0)
-        aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
-        seg_end = tl.cumsum(aligned, axis=0)
     if FUSED_POS:
         every = tl.arange(0, S_P)
         all_ids = tl.load(ids_ptr + every, mask=every < num_slots, other=-1).to(tl.int32) - expert_start
@@ -336,7 +351,12 @@ def _scatter_rows(
             dest_m = pos
             row_id = dest_e * max_m + dest_m
         else:
-            start = tl.sum(tl.where(j[None, :] < local[:, None], aligned[None, :], 0), axis=1)
+            if SEG_GIVEN:
+                start = tl.load(seg_start_ptr + tl.where(valid, local, 0), mask=valid, other=0)
+            else:
+                counts = tl.load(counts_ptr + j, mask=j < E, other=0)
+                aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
+                start = tl.sum(tl.where(j[None, :] < local[:, None], aligned[None, :], 0), axis=1)
             dest_e = tl.zeros_like(pos)
             dest_m = start + pos
             row_id = dest_m
@@ -411,19 +431,28 @@ def _scatter_rows(
         publish_rows(state_ptr, e, cnt, E, N_SPLIT)
     else:
         # ---- contiguous row bookkeeping: row expert ids, segment starts, stale padding rows ----
+        counts = tl.load(counts_ptr + j, mask=j < E, other=0)
+        aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
+        seg_end = tl.cumsum(aligned, axis=0)
         rp = pid - n_slot_programs
         r = rp * BLOCK_R + tl.arange(0, BLOCK_R)
         rin = r < num_rows
-        seg = tl.sum((seg_end[None, :] <= r[:, None]).to(tl.int32), axis=1)
+        if ROW_BLOCKS_IN_SEGMENT:  # BLOCK_R divides ALIGN: the block's rows share one segment
+            seg1 = tl.sum((seg_end <= rp * BLOCK_R).to(tl.int32), axis=0)
+            seg = tl.zeros_like(r) + seg1
+            seg_start_r = tl.zeros_like(r) + tl.sum(tl.where(j < seg1, aligned, 0), axis=0)
+            cnt_r = tl.zeros_like(r) + tl.sum(tl.where(j == seg1, counts, 0), axis=0)
+        else:
+            seg = tl.sum((seg_end[None, :] <= r[:, None]).to(tl.int32), axis=1)
+            seg_start_r = tl.sum(tl.where(j[None, :] < seg[:, None], aligned[None, :], 0), axis=1)
+            cnt_r = tl.sum(tl.where(j[None, :] == seg[:, None], counts[None, :], 0), axis=1)
         has = rin & (seg < E)
-        seg_start_r = tl.sum(tl.where(j[None, :] < seg[:, None], aligned[None, :], 0), axis=1)
-        cnt_r = tl.sum(tl.where(j[None, :] == seg[:, None], counts[None, :], 0), axis=1)
         new_valid = has & (r - seg_start_r < cnt_r)
         marked = has
         if MARK_PADDING:  # padding rows of a segment read -1, as its unused tail does
             marked = new_valid
         tl.store(row_expert_ptr + r, tl.where(marked, seg, -1), mask=rin)
-        if rp == 0:
+        if rp == 0 and not SEG_GIVEN:
             tl.store(seg_start_ptr + j, seg_end - aligned, mask=j < E)
         prev = tl.load(written_ptr + r, mask=rin, other=0)
         stale = rin & (prev != 0) & (~new_valid)
@@ -758,19 +787,29 @@ def expert_positions(
     return bind_positions(ids.numel(), num_local_experts, expert_start)(ids, counts)
 
 
-def bind_positions(num_slots: int, num_local_experts: int, expert_start: int = 0) -> BoundPositions:
+def _position_chunk(num_slots: int) -> int:
+    """Slots per program of the positions pass. Program (expert, chunk of slots): one pass over
+    its chunk, after a counts pass when there are several chunks (a prefill's 32k slots: 16
+    chunks in parallel, not 8 serial scan steps per expert)."""
+    return min(POSITION_CHUNK, max(256, next_power_of_2(num_slots)))
+
+
+def bind_positions(
+    num_slots: int, num_local_experts: int, expert_start: int = 0, segment_alignment: int = 0
+) -> BoundPositions:
     """`expert_positions`' launches for `num_slots` slots and `num_local_experts` experts: chunks
-    and grid decided once (a bound permute or align pass keeps one)."""
+    and grid decided once (a bound permute or align pass keeps one). `segment_alignment` > 0:
+    batches of several chunks also write each expert's segment start in a contiguous layout
+    aligned to that many rows (`BoundPositions.segments`)."""
     s = num_slots
-    # program (expert, chunk of slots): one pass over its chunk, after a counts pass when
-    # there are several chunks (a prefill's 32k slots: 16 chunks in parallel, not 8 serial
-    # scan steps per expert)
-    chunk = min(POSITION_CHUNK, max(256, next_power_of_2(s)))
+    chunk = _position_chunk(s)
     n_chunks = cdiv(s, chunk)
     kw = dict(CHUNK=chunk)
+    seg_align = segment_alignment if n_chunks > 1 else 0  # one chunk: no counts pass to read
     return BoundPositions(
         s, num_local_experts, n_chunks, (s, expert_start, n_chunks), (num_local_experts, n_chunks), kw,
-        dict(kw, C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1),
+        dict(kw, C_P=next_power_of_2(n_chunks) if n_chunks > 1 else 1, SEG_ALIGN=seg_align,
+             E_P=_e_pad(num_local_experts)),
     )  # fmt: skip
 
 
@@ -786,17 +825,28 @@ class BoundPositions:
     counts_kw: dict
     kw: dict
 
-    def __call__(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids: the flat, contiguous `[S]` expert ids -> (slot_pos, counts), as `expert_positions`."""
+    @property
+    def segments(self) -> bool:
+        """Whether a call writes the segment starts (`seg_start`)."""
+        return self.kw["SEG_ALIGN"] > 0
+
+    def __call__(
+        self, ids: torch.Tensor, counts: torch.Tensor | None = None, seg_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: the flat, contiguous `[S]` expert ids -> (slot_pos, counts), as `expert_positions`;
+        with `segments`, each expert's segment start is written into `seg_start` int32 `[E]`."""
         e, dev = self.experts, ids.device
         if counts is None:
             counts = torch.empty(e, dtype=torch.int32, device=dev)
+        if self.segments and seg_start is None:
+            raise ValueError("these positions write segment starts: pass seg_start")
         slot_pos = torch.empty(max(self.slots, 1), dtype=torch.int32, device=dev)
         chunk_counts = counts
         if self.n_chunks > 1:
             chunk_counts = torch.empty(e * self.n_chunks, dtype=torch.int32, device=dev)
             self._counts_site(ids, chunk_counts, *self.scalars)
-        self._site(ids, slot_pos, counts, chunk_counts, *self.scalars)
+        seg = seg_start if self.segments else counts  # (a pointer the kernel then never reads)
+        self._site(ids, slot_pos, counts, chunk_counts, *self.scalars, seg)
         return slot_pos, counts
 
     @functools.cached_property
@@ -914,6 +964,10 @@ def bind_permute(
             BLOCK_H=block_h, H_SPAN=h_span, STEP=step, num_warps=tile.num_warps,
             TOKEN_ROWS=tile.token_rows and not weight_on_input and top_k & (top_k - 1) == 0 and block_s % top_k == 0,
             MARK_PADDING=MARK_PADDING_ROWS,
+            # contiguous batches of several position chunks: the positions pass writes the
+            # segment starts (`bind_positions`' segment_alignment)
+            SEG_GIVEN=not masked and cdiv(s, _position_chunk(s)) > 1,
+            ROW_BLOCKS_IN_SEGMENT=not masked and max(alignment, 1) % block_r == 0,
         ),
     )  # fmt: skip
 
@@ -948,18 +1002,19 @@ class BoundPermute:
         slot_row = self.slot_rows
         if slot_row is None:
             slot_row = torch.empty(max(s, 1), dtype=torch.int32, device=dev)
+        row_expert = seg_start = None
+        if not self.masked:
+            row_expert = torch.empty(self.num_rows, dtype=torch.int32, device=dev)
+            seg_start = torch.empty(e, dtype=torch.int32, device=dev)
         if self.fused_pos:  # the scatter kernel's programs compare the slot ids themselves
             counts = self.kept if self.kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
             slot_pos = slot_row  # not read with FUSED_POS: any int32 tensor will do
         else:
-            slot_pos, counts = self._positions(ids, self.kept)
+            slot_pos, counts = self._positions(ids, self.kept, seg_start if self._positions.segments else None)
         if self.masked:
-            row_expert = seg_start = None
             re_arg = se_arg = counts  # unused
             state = self.dest.expert_rows
         else:
-            row_expert = torch.empty(self.num_rows, dtype=torch.int32, device=dev)
-            seg_start = torch.empty(e, dtype=torch.int32, device=dev)
             re_arg, se_arg, state = row_expert, seg_start, counts  # state unused
         if self.grid is not None:
             w = ids if topk_weights is None else _dense(topk_weights)
@@ -976,7 +1031,8 @@ class BoundPermute:
 
     @functools.cached_property
     def _positions(self) -> BoundPositions:
-        return bind_positions(self.slots, self.experts, self.expert_start)
+        align = 0 if self.masked else self.kw["ALIGN"]  # contiguous: the segment starts too
+        return bind_positions(self.slots, self.experts, self.expert_start, align)
 
 
 def combine(

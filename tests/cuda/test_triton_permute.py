@@ -93,10 +93,25 @@ def test_masked_matches_torch_permute_across_calls(quant, ue8m0, ep, k, scatter_
 
 @pytest.mark.parametrize("quant", [False, True])
 def test_contiguous_matches_torch_permute_across_calls(quant, scatter_variant):
-    start, e, e_glob, k, align = 2, 6, 12, 4, 8
-    m_pad = TP.contiguous_rows(8 * k, e, align)
+    _check_contiguous(quant, (8, 3, 6), align=8)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("align", [8, 128])
+def test_contiguous_batches_of_several_position_chunks(quant, align):
+    """More than `POSITION_CHUNK` slots: the positions pass writes the segment starts, which the
+    scatter reads (`SEG_GIVEN`); with an alignment that 64-row blocks divide, each bookkeeping
+    program finds its block's one segment (`ROW_BLOCKS_IN_SEGMENT`). A one-chunk call between
+    them takes the scatter's own sums, on the same buffer."""
+    assert 550 * 4 > TP.POSITION_CHUNK >= 100 * 4
+    _check_contiguous(quant, (600, 100, 550), align)
+
+
+def _check_contiguous(quant: bool, steps: tuple[int, ...], align: int) -> None:
+    start, e, e_glob, k = 2, 6, 12, 4
+    m_pad = TP.contiguous_rows(max(steps) * k, e, align)
     buf = TP.alloc_padded((m_pad,), H, torch.float8_e4m3fn if quant else torch.bfloat16, DEV, quant)
-    for step, t in enumerate((8, 3, 6)):
+    for step, t in enumerate(steps):
         x = _x(t, 10 + step)
         ids, w = _routing(t, e_glob, k, 10 + step)
         r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=False, alignment=align)

@@ -166,10 +166,11 @@ class DeepGemmOps:
     graph is valid for every call with the same tensors, `expected_m` and SM count.
 
     Contiguous GEMMs take the segments' ends (`psum`, DeepGEMM's "psum layout") where the
-    release offers it, on SM90: its tiles then cover each expert's rows and stop, where with
-    `m_indices` alone the bf16 kernel also computes the tiles past the last segment (the call's
-    worst case holds up to 127 padding rows per expert; about a sixth of Qwen3-30B-A3B's rows
-    at 4096 tokens)."""
+    release offers it, on SM90: its tiles then cover each expert's rows and stop. With
+    `m_indices` alone its tiles cover the call's whole row bound, which holds up to 127 padding
+    rows per expert: the bf16 kernel computes the tiles past the last segment and the fp8 kernel
+    loads them (6-15% of a bf16 layer's time, 8% of Qwen3-30B-A3B's fp8 layer at 4096 tokens,
+    on an H100: docs/device-runs/2026-11-25-session32)."""
 
     # Pass the segments' ends to DeepGEMM's contiguous GEMMs where it takes them (SM90; for A/Bs)
     psum_layout: ClassVar[bool] = True

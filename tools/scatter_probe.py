@@ -18,30 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
-
-
-def graph_us(fn, reps: int = 20, calls: int = 10) -> float:  # noqa: ANN001
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(times)
+from scatter_scale_probe import graph_us  # tools/ is this script's directory
 
 
 def main() -> None:
@@ -84,7 +63,7 @@ def main() -> None:
                     n_slot = bound.scalars[4]
                     variants["contiguous-slots"] = dataclasses.replace(bound, grid=(n_slot,))
                 for vname, b in variants.items():
-                    us = graph_us(lambda b=b, x=x, ids=ids, w=w: b(x, ids, w))
+                    us = graph_us(lambda b=b, x=x, ids=ids, w=w: b(x, ids, w), reps=10, rounds=20)
                     rule = f"grid {b.grid[0]}, TOKEN_ROWS={b.kw['TOKEN_ROWS']}"
                     print(f"{a.shape} {q} T={t} {vname:22s} {us:8.1f} us  ({rule})")
                 tp.release_workspaces(dev)

@@ -220,12 +220,17 @@ class CaseBuilder:
         for quant in claimed[:2]:
             cases.extend(self.cases_for("pairs", "numeric", "silu", base, quant, per_layout=None, tokens=9))
         # padding rows ------------------------------------------------------------------------
+        wide = base.with_(**features["wide_512"])
         for quant in claimed:
             # With biases, computing a padding row would make it non-zero; backends without
-            # bias support are checked without (then only leaks into the output show).
+            # bias support are checked without (then only leaks into the output show). Experts
+            # that decline the base shape (DeepGEMM's FP8 GEMMs want K in multiples of 128) are
+            # checked at the wide one.
             for name, cfg in (
                 ("bias_rows", base.with_(has_w13_bias=True, has_w2_bias=True, top_k=1)),
                 ("plain_rows", base.with_(top_k=1)),
+                ("bias_rows_512", wide.with_(has_w13_bias=True, has_w2_bias=True, top_k=1)),
+                ("plain_rows_512", wide.with_(top_k=1)),
             ):
                 found = list(self.cases_for("padding", "padding", name, cfg, quant, tokens=5))
                 cases.extend(found)

@@ -84,7 +84,7 @@ class _WholeSegments(ReferenceDispatcher):
 def _plugin(name, experts, dispatcher=None):
     ns = types.SimpleNamespace()
     ns.moehal_backend_info = moehal.hookimpl(lambda: BackendInfo(name, "9.9", "throwaway"))
-    ns.moehal_experts = moehal.hookimpl(lambda: [experts])
+    ns.moehal_experts = moehal.hookimpl(lambda: experts if isinstance(experts, list) else [experts])
     if dispatcher is not None:
         ns.moehal_dispatchers = moehal.hookimpl(lambda: [dispatcher])
     return ns
@@ -138,6 +138,38 @@ def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():
     suite = _suite("segments", _Experts(), _WholeSegments())
     assert padding_statuses(suite) == {"contiguous": {"fail"}, "masked": {"pass"}}
     assert all("row_expert marks" in r.detail for r in suite.results if r.layout == "contiguous")
+
+
+def test_experts_declining_the_base_shape_get_padding_cases_at_the_wide_one():
+    """As on `cuda`: token-major experts claim the base shape, while the grouped-layout experts
+    decline its intermediate size of 64 (DeepGEMM's FP8 GEMMs want K in multiples of 128)."""
+    from moehal.capability import accept, decline
+
+    class _TokenMajor(ReferenceExperts):
+        name = "tokens"
+        priority = 40
+
+        def input_formats(self, req):
+            return [f for f in super().input_formats(req) if f.layout_name == "standard"]
+
+    class _KMultipleOf128(ReferenceExperts):
+        name = "k128"
+        priority = 30
+
+        def input_formats(self, req):
+            return [f for f in super().input_formats(req) if f.layout_name != "standard"]
+
+        def check_shape(self, req):
+            if req.config.intermediate_size % 128:
+                return decline(f"intermediate_size={req.config.intermediate_size} is not a multiple of 128", "shape")
+            return accept(predicate="shape")
+
+    suite = _suite("k128", [_TokenMajor(), _KMultipleOf128()])
+    padding = [c for c in suite.cases() if c.check == "padding" and c.pipeline is not None]
+    assert padding and all("/bias_rows_512/" in c.id for c in padding), [c.id for c in padding]
+    assert {c.config.intermediate_size for c in padding} == {512}
+    suite.run(padding)
+    assert {r.status for r in suite.results} == {"pass"}
 
 
 def test_a_backend_claiming_nothing_gets_declines_with_reasons():

@@ -951,8 +951,11 @@ def bind_permute(
         n_split = 1
         n_row = cdiv(num_rows, block_r)
     slot_rows = scratch("permute.slot_row", (max(s, 1),), torch.int32, out.device) if keep else None
+    # the positions pass (none where the scatter's programs find positions themselves); for a
+    # contiguous layout it also writes the segment starts where the batch takes several chunks
+    positions = None if fused_pos else bind_positions(s, e, expert_start, 0 if masked else max(alignment, 1))
     return BoundPermute(
-        s, e, expert_start, masked, fused_pos, kept, dest, num_rows, slot_rows,
+        s, e, expert_start, masked, fused_pos, kept, dest, num_rows, slot_rows, positions,
         (n_slot + n_row,) if n_slot + n_row > 0 else None,
         (out, so_e, so_m, sc, ss_e, ss_m, ss_g, static_scale if static_scale is not None else sc),
         (s, num_rows, max_m, expert_start, n_slot, n_hc, h),
@@ -964,9 +967,7 @@ def bind_permute(
             BLOCK_H=block_h, H_SPAN=h_span, STEP=step, num_warps=tile.num_warps,
             TOKEN_ROWS=tile.token_rows and not weight_on_input and top_k & (top_k - 1) == 0 and block_s % top_k == 0,
             MARK_PADDING=MARK_PADDING_ROWS,
-            # contiguous batches of several position chunks: the positions pass writes the
-            # segment starts (`bind_positions`' segment_alignment)
-            SEG_GIVEN=not masked and cdiv(s, _position_chunk(s)) > 1,
+            SEG_GIVEN=positions is not None and positions.segments,
             ROW_BLOCKS_IN_SEGMENT=not masked and max(alignment, 1) % block_r == 0,
         ),
     )  # fmt: skip
@@ -988,6 +989,7 @@ class BoundPermute:
     dest: PaddedBuffer
     num_rows: int
     slot_rows: torch.Tensor | None  # process-wide slot rows of a kept bind, else None: one per call
+    positions: BoundPositions | None  # the positions pass; None with fused positions
     grid: tuple[int] | None  # None: nothing to launch
     dest_args: tuple  # out, its strides, scales (or out), their strides, the static scale (or scales)
     scalars: tuple  # slots, rows, max_m, expert_start, slot programs, column chunks, H
@@ -1010,7 +1012,8 @@ class BoundPermute:
             counts = self.kept if self.kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
             slot_pos = slot_row  # not read with FUSED_POS: any int32 tensor will do
         else:
-            slot_pos, counts = self._positions(ids, self.kept, seg_start if self._positions.segments else None)
+            assert self.positions is not None
+            slot_pos, counts = self.positions(ids, self.kept, seg_start if self.positions.segments else None)
         if self.masked:
             re_arg = se_arg = counts  # unused
             state = self.dest.expert_rows
@@ -1028,11 +1031,6 @@ class BoundPermute:
     @functools.cached_property
     def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
         return site(_scatter_rows, self.grid or (0,), **self.kw)
-
-    @functools.cached_property
-    def _positions(self) -> BoundPositions:
-        align = 0 if self.masked else self.kw["ALIGN"]  # contiguous: the segment starts too
-        return bind_positions(self.slots, self.experts, self.expert_start, align)
 
 
 def combine(

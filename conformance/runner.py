@@ -169,7 +169,9 @@ class CaseRunner:
         layer = self._layer(case)
         layer.load_weights(prob.weights.to(self.device))
         d = self.device
-        stages = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d))
+        # The main format's padding, whatever the batch size: a pipeline whose small-batch
+        # format (token-major, no padding rows) takes this many tokens is still checked here.
+        stages = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d), path="main")
         disp, y = stages["adapted"], stages["expert_out"]
         if isinstance(disp, MaskedInput) and isinstance(y, MaskedOutput):
             pad = torch.arange(y.hidden.shape[1], device=d)[None, :] >= disp.masked_m[:, None]

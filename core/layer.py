@@ -7,7 +7,7 @@ no search, and no host sync unless input validation with value checks is on).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from moehal.config import MoEConfig
@@ -296,9 +296,21 @@ class MoELayer(torch.nn.Module):
         y = self._experts.apply_into(dispatched, out) if disp.tokens_in_place else self._experts.apply(dispatched)
         return disp.combine_into(y, handle, out)
 
-    def trace(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> dict[str, Any]:
+    def trace(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        path: Literal["auto", "main", "small"] = "auto",
+    ) -> dict[str, Any]:
         """Run a modular pipeline stage by stage and return every intermediate
-        (`dispatched`, `adapted`, `expert_out`, `out`): for debugging and conformance."""
+        (`dispatched`, `adapted`, `expert_out`, `out`): for debugging and conformance.
+
+        path: "auto" takes the branch a forward of this many tokens takes; "main" the
+        pipeline's main format (`plan.pipeline.fmt`) and "small" its small-batch format
+        (`plan.pipeline.small`) whatever the batch size, so a check of one format's contract
+        (conformance's padding rows, say) is not sent to the other by the batch size."""
         if self._dispatch is None or self._experts is None:
             raise InputError(f"{self.plan.pipeline.name} is fused: it has no stages to trace")
         if not self._processed:
@@ -307,7 +319,14 @@ class MoELayer(torch.nn.Module):
         self._check_hidden(hidden_states)
         self._check_topk(topk_ids, topk_weights, hidden_states)
         t = hidden_states.shape[0]
-        small = t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi
+        if path == "auto":
+            small = t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi
+        elif path in ("main", "small"):
+            small = path == "small"
+            if small and self._small_dispatch is None:
+                raise InputError(f"{self.plan.pipeline.name} has no small-batch format to trace")
+        else:
+            raise InputError(f"path must be 'auto', 'main' or 'small', got {path!r}")
         disp = self._small_dispatch if small else self._dispatch
         assert disp is not None
         dispatched, handle = disp.dispatch(hidden_states, topk)

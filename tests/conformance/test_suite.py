@@ -172,6 +172,30 @@ def test_experts_declining_the_base_shape_get_padding_cases_at_the_wide_one():
     assert {r.status for r in suite.results} == {"pass"}
 
 
+def test_padding_cases_check_the_main_format_when_a_small_format_takes_their_batch():
+    """As `cuda`'s fp8_tensor layers at the wide shape: token-major input up to 128 tokens, so
+    the padding case's 5 tokens would go token-major, which has no padding rows to check."""
+    from moehal.formats import ActivationFormat, Layout, SmallBatchFormat
+
+    class _SmallToo(ReferenceExperts):
+        name = "smalltoo"
+        priority = 40
+
+        def input_formats(self, req):
+            return [f for f in super().input_formats(req) if f.layout_name in ("masked", "contiguous")]
+
+        def small_batch_format(self, req):
+            return SmallBatchFormat(ActivationFormat(Layout.STANDARD, req.config.dtype), 128, "test")
+
+    suite = _suite("smalltoo", _SmallToo())
+    padding = [c for c in suite.cases() if c.check == "padding" and c.pipeline is not None]
+    with_small = [c for c in padding if c.pipeline.small is not None]
+    assert with_small and all(c.config.top_k == 1 for c in padding)
+    suite.run(padding)
+    assert {r.status for r in suite.results} == {"pass"}, [(r.id, r.detail) for r in suite.results]
+    assert all(r.detail.startswith("padding rows zero") for r in suite.results)
+
+
 def test_a_backend_claiming_nothing_gets_declines_with_reasons():
     suite = _suite("picky", _ClaimsNothing())
     suite.run()

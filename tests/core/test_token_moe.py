@@ -257,6 +257,25 @@ def test_small_batches_take_the_small_format_and_larger_ones_the_main():
     assert masked.plan.pipeline.small is None
 
 
+def test_trace_takes_the_format_it_is_asked_for():
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens=16)
+    layer = moehal.MoELayer(cfg, "bf16", device="cpu", registry=_registry(ReferenceDispatcher()))
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 5)
+    layer.load_weights(weights)
+    for t, path, want in ((1, "main", "MaskedInput"), (5, "small", "StandardInput"), (1, "auto", "StandardInput")):
+        stages = layer.trace(x[:t], ids[:t], wts[:t], path=path)
+        assert type(stages["dispatched"]).__name__ == want, (t, path)
+        ref, _ = _reference(cfg, weights, x[:t], ids[:t], wts[:t])
+        assert torch.allclose(stages["out"].float(), ref.float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(moehal.InputError, match="path must be"):
+        layer.trace(x, ids, wts, path="small-batch")
+    plain = moehal.MoELayer(cfg, "bf16", device="cpu")  # the reference: no small-batch format
+    plain.load_weights(weights)
+    with pytest.raises(moehal.InputError, match="no small-batch format"):
+        plain.trace(x, ids, wts, path="small")
+    assert plain.trace(x, ids, wts, path="main")["out"].shape == x.shape
+
+
 def test_a_dispatcher_that_cannot_produce_the_small_format_says_why():
     cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens=16)
     reg = _registry(MaskedOnlyDispatcher())

@@ -82,6 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report:
         js, md = report.write(suite, args.report)
         console.print(f"reports: {md} {js}", markup=False)
+    if suite.lost_in:
+        lost = next(r for r in suite.results if r.id == suite.lost_in)
+        console.print(lost.traceback, markup=False, highlight=False)
+        console.print(
+            f"[red]the device's context was lost[/red] in {lost.id}; {counts['not run']} case(s) after it did not run",
+            markup=True,
+        )
     if counts[FAIL]:
         console.print(f"[red]FAIL[/red]: {counts[FAIL]} case(s) failed")
         return 1

@@ -29,7 +29,8 @@ def to_dict(suite: Suite) -> dict[str, Any]:
                 "mode": r.mode,
                 "label": r.label,
                 "detail": r.detail,
-                "metrics": {k: v for k, v in r.metrics.items() if k != "traceback"},
+                "metrics": r.metrics,
+                **({"traceback": r.traceback} if r.traceback else {}),
             }
             for r in suite.results
         ],
@@ -70,6 +71,15 @@ def to_markdown(suite: Suite) -> str:
         f"**Verdict: {verdict}**: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[DECLINED]} declined, "
         f"{counts[NOT_RUN]} not run.",
         "",
+    ]
+    if suite.lost_in:
+        lines += [
+            f"**The device's context was lost** in `{suite.lost_in}` ({suite.lost_error}). A process cannot "
+            "recover from a kernel fault, so the cases after it did not run: the JSON report holds the "
+            "failure's traceback.",
+            "",
+        ]
+    lines += [
         "| | |",
         "|---|---|",
         f"| backend | `{meta['backend']}` (plugin {meta['plugin_version']}, {meta['plugin_distribution']}) |",

@@ -33,6 +33,7 @@ class CaseResult:
     mode: str = "native"  # native | emulated | interpreted
     detail: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    traceback: str = ""  # a failure's, for the JSON report
 
     @property
     def label(self) -> str:
@@ -41,6 +42,20 @@ class CaseResult:
         if self.status in (DECLINED, NOT_RUN):
             return f"{self.status}: {self.detail}"
         return self.status
+
+
+def context_lost(device: torch.device) -> str | None:
+    """Why `device` can no longer run work in this process, or None. A fault in a kernel (an
+    illegal address or instruction, a trap) leaves a CUDA context unusable: every later call
+    raises the same error, so the cases after it would fail for a reason that is not theirs."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception as exc:  # noqa: BLE001 - any error here means the context is gone
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return None
 
 
 @dataclass
@@ -137,10 +152,14 @@ class CaseRunner:
                 BuildRequest(case.config, case.quant, detect(self.device), self.registry.settings)
             )
             getattr(self, f"_check_{case.check}")(case, res)
+            if self.device.type == "cuda":
+                # Kernels fault asynchronously: a fault shows at the next synchronizing call, which
+                # may be a later case's. Waiting here pins it on the case that launched it.
+                torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - any exception in a claimed case is a failure
             res.status = FAIL
             res.detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            res.metrics["traceback"] = traceback.format_exc()[-2000:]  # type: ignore[assignment]
+            res.traceback = traceback.format_exc()[-4000:]
         return res
 
     # Checks -------------------------------------------------------------------------------

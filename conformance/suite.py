@@ -15,7 +15,7 @@ from moehal.interfaces import BuildRequest
 from moehal.plugins import Registry
 from moehal.settings import Settings
 from moehal_conformance.cases import BASE, BF16, Case, CaseBuilder
-from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult, CaseRunner
+from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult, CaseRunner, context_lost
 
 SUITE_VERSION = "0.1.0"
 
@@ -45,6 +45,8 @@ class Suite:
     profile: str = "full"
     results: list[CaseResult] = field(default_factory=list)
     interrupted: bool = False
+    lost_in: str = ""  # the case whose fault left the device unusable ...
+    lost_error: str = ""  # ... and the error every later call would raise
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     @classmethod
@@ -69,23 +71,20 @@ class Suite:
                 r = runner.run(case)
             except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit): keep what ran, say what did not
                 self.interrupted = True
-                for rest in todo[n:]:
-                    self.results.append(
-                        CaseResult(
-                            rest.id,
-                            rest.family,
-                            rest.check,
-                            rest.quant.name,
-                            rest.layout,
-                            "-",
-                            NOT_RUN,
-                            detail="the run was interrupted before this case",
-                        )
-                    )
+                self._not_run(todo[n:], "the run was interrupted before this case")
                 return
             self.results.append(r)
             if on_result is not None:
                 on_result(r)
+            if r.status == FAIL and (why := context_lost(self.device)):
+                # Every later case would fail with this error, not its own: stop, and say so.
+                self.lost_in, self.lost_error = r.id, why
+                self._not_run(todo[n + 1 :], f"the device's context was lost in {r.id}")
+                return
+
+    def _not_run(self, cases: list[Case], why: str) -> None:
+        for c in cases:
+            self.results.append(CaseResult(c.id, c.family, c.check, c.quant.name, c.layout, "-", NOT_RUN, detail=why))
 
     def run_ep(self, world: int = 2, dispatcher: str | None = None, timeout_s: float = 240.0) -> None:
         """The expert-parallel cases: `world` local processes (gloo), each running the backend's
@@ -175,6 +174,7 @@ class Suite:
             "date": self.started,
             "profile": self.profile,
             "interrupted": self.interrupted,
+            "lost_context": {"case": self.lost_in, "error": self.lost_error} if self.lost_in else None,
             "hardware": {
                 "kind": hw.kind,
                 "device": str(hw.device),

@@ -223,3 +223,59 @@ def test_reference_passes_and_reports_are_readable(tmp_path, capsys):
 def test_best_backend_on_a_bare_cpu_is_the_reference():
     # Emulated or interpreted paths (NPU emulation, TRITON_INTERPRET=1) never count as best.
     assert Suite.create("best", "cpu").backend == "reference"
+
+
+class _FaultsOnGeluRunner(ReferenceExpertsRunner):
+    def apply(self, inp):
+        if self.config.activation is moehal.Activation.GELU:
+            raise RuntimeError("CUDA error: an illegal instruction was encountered")
+        return super().apply(inp)
+
+
+class _FaultsOnGelu(ReferenceExperts):
+    name = "faulty"
+    priority = 40
+    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+
+    def build(self, req, fmt):
+        return _FaultsOnGeluRunner(req, fmt)
+
+
+def test_a_lost_device_context_stops_the_run_and_names_the_case(monkeypatch, tmp_path):
+    """After a kernel fault every call in the process raises the same error: the cases after
+    it must say they did not run, not fail for a reason that is not theirs (session 33: one
+    fault on an H200 turned into 100 failed cases)."""
+    import moehal_conformance.suite as suite_mod
+
+    lost = []
+    monkeypatch.setattr(suite_mod, "context_lost", lambda device: "AcceleratorError: context gone" if lost else None)
+    suite = _suite("faulty", _FaultsOnGelu())
+    cases = [c for c in suite.cases() if c.family == "matrix"]
+    first_gelu = next(n for n, c in enumerate(cases) if "/gelu/" in c.id)
+    lost.append(True)  # from now on the probe reports the context gone; only a failure asks it
+    suite.run(cases)
+    assert [r.status for r in suite.results[:first_gelu]] == ["pass"] * first_gelu
+    failed = suite.results[first_gelu]
+    assert failed.status == "fail" and "illegal instruction" in failed.detail
+    assert "RuntimeError" in failed.traceback and "_FaultsOnGeluRunner" not in failed.detail
+    rest = suite.results[first_gelu + 1 :]
+    assert len(suite.results) == len(cases) and rest
+    assert all(r.status == "not run" and r.detail == f"the device's context was lost in {failed.id}" for r in rest)
+    assert suite.lost_in == failed.id and not suite.ok
+    js, md = report.write(suite, tmp_path / "faulty")
+    data = json.loads(js.read_text())
+    assert data["lost_context"] == {"case": failed.id, "error": "AcceleratorError: context gone"}
+    assert "illegal instruction" in data["cases"][first_gelu]["traceback"]
+    assert all("traceback" not in c for c in data["cases"][:first_gelu])  # passing cases carry none
+    text = md.read_text()
+    assert "**Verdict: FAIL**" in text and f"**The device's context was lost** in `{failed.id}`" in text
+
+
+def test_a_failure_that_leaves_the_device_usable_does_not_stop_the_run(tmp_path):
+    suite = _suite("faulty", _FaultsOnGelu())  # on the CPU, context_lost is never the cause
+    cases = [c for c in suite.cases() if c.family == "matrix"]
+    suite.run(cases)
+    assert len(suite.results) == len(cases) and "not run" not in {r.status for r in suite.results}
+    failed = {r.id for r in suite.results if r.status == "fail"}
+    assert failed == {c.id for c in cases if "/gelu/" in c.id} and not suite.lost_in
+    assert "context was lost" not in report.to_markdown(suite)

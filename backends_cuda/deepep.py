@@ -242,7 +242,7 @@ class DeepEPNormalRunner(DispatchRunner):
             num_tokens_per_expert=per_expert,
         )
         n = recv_x.shape[0]  # received tokens; ids already local (-1: another rank's expert)
-        rows = tp.contiguous_rows(max(n, 1) * c.top_k, c.num_local_experts, self.fmt.row_alignment)
+        rows = tp.contiguous_rows(n * c.top_k, c.num_local_experts, self.fmt.row_alignment)  # none if n == 0
         # n changes at every call: this call's rows of one buffer sized for the worst case
         # (every rank's max_tokens), not a persistent buffer per received count
         dest = tp.contiguous_workspace(

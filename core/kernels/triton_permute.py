@@ -526,6 +526,8 @@ def contiguous_rows(num_slots: int, num_local_experts: int, alignment: int) -> i
     """Static worst-case rows of the contiguous layout. At most min(E, S) experts receive
     slots, so only those can waste up to alignment-1 padding rows each (a tighter static bound
     than `moehal.permute.contiguous_rows`, same layout)."""
+    if num_slots == 0:  # no rows: experts return at once, and DeepGEMM is not called with nothing to do
+        return 0
     busy = min(num_local_experts, num_slots)
     return max(round_up(num_slots + busy * (alignment - 1), alignment), alignment)
 
@@ -803,7 +805,10 @@ def bind_positions(
     aligned to that many rows (`BoundPositions.segments`)."""
     s = num_slots
     chunk = _position_chunk(s)
-    n_chunks = cdiv(s, chunk)
+    # At least one chunk: with no slots, each expert's program still writes its count, 0. A grid
+    # of no programs left `counts` as torch.empty found it, and a contiguous layout built on that
+    # garbage sent DeepGEMM to an illegal instruction (docs/device-runs/2026-11-25-session33).
+    n_chunks = max(1, cdiv(s, chunk))
     kw = dict(CHUNK=chunk)
     seg_align = segment_alignment if n_chunks > 1 else 0  # one chunk: no counts pass to read
     return BoundPositions(
@@ -1007,7 +1012,8 @@ class BoundPermute:
         row_expert = seg_start = None
         if not self.masked:
             row_expert = torch.empty(self.num_rows, dtype=torch.int32, device=dev)
-            seg_start = torch.empty(e, dtype=torch.int32, device=dev)
+            # no rows (no slots): no scatter program writes the segment starts, which are all 0
+            seg_start = (torch.empty if self.grid else torch.zeros)(e, dtype=torch.int32, device=dev)
         if self.fused_pos:  # the scatter kernel's programs compare the slot ids themselves
             counts = self.kept if self.kept is not None else torch.empty(e, dtype=torch.int32, device=dev)
             slot_pos = slot_row  # not read with FUSED_POS: any int32 tensor will do

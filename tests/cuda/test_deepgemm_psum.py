@@ -112,6 +112,33 @@ def test_contiguous_gemms_on_segment_ends_match_the_reference(psum_layout, monke
     assert set(dg.calls) == {"psum" if psum_layout else "m_indices"}
 
 
+def test_a_batch_without_tokens_calls_no_gemm(monkeypatch):
+    """No slots, no rows: the runner returns at once. (Before, 0 tokens made 128 rows of padding
+    whose segment ends came from uninitialized counts, and DeepGEMM, reading them, died of an
+    illegal instruction on an H200: docs/device-runs/2026-11-25-session33.)"""
+    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160)
+    quant = QuantScheme.parse("bf16")
+    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
+    dg = _DeepGemm()
+    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
+    g = torch.Generator().manual_seed(4)
+    w13, w2 = torch.randn(8, cfg.w13_rows, 256, generator=g), torch.randn(8, 256, 128, generator=g)
+    ex.load(quantize_weights(cfg, quant, w13, w2).to(DEV))
+    disp = CudaPermuteDispatcher().build(req, fmt)
+    for t in (0, 5, 0):
+        x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
+        ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(t)] or [torch.zeros(0, 3)]).int()
+        inp, handle = disp.dispatch(x, TopK(ids.view(t, 3).to(DEV), torch.rand(t, 3, generator=g).to(DEV)))
+        calls = len(dg.calls)
+        y = disp.combine(ex.apply(inp), handle)
+        assert y.shape == (t, 256)
+        if t == 0:
+            assert inp.hidden.shape[0] == 0 and len(dg.calls) == calls
+            assert inp.counts.tolist() == [0] * 8 and inp.segment_start.tolist() == [0] * 8
+        else:
+            assert len(dg.calls) == calls + 2
+
+
 def test_releases_without_the_psum_layout_and_sm100_keep_m_indices(monkeypatch):
     older = _OlderDeepGemm()
     monkeypatch.setattr(dge, "import_deep_gemm", lambda: older)

@@ -321,6 +321,25 @@ def test_positions_over_several_chunks(monkeypatch, masked):
         assert torch.equal(r.hidden.cpu(), ref)
 
 
+def test_no_slots_count_zero_for_every_expert():
+    """A grid of no programs would leave the counts as allocated: garbage, which a contiguous
+    layout turned into segment ends past its rows (an illegal instruction in DeepGEMM on an
+    H200, docs/device-runs/2026-11-25-session33). The positions pass runs one chunk at least."""
+    poisoned = torch.full((6,), 7, dtype=torch.int32, device=DEV)
+    _, counts = TP.expert_positions(torch.zeros(0, dtype=torch.int32, device=DEV), 6, counts=poisoned)
+    assert counts is poisoned and counts.tolist() == [0] * 6
+    for masked in (False, True):  # masked: the scatter's own count programs (fused positions)
+        lead = (6, 64) if masked else (TP.contiguous_rows(0, 6, 8),)
+        buf = TP.alloc_padded(lead, H, torch.bfloat16, DEV, False)
+        r = TP.permute(
+            _x(0, 1), torch.zeros(0, 2, dtype=torch.int32, device=DEV), None, buf,
+            expert_start=0, num_local_experts=6, masked=masked, alignment=8,
+        )  # fmt: skip
+        assert r.counts.tolist() == [0] * 6 and r.slot_row.numel() == 0
+        if not masked:
+            assert r.hidden.shape[0] == 0 and r.row_expert.numel() == 0 and r.segment_start.tolist() == [0] * 6
+
+
 def test_contiguous_buffers_are_sized_per_call_within_one_allocation():
     """A contiguous workspace hands each call its own rows of one persistent buffer: the
     GEMMs see this call's M (DeepGEMM computes every row it gets), the memory and the

@@ -26,13 +26,18 @@ class _WrongForGeluRunner(ReferenceExpertsRunner):
         return out
 
 
-class _WrongExperts(ReferenceExperts):
-    name = "buggy"
-    priority = 40
-    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+def _bf16_experts(name, runner_cls):
+    """The reference experts under `name`, bf16 only, running `runner_cls`."""
 
-    def build(self, req, fmt):
-        return _WrongForGeluRunner(req, fmt)
+    class _Experts(ReferenceExperts):
+        priority = 40
+        quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+
+        def build(self, req, fmt):
+            return runner_cls(req, fmt)
+
+    _Experts.name = name
+    return _Experts()
 
 
 class _WrongIntoOutRunner(ReferenceExpertsRunner):
@@ -40,15 +45,6 @@ class _WrongIntoOutRunner(ReferenceExpertsRunner):
 
     def apply_into(self, inp, out):
         return dataclasses.replace(self.apply(inp), hidden=self.apply(inp).hidden + 1)
-
-
-class _WrongIntoOut(ReferenceExperts):
-    name = "wrongout"
-    priority = 40
-    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
-
-    def build(self, req, fmt):
-        return _WrongIntoOutRunner(req, fmt)
 
 
 class _ClaimsNothing(ReferenceExperts):
@@ -98,7 +94,7 @@ def _suite(name, experts, dispatcher=None):
 
 
 def test_wrong_numbers_in_one_claimed_case_fail_the_suite():
-    suite = _suite("buggy", _WrongExperts())
+    suite = _suite("buggy", _bf16_experts("buggy", _WrongForGeluRunner))
     suite.run([c for c in suite.cases() if c.family == "matrix"])
     failed = {r.id for r in suite.results if r.status == "fail"}
     assert failed and all("/gelu/" in f for f in failed), failed
@@ -108,7 +104,7 @@ def test_wrong_numbers_in_one_claimed_case_fail_the_suite():
 
 
 def test_experts_wrong_only_into_out_fail_the_out_buffer_check():
-    suite = _suite("wrongout", _WrongIntoOut())
+    suite = _suite("wrongout", _bf16_experts("wrongout", _WrongIntoOutRunner))
     suite.run([c for c in suite.cases() if c.check in ("out_buffer", "numeric")])
     failed = [r for r in suite.results if r.status == "fail"]
     assert failed and all(r.check == "out_buffer" for r in failed), [r.id for r in failed]
@@ -232,15 +228,6 @@ class _FaultsOnGeluRunner(ReferenceExpertsRunner):
         return super().apply(inp)
 
 
-class _FaultsOnGelu(ReferenceExperts):
-    name = "faulty"
-    priority = 40
-    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
-
-    def build(self, req, fmt):
-        return _FaultsOnGeluRunner(req, fmt)
-
-
 def test_a_lost_device_context_stops_the_run_and_names_the_case(monkeypatch, tmp_path):
     """After a kernel fault every call in the process raises the same error: the cases after
     it must say they did not run, not fail for a reason that is not theirs (session 33: one
@@ -249,7 +236,7 @@ def test_a_lost_device_context_stops_the_run_and_names_the_case(monkeypatch, tmp
 
     lost = []
     monkeypatch.setattr(suite_mod, "context_lost", lambda device: "AcceleratorError: context gone" if lost else None)
-    suite = _suite("faulty", _FaultsOnGelu())
+    suite = _suite("faulty", _bf16_experts("faulty", _FaultsOnGeluRunner))
     cases = [c for c in suite.cases() if c.family == "matrix"]
     first_gelu = next(n for n, c in enumerate(cases) if "/gelu/" in c.id)
     lost.append(True)  # from now on the probe reports the context gone; only a failure asks it
@@ -272,7 +259,8 @@ def test_a_lost_device_context_stops_the_run_and_names_the_case(monkeypatch, tmp
 
 
 def test_a_failure_that_leaves_the_device_usable_does_not_stop_the_run(tmp_path):
-    suite = _suite("faulty", _FaultsOnGelu())  # on the CPU, context_lost is never the cause
+    # on the CPU, context_lost is never the cause
+    suite = _suite("faulty", _bf16_experts("faulty", _FaultsOnGeluRunner))
     cases = [c for c in suite.cases() if c.family == "matrix"]
     suite.run(cases)
     assert len(suite.results) == len(cases) and "not run" not in {r.status for r in suite.results}

@@ -150,7 +150,9 @@ class ContiguousInput:
     tell live rows by `row_expert >= 0`. counts int32 `[E_local]` valid rows per expert;
     segment_start int32 `[E_local]` first row of each expert.
     M_pad is a static worst case (T*K + E_local*(alignment-1), rounded up), never read
-    back to the host. Padding rows hold zeros."""
+    back to the host. Padding rows hold zeros. Where the dispatcher knows on the host that a
+    batch has no slots (0 tokens, an EP rank that received none), M_pad should be 0: experts
+    then return at once, and DeepGEMM is never handed segments that are all empty."""
 
     hidden: torch.Tensor
     scales: torch.Tensor | None

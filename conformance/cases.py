@@ -49,7 +49,7 @@ class Case:
     config: MoEConfig
     quant: QuantScheme
     tokens: int = 7
-    pattern: str = "random"  # random | one_expert | few_experts
+    pattern: str = "random"  # random | one_expert | few_experts | other_ranks
     pipeline: Pipeline | None = None
     declined: str | None = None
     seed: int = 0
@@ -204,6 +204,9 @@ class CaseBuilder:
             ("tokens_33", {}, dict(tokens=33)),
             ("one_expert", dict(top_k=1), dict(tokens=9, pattern="one_expert")),
             ("idle_experts", dict(num_experts=16), dict(tokens=3, pattern="few_experts")),
+            # An expert-parallel rank whose batch has tokens but no slot for its experts: a
+            # grouped layout with rows and no segments (the output is all zeros).
+            ("no_local_slots", dict(ep_size=2, ep_rank=1), dict(tokens=9, pattern="other_ranks")),
             ("top_k_1", dict(num_experts=16, top_k=1), {}),
             ("top_k_4", dict(num_experts=16, top_k=4), {}),
             ("top_k_8", dict(num_experts=16, top_k=8), {}),
@@ -212,7 +215,8 @@ class CaseBuilder:
             ("experts_64", dict(num_experts=64, top_k=6), dict(tokens=5)),
         ]
         if self.profile == "quick":
-            shapes = [s for s in shapes if s[0] in {"tokens_0", "tokens_1", "one_expert", "top_k_10", "experts_64"}]
+            quick = {"tokens_0", "tokens_1", "one_expert", "no_local_slots", "top_k_10", "experts_64"}
+            shapes = [s for s in shapes if s[0] in quick]
         for name, change, kw in shapes:
             cases.extend(self.cases_for("shapes", "numeric", name, base.with_(**change), first, **kw))
         # every dispatcher the experts can be paired with (a dispatcher that ignores a format's

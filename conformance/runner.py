@@ -87,6 +87,9 @@ def make_problem(case: Case) -> Problem:
         ids = torch.zeros(t, k, dtype=torch.int32) + torch.arange(k, dtype=torch.int32)
     elif case.pattern == "few_experts":  # only the first k+1 experts receive tokens
         ids = torch.stack([torch.randperm(k + 1, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    elif case.pattern == "other_ranks":  # every slot goes to an expert this rank does not own
+        others = [j for j in range(n) if j not in cfg.local_experts]
+        ids = torch.tensor([[others[j] for j in torch.randperm(len(others), generator=gen)[:k]] for _ in range(t)])
     else:
         ids = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
     wts = torch.rand(t, k, generator=gen) + 0.1

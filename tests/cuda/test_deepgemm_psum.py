@@ -139,6 +139,34 @@ def test_a_batch_without_tokens_calls_no_gemm(monkeypatch):
             assert len(dg.calls) == calls + 2
 
 
+def test_an_ep_rank_without_local_slots_gets_rows_and_no_segments(monkeypatch):
+    """An expert-parallel rank whose batch routes every slot to other ranks: the contiguous
+    layout has rows (sized on the host from the slot count), every row reads -1, every segment
+    is empty, and DeepGEMM gets segment ends that are all 0. No tile is computed, and the
+    output is all zeros (conformance's `shapes/.../no_local_slots` runs this on the GPU)."""
+    cfg = MoEConfig(num_experts=16, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160,
+                    ep_size=2, ep_rank=1)  # fmt: skip
+    quant = QuantScheme.parse("bf16")
+    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
+    dg = _DeepGemm()
+    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = torch.randn(8, cfg.w13_rows, 256, generator=g), torch.randn(8, 256, 128, generator=g)
+    ex.load(quantize_weights(cfg, quant, w13, w2).to(DEV))
+    disp = CudaPermuteDispatcher().build(req, fmt)
+    t = 9
+    x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(t)]).int().to(DEV)  # rank 0's experts
+    inp, handle = disp.dispatch(x, TopK(ids, (torch.rand(t, 3, generator=g) + 0.1).to(DEV)))
+    assert inp.hidden.shape[0] > 0
+    assert inp.counts.tolist() == [0] * 8 and inp.segment_start.tolist() == [0] * 8
+    assert inp.row_expert.tolist() == [-1] * inp.hidden.shape[0]
+    tiles = dg.tiles
+    y = disp.combine(ex.apply(inp), handle)
+    assert dg.calls[-2:] == ["psum", "psum"] and dg.tiles == tiles
+    assert torch.equal(y.cpu(), torch.zeros(t, 256, dtype=torch.bfloat16))
+
+
 def test_releases_without_the_psum_layout_and_sm100_keep_m_indices(monkeypatch):
     older = _OlderDeepGemm()
     monkeypatch.setattr(dge, "import_deep_gemm", lambda: older)

@@ -3,8 +3,8 @@
 The contiguous layout then has rows (sized on the host from the slot count) and no segments,
 so DeepGEMM's psum path gets segment ends that are all 0. Conformance's
 `shapes/bf16/no_local_slots` runs this at its small base shape, where DeepGEMM's FP8 GEMMs
-decline. This runs the bf16 and fp8 layers of a Qwen3-like slice, built for `--max-tokens` so
-that they take the contiguous layout: each call with no local slot must return zeros, and a
+decline. This runs the bf16 and fp8 layers of a Qwen3-like slice, restricted to the contiguous
+layout: each call with no local slot must return zeros, and a
 call with local slots after them must equal a fresh layer's output bit for bit (no stale rows,
 a live context).
 
@@ -41,7 +41,7 @@ def main() -> None:
     for q in a.quants.split(","):
         quant = QuantScheme.parse(q)
         weights = moehal.quantize_weights(cfg, quant, w13, w2, calibration_input=torch.randn(64, h, device=dev))
-        layer = moehal.MoELayer(cfg, quant, backend="cuda", device=dev, validate=False)
+        layer = moehal.MoELayer(cfg, quant, backend="cuda", device=dev, validate=False, layout="contiguous")
         layer.load_weights(weights)
         runner = layer._experts
         layout = runner.fmt.layout if runner is not None else None
@@ -63,7 +63,7 @@ def main() -> None:
                 nonzero += int(y.count_nonzero().item() != 0 or y_main.count_nonzero().item() != 0)
             ids = torch.rand(t, 32, generator=gen, device=dev).argsort(dim=1)[:, : cfg.top_k]
             got = layer(x, ids.int(), w)
-            fresh = moehal.MoELayer(cfg, quant, backend="cuda", device=dev, validate=False)
+            fresh = moehal.MoELayer(cfg, quant, backend="cuda", device=dev, validate=False, layout="contiguous")
             fresh.load_weights(weights)
             want = fresh(x, ids.int(), w)
             torch.cuda.synchronize()

@@ -152,7 +152,10 @@ class ContiguousInput:
     M_pad is a static worst case (T*K + E_local*(alignment-1), rounded up), never read
     back to the host. Padding rows hold zeros. Where the dispatcher knows on the host that a
     batch has no slots (0 tokens, an EP rank that received none), M_pad should be 0: experts
-    then return at once, and DeepGEMM is never handed segments that are all empty."""
+    then return at once. A batch whose slots all belong to other ranks is known only on the
+    device: it has rows, every one -1, and every segment empty. Experts must return zeros for
+    it without faulting (conformance's `shapes/.../no_local_slots`; DeepGEMM's SM90 psum path
+    does, docs/device-runs/2026-11-25-session34)."""
 
     hidden: torch.Tensor
     scales: torch.Tensor | None

@@ -288,6 +288,36 @@ class CaseRunner:
             " (bitwise)" if exact else ""
         )
 
+    def _check_strided_inputs(self, case: Case, res: CaseResult) -> None:
+        """Inputs as engines may hold them: hidden_states a view of wider rows (row stride past
+        H), topk_ids and topk_weights column-major views (`[T, K]` read from `[K, T]`). The
+        result must match the oracle, and equal the call on contiguous copies bitwise where the
+        pipeline claims determinism. A kernel that indexes its inputs as if they were dense
+        reads the wrong rows here, silently."""
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        d, h = self.device, case.config.hidden_size
+        x, ids, w = (t.to(d) for t in (prob.x, prob.ids, prob.wts))
+        wide = torch.zeros(x.shape[0], h + 64, dtype=x.dtype, device=d)
+        wide[:, :h] = x
+        xs = wide[:, :h]  # row stride h + 64
+        ids_s, w_s = ids.t().contiguous().t(), w.t().contiguous().t()  # strides (1, T)
+        if x.shape[0] > 1 and (xs.is_contiguous() or ids_s.is_contiguous() or w_s.is_contiguous()):
+            raise AssertionError("the strided inputs came out contiguous; the case is mis-built")
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems = []
+        for t in sorted({1, x.shape[0]}):
+            want = layer(x[:t], ids[:t], w[:t])
+            got = layer(xs[:t], ids_s[:t], w_s[:t])
+            if exact and not torch.equal(got, want):
+                problems.append(f"{t} tokens: differs bitwise from the call on contiguous inputs")
+        if problems:
+            res.status, res.detail = FAIL, "; ".join(problems)
+            return
+        self._numeric(case, res, got, prob)
+        res.detail = "strided inputs: " + res.detail + (", bitwise equal to contiguous inputs" if exact else "")
+
     def _check_double_process(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)
         layer = self._layer(case)

@@ -9,7 +9,7 @@ import types
 
 import moehal
 import torch
-from moehal.formats import ContiguousInput
+from moehal.formats import ContiguousInput, StandardInput
 from moehal.interfaces import BackendInfo
 from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
@@ -45,6 +45,17 @@ class _WrongIntoOutRunner(ReferenceExpertsRunner):
 
     def apply_into(self, inp, out):
         return dataclasses.replace(self.apply(inp), hidden=self.apply(inp).hidden + 1)
+
+
+class _DenseReadingRunner(ReferenceExpertsRunner):
+    """Reads token-major input as if it were dense (row stride H), whatever its strides: right
+    for contiguous inputs, wrong rows for a view of wider rows."""
+
+    def apply(self, inp):
+        if isinstance(inp, StandardInput):
+            h = inp.hidden
+            inp = dataclasses.replace(inp, hidden=torch.as_strided(h, h.shape, (h.shape[1], 1)))
+        return super().apply(inp)
 
 
 class _ClaimsNothing(ReferenceExperts):
@@ -111,6 +122,30 @@ def test_experts_wrong_only_into_out_fail_the_out_buffer_check():
     assert all("differs from the call without out" in r.detail for r in failed)
     assert any(r.status == "pass" and r.check == "numeric" for r in suite.results)
     assert not suite.ok
+
+
+def test_experts_that_read_inputs_as_dense_fail_the_strided_inputs_check():
+    suite = _suite("dense", _bf16_experts("dense", _DenseReadingRunner))
+    suite.run([c for c in suite.cases() if c.check in ("strided_inputs", "numeric")])
+    failed = [r for r in suite.results if r.status == "fail"]
+    # token-major experts get the caller's view; grouped layouts get the dispatcher's own buffers
+    assert failed and all(r.check == "strided_inputs" and r.layout == "standard" for r in failed), [
+        (r.id, r.detail) for r in failed
+    ]
+    passed = {(r.check, r.layout) for r in suite.results if r.status == "pass"}
+    assert {("numeric", "standard"), ("strided_inputs", "contiguous")} <= passed, passed
+    assert not suite.ok
+
+
+def test_the_reference_passes_the_strided_inputs_check():
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    suite = Suite("reference", reg, torch.device("cpu"), profile="quick")
+    suite.run([c for c in suite.cases() if c.check == "strided_inputs"])
+    assert {r.layout for r in suite.results} == {"standard", "contiguous", "masked"}
+    assert all(r.status == "pass" and r.detail.startswith("strided inputs: ") for r in suite.results), [
+        (r.id, r.detail) for r in suite.results
+    ]
 
 
 def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():

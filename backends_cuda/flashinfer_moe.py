@@ -450,8 +450,11 @@ class CuteDslStandardRunner(ExpertsRunner):
         assert isinstance(inp, StandardInput) and self.w is not None
         w, c = self.w, self.c
         # the wrapper gathers token rows: their block scales in the linear [T, H/16] layout (only
-        # the weights' scales are swizzled), as FlashInfer's own MoE tests and SGLang quantize
-        x, x_sf = _fi("fp4_quantize")(inp.hidden, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=False)
+        # the weights' scales are swizzled), as FlashInfer's own MoE tests and SGLang quantize.
+        # fp4_quantize checks that its input is contiguous (CHECK_CONTIGUOUS in its fp4Quantize.cpp);
+        # token-major input is the caller's tensor, which may be a view of wider rows.
+        h = inp.hidden if inp.hidden.is_contiguous() else inp.hidden.contiguous()
+        x, x_sf = _fi("fp4_quantize")(h, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=False)
         # local ids (-1 = remote) -> global ids; remote slots point at a local expert with weight 0
         ids = inp.topk_ids
         valid = ids >= 0

@@ -64,11 +64,13 @@ class FuseEPRunner(FusedRunner):
         assert self.w is not None, "weights not loaded"
         assert topk is not None, "FuseEP takes routed top-k"
         w = self.w
+        # dense operands: fused_deep_moe is a custom op (DeepEP-Ascend) that takes its tensors'
+        # memory as laid out, and the caller's may be views (wider rows, column-major top-k)
         out, _ = self.ops.fused_deep_moe(
             self.buffer,
-            hidden,
-            topk.ids.to(torch.int64),
-            topk.weights.float(),
+            hidden.contiguous(),
+            topk.ids.to(torch.int64).contiguous(),
+            topk.weights.float().contiguous(),
             w.w13,
             w.w13_scale,
             w.w2,

@@ -74,12 +74,14 @@ class AiterExpertsRunner(ExpertsRunner):
         ids = inp.topk_ids
         if self.expert_mask is not None:
             ids = torch.where(ids < 0, torch.full_like(ids, self.e), ids)
+        # dense operands: AITER's kernels take pointers, and its Python layer documents no
+        # strides (the caller's hidden_states may be a view of wider rows, its top-k column-major)
         out = self.fused_moe(
-            inp.hidden,
+            inp.hidden.contiguous(),
             self.w["w13"],
             self.w["w2"],
-            inp.topk_weights.float(),
-            ids.to(torch.int32),
+            inp.topk_weights.float().contiguous(),
+            ids.to(torch.int32).contiguous(),
             expert_mask=self.expert_mask,
             activation=self.activation,
             quant_type=self.quant_type,

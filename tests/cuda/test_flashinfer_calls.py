@@ -71,6 +71,8 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Recorder:
         return fn
 
     def fp4_quantize(x: torch.Tensor, gs: torch.Tensor, sf_vec_size: int = 16, **kw: Any) -> tuple:
+        if not x.is_contiguous():  # CHECK_CONTIGUOUS(self) in its fp4Quantize.cpp
+            raise RuntimeError("fp4_quantize: self must be contiguous")
         t, h = x.shape
         rows = t if not kw.get("is_sf_swizzled_layout", True) else -(-t // 128) * 128
         return torch.zeros(t, h // 2, dtype=torch.uint8), torch.zeros(rows, h // sf_vec_size, dtype=torch.uint8)
@@ -169,9 +171,13 @@ def test_cutedsl_standard_runner_quantizes_activations_with_linear_scales(fake_f
     ids = torch.tensor([[0, 3], [1, -1], [2, 1]], dtype=torch.int32)
     inp = StandardInput(torch.randn(3, 256).bfloat16(), None, ids, torch.rand(3, 2))
     assert runner.apply(inp).hidden.shape == (3, 256)
-    ((_, kw),) = fake_flashinfer.named("fp4_quantize")
+    # the caller's hidden_states may be a view of wider rows (conformance's strided_inputs)
+    wide = torch.randn(3, 320).bfloat16()
+    assert runner.apply(StandardInput(wide[:, :256], None, ids, torch.rand(3, 2))).hidden.shape == (3, 256)
+    (_, kw), (strided, _) = fake_flashinfer.named("fp4_quantize")
+    assert torch.equal(strided[0], wide[:, :256]) and strided[0].is_contiguous()
     assert kw["is_sf_swizzled_layout"] is False and kw["sf_vec_size"] == 16
-    ((args, _),) = fake_flashinfer.named("CuteDslMoEWrapper.run")
+    (args, _), _ = fake_flashinfer.named("CuteDslMoEWrapper.run")
     assert args[1].shape == (3, 256 // 16)  # one scale row per token: the wrapper gathers rows
     assert torch.equal(args[2], torch.tensor([[0, 3], [1, 0], [2, 1]], dtype=torch.int32))  # remote -> local 0
     assert args[3][1, 1] == 0  # ... with weight 0

@@ -71,6 +71,28 @@ def test_fuseep_fused_deep_moe(npu_registry, quant):
     assert err < TOL[quant], err
 
 
+def test_fuseep_hands_fused_deep_moe_dense_operands(npu_registry, monkeypatch):
+    """fused_deep_moe is a custom op (DeepEP-Ascend) that reads its tensors' memory as laid out:
+    the caller's views (rows of a wider buffer, column-major top-k) reach it as dense copies,
+    and the result is what contiguous inputs give."""
+    layer, _ = _compare(FUSE, "w8a8_int8", npu_registry, t=16)
+    runner = layer._fused
+    seen = []
+    real = runner.ops.fused_deep_moe
+
+    def recording(buffer, x, ids, wts, *rest, **kw):
+        seen.append((x.is_contiguous(), ids.is_contiguous(), wts.is_contiguous()))
+        return real(buffer, x, ids, wts, *rest, **kw)
+
+    monkeypatch.setattr(runner.ops, "fused_deep_moe", recording)
+    _, x, ids, wts = make_problem(FUSE, "w8a8_int8", 16)
+    wide = torch.zeros(16, FUSE.hidden_size + 64, dtype=x.dtype)
+    wide[:, : FUSE.hidden_size] = x
+    got = layer(wide[:, : FUSE.hidden_size], ids.t().contiguous().t(), wts.t().contiguous().t())
+    assert torch.equal(got, layer(x, ids, wts))
+    assert seen == [(True, True, True)] * 2
+
+
 def _run_fused(impl, cfg, quant, registry):
     """Build one fused forward directly (as the selection would), with its weight processor."""
     req = BuildRequest(cfg, moehal.QuantScheme.parse(quant), detect("cpu"), registry.settings)

@@ -83,6 +83,21 @@ def test_fused_moe_comes_from_its_submodule(fake_aiter, monkeypatch):
     assert not d.ok and "aiter.fused_moe.fused_moe" in d.reason
 
 
+def test_aiter_gets_dense_operands(fake_aiter):
+    """AITER's kernels take pointers, and its Python layer documents no strides: the caller's
+    views (rows of a wider buffer, column-major top-k) reach it as dense copies."""
+    runner = AiterExperts().build(_req(), ActivationFormat(Layout.STANDARD, torch.bfloat16))
+    runner.load({"w13": torch.zeros(4, 256, 128), "w2": torch.zeros(4, 128, 128), "w13_scale": None, "w2_scale": None})
+    wide = torch.randn(3, 192).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32).t().contiguous().t()
+    wts = torch.rand(2, 3).t()
+    runner.apply(StandardInput(wide[:, :128], None, ids, wts))
+    ((args, _),) = fake_aiter
+    hidden, w, i = args[0], args[3], args[4]
+    assert hidden.is_contiguous() and w.is_contiguous() and i.is_contiguous()
+    assert torch.equal(hidden, wide[:, :128]) and torch.equal(w, wts) and i.tolist() == ids.tolist()
+
+
 def test_no_tokens_skip_the_kernel(fake_aiter):
     runner = AiterExperts().build(_req(), ActivationFormat(Layout.STANDARD, torch.bfloat16))
     runner.load({"w13": None, "w2": None, "w13_scale": None, "w2_scale": None})

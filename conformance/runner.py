@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -317,6 +317,31 @@ class CaseRunner:
             return
         self._numeric(case, res, got, prob)
         res.detail = "strided inputs: " + res.detail + (", bitwise equal to contiguous inputs" if exact else "")
+
+    def _check_input_dtypes(self, case: Case, res: CaseResult) -> None:
+        """The other dtypes the layer accepts: topk_ids int64 (what `torch.topk` returns) and
+        topk_weights in the layer dtype. The result must match the oracle given the same
+        weights, and equal the call with int32 ids and those weights in fp32 bitwise where the
+        pipeline claims determinism (the conversion is exact)."""
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        d, dt = self.device, case.config.dtype
+        x, ids = prob.x.to(d), prob.ids.to(d)
+        w = prob.wts.to(d, dt)  # the router weights as the layer dtype holds them
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems = []
+        for t in sorted({1, x.shape[0]}):
+            want = layer(x[:t], ids[:t], w[:t].float())
+            got = layer(x[:t], ids[:t].long(), w[:t])
+            if exact and not torch.equal(got, want):
+                problems.append(f"{t} tokens: differs bitwise from int32 ids and fp32 weights")
+        if problems:
+            res.status, res.detail = FAIL, "; ".join(problems)
+            return
+        self._numeric(case, res, got, replace(prob, wts=prob.wts.to(dt).float()))
+        tail = ", bitwise equal to int32 ids and fp32 weights" if exact else ""
+        res.detail = f"int64 ids, {str(dt).removeprefix('torch.')} weights: " + res.detail + tail
 
     def _check_double_process(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)

@@ -148,6 +148,62 @@ def test_the_reference_passes_the_strided_inputs_check():
     ]
 
 
+class _Int32IdsRunner(ReferenceExpertsRunner):
+    """Reads token-major ids as int32 whatever their dtype: right for int32 ids, and for int64
+    ids it reinterprets their bytes (low and high words as two ids), as a kernel handed a
+    pointer would."""
+
+    def apply(self, inp):
+        if isinstance(inp, StandardInput) and inp.topk_ids.dtype == torch.int64:
+            t, k = inp.topk_ids.shape
+            inp = dataclasses.replace(
+                inp, topk_ids=inp.topk_ids.contiguous().view(torch.int32).view(-1)[: t * k].view(t, k)
+            )
+        return super().apply(inp)
+
+
+class _PassIdsDispatcher(ReferenceDispatcher):
+    """The reference dispatcher, but token-major ids go to the experts in the caller's dtype."""
+
+    name = "passids"
+    priority = 40
+
+    def build(self, req, fmt):
+        runner = super().build(req, fmt)
+        local = runner.dispatch
+
+        def dispatch(hidden, topk):
+            inp, handle = local(hidden, topk)
+            if isinstance(inp, StandardInput):
+                inp = dataclasses.replace(inp, topk_ids=inp.topk_ids.to(topk.ids.dtype))
+            return inp, handle
+
+        runner.dispatch = dispatch
+        return runner
+
+
+def test_experts_that_take_int64_ids_as_int32_fail_the_input_dtypes_check():
+    suite = _suite("int32ids", _bf16_experts("int32ids", _Int32IdsRunner), _PassIdsDispatcher())
+    suite.run([c for c in suite.cases() if c.check in ("input_dtypes", "numeric")])
+    failed = [r for r in suite.results if r.status == "fail"]
+    assert failed and all(r.check == "input_dtypes" and r.layout == "standard" for r in failed), [
+        (r.id, r.detail) for r in failed
+    ]
+    assert any(r.status == "pass" and r.check == "numeric" and r.layout == "standard" for r in suite.results)
+    assert not suite.ok
+
+
+def test_the_reference_passes_the_input_dtypes_check():
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    suite = Suite("reference", reg, torch.device("cpu"), profile="quick")
+    suite.run([c for c in suite.cases() if c.check == "input_dtypes"])
+    assert {r.layout for r in suite.results} == {"standard", "contiguous", "masked"}
+    assert all(r.status == "pass" and "int64 ids, bfloat16 weights" in r.detail for r in suite.results), [
+        (r.id, r.detail) for r in suite.results
+    ]
+
+
 def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():
     class _Experts(ReferenceExperts):  # the reference's, on segments aligned to 8 rows
         name = "aligned"

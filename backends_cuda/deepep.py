@@ -100,8 +100,10 @@ class DeepEPLowLatencyRunner(DispatchRunner):
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, _LLHandle]:
         c = self.c
-        ids = topk.ids.to(self.idx_dtype)
-        w = topk.weights.float()
+        # DeepEP asserts contiguous x and top-k (dispatch and combine); the caller's may be
+        # views (no copy otherwise)
+        hidden, ids = hidden.contiguous(), topk.ids.to(self.idx_dtype).contiguous()
+        w = topk.weights.float().contiguous()
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
             w = torch.ones_like(w)
@@ -226,8 +228,9 @@ class DeepEPNormalRunner(DispatchRunner):
         from moehal.kernels import triton_permute as tp
 
         c = self.c
-        ids = topk.ids.to(self.idx_dtype)
-        w = topk.weights.float()
+        # DeepEP asserts contiguous x, topk_idx and topk_weights; the caller's may be views
+        hidden, ids = hidden.contiguous(), topk.ids.to(self.idx_dtype).contiguous()
+        w = topk.weights.float().contiguous()
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
             w = torch.ones_like(w)

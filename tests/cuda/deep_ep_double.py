@@ -121,6 +121,7 @@ class Buffer:
     # --- normal mode ---------------------------------------------------------------------------
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, **kwargs: Any) -> tuple:
+        assert topk_idx.dim() == 2 and topk_idx.is_contiguous(), "DeepEP asserts contiguous topk_idx"
         e_loc = num_experts // self.size
         owner = torch.where(topk_idx >= 0, topk_idx // e_loc, -1)
         in_rank = torch.stack([(owner == r).any(1) for r in range(self.size)], dim=1)
@@ -144,6 +145,9 @@ class Buffer:
         assert num_tokens_per_expert is not None
         assert x.dtype == torch.bfloat16, "DeepEP's normal dispatch takes bf16 x (or an fp8 tuple)"
         assert topk_idx.dtype == TOPK_IDX_T, "top-k ids in deep_ep.topk_idx_t"
+        assert x.is_contiguous() and topk_idx.is_contiguous() and topk_weights.is_contiguous(), (
+            "DeepEP asserts contiguous x, topk_idx and topk_weights"
+        )
         e_loc = num_tokens_per_expert.numel() // self.size
         lo = self.rank * e_loc
         posts = self.world.exchange(self.rank, (x, topk_idx, topk_weights, is_token_in_rank))
@@ -191,6 +195,7 @@ class Buffer:
         assert not use_ue8m0, "the double sends fp32 scales only"
         assert x.dtype == torch.bfloat16, "DeepEP's low-latency dispatch asserts bf16 x"
         assert topk_idx.dtype == TOPK_IDX_T, "top-k ids in deep_ep.topk_idx_t"
+        assert x.is_contiguous() and topk_idx.is_contiguous(), "DeepEP asserts contiguous x and topk_idx"
         t_max, e_loc = num_max_dispatch_tokens_per_rank, num_experts // self.size
         assert x.shape[0] <= t_max, "more tokens than num_max_dispatch_tokens_per_rank"
         posts = self.world.exchange(self.rank, (x, topk_idx))
@@ -216,6 +221,7 @@ class Buffer:
     def low_latency_combine(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any, **kwargs: Any
     ) -> tuple:
+        assert topk_idx.is_contiguous() and topk_weights.is_contiguous(), "DeepEP asserts contiguous top-k"
         where, my_tokens = handle
         posts = self.world.exchange(self.rank, (x, where))
         out = torch.zeros(my_tokens, x.shape[-1], dtype=torch.float32, device=x.device)

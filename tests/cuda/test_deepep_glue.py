@@ -49,9 +49,12 @@ def _format(quant: QuantScheme, layout: Layout, alignment: int) -> ActivationFor
     return ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, alignment)
 
 
-def _run(monkeypatch, quant_name: str, mode: str, experts: str, max_tokens: int) -> list[list[tuple]]:
+def _run(
+    monkeypatch, quant_name: str, mode: str, experts: str, max_tokens: int, strided: bool = False
+) -> list[list[tuple]]:
     """Every call on both ranks; per call and rank: (the experts' input, the rank's output), and
-    the oracle's output for all ranks' tokens."""
+    the oracle's output for all ranks' tokens. `strided`: each rank's inputs as views (rows of
+    a wider buffer, column-major top-k), which DeepEP refuses and the dispatchers must copy."""
     monkeypatch.setitem(sys.modules, "deep_ep", module())
     quant = QuantScheme.parse(quant_name)
     gen = torch.Generator().manual_seed(7)
@@ -86,6 +89,10 @@ def _run(monkeypatch, quant_name: str, mode: str, experts: str, max_tokens: int)
         out = []
         for per_rank in batches:
             x, ids, wts = per_rank[r]
+            if strided:
+                wide = torch.zeros(x.shape[0], x.shape[1] + 64, dtype=x.dtype, device=x.device)
+                wide[:, : x.shape[1]] = x
+                x, ids, wts = wide[:, : x.shape[1]], ids.t().contiguous().t(), wts.t().contiguous().t()
             inp, handle = disp.dispatch(x, TopK(ids, wts))
             out.append((inp, disp.combine(ex.apply(inp), handle)))
         return out
@@ -145,6 +152,13 @@ def test_normal_runner_matches_the_oracle_and_keeps_one_buffer(monkeypatch, quan
         tag = f"{2 * SHAPE['intermediate_size']}:{SHAPE['intermediate_size']}:{SHAPE['hidden_size']}"
         rows = {k[1] for k in tp._WORKSPACE if k[0].startswith("dg.") and tag in k[0] and len(k[1]) == 1}
         assert rows == {(cap,)}, f"experts' buffers: {sorted(rows)}"
+
+
+@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+def test_dispatchers_hand_deep_ep_dense_inputs(monkeypatch, mode):
+    """DeepEP asserts that x, topk_idx and topk_weights are contiguous (its `Buffer` checks, as
+    the double does): an engine's views of wider rows and column-major top-k still run."""
+    assert _run(monkeypatch, "bf16", mode, "reference", 32 if mode == "low_latency" else 8, strided=True)
 
 
 def test_contiguous_buffers_past_their_capacity_come_in_powers_of_two():

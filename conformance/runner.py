@@ -144,6 +144,9 @@ class CaseRunner:
         if case.check == "cuda_graph" and self.device.type != "cuda":
             res.status, res.detail = NOT_RUN, f"CUDA graphs need a CUDA device; this run is on {self.device.type}"
             return res
+        if case.check == "side_stream" and self.device.type != "cuda":
+            res.status, res.detail = NOT_RUN, f"CUDA streams need a CUDA device; this run is on {self.device.type}"
+            return res
         if case.check == "cuda_graph" and not p.graph_capturable:
             res.status, res.detail = NOT_RUN, "the pipeline does not claim CUDA-graph capture"
             return res
@@ -256,6 +259,45 @@ class CaseRunner:
         res.status = PASS if (equal or c.ok) else FAIL
         res.detail = "replay equals eager bitwise" if equal else f"replay vs eager: {c.detail}"
         del eager
+
+    def _check_side_stream(self, case: Case, res: CaseResult) -> None:
+        """The forward on a stream other than the default one, as engines overlap work: every
+        kernel must run on the caller's current stream. That stream first sleeps, then writes
+        the inputs, then runs the forward; a kernel launched on another stream reads the inputs
+        (or a stage's output) before they are written, and the result differs from the same
+        inputs' forward on the default stream. At 1 token and at the case's size."""
+        prob = make_problem(case)
+        new = make_problem(Case(**{**case.__dict__, "seed": case.seed + 1}))
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        d = self.device
+        tol = tolerance_for(case.quant, case.config.dtype)
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems = []
+        for t in sorted({1, prob.x.shape[0]}):
+            x, ids, w = (v[:t].to(d) for v in (prob.x, prob.ids, prob.wts))
+            x2, ids2, w2 = (v[:t].to(d) for v in (new.x, new.ids, new.wts))
+            want = layer(x2, ids2, w2).cpu()
+            layer(x, ids, w)  # first calls of this size (binds, allocations) on the default stream
+            torch.cuda.synchronize(d)
+            side = torch.cuda.Stream(d)
+            side.wait_stream(torch.cuda.current_stream(d))
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(100_000_000)  # ~50-70 ms at GPU clocks: what runs elsewhere goes first
+                x.copy_(x2)
+                ids.copy_(ids2)
+                w.copy_(w2)
+                got = layer(x, ids, w)
+            torch.cuda.current_stream(d).wait_stream(side)
+            torch.cuda.synchronize(d)
+            got = got.cpu()
+            c = compare(got, want, tol)
+            if (exact and not torch.equal(got, want)) or not c.ok:
+                problems.append(f"{t} tokens: differs from the default stream's forward ({c.detail})")
+        res.status = FAIL if problems else PASS
+        res.detail = "; ".join(problems) or "forwards on a side stream equal the default stream's" + (
+            " (bitwise)" if exact else ""
+        )
 
     def _check_out_buffer(self, case: Case, res: CaseResult) -> None:
         """`layer(..., out=buf)` writes the result into the caller's buffer and returns that

@@ -8,6 +8,7 @@ import json
 import types
 
 import moehal
+import pytest
 import torch
 from moehal.formats import ContiguousInput, StandardInput
 from moehal.interfaces import BackendInfo
@@ -97,11 +98,11 @@ def _plugin(name, experts, dispatcher=None):
     return ns
 
 
-def _suite(name, experts, dispatcher=None):
+def _suite(name, experts, dispatcher=None, device="cpu"):
     reg = moehal.Registry(moehal.Settings())
     reg.load_entry_points()
     assert reg.register(_plugin(name, experts, dispatcher), name).status == "loaded"
-    return Suite(name, reg, torch.device("cpu"), profile="quick")
+    return Suite(name, reg, torch.device(device), profile="quick")
 
 
 def test_wrong_numbers_in_one_claimed_case_fail_the_suite():
@@ -202,6 +203,36 @@ def test_the_reference_passes_the_input_dtypes_check():
     assert all(r.status == "pass" and "int64 ids, bfloat16 weights" in r.detail for r in suite.results), [
         (r.id, r.detail) for r in suite.results
     ]
+
+
+class _DefaultStreamRunner(ReferenceExpertsRunner):
+    """Computes on the default stream whatever stream the caller is on (a kernel wrapper that
+    caches or ignores the current stream)."""
+
+    def apply(self, inp):
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            return super().apply(inp)
+
+
+def test_side_stream_is_not_run_without_cuda():
+    suite = _suite("plain", _bf16_experts("plain", ReferenceExpertsRunner))
+    suite.run([c for c in suite.cases() if c.check == "side_stream"])
+    assert suite.results and all(r.status == "not run" and "CUDA streams" in r.detail for r in suite.results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_experts_off_the_callers_stream_fail_the_side_stream_check():
+    suite = _suite("wrongstream", _bf16_experts("wrongstream", _DefaultStreamRunner), device="cuda")
+    suite.run([c for c in suite.cases() if c.check in ("side_stream", "numeric") and c.family != "matrix"])
+    by_check = {}
+    for r in suite.results:
+        by_check.setdefault(r.check, set()).add(r.status)
+    assert by_check["side_stream"] == {"fail"} and by_check["numeric"] == {"pass"}, by_check
+    ref = moehal.Registry(moehal.Settings())
+    ref.load_entry_points()
+    good = Suite("reference", ref, torch.device("cuda"), profile="quick")
+    good.run([c for c in good.cases() if c.check == "side_stream"])
+    assert good.results and all(r.status == "pass" for r in good.results), [(r.id, r.detail) for r in good.results]
 
 
 def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from moehal.kernels.host import persistent_tensors
 
 
 @dataclass
@@ -262,8 +263,14 @@ class GraphCache:
     def _capture(
         self, inputs: tuple[torch.Tensor, ...], copy_inputs: bool, out: torch.Tensor | None = None
     ) -> _Captured:
-        # static inputs are contiguous whatever the first caller's strides: they are copied into as bytes
-        static = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs) if copy_inputs else inputs
+        # Static inputs: contiguous whatever the first caller's strides (they are copied into as
+        # bytes), and normal tensors whatever the caller's mode (`persistent_tensors`): later
+        # calls copy into them in place, maybe outside `torch.inference_mode()`. The forward
+        # itself is captured in the caller's mode, which an inference-tensor `out` needs.
+        static = inputs
+        if copy_inputs:
+            with persistent_tensors():
+                static = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         if out is None:
@@ -280,7 +287,9 @@ class GraphCache:
         # drops it, must go back to the allocator (its address coming back is what hits).
         if not copy_inputs:
             return _Captured(graph, (), output if out is None else None)
-        return _Captured(graph, static, output, tuple(t.view(torch.uint8) for t in static))
+        with persistent_tensors():  # (views made in inference mode could not be written outside it)
+            input_bytes = tuple(t.view(torch.uint8) for t in static)
+        return _Captured(graph, static, output, input_bytes)
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """Host-side helpers of the Triton kernel wrappers: the integer arithmetic that sizes grids and
-tiles, and whether the kernels run under Triton's CPU interpreter. Pure Python (no triton import).
+tiles, whether the kernels run under Triton's CPU interpreter, and the mode persistent buffers
+are allocated in. No triton import.
 
 Why not `triton.cdiv` / `triton.next_power_of_2`: in recent Triton they are `constexpr_function`s,
 and a call from host code goes through their argument unwrapping. An eager decode step made
@@ -10,6 +11,8 @@ second-largest entry of the forward's profile (docs/device-runs/2026-11-23-sessi
 from __future__ import annotations
 
 import os
+
+import torch
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
@@ -33,3 +36,13 @@ def interpreting() -> bool:
 # it decorates them: the kernels' interpreter-only flags (exact rounding, upcasts) read this
 # instead of the environment on every launch.
 INTERPRETED: bool = interpreting()
+
+
+def persistent_tensors() -> torch.inference_mode:
+    """The mode to allocate buffers in that outlive the call (workspaces, scratch, a graph's
+    static inputs): normal tensors, even where the call that allocates them runs under
+    `torch.inference_mode()`, as engines serve. A tensor made there is an inference tensor,
+    and torch refuses in-place updates of it outside that mode: a layer whose first forward ran
+    in inference mode raised at its next forward under `torch.no_grad()` (conformance's
+    `inference_mode` check). Normal tensors may be updated in place in either mode."""
+    return torch.inference_mode(False)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2
+from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2, persistent_tensors
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_fused_moe import _static_fp8
 
@@ -586,6 +586,13 @@ class PaddedBuffer:
 def alloc_padded(
     lead: tuple[int, ...], cols: int, dtype: torch.dtype, device: torch.device, quant: bool, bitmap_cols: int = 1
 ) -> PaddedBuffer:
+    with persistent_tensors():
+        return _alloc_padded(lead, cols, dtype, device, quant, bitmap_cols)
+
+
+def _alloc_padded(
+    lead: tuple[int, ...], cols: int, dtype: torch.dtype, device: torch.device, quant: bool, bitmap_cols: int
+) -> PaddedBuffer:
     hidden = torch.zeros(*lead, cols, dtype=dtype, device=device)
     scales = None
     if quant:
@@ -654,7 +661,8 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     key = (role, shape, dtype, _device_key(device))
     buf = _SCRATCH.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
+        with persistent_tensors():
+            buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
     return buf
 
 
@@ -670,7 +678,8 @@ def arrivals(cells: int, device: torch.device) -> torch.Tensor:
     for a in _ARRIVALS:
         if a.device == device and a.numel() >= cells:
             return a
-    a = torch.zeros(max(cells, 4096), dtype=torch.int32, device=device)
+    with persistent_tensors():
+        a = torch.zeros(max(cells, 4096), dtype=torch.int32, device=device)
     _ARRIVALS.append(a)
     return a
 

@@ -125,6 +125,19 @@ def test_graph_cache_replays_with_new_inputs_on_cpu_semantics(fake_cuda_graphs):
     assert not should_replay(64, torch.ones(3, 4))  # CPU tensors never replay
 
 
+def test_a_graph_captured_in_inference_mode_replays_outside_it(fake_cuda_graphs):
+    """A copying graph's static inputs are normal tensors even when it was captured under
+    `torch.inference_mode()`: a later call under `no_grad` copies new inputs into them in place,
+    which torch refuses for inference tensors."""
+    cache = GraphCache(lambda x, y: x * 2 + y, torch.device("cpu"))
+    with torch.inference_mode():
+        assert cache(torch.ones(3), torch.zeros(3)).tolist() == [2.0] * 3
+    (graph,) = cache._graphs.values()
+    assert not any(t.is_inference() for t in graph.inputs)
+    with torch.no_grad():
+        assert cache(torch.full((3,), 5.0), torch.ones(3)).tolist() == [11.0] * 3
+
+
 def test_graph_cache_reads_inputs_in_place_when_the_caller_reuses_its_tensors(fake_cuda_graphs):
     """A caller that passes the same tensors again gets a graph captured on them (no copy in);
     it reads what they hold at each call, and other tensors still take the copying graph."""

@@ -167,6 +167,35 @@ def test_an_ep_rank_without_local_slots_gets_rows_and_no_segments(monkeypatch):
     assert torch.equal(y.cpu(), torch.zeros(t, 256, dtype=torch.bfloat16))
 
 
+def test_buffers_first_allocated_in_inference_mode_take_calls_outside_it(monkeypatch):
+    """Engines serve under `torch.inference_mode()`. The segments' ends and the workspaces are
+    kept across calls; allocated as inference tensors there, the next call under `no_grad`
+    raised at the in-place add of the segment ends. They are normal tensors now."""
+    from moehal.kernels import triton_permute as tp
+
+    tp.release_workspaces(DEV)
+    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160)
+    quant = QuantScheme.parse("bf16")
+    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
+    dg = _DeepGemm()
+    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = torch.randn(8, cfg.w13_rows, 256, generator=g), torch.randn(8, 256, 128, generator=g)
+    ex.load(quantize_weights(cfg, quant, w13, w2).to(DEV))
+    disp = CudaPermuteDispatcher().build(req, fmt)
+    x = torch.randn(5, 256, generator=g).bfloat16().to(DEV)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(5)]).int().to(DEV)
+    topk = TopK(ids, torch.rand(5, 3, generator=g).to(DEV))
+    with torch.inference_mode():
+        inp, handle = disp.dispatch(x, topk)
+        served = disp.combine(ex.apply(inp), handle)
+    assert dg.calls[-2:] == ["psum", "psum"]
+    with torch.no_grad():
+        inp, handle = disp.dispatch(x, topk)
+        assert torch.equal(disp.combine(ex.apply(inp), handle), served)
+    assert not any(t.is_inference() for t in tp._SCRATCH.values())
+
+
 def test_releases_without_the_psum_layout_and_sm100_keep_m_indices(monkeypatch):
     older = _OlderDeepGemm()
     monkeypatch.setattr(dge, "import_deep_gemm", lambda: older)

@@ -13,8 +13,8 @@ Families:
   top-k from 1 to 10, large and small expert counts.
 - padding: masked and contiguous layouts keep padding rows zero; contiguous ones mark them -1.
 - routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
-- determinism, cuda_graph, side_stream, out_buffer, strided_inputs, input_dtypes, double_process,
-  bad_input, honesty.
+- determinism, cuda_graph, side_stream, inference_mode, out_buffer, strided_inputs, input_dtypes,
+  double_process, bad_input, honesty.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Case:
 
     id: str
     family: str
-    check: str  # numeric, padding, determinism, cuda_graph, side_stream, out_buffer, strided_inputs,
-    # input_dtypes, double_process, bad_input, logits, honesty
+    check: str  # numeric, padding, determinism, cuda_graph, side_stream, inference_mode, out_buffer,
+    # strided_inputs, input_dtypes, double_process, bad_input, logits, honesty
     config: MoEConfig
     quant: QuantScheme
     tokens: int = 7
@@ -255,8 +255,8 @@ class CaseBuilder:
                         self.cases_for("routing", "logits", f"{name}_{dt_name}_logits", cfg, quant, logits_dtype=dt)
                     )
         # behaviour ---------------------------------------------------------------------------
-        checks = ("determinism", "cuda_graph", "side_stream", "out_buffer", "strided_inputs", "input_dtypes")
-        for check in (*checks, "double_process", "bad_input"):
+        checks = ("determinism", "cuda_graph", "side_stream", "inference_mode", "out_buffer", "strided_inputs")
+        for check in (*checks, "input_dtypes", "double_process", "bad_input"):
             cases.extend(self.cases_for(check, check, "base", base, first, tokens=16))
         cases.append(
             Case(

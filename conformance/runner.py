@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -298,6 +299,38 @@ class CaseRunner:
         res.detail = "; ".join(problems) or "forwards on a side stream equal the default stream's" + (
             " (bitwise)" if exact else ""
         )
+
+    def _check_inference_mode(self, case: Case, res: CaseResult) -> None:
+        """First forwards under `torch.inference_mode()`, as engines serve, then the same
+        under `torch.no_grad()` (a harness, a profile run): both must work and agree (bitwise
+        where the pipeline claims determinism). Buffers a pipeline keeps across calls and first
+        allocates in inference mode are inference tensors, which torch refuses to update in
+        place outside it. moehal's process-wide workspaces are released first, so this case
+        allocates its own in inference mode."""
+        kernels = sys.modules.get("moehal.kernels.triton_permute")  # (imported only where they run)
+        if kernels is not None:
+            kernels.release_workspaces(self.device)
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        x, ids, w = (t.to(self.device) for t in (prob.x, prob.ids, prob.wts))
+        sizes = sorted({1, x.shape[0]})
+        with torch.inference_mode():
+            served = [layer(x[:t], ids[:t], w[:t]) for t in sizes]
+        tol = tolerance_for(case.quant, case.config.dtype)
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems = []
+        with torch.no_grad():
+            for t, want in zip(sizes, served, strict=True):
+                got = layer(x[:t], ids[:t], w[:t])
+                c = compare(got.cpu(), want.cpu(), tol)
+                if (exact and not torch.equal(got, want)) or not c.ok:
+                    problems.append(f"{t} tokens: no_grad differs from inference_mode ({c.detail})")
+        if problems:
+            res.status, res.detail = FAIL, "; ".join(problems)
+            return
+        self._numeric(case, res, got, prob)
+        res.detail = "inference_mode, then no_grad: " + res.detail + (", bitwise equal" if exact else "")
 
     def _check_out_buffer(self, case: Case, res: CaseResult) -> None:
         """`layer(..., out=buf)` writes the result into the caller's buffer and returns that

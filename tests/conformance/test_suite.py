@@ -235,6 +235,32 @@ def test_experts_off_the_callers_stream_fail_the_side_stream_check():
     assert good.results and all(r.status == "pass" for r in good.results), [(r.id, r.detail) for r in good.results]
 
 
+class _KeepsBuffersRunner(ReferenceExpertsRunner):
+    """Keeps one output buffer per shape across calls and writes it in place, allocated where
+    the first call runs (an inference tensor under `torch.inference_mode()`)."""
+
+    def apply(self, inp):
+        out = super().apply(inp)
+        kept = self.__dict__.setdefault("kept", {})
+        buf = kept.setdefault(tuple(out.hidden.shape), torch.empty_like(out.hidden))
+        buf.copy_(out.hidden)
+        return dataclasses.replace(out, hidden=buf.clone())
+
+
+def test_buffers_kept_from_inference_mode_fail_the_inference_mode_check():
+    suite = _suite("keeps", _bf16_experts("keeps", _KeepsBuffersRunner))
+    suite.run([c for c in suite.cases() if c.check in ("inference_mode", "numeric")])
+    failed = [r for r in suite.results if r.status == "fail"]
+    assert failed and all(r.check == "inference_mode" for r in failed), [(r.id, r.detail) for r in failed]
+    assert all("Inplace update to inference tensor" in r.detail for r in failed)
+    assert any(r.status == "pass" and r.check == "numeric" for r in suite.results)
+    ref = moehal.Registry(moehal.Settings())
+    ref.load_entry_points()
+    good = Suite("reference", ref, torch.device("cpu"), profile="quick")
+    good.run([c for c in good.cases() if c.check == "inference_mode"])
+    assert good.results and all(r.status == "pass" for r in good.results), [(r.id, r.detail) for r in good.results]
+
+
 def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():
     class _Experts(ReferenceExperts):  # the reference's, on segments aligned to 8 rows
         name = "aligned"

@@ -217,6 +217,53 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
         assert rel_err(y, yr) < 3e-2
 
 
+@pytest.mark.parametrize("pipeline", ["cuda.deepgemm", "cuda.triton"])
+def test_graphs_and_buffers_made_in_inference_mode_serve_calls_outside_it(pipeline):
+    """An engine serves under `torch.inference_mode()`: the layer's first calls capture graphs
+    and allocate its buffers there. Later calls under `torch.no_grad()` (new tensors: copied
+    into the graph's static inputs) must run and stay right."""
+    if pipeline == "cuda.deepgemm" and (why := _deepgemm_usable()):
+        pytest.skip(why)
+    import moehal
+    from moehal.bench import _pipeline_named
+    from moehal.kernels.triton_permute import release_workspaces
+
+    release_workspaces("cuda")
+    cfg, _, ref = _layers("bf16", "masked")
+    reg = moehal.discover()
+    pipe = _pipeline_named(pipeline, cfg, moehal.QuantScheme.parse("bf16"), torch.device("cuda"), reg)
+    layer = moehal.MoELayer(cfg, "bf16", device="cuda", pipeline=pipe, cuda_graph_tokens=20)
+    layer.load_weights(_weights(cfg, "bf16"))
+    with torch.inference_mode():
+        for seed, t in enumerate((5, 5, 17, 32)):
+            layer(*_inputs(cfg, t, seed))
+    assert layer._graphs_topk.captured_token_counts == [5, 17]
+    with torch.no_grad():
+        for seed, t in enumerate((5, 17, 32, 5), start=10):
+            x, ids, w = _inputs(cfg, t, seed)
+            y, yr = layer(x, ids, w), ref(x, ids, w)
+            assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
+
+
+def test_the_contiguous_path_first_run_in_inference_mode_serves_calls_outside_it():
+    """The contiguous path keeps DeepGEMM's segment ends across calls and adds into them in
+    place: allocated in inference mode, the next call under `no_grad` raised there."""
+    if why := _deepgemm_usable():
+        pytest.skip(why)
+    from moehal.kernels.triton_permute import release_workspaces
+
+    release_workspaces("cuda")
+    with torch.inference_mode():
+        cfg, layer, ref = _layers("bf16", "contiguous")
+        x, ids, w = _inputs(cfg, 9, 0)
+        served = layer(x, ids, w)
+    with torch.no_grad():
+        assert torch.equal(layer(x, ids, w), served)
+        x, ids, w = _inputs(cfg, 9, 1)
+        y, yr = layer(x, ids, w), ref(x, ids, w)
+        assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
+
+
 @pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
 def test_prefill_batches_run_the_portable_fused_moe(monkeypatch, quant):
     """Prefill batches (forced here from 16 tokens) run the portable Triton fused MoE on the

@@ -182,6 +182,19 @@ class CaseRunner:
         res.metrics.update(rel_l2=c.rel_l2, rel_max=c.rel_max)
         res.status, res.detail = (PASS if c.ok else FAIL), c.detail
 
+    def _agreeing(
+        self, case: Case, res: CaseResult, problems: list[str], out: torch.Tensor, prob: Problem, what: str, exact: str
+    ) -> None:
+        """The tail of the checks that compare a variant call with the plain one: fail with the
+        problems found, else score `out` against the oracle, the detail naming the variant
+        (`what`) and, where the pipeline claims determinism, the bitwise agreement (`exact`)."""
+        if problems:
+            res.status, res.detail = FAIL, "; ".join(problems)
+            return
+        self._numeric(case, res, out, prob)
+        deterministic = case.pipeline is not None and case.pipeline.deterministic
+        res.detail = f"{what}: {res.detail}" + (f", {exact}" if deterministic else "")
+
     def _check_numeric(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)
         layer = self._layer(case)
@@ -326,11 +339,7 @@ class CaseRunner:
                 c = compare(got.cpu(), want.cpu(), tol)
                 if (exact and not torch.equal(got, want)) or not c.ok:
                     problems.append(f"{t} tokens: no_grad differs from inference_mode ({c.detail})")
-        if problems:
-            res.status, res.detail = FAIL, "; ".join(problems)
-            return
-        self._numeric(case, res, got, prob)
-        res.detail = "inference_mode, then no_grad: " + res.detail + (", bitwise equal" if exact else "")
+        self._agreeing(case, res, problems, got, prob, "inference_mode, then no_grad", "bitwise equal")
 
     def _check_out_buffer(self, case: Case, res: CaseResult) -> None:
         """`layer(..., out=buf)` writes the result into the caller's buffer and returns that
@@ -387,11 +396,7 @@ class CaseRunner:
             got = layer(xs[:t], ids_s[:t], w_s[:t])
             if exact and not torch.equal(got, want):
                 problems.append(f"{t} tokens: differs bitwise from the call on contiguous inputs")
-        if problems:
-            res.status, res.detail = FAIL, "; ".join(problems)
-            return
-        self._numeric(case, res, got, prob)
-        res.detail = "strided inputs: " + res.detail + (", bitwise equal to contiguous inputs" if exact else "")
+        self._agreeing(case, res, problems, got, prob, "strided inputs", "bitwise equal to contiguous inputs")
 
     def _check_input_dtypes(self, case: Case, res: CaseResult) -> None:
         """The other dtypes the layer accepts: topk_ids int64 (what `torch.topk` returns) and
@@ -411,12 +416,9 @@ class CaseRunner:
             got = layer(x[:t], ids[:t].long(), w[:t])
             if exact and not torch.equal(got, want):
                 problems.append(f"{t} tokens: differs bitwise from int32 ids and fp32 weights")
-        if problems:
-            res.status, res.detail = FAIL, "; ".join(problems)
-            return
-        self._numeric(case, res, got, replace(prob, wts=prob.wts.to(dt).float()))
-        tail = ", bitwise equal to int32 ids and fp32 weights" if exact else ""
-        res.detail = f"int64 ids, {str(dt).removeprefix('torch.')} weights: " + res.detail + tail
+        what = f"int64 ids, {str(dt).removeprefix('torch.')} weights"
+        rounded = replace(prob, wts=prob.wts.to(dt).float())  # the weights the layer was given
+        self._agreeing(case, res, problems, got, rounded, what, "bitwise equal to int32 ids and fp32 weights")
 
     def _check_double_process(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)

@@ -98,6 +98,16 @@ def _plugin(name, experts, dispatcher=None):
     return ns
 
 
+def _reference_results(check, device="cpu"):
+    """The reference backend's results for one check of the quick profile."""
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    suite = Suite("reference", reg, torch.device(device), profile="quick")
+    suite.run([c for c in suite.cases() if c.check == check])
+    assert suite.results, check
+    return suite.results
+
+
 def _suite(name, experts, dispatcher=None, device="cpu"):
     reg = moehal.Registry(moehal.Settings())
     reg.load_entry_points()
@@ -139,13 +149,10 @@ def test_experts_that_read_inputs_as_dense_fail_the_strided_inputs_check():
 
 
 def test_the_reference_passes_the_strided_inputs_check():
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    suite = Suite("reference", reg, torch.device("cpu"), profile="quick")
-    suite.run([c for c in suite.cases() if c.check == "strided_inputs"])
-    assert {r.layout for r in suite.results} == {"standard", "contiguous", "masked"}
-    assert all(r.status == "pass" and r.detail.startswith("strided inputs: ") for r in suite.results), [
-        (r.id, r.detail) for r in suite.results
+    results = _reference_results("strided_inputs")
+    assert {r.layout for r in results} == {"standard", "contiguous", "masked"}
+    assert all(r.status == "pass" and r.detail.startswith("strided inputs: ") for r in results), [
+        (r.id, r.detail) for r in results
     ]
 
 
@@ -195,13 +202,10 @@ def test_experts_that_take_int64_ids_as_int32_fail_the_input_dtypes_check():
 
 
 def test_the_reference_passes_the_input_dtypes_check():
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    suite = Suite("reference", reg, torch.device("cpu"), profile="quick")
-    suite.run([c for c in suite.cases() if c.check == "input_dtypes"])
-    assert {r.layout for r in suite.results} == {"standard", "contiguous", "masked"}
-    assert all(r.status == "pass" and "int64 ids, bfloat16 weights" in r.detail for r in suite.results), [
-        (r.id, r.detail) for r in suite.results
+    results = _reference_results("input_dtypes")
+    assert {r.layout for r in results} == {"standard", "contiguous", "masked"}
+    assert all(r.status == "pass" and "int64 ids, bfloat16 weights" in r.detail for r in results), [
+        (r.id, r.detail) for r in results
     ]
 
 
@@ -228,11 +232,8 @@ def test_experts_off_the_callers_stream_fail_the_side_stream_check():
     for r in suite.results:
         by_check.setdefault(r.check, set()).add(r.status)
     assert by_check["side_stream"] == {"fail"} and by_check["numeric"] == {"pass"}, by_check
-    ref = moehal.Registry(moehal.Settings())
-    ref.load_entry_points()
-    good = Suite("reference", ref, torch.device("cuda"), profile="quick")
-    good.run([c for c in good.cases() if c.check == "side_stream"])
-    assert good.results and all(r.status == "pass" for r in good.results), [(r.id, r.detail) for r in good.results]
+    good = _reference_results("side_stream", "cuda")
+    assert all(r.status == "pass" for r in good), [(r.id, r.detail) for r in good]
 
 
 class _KeepsBuffersRunner(ReferenceExpertsRunner):
@@ -254,11 +255,8 @@ def test_buffers_kept_from_inference_mode_fail_the_inference_mode_check():
     assert failed and all(r.check == "inference_mode" for r in failed), [(r.id, r.detail) for r in failed]
     assert all("Inplace update to inference tensor" in r.detail for r in failed)
     assert any(r.status == "pass" and r.check == "numeric" for r in suite.results)
-    ref = moehal.Registry(moehal.Settings())
-    ref.load_entry_points()
-    good = Suite("reference", ref, torch.device("cpu"), profile="quick")
-    good.run([c for c in good.cases() if c.check == "inference_mode"])
-    assert good.results and all(r.status == "pass" for r in good.results), [(r.id, r.detail) for r in good.results]
+    good = _reference_results("inference_mode")
+    assert all(r.status == "pass" for r in good), [(r.id, r.detail) for r in good]
 
 
 def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():

@@ -75,6 +75,22 @@ def _runner(dg, monkeypatch, cfg, quant, fmt):
     return dge.DeepGemmExpertsRunner(req, fmt, dge.DeepGemmOps(False, False, replay_graphs=False)), req
 
 
+def _bf16_pipeline(monkeypatch, seed, **cfg_changes):
+    """The permute and the DeepGEMM runner (on the stand-in) of a bf16 contiguous layer with
+    random weights: (stand-in, experts, dispatcher, generator)."""
+    cfg = MoEConfig(**{**dict(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160),
+                       **cfg_changes})  # fmt: skip
+    quant = QuantScheme.parse("bf16")
+    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
+    dg = _DeepGemm()
+    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
+    g = torch.Generator().manual_seed(seed)
+    e = cfg.num_local_experts
+    w13, w2 = torch.randn(e, cfg.w13_rows, 256, generator=g), torch.randn(e, 256, 128, generator=g)
+    ex.load(quantize_weights(cfg, quant, w13, w2).to(DEV))
+    return dg, ex, CudaPermuteDispatcher().build(req, fmt), g
+
+
 @pytest.mark.parametrize("psum_layout", [True, False])
 def test_contiguous_gemms_on_segment_ends_match_the_reference(psum_layout, monkeypatch):
     monkeypatch.setattr(dge.DeepGemmOps, "psum_layout", psum_layout)
@@ -116,15 +132,7 @@ def test_a_batch_without_tokens_calls_no_gemm(monkeypatch):
     """No slots, no rows: the runner returns at once. (Before, 0 tokens made 128 rows of padding
     whose segment ends came from uninitialized counts, and DeepGEMM, reading them, died of an
     illegal instruction on an H200: docs/device-runs/2026-11-25-session33.)"""
-    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160)
-    quant = QuantScheme.parse("bf16")
-    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
-    dg = _DeepGemm()
-    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
-    g = torch.Generator().manual_seed(4)
-    w13, w2 = torch.randn(8, cfg.w13_rows, 256, generator=g), torch.randn(8, 256, 128, generator=g)
-    ex.load(quantize_weights(cfg, quant, w13, w2).to(DEV))
-    disp = CudaPermuteDispatcher().build(req, fmt)
+    dg, ex, disp, g = _bf16_pipeline(monkeypatch, 4)
     for t in (0, 5, 0):
         x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
         ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(t)] or [torch.zeros(0, 3)]).int()
@@ -144,16 +152,7 @@ def test_an_ep_rank_without_local_slots_gets_rows_and_no_segments(monkeypatch):
     layout has rows (sized on the host from the slot count), every row reads -1, every segment
     is empty, and DeepGEMM gets segment ends that are all 0. No tile is computed, and the
     output is all zeros (conformance's `shapes/.../no_local_slots` runs this on the GPU)."""
-    cfg = MoEConfig(num_experts=16, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160,
-                    ep_size=2, ep_rank=1)  # fmt: skip
-    quant = QuantScheme.parse("bf16")
-    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
-    dg = _DeepGemm()
-    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
-    g = torch.Generator().manual_seed(5)
-    w13, w2 = torch.randn(8, cfg.w13_rows, 256, generator=g), torch.randn(8, 256, 128, generator=g)
-    ex.load(quantize_weights(cfg, quant, w13, w2).to(DEV))
-    disp = CudaPermuteDispatcher().build(req, fmt)
+    dg, ex, disp, g = _bf16_pipeline(monkeypatch, 5, num_experts=16, ep_size=2, ep_rank=1)  # rank 1: experts 8-15
     t = 9
     x = torch.randn(t, 256, generator=g).bfloat16().to(DEV)
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(t)]).int().to(DEV)  # rank 0's experts
@@ -174,15 +173,7 @@ def test_buffers_first_allocated_in_inference_mode_take_calls_outside_it(monkeyp
     from moehal.kernels import triton_permute as tp
 
     tp.release_workspaces(DEV)
-    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=256, intermediate_size=128, max_tokens=160)
-    quant = QuantScheme.parse("bf16")
-    fmt = ActivationFormat(Layout.CONTIGUOUS, cfg.dtype, row_alignment=TILE)
-    dg = _DeepGemm()
-    ex, req = _runner(dg, monkeypatch, cfg, quant, fmt)
-    g = torch.Generator().manual_seed(6)
-    w13, w2 = torch.randn(8, cfg.w13_rows, 256, generator=g), torch.randn(8, 256, 128, generator=g)
-    ex.load(quantize_weights(cfg, quant, w13, w2).to(DEV))
-    disp = CudaPermuteDispatcher().build(req, fmt)
+    dg, ex, disp, g = _bf16_pipeline(monkeypatch, 6)
     x = torch.randn(5, 256, generator=g).bfloat16().to(DEV)
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(5)]).int().to(DEV)
     topk = TopK(ids, torch.rand(5, 3, generator=g).to(DEV))

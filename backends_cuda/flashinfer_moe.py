@@ -453,7 +453,7 @@ class CuteDslStandardRunner(ExpertsRunner):
         # the weights' scales are swizzled), as FlashInfer's own MoE tests and SGLang quantize.
         # fp4_quantize checks that its input is contiguous (CHECK_CONTIGUOUS in its fp4Quantize.cpp);
         # token-major input is the caller's tensor, which may be a view of wider rows.
-        h = inp.hidden if inp.hidden.is_contiguous() else inp.hidden.contiguous()
+        h = inp.hidden.contiguous()  # (no copy when it is)
         x, x_sf = _fi("fp4_quantize")(h, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=False)
         # local ids (-1 = remote) -> global ids; remote slots point at a local expert with weight 0
         ids = inp.topk_ids

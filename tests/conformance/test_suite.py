@@ -210,16 +210,22 @@ def test_the_reference_passes_the_input_dtypes_check():
 
 
 class _DefaultStreamRunner(ReferenceExpertsRunner):
-    """Computes on the caller's stream, then copies its result on the default stream (a wrapper
-    that launches its last kernel on a stream it cached): the copy reads the result before it
-    is written. Elementwise on purpose: computing the whole experts there read the dispatcher's
-    indices before they were written, and an index out of range is a device-side assert, which
-    ends the process's CUDA context (and failed the next test: session 34, call 8)."""
+    """Computes on the caller's stream into a buffer it keeps per shape, then hands out a copy
+    made on the default stream (a wrapper that launches its last kernel on a stream it cached):
+    off the caller's stream, the copy reads the buffer before this call writes it, so it returns
+    the previous call's result. Deterministic on purpose: a copy of a fresh result read whatever
+    the allocator's block held, and once that was the right answer (session 35, call 1).
+    Elementwise on purpose: computing the whole experts there read the dispatcher's indices
+    before they were written, and an index out of range is a device-side assert, which ends the
+    process's CUDA context (session 34, call 8)."""
 
     def apply(self, inp):
         out = super().apply(inp)
+        kept = self.__dict__.setdefault("kept", {})
+        buf = kept.setdefault(tuple(out.hidden.shape), torch.empty_like(out.hidden))
+        buf.copy_(out.hidden)
         with torch.cuda.stream(torch.cuda.default_stream()):
-            hidden = out.hidden.clone()
+            hidden = buf.clone()
         return dataclasses.replace(out, hidden=hidden)
 
 

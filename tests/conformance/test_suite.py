@@ -210,19 +210,21 @@ def test_the_reference_passes_the_input_dtypes_check():
 
 
 class _DefaultStreamRunner(ReferenceExpertsRunner):
-    """Computes on the caller's stream into a buffer it keeps per shape, then hands out a copy
-    made on the default stream (a wrapper that launches its last kernel on a stream it cached):
-    off the caller's stream, the copy reads the buffer before this call writes it, so it returns
-    the previous call's result. Deterministic on purpose: a copy of a fresh result read whatever
-    the allocator's block held, and once that was the right answer (session 35, call 1).
-    Elementwise on purpose: computing the whole experts there read the dispatcher's indices
-    before they were written, and an index out of range is a device-side assert, which ends the
-    process's CUDA context (session 34, call 8)."""
+    """Computes on the caller's stream, where a slow last step (a sleep) writes a buffer it keeps
+    per shape, then hands out a copy of that buffer made on the default stream (a wrapper that
+    launches its last kernel on a stream it cached). On the default stream all of it is in
+    order. Off it, the copy runs while the caller's stream sleeps, and returns the previous
+    call's result. The sleep makes that certain: the reference synchronizes with the host on
+    its grouped layouts, and without it the write had won the race there (session 35, calls 1
+    and 2). Elementwise on purpose: computing the whole experts off the caller's stream read
+    the dispatcher's indices before they were written, and an index out of range is a
+    device-side assert, which ends the process's CUDA context (session 34, call 8)."""
 
     def apply(self, inp):
         out = super().apply(inp)
         kept = self.__dict__.setdefault("kept", {})
         buf = kept.setdefault(tuple(out.hidden.shape), torch.empty_like(out.hidden))
+        torch.cuda._sleep(20_000_000)  # ~10-15 ms at GPU clocks
         buf.copy_(out.hidden)
         with torch.cuda.stream(torch.cuda.default_stream()):
             hidden = buf.clone()
@@ -360,7 +362,9 @@ def test_a_backend_claiming_nothing_gets_declines_with_reasons():
 
 
 def test_reference_passes_and_reports_are_readable(tmp_path, capsys):
-    code = conformance_main(["--backend", "reference", "--quick", "--report", str(tmp_path / "ref")])
+    # On the CPU wherever the tests run: on a GPU host the reference would take the GPU, and run
+    # the CUDA graph cases this test expects to be "not run" (session 35, call 2).
+    code = conformance_main(["--backend", "reference", "--device", "cpu", "--quick", "--report", str(tmp_path / "ref")])
     assert code == 0, capsys.readouterr().out
     data = json.loads((tmp_path / "ref.json").read_text())
     assert data["summary"]["fail"] == 0 and data["summary"]["ok"] is True and data["backend"] == "reference"

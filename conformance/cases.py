@@ -13,8 +13,9 @@ Families:
   top-k from 1 to 10, large and small expert counts.
 - padding: masked and contiguous layouts keep padding rows zero; contiguous ones mark them -1.
 - routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
-- determinism, cuda_graph, side_stream, inference_mode, out_buffer, strided_inputs, input_dtypes,
-  double_process, bad_input, honesty.
+- determinism, cuda_graph, side_stream, inference_mode, out_buffer, strided_inputs, input_dtypes:
+  per claimed quant scheme, at the base shape and at the 512-wide one for paths it did not reach.
+- double_process, bad_input, honesty.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ ACTIVATIONS: dict[str, dict[str, object]] = {
     "silu_nongated": dict(activation="silu", gated=False),
 }
 BF16 = QuantScheme.parse("bf16")
+# The checks of how a forward behaves (streams, graphs, buffers, input layouts), run per claimed
+# quant scheme; `double_process` and `bad_input` run once.
+BEHAVIOUR_CHECKS = (
+    "determinism",
+    "cuda_graph",
+    "side_stream",
+    "inference_mode",
+    "out_buffer",
+    "strided_inputs",
+    "input_dtypes",
+)
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,25 @@ class CaseBuilder:
                 **kw,
             )  # type: ignore[arg-type]
 
+    def behaviour_cases(self, check: str, base: MoEConfig, wide: MoEConfig, quant: QuantScheme) -> list[Case]:
+        """`check`'s cases for `quant` at the base shape, then at the 512-wide one for the
+        (kernel, layout, small-batch) paths the base shape did not reach; one `declined` case
+        when neither shape has a pipeline."""
+        found: list[Case] = []
+        seen: set[object] = set()
+        declined: Case | None = None
+        for name, cfg in (("base", base), ("wide_512", wide)):
+            for c in self.cases_for(check, check, name, cfg, quant, tokens=16):
+                p = c.pipeline
+                if p is None:
+                    declined = declined or c
+                    continue
+                key = (p.main.qualname, c.layout, p.small is not None)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(c)
+        return found or ([declined] if declined else [])
+
     def all_cases(self) -> list[Case]:
         cases: list[Case] = []
         base = MoEConfig(**BASE)  # type: ignore[arg-type]
@@ -255,8 +286,14 @@ class CaseBuilder:
                         self.cases_for("routing", "logits", f"{name}_{dt_name}_logits", cfg, quant, logits_dtype=dt)
                     )
         # behaviour ---------------------------------------------------------------------------
-        checks = ("determinism", "cuda_graph", "side_stream", "inference_mode", "out_buffer", "strided_inputs")
-        for check in (*checks, "input_dtypes", "double_process", "bad_input"):
+        # Per claimed quant scheme: each scheme has its own kernels (quantizers, scale layouts,
+        # FP8 GEMMs), and any of them may launch off the caller's stream or refuse capture.
+        # Experts that decline the base shape (DeepGEMM's FP8 GEMMs want K in multiples of
+        # 128) are checked at the 512-wide one, which adds only the paths not seen at the base.
+        for quant in claimed or [BF16]:
+            for check in BEHAVIOUR_CHECKS:
+                cases.extend(self.behaviour_cases(check, base, wide, quant))
+        for check in ("double_process", "bad_input"):
             cases.extend(self.cases_for(check, check, "base", base, first, tokens=16))
         cases.append(
             Case(

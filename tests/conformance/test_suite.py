@@ -327,6 +327,46 @@ def test_experts_declining_the_base_shape_get_padding_cases_at_the_wide_one():
     assert {r.status for r in suite.results} == {"pass"}
 
 
+def test_behaviour_checks_run_per_claimed_scheme_and_reach_experts_declining_the_base_shape():
+    """As `cuda`'s DeepGEMM FP8 experts: they decline the base shape's intermediate size of 64,
+    so the behaviour checks (graphs, streams, buffers) reach them at the 512-wide shape, once
+    per claimed quant scheme, and the token-major path the base shape reached is not repeated."""
+    from moehal.capability import accept, decline
+    from moehal_conformance.cases import BEHAVIOUR_CHECKS
+
+    class _TokenMajor(ReferenceExperts):
+        name = "tokens"
+        priority = 40
+
+        def input_formats(self, req):
+            return [f for f in super().input_formats(req) if f.layout_name == "standard"]
+
+    class _KMultipleOf128(ReferenceExperts):
+        name = "k128"
+        priority = 30
+
+        def input_formats(self, req):
+            return [f for f in super().input_formats(req) if f.layout_name == "contiguous"]
+
+        def check_shape(self, req):
+            if req.config.intermediate_size % 128:
+                return decline(f"intermediate_size={req.config.intermediate_size} is not a multiple of 128", "shape")
+            return accept(predicate="shape")
+
+    suite = _suite("k128b", [_TokenMajor(), _KMultipleOf128()])
+    cases = suite.cases()
+    claimed = {c.quant.name for c in cases if c.family == "matrix" and c.pipeline is not None}
+    assert len(claimed) > 1, claimed
+    for check in BEHAVIOUR_CHECKS:
+        mine = [c for c in cases if c.check == check]
+        for quant in claimed:
+            paths = {(c.pipeline.main.name, c.config.intermediate_size) for c in mine if c.quant.name == quant}
+            assert paths == {("tokens", 64), ("k128", 512)}, (check, quant, paths)
+    determinism = [c for c in cases if c.check == "determinism"]
+    suite.run(determinism)
+    assert {r.status for r in suite.results} == {"pass"}
+
+
 def test_padding_cases_check_the_main_format_when_a_small_format_takes_their_batch():
     """As `cuda`'s fp8_tensor layers at the wide shape: token-major input up to 128 tokens, so
     the padding case's 5 tokens would go token-major, which has no padding rows to check."""

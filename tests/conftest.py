@@ -26,6 +26,19 @@ def _verify_fast_launches(monkeypatch):
         monkeypatch.setattr(launch, "VERIFY", True)
 
 
+@pytest.fixture(autouse=True)
+def _caller_stream_restored():
+    """On a GPU, a test that leaves a stream other than the default one current fails, naming
+    itself (later tests would run on that stream and race with code that uses the default one),
+    and the default stream is made current again."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        left = torch.cuda.current_stream()
+        if left != torch.cuda.default_stream():
+            torch.cuda.set_stream(torch.cuda.default_stream())
+            pytest.fail(f"the test left {left} current, not the default stream")
+
+
 @pytest.fixture
 def registry():
     """A fresh registry loaded from the installed entry points, environment ignored."""

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from moehal.graphs import gc_paused
+from moehal.graphs import capturing
 from moehal.kernels.tiles import TileConfig
 from moehal_cuda.gemm_choice import device_slug, entry_key
 
@@ -167,7 +167,7 @@ def time_graph(launches: Sequence[Callable[[], None]], reps: int = 5) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph):  # (why: moehal.graphs.gc_paused)
+    with capturing(graph):  # (why: moehal.graphs.capturing)
         for f in launches:
             f()
     graph.replay()

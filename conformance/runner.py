@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from moehal.errors import InputError, MoEHalError, WeightsAlreadyProcessedError
 from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput
-from moehal.graphs import gc_paused
+from moehal.graphs import capture
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
 from moehal.layer import MoELayer
@@ -251,15 +251,8 @@ class CaseRunner:
         layer.load_weights(prob.weights.to(self.device))
         x, ids, w = (t.to(self.device) for t in (prob.x, prob.ids, prob.wts))
         eager = layer(x, ids, w)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                layer(x, ids, w)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with gc_paused(), torch.cuda.graph(graph):  # (why: moehal.graphs.gc_paused)
-            static_out = layer(x, ids, w)
+        # two warm-up calls on a side stream, then the capture (moehal.graphs.capture says why)
+        graph, static_out = capture(lambda: layer(x, ids, w), self.device, warmup=2)
         # New inputs copied into the captured buffers must flow through the replay.
         prob2 = make_problem(Case(**{**case.__dict__, "seed": case.seed + 1}))
         x.copy_(prob2.x.to(self.device))

@@ -325,9 +325,30 @@ def capture(
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph, pool=pool):
+    with capturing(graph, device, pool=pool):
         output = fn()
     return graph, output
+
+
+@contextmanager
+def capturing(
+    graph: torch.cuda.CUDAGraph, device: torch.device | None = None, pool: object | None = None
+) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool=pool)` with the collector paused (`gc_paused`), leaving the
+    caller's stream current however the capture ends.
+
+    Why: torch's context makes the caller's stream current again only after `capture_end`
+    succeeds. A capture that was invalidated (a forbidden call inside it) raises there and
+    leaves torch's capture stream current, so the caller's later work runs on that stream,
+    unordered with code that uses the default one (session 36: one test's failed capture made
+    a later test read a buffer before its write, docs/device-runs/2026-11-26-session36)."""
+    caller = torch.cuda.current_stream(device)
+    try:
+        with gc_paused(), torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if torch.cuda.current_stream(device) != caller:
+            torch.cuda.set_stream(caller)
 
 
 def should_replay(limit: int, hidden: torch.Tensor) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pytest
 import torch
 from moehal.graphs import DIRECT_PER_TOKEN_COUNT, GraphCache, should_replay
 
@@ -267,6 +268,47 @@ def test_gc_paused_stops_automatic_collection_and_restores_the_state_it_found():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_failed_capture_leaves_the_callers_stream_current(monkeypatch):
+    """torch's `torch.cuda.graph` makes the caller's stream current again only after
+    `capture_end` succeeds: an invalidated capture raises there and leaves torch's capture
+    stream current (seen on an H100, session 36). `capturing` hands the caller's stream back,
+    after a failed capture and after a failure in the captured code, and pauses the collector."""
+    import gc
+
+    from moehal import graphs
+
+    current = ["caller"]
+    ended = []
+
+    class TorchGraph:  # torch's order: stream switch, capture; on exit capture_end, switch back
+        def __init__(self, graph, pool=None):
+            self.graph = graph
+
+        def __enter__(self):
+            current[0] = "capture"
+
+        def __exit__(self, *exc):
+            ended.append(self.graph)
+            if self.graph == "invalidated":
+                raise RuntimeError("operation not permitted when stream is capturing")
+            current[0] = "caller"
+
+    monkeypatch.setattr(torch.cuda, "graph", TorchGraph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+
+    with graphs.capturing("fine"):
+        assert current == ["capture"] and not gc.isenabled()
+    assert current == ["caller"] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="not permitted"), graphs.capturing("invalidated"):
+        pass
+    assert current == ["caller"] and gc.isenabled()
+    with pytest.raises(ValueError), graphs.capturing("fine"):
+        raise ValueError("the captured code failed")
+    assert current == ["caller"]
+    assert ended == ["fine", "invalidated", "fine"]
 
 
 def test_copying_graph_copies_its_inputs_as_bytes_in_one_call(fake_cuda_graphs, monkeypatch):

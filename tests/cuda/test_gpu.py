@@ -143,6 +143,9 @@ def test_a_dead_cycle_holding_a_graph_cannot_break_a_capture(monkeypatch, paused
         else:
             with pytest.raises(Exception, match="capture"):
                 G.capture(fn, dev)
+            # torch's own context leaves its capture stream current when the capture fails
+            # (session 36); `capture` hands the caller's back
+            assert torch.cuda.current_stream() == torch.cuda.default_stream()
     finally:
         gc.set_threshold(*thresholds)
         gc.collect()

@@ -296,31 +296,38 @@ def test_a_contiguous_dispatcher_marking_padding_rows_fails_the_padding_check():
     assert all("row_expert marks" in r.detail for r in suite.results if r.layout == "contiguous")
 
 
+class _TokenMajorExperts(ReferenceExperts):
+    """Token-major experts that claim any shape (as `cuda.triton`)."""
+
+    name = "tokens"
+    priority = 40
+
+    def input_formats(self, req):
+        return [f for f in super().input_formats(req) if f.layout_name == "standard"]
+
+
+class _KMultipleOf128Experts(ReferenceExperts):
+    """Grouped-layout experts that decline the base shape's intermediate size of 64 (as
+    DeepGEMM's FP8 GEMMs, which want K in multiples of 128)."""
+
+    name = "k128"
+    priority = 30
+
+    def input_formats(self, req):
+        return [f for f in super().input_formats(req) if f.layout_name != "standard"]
+
+    def check_shape(self, req):
+        from moehal.capability import accept, decline
+
+        if req.config.intermediate_size % 128:
+            return decline(f"intermediate_size={req.config.intermediate_size} is not a multiple of 128", "shape")
+        return accept(predicate="shape")
+
+
 def test_experts_declining_the_base_shape_get_padding_cases_at_the_wide_one():
     """As on `cuda`: token-major experts claim the base shape, while the grouped-layout experts
-    decline its intermediate size of 64 (DeepGEMM's FP8 GEMMs want K in multiples of 128)."""
-    from moehal.capability import accept, decline
-
-    class _TokenMajor(ReferenceExperts):
-        name = "tokens"
-        priority = 40
-
-        def input_formats(self, req):
-            return [f for f in super().input_formats(req) if f.layout_name == "standard"]
-
-    class _KMultipleOf128(ReferenceExperts):
-        name = "k128"
-        priority = 30
-
-        def input_formats(self, req):
-            return [f for f in super().input_formats(req) if f.layout_name != "standard"]
-
-        def check_shape(self, req):
-            if req.config.intermediate_size % 128:
-                return decline(f"intermediate_size={req.config.intermediate_size} is not a multiple of 128", "shape")
-            return accept(predicate="shape")
-
-    suite = _suite("k128", [_TokenMajor(), _KMultipleOf128()])
+    decline it."""
+    suite = _suite("k128", [_TokenMajorExperts(), _KMultipleOf128Experts()])
     padding = [c for c in suite.cases() if c.check == "padding" and c.pipeline is not None]
     assert padding and all("/bias_rows_512/" in c.id for c in padding), [c.id for c in padding]
     assert {c.config.intermediate_size for c in padding} == {512}
@@ -329,40 +336,21 @@ def test_experts_declining_the_base_shape_get_padding_cases_at_the_wide_one():
 
 
 def test_behaviour_checks_run_per_claimed_scheme_and_reach_experts_declining_the_base_shape():
-    """As `cuda`'s DeepGEMM FP8 experts: they decline the base shape's intermediate size of 64,
-    so the behaviour checks (graphs, streams, buffers) reach them at the 512-wide shape, once
-    per claimed quant scheme, and the token-major path the base shape reached is not repeated."""
-    from moehal.capability import accept, decline
+    """As `cuda`'s DeepGEMM FP8 experts, which decline the base shape: the behaviour checks
+    (graphs, streams, buffers) reach them at the 512-wide shape, once per claimed quant scheme,
+    and the token-major path the base shape reached is not repeated there."""
     from moehal_conformance.cases import BEHAVIOUR_CHECKS
 
-    class _TokenMajor(ReferenceExperts):
-        name = "tokens"
-        priority = 40
-
-        def input_formats(self, req):
-            return [f for f in super().input_formats(req) if f.layout_name == "standard"]
-
-    class _KMultipleOf128(ReferenceExperts):
-        name = "k128"
-        priority = 30
-
-        def input_formats(self, req):
-            return [f for f in super().input_formats(req) if f.layout_name == "contiguous"]
-
-        def check_shape(self, req):
-            if req.config.intermediate_size % 128:
-                return decline(f"intermediate_size={req.config.intermediate_size} is not a multiple of 128", "shape")
-            return accept(predicate="shape")
-
-    suite = _suite("k128b", [_TokenMajor(), _KMultipleOf128()])
+    suite = _suite("k128b", [_TokenMajorExperts(), _KMultipleOf128Experts()])
     cases = suite.cases()
-    claimed = {c.quant.name for c in cases if c.family == "matrix" and c.pipeline is not None}
+    claimed = {c.quant for c in cases if c.family == "matrix" and c.pipeline is not None}
     assert len(claimed) > 1, claimed
     for check in BEHAVIOUR_CHECKS:
         mine = [c for c in cases if c.check == check]
         for quant in claimed:
-            paths = {(c.pipeline.main.name, c.config.intermediate_size) for c in mine if c.quant.name == quant}
-            assert paths == {("tokens", 64), ("k128", 512)}, (check, quant, paths)
+            paths = {(c.pipeline.main.name, c.layout, c.config.intermediate_size) for c in mine if c.quant == quant}
+            want = {("tokens", "standard", 64), ("k128", "masked", 512), ("k128", "contiguous", 512)}
+            assert paths == want, (check, quant, paths)
     determinism = [c for c in cases if c.check == "determinism"]
     suite.run(determinism)
     assert {r.status for r in suite.results} == {"pass"}

@@ -288,8 +288,6 @@ class CaseBuilder:
         # behaviour ---------------------------------------------------------------------------
         # Per claimed quant scheme: each scheme has its own kernels (quantizers, scale layouts,
         # FP8 GEMMs), and any of them may launch off the caller's stream or refuse capture.
-        # Experts that decline the base shape (DeepGEMM's FP8 GEMMs want K in multiples of
-        # 128) are checked at the 512-wide one, which adds only the paths not seen at the base.
         for quant in claimed or [BF16]:
             for check in BEHAVIOUR_CHECKS:
                 cases.extend(self.behaviour_cases(check, base, wide, quant))

@@ -139,6 +139,8 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
     description = "DeepEP low-latency all-to-all (masked layout, BF16 or FP8 1x128)"
     devices = frozenset({"cuda"})
     graph_capturable = True
+    # DeepEP skips -1 ids in dispatch and combine (its own tests mask random slots so); not run here
+    drops_padding_ids = True
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         return sm_decision(req, (90, 100, 103), "DeepEP")
@@ -284,6 +286,8 @@ class DeepEPNormalDispatcher(Dispatcher):
     description = "DeepEP normal all-to-all + Triton permute into the contiguous layout"
     devices = frozenset({"cuda"})
     graph_capturable = False  # DeepEP normal dispatch reports receive counts to the host
+    # DeepEP sends no row for a -1 id and returns it as -1, which the permute drops; not run here
+    drops_padding_ids = True
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         return sm_decision(req, (90, 100, 103), "DeepEP")

@@ -164,6 +164,9 @@ class CudaPermuteDispatcher(Dispatcher):
     description = "single-GPU Triton permute (masked, contiguous, standard), fused FP8 quant (1x128 groups or static)"
     devices = frozenset({"cuda", "cpu"})
     graph_capturable = True
+    # the permute kernels count a slot only for a local expert; token-major batches pass -1 on
+    # as a local -1, which STANDARD experts skip (another rank's expert)
+    drops_padding_ids = True
 
     def execution_mode(self, req: BuildRequest) -> str:
         return interpreted_mode(req)

@@ -45,6 +45,10 @@ class MoEConfig:
         routing: how router logits become top-k ids; None if the caller always passes top-k.
         max_tokens: upper bound of tokens per forward, used to size static buffers
             (masked layouts, CUDA graphs). None means "the batch size of each call".
+        topk_padding: `topk_ids` may hold -1, a slot that contributes nothing (engines mark
+            padded tokens' slots so: SGLang, DeepEP). Selection then keeps only pipelines whose
+            dispatcher or fused forward declares `drops_padding_ids`. False: ids must lie in
+            [0, num_experts).
     """
 
     num_experts: int
@@ -64,6 +68,7 @@ class MoEConfig:
     dtype: torch.dtype = torch.bfloat16
     routing: RoutingConfig | None = None
     max_tokens: int | None = None
+    topk_padding: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation", Activation(self.activation))
@@ -118,7 +123,8 @@ class MoEConfig:
     def describe(self) -> str:
         act = self.activation.value + ("" if self.gated else " (non-gated)")
         ep = f", EP {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
+        pad = ", -1 ids" if self.topk_padding else ""
         return (
             f"E={self.num_experts} top{self.top_k} H={self.hidden_size} I={self.intermediate_size} "
-            f"{act} {str(self.dtype).removeprefix('torch.')}{ep}"
+            f"{act} {str(self.dtype).removeprefix('torch.')}{ep}{pad}"
         )

@@ -54,6 +54,8 @@ class EPCase:
         span_ranks: a token's k slots sit on k different ranks (as far as ranks go);
         same_rank: all k slots of a token sit on one rank.
     fail_rank: this rank raises `InjectedFault` right before the forward.
+    padded: some ids are -1 (`MoEConfig.topk_padding`): every third token's slots and one slot of
+        every fourth token.
     """
 
     name: str
@@ -71,6 +73,7 @@ class EPCase:
     apply_router_weight_on_input: bool = False
     seed: int = 0
     fail_rank: int | None = None
+    padded: bool = False
 
     def config(self, ep_rank: int = 0, ep_size: int = 1) -> MoEConfig:
         return MoEConfig(
@@ -84,6 +87,7 @@ class EPCase:
             ep_size=ep_size,
             dtype=self.dtype,
             max_tokens=self.max_tokens,
+            topk_padding=self.padded,
         )
 
     def tokens(self, world: int) -> list[int]:
@@ -109,6 +113,8 @@ def ep_cases(world: int) -> list[EPCase]:
         EPCase("w8a8_int8 per-token contiguous", quant="w8a8_int8", top_k=4, routing="span_ranks"),
         EPCase("top-1, router weight on input", top_k=1, apply_router_weight_on_input=True, layout="standard", seed=3),
         EPCase("fp32 contiguous (tight tolerance)", dtype=torch.float32, top_k=3, seed=5),
+        EPCase("-1 ids: padded tokens and slots", top_k=3, padded=True, seed=7),
+        EPCase("-1 ids, masked", layout="masked", padded=True, seed=8),
     ]
 
 
@@ -161,6 +167,9 @@ def make_inputs(case: EPCase, world: int) -> EPInputs:
     h, i = case.hidden_size, case.intermediate_size
     x = torch.randn(total, h, generator=g).to(case.dtype)
     ids = _route(case, total, world, g)
+    if case.padded:
+        ids[::3] = -1
+        ids[1::4, 0] = -1
     w = torch.rand(total, case.top_k, generator=g) + 0.1
     w = w / w.sum(1, keepdim=True) if case.top_k > 1 else w + 0.4
     w13 = torch.randn(case.num_experts, cfg.w13_rows, h, generator=g) / math.sqrt(h)

@@ -170,16 +170,18 @@ class TorchDistributedDispatchRunner(DispatchRunner):
             hidden = (hidden.float() * weights).to(hidden.dtype)
             weights = torch.ones_like(weights)
         ids = topk.ids.to(torch.int64)
-        dst = ids // self.num_local  # [T, K] owning rank of each slot
+        pad = ids < 0  # a -1 slot (MoEConfig.topk_padding) goes nowhere and combines as zero
+        dst = torch.where(pad, w, ids // self.num_local)  # [T, K] owning rank of each slot; w: none
         # A token goes once to each rank it needs: keep the first slot of every destination.
         dup = (dst[:, :, None] == dst[:, None, :]).tril(-1).any(-1) if k > 1 else torch.zeros_like(dst, dtype=bool)
-        key = torch.where(dup, torch.full_like(dst, w), dst).reshape(-1)  # [S]; w = not sent
+        unsent = dup | pad
+        key = torch.where(unsent, w, dst).reshape(-1)  # [S]; w = not sent
         send_counts = torch.bincount(key, minlength=w + 1)[:w]
         send_splits, recv_splits = self._exchange_counts(send_counts)
         n_send = sum(send_splits)
         order = torch.argsort(key, stable=True)  # sent slots first, grouped by destination rank
         pos = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=dev))
-        combine_map = torch.where(dup.reshape(-1), torch.full_like(pos, n_send), pos).view(t, k)
+        combine_map = torch.where(unsent.reshape(-1), torch.full_like(pos, n_send), pos).view(t, k)
         send_token = order[:n_send] // k
 
         q, s = quantize_activation(hidden, self.fmt.scales)
@@ -256,6 +258,7 @@ class TorchDistributedDispatcher(Dispatcher):
     priority = 5
     description = "expert parallelism over torch.distributed all_to_all_single (NCCL, RCCL, HCCL, gloo)"
     graph_capturable = False  # the count exchange is read on the host
+    drops_padding_ids = True  # a -1 slot is sent nowhere (`dispatch`)
 
     def check_parallel(self, req: BuildRequest) -> Decision:
         c = req.config

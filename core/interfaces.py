@@ -187,13 +187,33 @@ class DispatchRunner(ABC):
         return y if y is out else out.copy_(y)
 
 
+def check_padding_ids(drops: bool, req: BuildRequest) -> Decision:
+    """The `padding_ids` predicate of what reads the caller's global top-k ids (dispatchers,
+    fused forwards): layers built with `MoEConfig.topk_padding` need -1 ids dropped."""
+    if not req.config.topk_padding or drops:
+        return accept(predicate="padding_ids")
+    return decline(
+        "does not declare dropping -1 top-k ids (drops_padding_ids), which MoEConfig.topk_padding "
+        "asks for; drop padded tokens before the layer instead",
+        "padding_ids",
+    )
+
+
 class Dispatcher(Implementation):
     """Moves tokens to experts and back (single-device permute, DeepEP, HCCL, ...)."""
 
     quant_schemes: ClassVar[frozenset[QuantScheme]] = frozenset()  # unused: dispatchers are scheme-agnostic
+    # A global id of -1 is a slot that contributes nothing (a padded token's, say): it reaches no
+    # expert and adds nothing to its token's row. Declared where the dispatcher's id mapping drops
+    # it on every rank and the combine skips it; conformance's `padded_ids` check holds it to that.
+    drops_padding_ids: ClassVar[bool] = False
 
     def check_quant(self, req: BuildRequest) -> Decision:
         return accept(predicate="quant")
+
+    def supports(self, req: BuildRequest) -> Decision:
+        d = super().supports(req)
+        return d if not d.ok else check_padding_ids(self.drops_padding_ids, req)
 
     @abstractmethod
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
@@ -270,6 +290,7 @@ class FusedForward(Implementation):
     accepts: ClassVar[frozenset[str]] = frozenset({"topk"})  # 'topk' and/or 'logits'
     routing_methods: ClassVar[frozenset[RoutingMethod]] = frozenset()  # when it routes itself
     weight_layout: ClassVar[str] = "canonical"
+    drops_padding_ids: ClassVar[bool] = False  # as `Dispatcher.drops_padding_ids`, for its top-k input
 
     def check_routing(self, req: BuildRequest) -> Decision:
         if "logits" not in self.accepts:
@@ -287,7 +308,11 @@ class FusedForward(Implementation):
 
     def supports(self, req: BuildRequest) -> Decision:
         d = super().supports(req)
-        return d if not d.ok else self.check_routing(req)
+        if d.ok:
+            d = self.check_routing(req)
+        if d.ok and "topk" in self.accepts:  # a logits-only kernel never sees top-k ids
+            d = check_padding_ids(self.drops_padding_ids, req)
+        return d
 
     def routes_internally(self, req: BuildRequest) -> bool:
         r = req.config.routing

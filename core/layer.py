@@ -365,11 +365,14 @@ class MoELayer(torch.nn.Module):
             raise InputError(f"topk tensors are on {ids.device}/{w.device}, hidden_states on {x.device}")
         if self.validate_values and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= c.num_experts:
-                raise InputError(f"topk_ids out of range: found [{lo}, {hi}], experts are [0, {c.num_experts})")
+            first = -1 if c.topk_padding else 0  # -1: a padded slot
+            if lo < first or hi >= c.num_experts:
+                allowed = f"[{first}, {c.num_experts})"
+                hint = "" if c.topk_padding or lo != -1 else "; for -1 padding ids, build with topk_padding=True"
+                raise InputError(f"topk_ids out of range: found [{lo}, {hi}], allowed {allowed}{hint}")
             if c.top_k > 1:
                 s = ids.sort(dim=1).values
-                if bool((s[:, 1:] == s[:, :-1]).any()):
+                if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
                     raise InputError("topk_ids repeat an expert within a token; each token's ids must be distinct")
             if not bool(torch.isfinite(w).all()):
                 raise InputError("topk_weights contain NaN or Inf")

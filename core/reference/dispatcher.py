@@ -89,6 +89,7 @@ class ReferenceDispatcher(Dispatcher):
     priority = 0
     description = "single-device torch permute into standard, contiguous or masked layouts"
     graph_capturable = True
+    drops_padding_ids = True  # ids outside this rank's experts, -1 included, map to no slot
 
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
         return check_core_format(fmt, req.config.dtype)

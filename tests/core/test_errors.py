@@ -34,6 +34,7 @@ def _inputs(t=3):
         (lambda x, i, w: (x.to("meta"), i, w), "is on meta"),
         (lambda x, i, w: (x, i + 3, w), r"out of range: found \[3, 6\]"),
         (lambda x, i, w: (x, torch.tensor([[0, 0], [1, 2], [3, 1]]), w), "repeat an expert"),
+        (lambda x, i, w: (x, torch.tensor([[-1, 0], [1, 2], [3, 1]]), w), "build with topk_padding=True"),
         (lambda x, i, w: (x, i.float(), w), "int32 or int64"),
         (lambda x, i, w: (x, i[:, :1], w), r"must be \[3, 2\]"),
         (lambda x, i, w: (x, i, w * float("nan")), "NaN or Inf"),
@@ -43,6 +44,22 @@ def _inputs(t=3):
 def test_bad_forward_inputs(layer, mutate, match):
     with pytest.raises(moehal.InputError, match=match):
         layer(*mutate(*_inputs()))
+
+
+def test_padding_ids_are_checked_as_padding(registry):
+    """With `topk_padding`, -1 marks a dropped slot (any number per token); other negative ids
+    and repeated experts are still refused."""
+    cfg = CFG.with_(topk_padding=True)
+    weights, *_ = build_problem(cfg, BF16, 1)
+    layer = moehal.MoELayer(cfg, BF16, registry=registry)
+    layer.load_weights(weights)
+    x, _, w = _inputs()
+    out = layer(x, torch.tensor([[-1, -1], [2, -1], [1, 2]]), w)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    with pytest.raises(moehal.InputError, match=r"found \[-2, 2\], allowed \[-1, 4\)"):
+        layer(x, torch.tensor([[-2, 0], [2, 1], [1, 2]]), w)
+    with pytest.raises(moehal.InputError, match="repeat an expert"):
+        layer(x, torch.tensor([[-1, -1], [2, 2], [1, 0]]), w)
 
 
 def test_missing_routing_inputs(layer):

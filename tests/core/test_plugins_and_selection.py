@@ -203,6 +203,38 @@ def test_forced_backend_restricts_experts(plugin_path):
     assert any(d.reason.startswith("not of the requested backend") for d in layer.plan.decisions)
 
 
+def test_padding_ids_select_only_dispatchers_that_drop_them(plugin_path):
+    """`MoEConfig.topk_padding` keeps the toy experts but not the toy dispatcher, which does not
+    declare dropping -1 ids: the reference dispatcher (which does) moves their tokens, the
+    decision says why, and the padded slots contribute nothing."""
+    reg = _registry()
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    assert moehal.MoELayer(cfg, "fp8_block", registry=reg).plan.pipeline.dispatcher.qualname == "toy.bf16_only"
+    padded = cfg.with_(topk_padding=True)
+    layer = moehal.MoELayer(padded, "fp8_block", registry=reg)
+    p = layer.plan.pipeline
+    assert p.experts.qualname == "toy.fp8_masked" and p.dispatcher.qualname == "reference.local"
+    why = [d for d in layer.plan.decisions if d.name == "toy.bf16_only"]
+    assert why and all(not d.ok and d.predicate == "padding_ids" for d in why), why
+    assert "drops_padding_ids" in why[0].reason and "-1 ids" in str(layer.plan)
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("fp8_block"), 6)
+    layer.load_weights(weights)
+    ids = ids.clone()
+    ids[::3] = -1
+    ids[1, 0] = -1
+    out = layer(x, ids, wts)
+    assert torch.equal(out[::3], torch.zeros_like(out[::3]))
+    # a dropped slot is a slot with no weight: the same token routed there with weight 0
+    live = torch.where(ids < 0, torch.tensor(0), ids)
+    live[::3] = torch.tensor([0, 1])
+    live[1, 0] = int(({0, 1, 2, 3} - {int(live[1, 1])}).pop())
+    ref = moehal.MoELayer(cfg, "fp8_block", backend="reference", layout="masked", registry=reg)
+    ref.load_weights(weights)
+    want = ref(x, live, torch.where(ids < 0, 0.0, wts))
+    torch.testing.assert_close(out[1::3], want[1::3])
+    torch.testing.assert_close(out[2::3], want[2::3])
+
+
 def test_no_backend_error_lists_every_candidate(plugin_path):
     reg = _registry()
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, activation="gelu")

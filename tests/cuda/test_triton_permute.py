@@ -260,6 +260,32 @@ def test_combine_matches_reference_weighted_sum(masked):
     torch.testing.assert_close(out.cpu().double(), ref * 2.5, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("ep", [(0, 5, 5), (3, 4, 10)])  # (expert_start, E_local, E_global)
+def test_padding_ids_reach_no_row(masked, ep):
+    """-1 ids (`MoEConfig.topk_padding`): no expert counts them, their slots point at no row,
+    and the combine adds nothing for them: padded tokens' rows come out zero."""
+    start, e, e_glob = ep
+    t, k = 7, 3
+    ids, w = _routing(t, e_glob, k, 11)
+    ids[::3] = -1
+    ids[1::4, 0] = -1
+    x = _x(t, 11)
+    if masked:
+        buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
+    else:
+        buf = TP.alloc_padded((TP.contiguous_rows(t * k, e, 4),), H, torch.bfloat16, DEV, False)
+    r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=masked, alignment=4)
+    idx = P.index_slots(ids.cpu(), start, e)
+    assert torch.equal(r.counts.cpu().int(), idx.counts)
+    rows = r.slot_row.cpu().long()
+    assert (rows[(ids.cpu() < 0).reshape(-1)] == -1).all()
+    y = torch.randn(buf.hidden.shape, generator=torch.Generator().manual_seed(12)).bfloat16().to(DEV)
+    out = TP.combine(y, r.slot_row, w, t, k, masked=masked, scaling=1.0, out_dtype=torch.float32).cpu()
+    assert torch.equal(out[::3], torch.zeros_like(out[::3]))
+    assert out[1::3].abs().sum() > 0
+
+
 def test_weight_on_input_scales_rows():
     e, t = 4, 5
     ids, w = _routing(t, e, 1, 7)

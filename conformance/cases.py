@@ -15,6 +15,7 @@ Families:
 - routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
 - determinism, cuda_graph, side_stream, inference_mode, out_buffer, strided_inputs, input_dtypes:
   per claimed quant scheme, at the base shape and at the 512-wide one for paths it did not reach.
+- padded_ids: -1 top-k ids (`MoEConfig.topk_padding`), per claimed quant scheme, paths as above.
 - double_process, bad_input, honesty.
 """
 
@@ -59,7 +60,7 @@ class Case:
     id: str
     family: str
     check: str  # numeric, padding, determinism, cuda_graph, side_stream, inference_mode, out_buffer,
-    # strided_inputs, input_dtypes, double_process, bad_input, logits, honesty
+    # strided_inputs, input_dtypes, padded_ids, double_process, bad_input, logits, honesty
     config: MoEConfig
     quant: QuantScheme
     tokens: int = 7
@@ -113,6 +114,7 @@ _DEPTH = {
     "parallel": 4,
     "shape": 5,
     "routing": 6,
+    "padding_ids": 6,
     "weights": 7,
     "format": 8,
 }
@@ -291,6 +293,11 @@ class CaseBuilder:
         for quant in claimed or [BF16]:
             for check in BEHAVIOUR_CHECKS:
                 cases.extend(self.behaviour_cases(check, base, wide, quant))
+        # -1 ids: only pipelines whose dispatcher (or fused forward) declares dropping them are
+        # built for MoEConfig.topk_padding; a backend with none shows one declined case ----------
+        for quant in claimed or [BF16]:
+            padded = dict(topk_padding=True)
+            cases.extend(self.behaviour_cases("padded_ids", base.with_(**padded), wide.with_(**padded), quant))
         for check in ("double_process", "bad_input"):
             cases.extend(self.cases_for(check, check, "base", base, first, tokens=16))
         cases.append(

@@ -413,6 +413,33 @@ class CaseRunner:
         rounded = replace(prob, wts=prob.wts.to(dt).float())  # the weights the layer was given
         self._agreeing(case, res, problems, got, rounded, what, "bitwise equal to int32 ids and fp32 weights")
 
+    def _check_padded_ids(self, case: Case, res: CaseResult) -> None:
+        """-1 top-k ids (`MoEConfig.topk_padding`, declared by the pipeline's dispatcher or fused
+        forward): every third token is padding (all its slots -1) and tokens 1, 5, ... lose their
+        first slot. The result must match the oracle, which drops those slots, and padded
+        tokens' rows must be exactly zero. At 3 tokens (a decode batch: a small-batch format
+        takes it where the pipeline has one) and at the case's size."""
+        problems, rows = [], 0
+        for t in sorted({3, case.tokens}):
+            prob = make_problem(replace(case, tokens=t))
+            ids = prob.ids.clone()
+            ids[::3] = -1
+            ids[1::4, 0] = -1
+            prob = replace(prob, ids=ids)
+            layer = self._layer(case)
+            layer.load_weights(prob.weights.to(self.device))
+            out = self._forward(case, layer, prob).cpu()
+            leaked = out[::3].float().abs().max().item()
+            rows += out[::3].shape[0]
+            if leaked != 0.0:
+                problems.append(f"{t} tokens: padded tokens' rows are not zero (max |value| {leaked:.3g})")
+                continue
+            self._numeric(case, res, out, prob)
+            if res.status != PASS:
+                problems.append(f"{t} tokens: {res.detail}")
+        res.status = FAIL if problems else PASS
+        res.detail = "; ".join(problems) or f"{rows} padded rows zero; {res.detail}"
+
     def _check_double_process(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)
         layer = self._layer(case)

@@ -201,6 +201,45 @@ def test_experts_that_take_int64_ids_as_int32_fail_the_input_dtypes_check():
     assert not suite.ok
 
 
+class _WrapsIdsDispatcher(ReferenceDispatcher):
+    """Declares dropping -1 ids, but indexes experts modulo their count, as a kernel that
+    indexes with a negative id may: a -1 slot lands on the last expert."""
+
+    name = "wrapping"
+    priority = 40
+    drops_padding_ids = True
+
+    def build(self, req, fmt):
+        runner = super().build(req, fmt)
+        local, n = runner.dispatch, req.config.num_experts
+
+        def dispatch(hidden, topk):
+            return local(hidden, moehal.TopK(topk.ids % n, topk.weights))
+
+        runner.dispatch = dispatch
+        return runner
+
+
+def test_a_dispatcher_that_claims_padding_ids_but_wraps_them_fails_the_padded_ids_check():
+    suite = _suite("wrapids", _bf16_experts("wrapids", ReferenceExpertsRunner), _WrapsIdsDispatcher())
+    suite.run([c for c in suite.cases() if c.check in ("padded_ids", "numeric") and c.family != "matrix"])
+    by_check = {}
+    for r in suite.results:
+        by_check.setdefault(r.check, set()).add(r.status)
+    seen = [(r.id, r.status, r.detail) for r in suite.results]
+    assert by_check == {"padded_ids": {"fail"}, "numeric": {"pass"}}, seen
+    assert all("padded tokens' rows are not zero" in r.detail for r in suite.results if r.check == "padded_ids")
+    assert not suite.ok
+
+
+def test_the_reference_passes_the_padded_ids_check():
+    results = _reference_results("padded_ids")
+    assert {r.layout for r in results} == {"standard", "contiguous", "masked"}
+    assert all(r.status == "pass" and "padded rows zero" in r.detail for r in results), [
+        (r.id, r.detail) for r in results
+    ]
+
+
 def test_the_reference_passes_the_input_dtypes_check():
     results = _reference_results("input_dtypes")
     assert {r.layout for r in results} == {"standard", "contiguous", "masked"}

@@ -32,6 +32,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         help="route inside the layer from router logits with this method",
     )
     p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--topk-padding", action="store_true", help="top-k ids may be -1 (padded tokens' slots)")
 
 
 def config_from_args(args: argparse.Namespace) -> moehal.MoEConfig:
@@ -50,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> moehal.MoEConfig:
         ep_rank=args.ep_rank,
         routing=routing,
         max_tokens=args.max_tokens,
+        topk_padding=args.topk_padding,
     )
 
 

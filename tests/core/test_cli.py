@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import moehal
 import pytest
 from moehal.cli import common
 from moehal.cli.main import main
@@ -68,6 +69,20 @@ def test_explain_json_and_no_pipeline_exit_code(capsys):
     assert data["chosen"]["format"].startswith("masked")
     assert main(["explain", "--layout", "no_such_layout", "--hidden", "256", "--intermediate", "128"]) == 1
     assert "No pipeline" in capsys.readouterr().out
+
+
+def test_explain_shows_which_dispatchers_drop_padding_ids(capsys, monkeypatch):
+    monkeypatch.setenv("MOEHAL_NPU_EMULATE", "1")  # the NPU dispatchers, which do not declare it
+    reg = moehal.Registry(moehal.Settings.from_env())
+    reg.load_entry_points()
+    monkeypatch.setattr(moehal.plugins, "_default", reg)  # what `moehal.discover()` returns here
+    args = ["explain", "--json", "--hidden", "512", "--intermediate", "512", "--backend", "npu", "--topk-padding"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "-1 ids" in data["config"]
+    declined = {d["name"]: d["reason"] for d in data["decisions"] if d["predicate"] == "padding_ids" and not d["ok"]}
+    assert "npu.local_flat" in declined and "drops_padding_ids" in declined["npu.local_flat"], declined
+    assert data["chosen"]["dispatcher"] == "reference.local", data["chosen"]
 
 
 def test_explain_rejects_an_invalid_config(capsys):

@@ -1,4 +1,6 @@
-"""Bad input raises typed, actionable errors."""
+"""Bad input raises typed, actionable errors. The layers are built on the CPU, where these
+tests' weights and inputs are, whatever the machine has (on a GPU the best device would be
+chosen, and every test would meet the device check instead)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ BF16 = moehal.QuantScheme.parse("bf16")
 @pytest.fixture
 def layer(registry):
     weights, *_ = build_problem(CFG, BF16, 1)
-    layer = moehal.MoELayer(CFG, BF16, registry=registry)
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
     layer.load_weights(weights)
     return layer
 
@@ -51,7 +53,7 @@ def test_padding_ids_are_checked_as_padding(registry):
     and repeated experts are still refused."""
     cfg = CFG.with_(topk_padding=True)
     weights, *_ = build_problem(cfg, BF16, 1)
-    layer = moehal.MoELayer(cfg, BF16, registry=registry)
+    layer = moehal.MoELayer(cfg, BF16, device="cpu", registry=registry)
     layer.load_weights(weights)
     x, _, w = _inputs()
     out = layer(x, torch.tensor([[-1, -1], [2, -1], [1, 2]]), w)
@@ -71,7 +73,7 @@ def test_missing_routing_inputs(layer):
 
 
 def test_weights_not_loaded(registry):
-    layer = moehal.MoELayer(CFG, BF16, registry=registry)
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
     with pytest.raises(moehal.WeightsNotLoadedError, match="load_weights"):
         layer(*_inputs())
     with pytest.raises(moehal.WeightsNotLoadedError):
@@ -80,7 +82,7 @@ def test_weights_not_loaded(registry):
 
 def test_weight_processing_twice_is_refused(registry):
     weights, *_ = build_problem(CFG, BF16, 1)
-    layer = moehal.MoELayer(CFG, BF16, registry=registry)
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
     layer.load_weights(weights, process=False)
     layer.process_weights_after_loading()
     with pytest.raises(moehal.WeightsAlreadyProcessedError, match="twice"):
@@ -105,7 +107,7 @@ def test_weight_processing_twice_is_refused(registry):
 def test_malformed_weights(registry, quant, change, match):
     q = moehal.QuantScheme.parse(quant)
     weights, *_ = build_problem(CFG, q, 1)
-    layer = moehal.MoELayer(CFG, q, registry=registry)
+    layer = moehal.MoELayer(CFG, q, device="cpu", registry=registry)
     with pytest.raises(moehal.WeightError, match=match):
         layer.load_weights(weights.replace(**change))
 
@@ -114,7 +116,7 @@ def test_ep_weights_hint(registry):
     cfg = CFG.with_(ep_size=2, ep_rank=0)
     weights, *_ = build_problem(CFG, BF16, 1)  # all 4 experts, but the rank owns 2
     with pytest.raises(moehal.WeightError, match="local experts"):
-        moehal.MoELayer(cfg, BF16, registry=registry).load_weights(weights)
+        moehal.MoELayer(cfg, BF16, device="cpu", registry=registry).load_weights(weights)
 
 
 @pytest.mark.parametrize(

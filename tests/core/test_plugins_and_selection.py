@@ -118,13 +118,17 @@ def _registry(**settings):
     return reg
 
 
+# The toy plugin's tests build their layers on the CPU: on a GPU machine cuda.permute, which
+# produces the toy experts' fp8 format itself, would be chosen over the bf16-only dispatcher.
+
+
 def test_throwaway_plugin_is_discovered_and_selected(plugin_path):
     reg = _registry()
     rec = reg.plugins["toy"]
     assert rec.status == "loaded" and rec.distribution == "moehal_toy" and rec.version == "0.0.1"
     assert "toy.fp8_masked" in rec.implementations
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
-    layer = moehal.MoELayer(cfg, "fp8_block", registry=reg)
+    layer = moehal.MoELayer(cfg, "fp8_block", device="cpu", registry=reg)
     p = layer.plan.pipeline
     assert p.experts.qualname == "toy.fp8_masked"
     # Negotiation: the experts want fp8 masked; the best dispatcher sends bf16 only, so an
@@ -134,11 +138,11 @@ def test_throwaway_plugin_is_discovered_and_selected(plugin_path):
     assert p.fmt == ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128)
     weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("fp8_block"), 6)
     layer.load_weights(weights)
-    ref = moehal.MoELayer(cfg, "fp8_block", backend="reference", layout="masked", registry=reg)
+    ref = moehal.MoELayer(cfg, "fp8_block", backend="reference", layout="masked", device="cpu", registry=reg)
     ref.load_weights(weights)
     torch.testing.assert_close(layer(x, ids, wts), ref(x, ids, wts))
     # A scheme the toy does not claim falls back to the reference, and the plan says so.
-    plan = moehal.MoELayer(cfg, "bf16", registry=reg).plan
+    plan = moehal.MoELayer(cfg, "bf16", device="cpu", registry=reg).plan
     assert plan.pipeline.experts.backend == "reference" and "slow reference fallback" in str(plan)
 
 
@@ -148,7 +152,7 @@ def test_static_input_scale_reaches_the_quantize_adapter(plugin_path):
     processed, and the layer's output is the oracle's."""
     reg = _registry()
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
-    layer = moehal.MoELayer(cfg, "fp8_tensor", registry=reg)
+    layer = moehal.MoELayer(cfg, "fp8_tensor", device="cpu", registry=reg)
     p = layer.plan.pipeline
     assert p.experts.qualname == "toy.fp8_tensor_masked" and p.adapter == "quantize"
     assert p.fmt.scales is ScaleKind.STATIC_TENSOR
@@ -157,7 +161,7 @@ def test_static_input_scale_reaches_the_quantize_adapter(plugin_path):
         layer._adapter(MaskedInput(x[None], None, torch.tensor([6], dtype=torch.int32), 6))
     layer.load_weights(weights)
     assert torch.equal(layer._adapter.static_scale, weights.a13_scale.reshape(1).float())
-    ref = moehal.MoELayer(cfg, "fp8_tensor", backend="reference", layout="masked", registry=reg)
+    ref = moehal.MoELayer(cfg, "fp8_tensor", backend="reference", layout="masked", device="cpu", registry=reg)
     ref.load_weights(weights)
     torch.testing.assert_close(layer(x, ids, wts), ref(x, ids, wts))
 
@@ -198,7 +202,7 @@ def test_settings_read_from_env():
 def test_forced_backend_restricts_experts(plugin_path):
     reg = _registry(backend="reference")
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
-    layer = moehal.MoELayer(cfg, "fp8_block", registry=reg)  # backend='auto' defers to settings
+    layer = moehal.MoELayer(cfg, "fp8_block", device="cpu", registry=reg)  # backend='auto' defers to settings
     assert layer.plan.pipeline.experts.backend == "reference"
     assert any(d.reason.startswith("not of the requested backend") for d in layer.plan.decisions)
 
@@ -209,9 +213,10 @@ def test_padding_ids_select_only_dispatchers_that_drop_them(plugin_path):
     decision says why, and the padded slots contribute nothing."""
     reg = _registry()
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
-    assert moehal.MoELayer(cfg, "fp8_block", registry=reg).plan.pipeline.dispatcher.qualname == "toy.bf16_only"
+    plain = moehal.MoELayer(cfg, "fp8_block", device="cpu", registry=reg)
+    assert plain.plan.pipeline.dispatcher.qualname == "toy.bf16_only"
     padded = cfg.with_(topk_padding=True)
-    layer = moehal.MoELayer(padded, "fp8_block", registry=reg)
+    layer = moehal.MoELayer(padded, "fp8_block", device="cpu", registry=reg)
     p = layer.plan.pipeline
     assert p.experts.qualname == "toy.fp8_masked" and p.dispatcher.qualname == "reference.local"
     why = [d for d in layer.plan.decisions if d.name == "toy.bf16_only"]
@@ -228,7 +233,7 @@ def test_padding_ids_select_only_dispatchers_that_drop_them(plugin_path):
     live = torch.where(ids < 0, torch.tensor(0), ids)
     live[::3] = torch.tensor([0, 1])
     live[1, 0] = int(({0, 1, 2, 3} - {int(live[1, 1])}).pop())
-    ref = moehal.MoELayer(cfg, "fp8_block", backend="reference", layout="masked", registry=reg)
+    ref = moehal.MoELayer(cfg, "fp8_block", backend="reference", layout="masked", device="cpu", registry=reg)
     ref.load_weights(weights)
     want = ref(x, live, torch.where(ids < 0, 0.0, wts))
     torch.testing.assert_close(out[1::3], want[1::3])
@@ -239,7 +244,7 @@ def test_no_backend_error_lists_every_candidate(plugin_path):
     reg = _registry()
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, activation="gelu")
     with pytest.raises(moehal.NoBackendError) as info:
-        moehal.MoELayer(cfg, "fp8_block", backend="toy", registry=reg)
+        moehal.MoELayer(cfg, "fp8_block", backend="toy", device="cpu", registry=reg)
     msg = str(info.value)
     assert "toy.fp8_masked: declined" in msg and "activation gelu not in ['silu']" in msg
     assert "reference.experts: declined: not of the requested backend" in msg

@@ -21,7 +21,7 @@ ACTS = [
 
 def _run(cfg, quant, layout, t=7, seed=0, registry=None):
     weights, x, ids, wts = build_problem(cfg, quant, t, seed)
-    layer = moehal.MoELayer(cfg, quant, backend="reference", layout=layout, registry=registry)
+    layer = moehal.MoELayer(cfg, quant, backend="reference", device="cpu", layout=layout, registry=registry)
     layer.load_weights(weights)
     out = layer(x, ids, wts)
     return out, float64_oracle(cfg, quant, weights, x, ids, wts)
@@ -75,7 +75,7 @@ def test_masked_padding_rows_stay_zero(registry):
     )
     quant = moehal.QuantScheme.parse("bf16")
     weights, x, ids, wts = build_problem(cfg, quant, 5)
-    layer = moehal.MoELayer(cfg, quant, backend="reference", layout="masked", registry=registry)
+    layer = moehal.MoELayer(cfg, quant, backend="reference", device="cpu", layout="masked", registry=registry)
     layer.load_weights(weights)
     disp, _ = layer._dispatch.dispatch(x, moehal.TopK(ids, wts))
     y = layer._experts.apply(disp).hidden

@@ -62,7 +62,7 @@ def test_layer_called_with_router_logits_equals_topk_call(registry):
     weights, x, _, _ = build_problem(cfg, q, 6)
     bias = torch.randn(8) * 0.1
     weights = weights.replace(correction_bias=bias)
-    layer = moehal.MoELayer(cfg, q, registry=registry)
+    layer = moehal.MoELayer(cfg, q, device="cpu", registry=registry)
     layer.load_weights(weights)
     logits = torch.randn(6, 8).bfloat16()  # bf16 logits accepted; routing runs in fp32
     topk = route(logits, 2, routing, bias)

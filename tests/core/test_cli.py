@@ -35,7 +35,7 @@ def test_doctor_json_lists_reference_available_and_others_with_reason():
         assert b["reason"], f"{name} must say why it is (un)available"
         if name != "cuda" or not torch.cuda.is_available():  # a GPU machine has cuda
             assert b["available"] is False, f"{name} is available on this machine?"
-    assert report["hardware"]["kind"] == "cpu"
+    assert report["hardware"]["kind"] == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_doctor_table(capsys):

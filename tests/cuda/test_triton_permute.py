@@ -36,6 +36,14 @@ def _x(t: int, seed: int) -> torch.Tensor:
     return torch.randn(t, H, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
 
 
+def _bf16_buffer(masked: bool, t: int, k: int, e: int) -> TP.PaddedBuffer:
+    """A bf16 destination for t tokens' top-k slots over e local experts: masked (rows in
+    multiples of 8) or contiguous (segments aligned to 4 rows)."""
+    if masked:
+        return TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
+    return TP.alloc_padded((TP.contiguous_rows(t * k, e, 4),), H, torch.bfloat16, DEV, False)
+
+
 @pytest.fixture(
     params=[(1, False), (2, False), (1, True), (2, True)],
     ids=["one_block_per_load", "two_blocks_per_load", "token_rows", "token_rows_two_blocks"],
@@ -242,10 +250,7 @@ def test_combine_matches_reference_weighted_sum(masked):
     start, e, e_glob, k, t = 1, 5, 8, 3, 7
     ids, w = _routing(t, e_glob, k, 3)
     x = _x(t, 3)
-    if masked:
-        buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
-    else:
-        buf = TP.alloc_padded((TP.contiguous_rows(t * k, e, 4),), H, torch.bfloat16, DEV, False)
+    buf = _bf16_buffer(masked, t, k, e)
     r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=masked, alignment=4)
     y = torch.randn(buf.hidden.shape, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEV)
     out = TP.combine(y, r.slot_row, w, t, k, masked=masked, scaling=2.5, out_dtype=torch.float32)
@@ -271,10 +276,7 @@ def test_padding_ids_reach_no_row(masked, ep):
     ids[::3] = -1
     ids[1::4, 0] = -1
     x = _x(t, 11)
-    if masked:
-        buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
-    else:
-        buf = TP.alloc_padded((TP.contiguous_rows(t * k, e, 4),), H, torch.bfloat16, DEV, False)
+    buf = _bf16_buffer(masked, t, k, e)
     r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=masked, alignment=4)
     idx = P.index_slots(ids.cpu(), start, e)
     assert torch.equal(r.counts.cpu().int(), idx.counts)
@@ -328,10 +330,7 @@ def test_positions_over_several_chunks(monkeypatch, masked):
     start, e, e_glob, k, t = 2, 5, 9, 3, 300  # 900 slots: 4 chunks of 256
     ids, w = _routing(t, e_glob, k, 21)
     x = _x(t, 21)
-    if masked:
-        buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
-    else:
-        buf = TP.alloc_padded((TP.contiguous_rows(t * k, e, 4),), H, torch.bfloat16, DEV, False)
+    buf = _bf16_buffer(masked, t, k, e)
     r = TP.permute(x, ids, w, buf, expert_start=start, num_local_experts=e, masked=masked, alignment=4)
     idx = P.index_slots(ids.cpu(), start, e)
     v = idx.valid

@@ -92,6 +92,9 @@ class _FuseEP(NpuImplementation, FusedForward):
     supports_bias = False
     supports_router_weight_on_input = False
     graph_capturable = True
+    # DeepEP-Ascend documents topk_idx -1 as "routed to no expert" (doc/FUSED_DEEP_MOE*.md); the
+    # emulation follows it. Not run on an Ascend device here.
+    drops_padding_ids = True
     extra_libraries = (("deep_ep", "DeepEP-Ascend, built from sgl-project/sgl-kernel-npu"),)
     fuse_mode: ClassVar[int]
     mode_name: ClassVar[str]

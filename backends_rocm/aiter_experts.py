@@ -54,10 +54,11 @@ class AiterExpertsRunner(ExpertsRunner):
             QuantKind.FP8_BLOCK: qt.per_128x128,
             QuantKind.W8A8_INT8: qt.per_Token,
         }[req.quant.kind]
-        # EP: STANDARD gives local ids with -1 for remote experts. AITER filters experts through
-        # expert_mask, so remote slots go to one extra, masked-out id E_local.
+        # EP: STANDARD gives local ids with -1 for remote experts, and padded slots are -1 too
+        # (MoEConfig.topk_padding). AITER filters experts through expert_mask, so those slots go
+        # to one extra, masked-out id E_local.
         self.expert_mask = None
-        if c.ep_size > 1:
+        if c.ep_size > 1 or c.topk_padding:
             mask = torch.ones(self.e + 1, dtype=torch.int32, device=req.device)
             mask[-1] = 0
             self.expert_mask = mask

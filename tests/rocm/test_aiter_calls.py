@@ -83,6 +83,20 @@ def test_fused_moe_comes_from_its_submodule(fake_aiter, monkeypatch):
     assert not d.ok and "aiter.fused_moe.fused_moe" in d.reason
 
 
+def test_padding_ids_go_to_the_masked_out_expert_on_one_rank_too(fake_aiter):
+    """With `topk_padding` a single rank's local ids hold -1 as well: they take the masked-out
+    extra id, as other ranks' experts do under EP. Without it (and without EP) no mask is
+    passed, as before."""
+    runner = AiterExperts().build(_req(topk_padding=True), ActivationFormat(Layout.STANDARD, torch.bfloat16))
+    runner.load({"w13": torch.zeros(4, 256, 128), "w2": torch.zeros(4, 128, 128), "w13_scale": None, "w2_scale": None})
+    ids = torch.tensor([[3, -1], [-1, -1], [0, 2]], dtype=torch.int32)
+    runner.apply(StandardInput(torch.randn(3, 128).bfloat16(), None, ids, torch.rand(3, 2)))
+    ((args, kw),) = fake_aiter
+    assert args[4].tolist() == [[3, 4], [4, 4], [0, 2]] and kw["expert_mask"].tolist() == [1, 1, 1, 1, 0]
+    plain = AiterExperts().build(_req(), ActivationFormat(Layout.STANDARD, torch.bfloat16))
+    assert plain.expert_mask is None
+
+
 def test_aiter_gets_dense_operands(fake_aiter):
     """AITER's kernels take pointers, and its Python layer documents no strides: the caller's
     views (rows of a wider buffer, column-major top-k) reach it as dense copies."""

@@ -13,7 +13,8 @@ Families:
   top-k from 1 to 10, large and small expert counts.
 - padding: masked and contiguous layouts keep padding rows zero; contiguous ones mark them -1.
 - routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
-- determinism, cuda_graph, side_stream, inference_mode, out_buffer, strided_inputs, input_dtypes:
+- determinism, cuda_graph, side_stream, two_streams, inference_mode, out_buffer, strided_inputs,
+  input_dtypes:
   per claimed quant scheme, at the base shape and at the 512-wide one for paths it did not reach.
 - padded_ids: -1 top-k ids (`MoEConfig.topk_padding`), per claimed quant scheme, paths as above.
 - double_process, bad_input, honesty.
@@ -46,6 +47,7 @@ BEHAVIOUR_CHECKS = (
     "determinism",
     "cuda_graph",
     "side_stream",
+    "two_streams",
     "inference_mode",
     "out_buffer",
     "strided_inputs",
@@ -59,7 +61,7 @@ class Case:
 
     id: str
     family: str
-    check: str  # numeric, padding, determinism, cuda_graph, side_stream, inference_mode, out_buffer,
+    check: str  # numeric, padding, determinism, cuda_graph, side_stream, two_streams, inference_mode, out_buffer,
     # strided_inputs, input_dtypes, padded_ids, double_process, bad_input, logits, honesty
     config: MoEConfig
     quant: QuantScheme

@@ -145,7 +145,7 @@ class CaseRunner:
         if case.check == "cuda_graph" and self.device.type != "cuda":
             res.status, res.detail = NOT_RUN, f"CUDA graphs need a CUDA device; this run is on {self.device.type}"
             return res
-        if case.check == "side_stream" and self.device.type != "cuda":
+        if case.check in ("side_stream", "two_streams") and self.device.type != "cuda":
             res.status, res.detail = NOT_RUN, f"CUDA streams need a CUDA device; this run is on {self.device.type}"
             return res
         if case.check == "cuda_graph" and not p.graph_capturable:
@@ -303,6 +303,51 @@ class CaseRunner:
                 problems.append(f"{t} tokens: differs from the default stream's forward ({c.detail})")
         res.status = FAIL if problems else PASS
         res.detail = "; ".join(problems) or "forwards on a side stream equal the default stream's" + (
+            " (bitwise)" if exact else ""
+        )
+
+    def _check_two_streams(self, case: Case, res: CaseResult) -> None:
+        """Two layers of one shape (different weights and inputs) queued on two streams at
+        once, as two-batch overlap or a side stream runs them. Both streams wait for one gate
+        (a third stream that sleeps), so their forwards become ready together; each result must
+        equal the same layer's forward on the default stream (bitwise where the pipeline claims
+        determinism). Buffers that a backend shares between layers of one shape and that nothing
+        orders across streams are written by both forwards at once. At 1 token and at the
+        case's size."""
+        prob = make_problem(case)
+        other = make_problem(Case(**{**case.__dict__, "seed": case.seed + 1}))
+        d = self.device
+        layers = []
+        for p in (prob, other):
+            layer = self._layer(case)
+            layer.load_weights(p.weights.to(d))
+            layers.append(layer)
+        tol = tolerance_for(case.quant, case.config.dtype)
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems = []
+        for t in sorted({1, prob.x.shape[0]}):
+            inputs = [tuple(v[:t].to(d) for v in (p.x, p.ids, p.wts)) for p in (prob, other)]
+            wants = [layer(*xs).cpu() for layer, xs in zip(layers, inputs, strict=True)]
+            torch.cuda.synchronize(d)
+            gate, streams = torch.cuda.Stream(d), [torch.cuda.Stream(d) for _ in layers]
+            with torch.cuda.stream(gate):
+                torch.cuda._sleep(100_000_000)  # ~50-70 ms: both forwards are queued before it ends
+            opened = gate.record_event()
+            gots = []
+            for layer, xs, stream in zip(layers, inputs, streams, strict=True):
+                stream.wait_event(opened)
+                with torch.cuda.stream(stream):
+                    gots.append(layer(*xs))
+            for stream in streams:
+                torch.cuda.current_stream(d).wait_stream(stream)
+            torch.cuda.synchronize(d)
+            for name, got, want in zip(("first", "second"), gots, wants, strict=True):
+                got = got.cpu()
+                c = compare(got, want, tol)
+                if (exact and not torch.equal(got, want)) or not c.ok:
+                    problems.append(f"{t} tokens, {name} layer: differs from its default-stream forward ({c.detail})")
+        res.status = FAIL if problems else PASS
+        res.detail = "; ".join(problems) or "two layers' forwards on two streams at once equal their own" + (
             " (bitwise)" if exact else ""
         )
 

@@ -6,10 +6,12 @@ no search, and no host sync unless input validation with value checks is on).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Literal
 
 import torch
+from moehal import stream_order
 from moehal.config import MoEConfig
 from moehal.errors import (
     InputError,
@@ -27,6 +29,7 @@ from moehal.plugins import Registry, discover
 from moehal.quant import QuantScheme
 from moehal.routing import TopK, route
 from moehal.selection import Pipeline, Plan, QuantizeAdapter, select
+from moehal.stream_order import StreamOrder
 from moehal.weights import ExpertWeights, validate
 
 _ID_DTYPES = frozenset({torch.int32, torch.int64})
@@ -87,6 +90,8 @@ class MoELayer(torch.nn.Module):
             self.plan = select(self.request, reg, chosen, layout)
         self.device = hw.device
         self._on_cuda = self.device.type == "cuda"
+        # forwards on this device in one order across streams and threads (shared scratch)
+        self._order: StreamOrder | None = stream_order.for_device(self.device) if self._on_cuda else None
         self.validate_values = validate if validate is not None else hw.kind == "cpu"
         p = self.plan.pipeline
         self._fused: FusedRunner | None = None
@@ -213,10 +218,26 @@ class MoELayer(torch.nn.Module):
         out: a `[T, H]` tensor of config.dtype to write the result into (returned). An engine
         that passes the same buffers call after call gets, with `cuda_graph_tokens`, a replay
         that reads its inputs and writes `out` in place: one graph launch, no copies.
+        On a CUDA device, forwards run in the order they are queued, whatever stream or thread
+        queues them (`moehal.stream_order`: the backends' scratch is shared by layers).
         """
         if torch.compiler.is_compiling():  # one opaque node: moehal::moe_forward[_logits]
             y = custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
             return y if out is None else out.copy_(y)
+        order = self._order
+        if order is None:
+            return self._forward(hidden_states, topk_ids, topk_weights, router_logits, out)
+        with order:
+            return self._forward(hidden_states, topk_ids, topk_weights, router_logits, out)
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        router_logits: torch.Tensor | None,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self._graph_tokens and not self.validate_values:  # an engine's steady state: one replay
             if router_logits is None:
                 y = self._graphs_topk.replay_direct((hidden_states, topk_ids, topk_weights), out)
@@ -329,10 +350,11 @@ class MoELayer(torch.nn.Module):
             raise InputError(f"path must be 'auto', 'main' or 'small', got {path!r}")
         disp = self._small_dispatch if small else self._dispatch
         assert disp is not None
-        dispatched, handle = disp.dispatch(hidden_states, topk)
-        adapted = self._adapter(dispatched) if self._adapter is not None and not small else dispatched
-        expert_out = self._experts.apply(adapted)
-        out = disp.combine(expert_out, handle)
+        with self._order or contextlib.nullcontext():
+            dispatched, handle = disp.dispatch(hidden_states, topk)
+            adapted = self._adapter(dispatched) if self._adapter is not None and not small else dispatched
+            expert_out = self._experts.apply(adapted)
+            out = disp.combine(expert_out, handle)
         return {"dispatched": dispatched, "adapted": adapted, "expert_out": expert_out, "out": out}
 
     # Input checks --------------------------------------------------------------------------

@@ -637,7 +637,9 @@ def workspace(
 ) -> PaddedBuffer:
     """A process-wide persistent buffer per (role, shape, dtype, device): MoE layers run one
     after another on a stream, so layers of equal shape share one (memory stays O(1) in the
-    number of layers). Not for concurrent use from two streams. `bitmap_cols`: cells per row
+    number of layers). Not for concurrent use from two streams: `MoELayer` runs its forwards
+    in one order across streams (`moehal.stream_order`); callers of the kernels themselves
+    order their own. `bitmap_cols`: cells per row
     of a contiguous buffer's written-rows bitmap (kernels that split rows over column chunks
     keep one each)."""
     dev = _device_key(device)
@@ -656,7 +658,7 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     reads and drops after its forward (a decode step's slot rows, the token-major kernels'
     activation rows): a `torch.empty` per call cost an eager decode step 2.3 us of host time
     on an H200 host (docs/device-runs/2026-11-25-session28). The same rule as `workspace`: not
-    for concurrent use from two streams. For launches bound per token count and kept (decode
+    for concurrent use from two streams (`moehal.stream_order`). For launches bound per token count and kept (decode
     sizes), so the shapes a process sees stay few."""
     key = (role, shape, dtype, _device_key(device))
     buf = _SCRATCH.get(key)

@@ -515,7 +515,8 @@ class TokenMoE:
         """out `[T, H]` = the layer's result for x `[T, H]`, local ids `[T, K]` and fp32 router
         weights `[T, K]` (contiguous; None: unweighted). The activation rows between the two
         kernels are process-wide scratch (`triton_permute.scratch`): calls of layers of one
-        shape must not overlap on different streams, as with the permute's workspaces."""
+        shape must not overlap on different streams, as with the permute's workspaces (`MoELayer`
+        orders its forwards across streams: `moehal.stream_order`)."""
         plan = self._plans.get((ids.shape[0], weights is not None))
         if (
             plan is None or x.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous()

@@ -289,6 +289,47 @@ def test_experts_off_the_callers_stream_fail_the_side_stream_check():
     assert all(r.status == "pass" for r in good), [(r.id, r.detail) for r in good]
 
 
+class _SharedBufferRunner(ReferenceExpertsRunner):
+    """Keeps one output buffer per shape for the whole process, as moehal's CUDA scratch is
+    kept, shared by every layer of that shape: it writes its result there, sleeps, and hands out
+    a copy. Two layers whose forwards overlap on two streams write the buffer one after the
+    other before either copies it out, unless something orders their forwards."""
+
+    shared: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def apply(self, inp):
+        out = super().apply(inp)
+        buf = self.shared.setdefault(tuple(out.hidden.shape), torch.empty_like(out.hidden))
+        buf.copy_(out.hidden)
+        torch.cuda._sleep(20_000_000)  # ~10-15 ms at GPU clocks
+        return dataclasses.replace(out, hidden=buf.clone())
+
+
+def test_two_streams_is_not_run_without_cuda():
+    suite = _suite("plain", _bf16_experts("plain", ReferenceExpertsRunner))
+    suite.run([c for c in suite.cases() if c.check == "two_streams"])
+    assert suite.results and all(r.status == "not run" and "CUDA streams" in r.detail for r in suite.results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shared_buffers_fail_the_two_streams_check_unless_forwards_are_ordered(monkeypatch):
+    from moehal import stream_order
+
+    suite = _suite("shared", _bf16_experts("shared", _SharedBufferRunner), device="cuda")
+    cases = [c for c in suite.cases() if c.check == "two_streams"]
+    suite.run(cases)  # ordered (the default): the buffer is written and read one forward at a time
+    ordered = [(r.id, r.status, r.detail) for r in suite.results]
+    assert ordered and all(status == "pass" for _, status, _ in ordered), ordered
+    monkeypatch.setattr(stream_order, "ENABLED", False)
+    unordered = _suite("shared", _bf16_experts("shared", _SharedBufferRunner), device="cuda")
+    unordered.run([c for c in unordered.cases() if c.check == "two_streams"])
+    seen = [(r.id, r.status, r.detail) for r in unordered.results]
+    assert seen and all(status == "fail" and "differs from its default-stream forward" in detail
+                        for _, status, detail in seen), seen  # fmt: skip
+    good = _reference_results("two_streams", "cuda")
+    assert all(r.status == "pass" for r in good), [(r.id, r.detail) for r in good]
+
+
 class _KeepsBuffersRunner(ReferenceExpertsRunner):
     """Keeps one output buffer per shape across calls and writes it in place, allocated where
     the first call runs (an inference tensor under `torch.inference_mode()`)."""

@@ -4,9 +4,9 @@
    switched off (`stream_order.ENABLED = False`: forwards queue on their streams unordered, as
    before session 38), then on. Off, the CUDA backend's layers of one shape share their scratch,
    and cases whose forwards overlap should fail; on, every case must pass.
-2. The cost: host time of plain eager forwards (`moehal.bench.host_time_back_to_back`) through
-   `layer.forward` (ordered) and `layer._forward` (the same forward without the order), in
-   interleaved rounds, at decode sizes of the benchmark shapes.
+2. The cost: host time of plain eager forwards (`moehal.bench.host_time_back_to_back`) of one
+   layer with its order and without it (`layer._order = None`, as on a device without one), in
+   interleaved rounds, at decode sizes of the benchmark shapes; and of the order alone.
 
     python tools/two_streams_probe.py [--backend cuda] [--cases qwen3_30b_a3b:1,mixtral_8x7b:1]
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import moehal
 import torch
@@ -56,10 +57,18 @@ def host_cost_one(shape: str, t: int, rounds: int, dev: torch.device) -> str:
     layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13, w2))
     x, ids, wts = bench_inputs(cfg, t)
     x, ids, wts = x.to(dev, cfg.dtype), ids.to(dev, torch.int32), wts.to(dev)
-    fns = {
-        "ordered": lambda: layer(x, ids, wts),
-        "unordered": lambda: layer._forward(x, ids, wts, None, None),
-    }
+    order = layer._order
+
+    def ordered() -> torch.Tensor:
+        layer._order = order
+        return layer(x, ids, wts)
+
+    def unordered() -> torch.Tensor:  # `MoELayer.forward` as on a device without an order
+        layer._order = None
+        return layer(x, ids, wts)
+
+    fns = {"ordered": ordered, "unordered": unordered}
+    switches = order.switches
     for fn in fns.values():  # binds, compiles, memo captures
         for _ in range(5):
             fn()
@@ -67,16 +76,35 @@ def host_cost_one(shape: str, t: int, rounds: int, dev: torch.device) -> str:
     for _ in range(rounds):
         for name, fn in fns.items():
             times[name].append(host_time_back_to_back(fn, dev, rounds=20) * 1e6)
+    layer._order = order
+    switches = order.switches - switches  # 0: every timed call ran on the stream of the last
     a, b = statistics.median(times["ordered"]), statistics.median(times["unordered"])
     diffs = [x - y for x, y in zip(times["ordered"], times["unordered"], strict=True)]
     return (
         f"| {shape}:{t} | {layer.plan.pipeline.name} | {a:.1f} | {b:.1f} | "
-        f"{statistics.median(diffs):+.2f} ({min(diffs):+.2f} to {max(diffs):+.2f}) |"
+        f"{statistics.median(diffs):+.2f} ({min(diffs):+.2f} to {max(diffs):+.2f}) | {switches} |"
     )
 
 
+def order_alone(dev: torch.device, calls: int = 20000) -> str:
+    """Host time of entering and leaving the order on the stream of the last forward."""
+    order = stream_order.for_device(dev)
+    with order:
+        pass
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            with order:
+                pass
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return f"entering and leaving the order alone: {statistics.median(samples):.3f} us (median of 5 x {calls})"
+
+
 def host_cost(cases: list[tuple[str, int]], rounds: int, dev: torch.device) -> None:
-    print("\n| case | path | ordered us | unordered us | ordered - unordered us |\n|---|---|---|---|---|")
+    print("\n" + order_alone(dev))
+    print("\n| case | path | ordered us | unordered us | ordered - unordered us | stream switches |")
+    print("|---|---|---|---|---|---|")
     for shape, t in cases:
         print(host_cost_one(shape, t, rounds, dev))
         moehal.bench.release_layers(dev)

@@ -17,7 +17,7 @@ from moehal.layer import MoELayer
 from moehal.plugins import Registry
 from moehal.weights import ExpertWeights, quantize_weights
 from moehal_conformance.cases import Case
-from moehal_conformance.tolerances import compare, tolerance_for
+from moehal_conformance.tolerances import Tolerance, compare, tolerance_for
 
 PASS, FAIL, DECLINED, NOT_RUN = "pass", "fail", "declined", "not run"
 
@@ -297,14 +297,24 @@ class CaseRunner:
                 got = layer(x, ids, w)
             torch.cuda.current_stream(d).wait_stream(side)
             torch.cuda.synchronize(d)
-            got = got.cpu()
-            c = compare(got, want, tol)
-            if (exact and not torch.equal(got, want)) or not c.ok:
-                problems.append(f"{t} tokens: differs from the default stream's forward ({c.detail})")
+            why = self._differs(got, want, tol, exact)
+            if why:
+                problems.append(f"{t} tokens: differs from the default stream's forward ({why})")
+        self._verdict(res, problems, "forwards on a side stream equal the default stream's", exact)
+
+    @staticmethod
+    def _differs(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, exact: bool) -> str | None:
+        """Why `got` is not `want`: beyond the tolerance, or not bitwise equal where the
+        pipeline claims determinism (`exact`); None when it is."""
+        got, want = got.cpu(), want.cpu()
+        c = compare(got, want, tol)
+        return c.detail if (exact and not torch.equal(got, want)) or not c.ok else None
+
+    @staticmethod
+    def _verdict(res: CaseResult, problems: list[str], passed: str, exact: bool) -> None:
+        """FAIL with the problems, or PASS saying what held (bitwise where `exact`)."""
         res.status = FAIL if problems else PASS
-        res.detail = "; ".join(problems) or "forwards on a side stream equal the default stream's" + (
-            " (bitwise)" if exact else ""
-        )
+        res.detail = "; ".join(problems) or passed + (" (bitwise)" if exact else "")
 
     def _check_two_streams(self, case: Case, res: CaseResult) -> None:
         """Two layers of one shape (different weights and inputs) queued on two streams at
@@ -342,14 +352,10 @@ class CaseRunner:
                 torch.cuda.current_stream(d).wait_stream(stream)
             torch.cuda.synchronize(d)
             for name, got, want in zip(("first", "second"), gots, wants, strict=True):
-                got = got.cpu()
-                c = compare(got, want, tol)
-                if (exact and not torch.equal(got, want)) or not c.ok:
-                    problems.append(f"{t} tokens, {name} layer: differs from its default-stream forward ({c.detail})")
-        res.status = FAIL if problems else PASS
-        res.detail = "; ".join(problems) or "two layers' forwards on two streams at once equal their own" + (
-            " (bitwise)" if exact else ""
-        )
+                why = self._differs(got, want, tol, exact)
+                if why:
+                    problems.append(f"{t} tokens, {name} layer: differs from its default-stream forward ({why})")
+        self._verdict(res, problems, "two layers' forwards on two streams at once equal their own", exact)
 
     def _check_inference_mode(self, case: Case, res: CaseResult) -> None:
         """First forwards under `torch.inference_mode()`, as engines serve, then the same
@@ -374,9 +380,9 @@ class CaseRunner:
         with torch.no_grad():
             for t, want in zip(sizes, served, strict=True):
                 got = layer(x[:t], ids[:t], w[:t])
-                c = compare(got.cpu(), want.cpu(), tol)
-                if (exact and not torch.equal(got, want)) or not c.ok:
-                    problems.append(f"{t} tokens: no_grad differs from inference_mode ({c.detail})")
+                why = self._differs(got, want, tol, exact)
+                if why:
+                    problems.append(f"{t} tokens: no_grad differs from inference_mode ({why})")
         self._agreeing(case, res, problems, got, prob, "inference_mode, then no_grad", "bitwise equal")
 
     def _check_out_buffer(self, case: Case, res: CaseResult) -> None:
@@ -402,13 +408,10 @@ class CaseRunner:
                 if got is not buf:
                     problems.append(f"{t} tokens, {how}: returned a new tensor, not out")
                     continue
-                c = compare(buf.cpu(), want, tol)
-                if (exact and not torch.equal(buf.cpu(), want)) or not c.ok:
-                    problems.append(f"{t} tokens, {how}: differs from the call without out ({c.detail})")
-        res.status = FAIL if problems else PASS
-        res.detail = "; ".join(problems) or f"{checked} calls wrote out as the plain call computes" + (
-            " (bitwise)" if exact else ""
-        )
+                why = self._differs(buf, want, tol, exact)
+                if why:
+                    problems.append(f"{t} tokens, {how}: differs from the call without out ({why})")
+        self._verdict(res, problems, f"{checked} calls wrote out as the plain call computes", exact)
 
     def _check_strided_inputs(self, case: Case, res: CaseResult) -> None:
         """Inputs as engines may hold them: hidden_states a view of wider rows (row stride past

@@ -90,7 +90,9 @@ class MoELayer(torch.nn.Module):
             self.plan = select(self.request, reg, chosen, layout)
         self.device = hw.device
         self._on_cuda = self.device.type == "cuda"
-        # forwards on this device in one order across streams and threads (shared scratch)
+        self._device_index = self.device.index if self._on_cuda else -1  # (`Tensor.get_device()`)
+        # forwards on this device in one order across streams and threads (shared scratch),
+        # with the device current while they queue (Triton launches on the current device)
         self._order: StreamOrder | None = stream_order.for_device(self.device) if self._on_cuda else None
         self.validate_values = validate if validate is not None else hw.kind == "cpu"
         p = self.plan.pipeline
@@ -177,11 +179,12 @@ class MoELayer(torch.nn.Module):
         if self._weights is None:
             raise WeightsNotLoadedError("call layer.load_weights(...) before processing weights")
         proc = self.plan.pipeline.processor
-        self._hand_input_scale(self._weights)
-        prepared: Any = proc.process(self._weights, self.request) if proc is not None else self._weights
-        runner = self._fused if self._fused is not None else self._experts
-        assert runner is not None
-        runner.load(prepared)
+        with self._order or contextlib.nullcontext():  # processors and loads may launch kernels
+            self._hand_input_scale(self._weights)
+            prepared: Any = proc.process(self._weights, self.request) if proc is not None else self._weights
+            runner = self._fused if self._fused is not None else self._experts
+            assert runner is not None
+            runner.load(prepared)
         self._weights = None  # the runner owns the (possibly transformed) copy now
         self._processed = True
 
@@ -219,7 +222,8 @@ class MoELayer(torch.nn.Module):
         that passes the same buffers call after call gets, with `cuda_graph_tokens`, a replay
         that reads its inputs and writes `out` in place: one graph launch, no copies.
         On a CUDA device, forwards run in the order they are queued, whatever stream or thread
-        queues them (`moehal.stream_order`: the backends' scratch is shared by layers).
+        queues them, with the layer's device current (`moehal.stream_order`: the backends'
+        scratch is shared by layers, and Triton launches on the current device).
         """
         if torch.compiler.is_compiling():  # one opaque node: moehal::moe_forward[_logits]
             y = custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
@@ -367,7 +371,7 @@ class MoELayer(torch.nn.Module):
             raise InputError(f"hidden_states must be [T, {c.hidden_size}], got {shape}")
         if x.dtype != c.dtype:
             raise InputError(f"hidden_states dtype is {x.dtype}; this layer was built for {c.dtype}")
-        if (not x.is_cuda) if self._on_cuda else x.device.type != self.device.type:
+        if x.get_device() != self._device_index if self._on_cuda else x.device.type != self.device.type:
             raise InputError(f"hidden_states is on {x.device}; the layer is on {self.device}")
         if c.max_tokens is not None and x.shape[0] > c.max_tokens:
             raise InputError(f"{x.shape[0]} tokens exceed MoEConfig.max_tokens={c.max_tokens}")

@@ -11,7 +11,11 @@ device runs inside its device's `StreamOrder`:
 - on another stream, that stream first waits for everything queued so far on the last one (an
   event recorded there: no host sync), and becomes the last one;
 - one lock per device keeps another thread from queueing a forward while this one queues its
-  kernels, so the event covers whole forwards.
+  kernels, so the event covers whole forwards;
+- the device is made the current one while the forward queues, and the caller's restored
+  after. Triton launches on the current device, whatever device its tensors are on: a layer on
+  `cuda:1` called while `cuda:0` is current (a model spread over GPUs in one process, as
+  transformers' `device_map="auto"` does) would launch its kernels on the wrong GPU.
 
 Forwards on one device thus run in the order they were queued, as they do on one stream. Two
 forwards on two streams no longer overlap each other (their other work still does).
@@ -33,6 +37,12 @@ import torch
 ENABLED = True
 
 
+def _device_getter() -> Any:
+    """The current CUDA device's index, as cheaply as torch gives it (what Triton's launcher
+    asks for at every launch)."""
+    return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def _raw_stream_getter() -> Any:
     """The cheapest query of a device's current stream: torch's raw handle (what Triton's
     launcher asks for at every launch), or the stream object's handle where torch lacks it."""
@@ -43,10 +53,11 @@ def _raw_stream_getter() -> Any:
 
 
 class StreamOrder:
-    """The order of moehal's forwards on one CUDA device (see the module's note). A context
-    manager: `with order: <queue a forward>`. Re-entrant in one thread."""
+    """The order of moehal's forwards on one CUDA device, which is current inside (see the
+    module's note). A context manager: `with order: <queue a forward>`. Re-entrant in one
+    thread."""
 
-    __slots__ = ("index", "switches", "_lock", "_last", "_last_stream", "_raw")
+    __slots__ = ("index", "switches", "_lock", "_last", "_last_stream", "_raw", "_device", "_callers")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -55,19 +66,34 @@ class StreamOrder:
         self._last: int | None = None  # the raw handle of the stream moehal queued on last
         self._last_stream: torch.cuda.Stream | None = None
         self._raw = _raw_stream_getter()
+        self._device = _device_getter()
+        self._callers: list[int] = []  # the current device at each entry (nested entries too)
 
     def __enter__(self) -> StreamOrder:
         self._lock.acquire()
         try:
+            caller = self._device()
+            if caller != self.index:
+                torch.cuda.set_device(self.index)
+            self._callers.append(caller)
+        except BaseException:
+            self._lock.release()
+            raise
+        try:
             if ENABLED and self._raw(self.index) != self._last:
                 self._switch()
         except BaseException:
-            self._lock.release()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        caller = self._callers.pop()
+        try:
+            if caller != self.index:
+                torch.cuda.set_device(caller)
+        finally:
+            self._lock.release()
 
     def _switch(self) -> None:
         """The current stream waits for the work queued on the last one, and becomes it."""

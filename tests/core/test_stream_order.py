@@ -38,10 +38,18 @@ def gpu(monkeypatch):
     state = type("Gpu", (), {})()
     state.current = _Stream(1)
     state.capturing = False
+    state.device, state.set_to = 0, []  # the current device, and each `set_device` call
+
+    def set_device(index: int) -> None:
+        state.device = index
+        state.set_to.append(index)
+
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: state.current)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state.capturing)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(stream_order, "_raw_stream_getter", lambda: lambda index: state.current.cuda_stream)
+    monkeypatch.setattr(stream_order, "_device_getter", lambda: lambda: state.device)
     return state
 
 
@@ -126,6 +134,26 @@ def test_the_order_is_reentrant_and_released_on_errors(gpu):
     t.start()
     t.join(5)
     assert done.is_set()
+
+
+def test_the_device_is_current_inside_and_the_callers_after(gpu):
+    order = StreamOrder(1)  # a layer on cuda:1, called while cuda:0 is current
+    with order:
+        assert gpu.device == 1
+        with order:  # nested: the device stays, and the outer entry restores the caller's
+            assert gpu.device == 1
+        assert gpu.device == 1
+    assert gpu.device == 0 and gpu.set_to == [1, 0]
+    with pytest.raises(RuntimeError), order:
+        raise RuntimeError("kernel failed")
+    assert gpu.device == 0
+
+
+def test_a_layer_on_the_current_device_never_sets_it(gpu):
+    order = StreamOrder(0)
+    _run(order)
+    _run(order)
+    assert gpu.set_to == []
 
 
 def test_one_order_per_device(gpu, monkeypatch):

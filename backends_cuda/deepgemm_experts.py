@@ -52,7 +52,15 @@ from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProces
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser, layer_key
-from moehal_cuda.support import deep_gemm_decision, dg_fn, import_deep_gemm, sm_decision, triton_decision
+from moehal_cuda.support import (
+    claim_deep_gemm_device,
+    deep_gemm_decision,
+    deep_gemm_device_decision,
+    dg_fn,
+    import_deep_gemm,
+    sm_decision,
+    triton_decision,
+)
 
 LAYOUT = "deepgemm"
 SUPPORTED_SM = (90, 100, 103)
@@ -782,7 +790,8 @@ class DeepGemmExperts(Experts):
     fp8_tensor_portable_max_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:
-        return sm_decision(req, SUPPORTED_SM, "DeepGEMM")
+        d = sm_decision(req, SUPPORTED_SM, "DeepGEMM")
+        return deep_gemm_device_decision(req) if d.ok else d
 
     def check_libraries(self, req: BuildRequest) -> Decision:
         d = triton_decision()
@@ -877,4 +886,5 @@ class DeepGemmExperts(Experts):
         sm100 = _is_sm100(req)
         # SM100 FP8 weight scales are packed UE8M0, which only DeepGEMM reads.
         chooser = None if (fp8 and sm100) else GemmChooser(req.hardware.name)
+        claim_deep_gemm_device(req)
         return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, sm100), chooser, self.small_batch_format(req))

@@ -26,6 +26,7 @@ from moehal_cuda.deepgemm_experts import (
     DeepGemmWeights,
     check_masked_rows,
 )
+from moehal_cuda.support import claim_deep_gemm_device
 
 LAYOUT = "deepgemm_nvfp4_dequant"
 
@@ -151,4 +152,5 @@ class Nvfp4DequantExperts(DeepGemmExperts):
         return [masked, contig] if mt is not None and mt <= 512 else [contig, masked]
 
     def build(self, req: BuildRequest, fmt: Any) -> ExpertsRunner:
+        claim_deep_gemm_device(req)
         return Nvfp4DequantRunner(req, fmt, DeepGemmOps(False, (req.hardware.sm or 0) >= 100))

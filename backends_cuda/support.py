@@ -101,6 +101,34 @@ def deep_gemm_decision(needed: tuple[str, ...]) -> Decision:
     return accept(f"deep_gemm {version}", "libraries")
 
 
+# The GPU whose layers run DeepGEMM in this process: the first one a DeepGEMM layer was built on.
+# sgl-deep-gemm 0.1.4 keeps one JIT kernel cache per process, and loads each kernel into the
+# context of the GPU that ran it first. The same kernel called on another GPU failed with
+# CUDA_ERROR_INVALID_HANDLE (two H200s, docs/device-runs/2026-11-26-session38).
+_DG_DEVICE: dict[str, int] = {}
+
+
+def deep_gemm_device_decision(req: BuildRequest) -> Decision:
+    """Accept the GPU that DeepGEMM's kernels in this process are loaded on (or any, before
+    the first DeepGEMM layer); decline the others with the reason."""
+    first, index = _DG_DEVICE.get("index"), req.hardware.device.index
+    if first is None or index is None or first == index:
+        return accept(predicate="hardware")
+    return decline(
+        f"DeepGEMM's kernels in this process are loaded on cuda:{first}, where its first layer was built; "
+        f"DeepGEMM keeps one kernel cache per process, and its kernels fail on cuda:{index} "
+        "(CUDA_ERROR_INVALID_HANDLE). Run one process per GPU to use DeepGEMM on each",
+        "hardware",
+    )
+
+
+def claim_deep_gemm_device(req: BuildRequest) -> None:
+    """Record the GPU of the first DeepGEMM layer built in this process."""
+    index = req.hardware.device.index
+    if req.hardware.kind == "cuda" and index is not None:
+        _DG_DEVICE.setdefault("index", index)
+
+
 def dg_fn(dg: Any, names: str) -> Any:
     """First attribute of `names` ('a|b|c') that deep_gemm has."""
     for n in names.split("|"):

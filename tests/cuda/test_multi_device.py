@@ -1,7 +1,9 @@
 """Layers on a GPU other than the current one, as a model spread over GPUs in one process
 (transformers' `device_map="auto"`) calls them: Triton launches on the current device, so the
 layer makes its own device current while a forward queues (`moehal.stream_order`). Needs two
-GPUs; `tools/other_device_probe.py` shows what a forward did without that."""
+GPUs; `tools/other_device_probe.py` shows what a forward did without that. DeepGEMM runs on
+one GPU per process (`moehal_cuda.support.deep_gemm_device_decision`): these tests build their
+DeepGEMM layers on cuda:0, as the other GPU tests of the process do."""
 
 from __future__ import annotations
 
@@ -43,21 +45,30 @@ def _err(y: torch.Tensor, yr: torch.Tensor) -> float:
 
 
 def test_a_layer_on_another_gpu_than_the_current_one_runs_on_its_own():
-    torch.cuda.set_device(0)
-    cfg, layer, ref = _layer_pair("cuda:1")
-    assert torch.cuda.current_device() == 0  # building and loading left the caller's device current
-    for step, t in enumerate((1, 16, 32, 1)):  # the token-major decode path, the masked pipeline, again
-        x, ids, w = _inputs(cfg, t, step)
-        y = layer(x.to("cuda:1"), ids.to("cuda:1"), w.to("cuda:1"))
-        assert torch.cuda.current_device() == 0
-        assert y.device == torch.device("cuda", 1)
-        assert _err(y, ref(x, ids, w)) < 3e-2, (t, layer.plan.pipeline.name)
+    # The layer on cuda:0 (where the other GPU tests build theirs: DeepGEMM's kernels stay on the
+    # GPU that first ran them), called while cuda:1 is current.
+    torch.cuda.set_device(1)
+    try:
+        cfg, layer, ref = _layer_pair("cuda:0")
+        assert torch.cuda.current_device() == 1  # building and loading left the caller's device current
+        for step, t in enumerate((1, 16, 32, 1)):  # the token-major decode path, the masked pipeline, again
+            x, ids, w = _inputs(cfg, t, step)
+            y = layer(x.to("cuda:0"), ids.to("cuda:0"), w.to("cuda:0"))
+            assert torch.cuda.current_device() == 1
+            assert y.device == torch.device("cuda", 0)
+            assert _err(y, ref(x, ids, w)) < 3e-2, (t, layer.plan.pipeline.name)
+    finally:
+        torch.cuda.set_device(0)
 
 
 def test_layers_of_one_shape_on_two_gpus_take_turns():
+    """On the second GPU, DeepGEMM declines (its kernels are loaded on the first: sgl-deep-gemm
+    keeps one kernel cache per process), and the layer runs the next experts kernel."""
     torch.cuda.set_device(0)
     cfg, on0, ref = _layer_pair("cuda:0")
     _, on1, _ = _layer_pair("cuda:1")
+    assert "cuda.deepgemm" in on0.plan.pipeline.name and "cuda.deepgemm" not in on1.plan.pipeline.name
+    assert any("loaded on cuda:0" in d.reason for d in on1.plan.decisions), on1.plan
     for step, t in enumerate((1, 16, 1, 16)):
         x, ids, w = _inputs(cfg, t, step)
         want = ref(x, ids, w)
@@ -68,7 +79,7 @@ def test_layers_of_one_shape_on_two_gpus_take_turns():
 def test_inputs_on_another_gpu_than_the_layer_are_refused():
     import moehal
 
-    cfg, layer, _ = _layer_pair("cuda:1")
+    cfg, layer, _ = _layer_pair("cuda:0")
     x, ids, w = _inputs(cfg, 4, 0)
-    with pytest.raises(moehal.InputError, match="hidden_states is on cuda:0; the layer is on cuda:1"):
-        layer(x.to("cuda:0"), ids.to("cuda:0"), w.to("cuda:0"))
+    with pytest.raises(moehal.InputError, match="hidden_states is on cuda:1; the layer is on cuda:0"):
+        layer(x.to("cuda:1"), ids.to("cuda:1"), w.to("cuda:1"))

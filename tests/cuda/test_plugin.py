@@ -196,3 +196,23 @@ def test_masked_workspace_budget_reads_from_the_environment():
 
     with pytest.raises(ValueError, match="number of GiB"):
         Settings.from_env({"MOEHAL_MASKED_WORKSPACE_GIB": "lots"})
+
+
+def test_deepgemm_experts_stay_on_the_gpu_of_the_first_deepgemm_layer(monkeypatch):
+    """sgl-deep-gemm loads each JIT kernel on the GPU that first ran it (one cache per process):
+    once a DeepGEMM layer is built on one GPU, layers on another decline with the reason, and
+    selection goes on to the next experts kernel."""
+    from moehal_cuda import support
+
+    monkeypatch.setattr(support, "_DG_DEVICE", {})
+    on = {i: BuildRequest(CFG, QuantScheme.parse("bf16"), HardwareInfo("cuda", torch.device("cuda", i), "fake", (9, 0)))
+          for i in (0, 1)}  # fmt: skip
+    experts = DeepGemmExperts()
+    assert experts.check_hardware(on[1]).ok and experts.check_hardware(on[0]).ok  # nothing claimed yet
+    support.claim_deep_gemm_device(on[1])
+    support.claim_deep_gemm_device(on[0])  # the first claim stays
+    assert experts.check_hardware(on[1]).ok
+    d = experts.check_hardware(on[0])
+    assert not d.ok and d.predicate == "hardware"
+    assert "loaded on cuda:1" in d.reason and "fail on cuda:0" in d.reason and "one process per GPU" in d.reason
+    assert support.deep_gemm_device_decision(_req(None)).ok  # a CPU request names no GPU

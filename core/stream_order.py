@@ -20,6 +20,10 @@ device runs inside its device's `StreamOrder`:
 Forwards on one device thus run in the order they were queued, as they do on one stream. Two
 forwards on two streams no longer overlap each other (their other work still does).
 
+The last stream is kept until a forward runs on another one, which then records an event on
+it: a `torch.cuda.ExternalStream` that a forward ran on must outlive that (torch's own streams
+are never destroyed).
+
 Not covered: CUDA graphs an engine captures and replays itself. A capture is skipped here (its
 stream waited for the caller's when it began), so a replay of such a graph runs in the order the
 engine gives it. `moehal.graphs`' own replays go through the layer's forward, which is ordered.

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 
 from moehal.cli.common import make_console
 from moehal.errors import MoEHalError
-from moehal_conformance import report
+from moehal_conformance import components, report
 from moehal_conformance.runner import FAIL, PASS
 from moehal_conformance.suite import Suite
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rs = [r for r in suite.results if r.family == fam]
         t.add_row(fam, *(str(sum(r.status == s for r in rs)) for s in (PASS, FAIL, "declined", "not run")))
     console.print(t)
+    comps = components.summarize(suite)
+    if comps:
+        ct = Table(title=f"components of {suite.backend}", title_justify="left")
+        for col in ("component", "kind", "result", "detail"):
+            ct.add_column(col)
+        style = {components.VERIFIED: "green", components.FAILED: "red", components.NOT_RAN: "yellow"}
+        for c in comps:
+            ct.add_row(c.qualname, c.kind, Text(c.status, style=style.get(c.status, "")), Text(c.detail))
+        console.print(ct)
     for r in suite.results:
         if r.status == FAIL or args.show_passing:
             console.print(f"{r.id}: {r.label} {r.detail if r.status == FAIL else ''}", markup=False)

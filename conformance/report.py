@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from moehal_conformance import components
 from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite
 
@@ -17,6 +19,7 @@ def to_dict(suite: Suite) -> dict[str, Any]:
     return {
         **suite.metadata(),
         "summary": {**suite.counts(), "claimed_anything": suite.claimed_anything, "ok": suite.ok},
+        "components": [dataclasses.asdict(c) for c in components.summarize(suite)],
         "cases": [
             {
                 "id": r.id,
@@ -94,6 +97,7 @@ def to_markdown(suite: Suite) -> str:
         "`pass (emulated)`: vendor ops ran as documented torch stand-ins; `pass (interpreted)`: the real kernel "
         "code ran under an interpreter (TRITON_INTERPRET=1). Neither is a hardware result.",
         "",
+        *_components_section(suite),
         "## Matrix: quant scheme x layout (matrix, features, shapes, pairs, padding, routing)",
         "",
     ]
@@ -133,6 +137,27 @@ def to_markdown(suite: Suite) -> str:
         lines.append(f"| {r.id} | {_escape(r.pipeline)} | {_escape(r.label)} | {err} |")
     lines += ["", "</details>", ""]
     return "\n".join(lines)
+
+
+def _components_section(suite: Suite) -> list[str]:
+    """Each declared dispatcher, experts kernel and fused forward: verified, emulated,
+    interpreted, FAIL, or not run with its reason (`moehal_conformance.components`)."""
+    rows = components.summarize(suite)
+    if not rows:
+        return []
+    lines = [
+        "## Components",
+        "",
+        "What this run did with each dispatcher, experts kernel and fused forward the backend declares. "
+        "`verified`: it passed natively on this device; `not run`: no case ran it, for the reason given.",
+        "",
+        "| component | kind | result | detail |",
+        "|---|---|---|---|",
+    ]
+    for c in rows:
+        result = f"**{c.status}**" if c.status == components.FAILED else c.status
+        lines.append(f"| `{c.qualname}` | {c.kind} | {result} | {_escape(c.detail)} |")
+    return [*lines, ""]
 
 
 def _escape(text: str) -> str:

@@ -14,8 +14,9 @@ from moehal.formats import ContiguousInput, StandardInput
 from moehal.interfaces import BackendInfo
 from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
-from moehal_conformance import report
+from moehal_conformance import components, report
 from moehal_conformance.cli import main as conformance_main
+from moehal_conformance.runner import CaseResult
 from moehal_conformance.suite import Suite
 
 
@@ -537,3 +538,76 @@ def test_a_failure_that_leaves_the_device_usable_does_not_stop_the_run(tmp_path)
     failed = {r.id for r in suite.results if r.status == "fail"}
     assert failed == {c.id for c in cases if "/gelu/" in c.id} and not suite.lost_in
     assert "context was lost" not in report.to_markdown(suite)
+
+
+# The components section: what the run did with each declared component ------------------------
+def test_components_of_a_buggy_backend_say_fail_and_count_its_cases():
+    suite = _suite("buggy", _bf16_experts("buggy", _WrongForGeluRunner))
+    suite.run([c for c in suite.cases() if c.family == "matrix"])
+    (comp,) = components.summarize(suite)  # the plugin declares one experts kernel, no dispatcher
+    ran = [r for r in suite.results if "buggy.buggy" in r.pipeline.split()]
+    failed = sum(r.status == "fail" for r in ran)
+    assert comp.qualname == "buggy.buggy" and comp.kind == "experts" and comp.status == "FAIL"
+    assert (comp.passed, comp.failed) == (len(ran) - failed, failed) and failed > 0
+    assert comp.detail == f"{failed} of {len(ran)} cases failed"
+    assert "| `buggy.buggy` | experts | **FAIL** |" in report.to_markdown(suite)
+
+
+def test_components_that_never_ran_give_their_own_decline():
+    suite = _suite("picky", _ClaimsNothing())
+    suite.run([c for c in suite.cases() if c.family == "matrix"])
+    (comp,) = components.summarize(suite)
+    assert comp.status == "not run" and comp.passed == comp.failed == 0
+    assert comp.label == "not run: [hardware] runs on ['npu'], not cpu"
+
+
+def _reference_suite():
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    return Suite("reference", reg, torch.device("cpu"), profile="quick")
+
+
+def test_reference_components_in_the_reports(tmp_path):
+    suite = _reference_suite()
+    suite.run([c for c in suite.cases() if c.family == "matrix"])
+    by_name = {c.qualname: c for c in components.summarize(suite)}
+    assert list(by_name) == ["reference.torch_distributed", "reference.local", "reference.experts"]
+    n = sum(r.status == "pass" for r in suite.results)
+    assert by_name["reference.experts"].status == "verified" and by_name["reference.experts"].passed == n > 0
+    assert by_name["reference.experts"].detail == f"{n} cases passed"
+    ep = by_name["reference.torch_distributed"]
+    assert ep.status == "not run" and ep.detail.startswith("[parallel] ep_size is 1")
+    assert "--ep WORLD --ep-dispatcher reference.torch_distributed" in ep.detail
+    js, md = report.write(suite, tmp_path / "ref")
+    data = json.loads(js.read_text())
+    assert [c["qualname"] for c in data["components"]] == list(by_name)
+    assert data["components"][2]["status"] == "verified"
+    text = md.read_text()
+    assert text.index("## Components") < text.index("## Matrix")
+    assert f"| `reference.experts` | experts | verified | {n} cases passed |" in text
+
+
+def test_components_that_passed_only_off_hardware_are_not_called_verified():
+    suite = _reference_suite()
+    pipe = "reference.local -> reference.experts [standard[bfloat16]]"
+
+    def result(i, mode, status="pass"):
+        return CaseResult(f"c{i}", "matrix", "numeric", "bf16", "standard", pipe, status, mode)
+
+    suite.results = [result(0, "interpreted"), result(1, "interpreted"), result(2, "emulated")]
+    experts = {c.qualname: c for c in components.summarize(suite)}["reference.experts"]
+    assert experts.status == "emulated" and experts.detail == "3 cases passed (1 emulated, 2 interpreted)"
+    suite.results = [result(0, "interpreted"), result(1, "interpreted", "not run")]
+    experts = {c.qualname: c for c in components.summarize(suite)}["reference.experts"]
+    assert experts.status == "interpreted" and experts.detail == "1 case passed (1 interpreted); 1 not run"
+    suite.results.append(result(2, "native"))
+    assert {c.qualname: c for c in components.summarize(suite)}["reference.experts"].status == "verified"
+
+
+def test_a_component_is_named_by_whole_words_of_the_pipeline():
+    pipe = "cuda.permute -> cuda.triton [standard[bfloat16]]"
+    r = CaseResult("c", "matrix", "numeric", "bf16", "standard", pipe, "pass")
+    assert components.ran_in(r, "cuda.triton") and components.ran_in(r, "cuda.permute")
+    assert not components.ran_in(r, "cuda.trit") and not components.ran_in(r, "cuda.triton_weights")
+    fused = dataclasses.replace(r, pipeline="fused cuda.trtllm_fp8_block")
+    assert components.ran_in(fused, "cuda.trtllm_fp8_block") and not components.ran_in(fused, "cuda.triton")

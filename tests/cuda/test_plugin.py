@@ -216,3 +216,23 @@ def test_deepgemm_experts_stay_on_the_gpu_of_the_first_deepgemm_layer(monkeypatc
     assert not d.ok and d.predicate == "hardware"
     assert "loaded on cuda:1" in d.reason and "fail on cuda:0" in d.reason and "one process per GPU" in d.reason
     assert support.deep_gemm_device_decision(_req(None)).ok  # a CPU request names no GPU
+
+
+def test_a_conformance_report_on_an_sm90_gpu_says_which_paths_need_sm100():
+    # The components section of `moehal conformance --backend cuda` on an H100 or H200: the
+    # SM100-only paths read "not run" with their own hardware check's reason, not silence.
+    import moehal
+    from moehal_conformance import components
+    from moehal_conformance.suite import Suite
+
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    hopper = HardwareInfo("cuda", torch.device("cuda", 0), "Test GPU 80GB", (9, 0))
+    rows = {c.qualname: c for c in components.summarize(Suite("cuda", reg, torch.device("cpu")), hopper)}
+    sm100_only = ["cuda.cutedsl_nvfp4", "cuda.cutedsl_nvfp4_masked", "cuda.trtllm_fp8_block", "cuda.trtllm_fp8_tensor"]
+    for name in sm100_only:
+        assert rows[name].status == "not run", rows[name]
+        assert rows[name].detail.startswith("[hardware]") and "needs SM100" in rows[name].detail, rows[name]
+        assert rows[name].detail.endswith("this device is sm90"), rows[name]
+    assert {rows[n].kind for n in sm100_only} == {"experts", "fused"}
+    assert rows["cuda.deepep"].kind == rows["cuda.deepep_ll"].kind == "dispatcher"

@@ -4,7 +4,8 @@
 
 Inert unless `--moehal-backend` is given, so it never changes other test sessions.
 Declined and not-run cases are reported as skips whose reason starts with `declined:` or
-`not run:`; the report file lists them too.
+`not run:`; the report file lists them too. The terminal summary ends with the backend's
+components, verified or not run and why (`moehal_conformance.components`).
 """
 
 from __future__ import annotations
@@ -62,3 +63,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from moehal_conformance import report
 
         report.write(suite, path)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    suite = getattr(config, "_moehal_suite", None)
+    if suite is None or not suite.results:
+        return
+    from moehal_conformance import components
+
+    terminalreporter.section(f"moehal conformance: components of {suite.backend}")
+    for c in components.summarize(suite):
+        terminalreporter.line(f"{c.qualname} ({c.kind}): {c.label}")

@@ -1,0 +1,27 @@
+"""`pytest --pyargs moehal_conformance --moehal-backend=NAME`: the suite as pytest runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_the_pytest_face_runs_cases_writes_the_report_and_lists_components(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
+        "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick", "-k", "matrix and bf16 and silu",
+        f"--moehal-report={tmp_path / 'ref'}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "ref.json").read_text())
+    passed = data["summary"]["pass"]
+    assert passed > 0 and data["summary"]["fail"] == 0
+    assert all(c["id"].startswith("matrix/bf16/silu") for c in data["cases"])
+    assert f"{passed} passed" in done.stdout
+    assert "moehal conformance: components of reference" in done.stdout
+    assert "reference.experts (experts): verified" in done.stdout
+    assert "reference.torch_distributed (dispatcher): not run: [parallel]" in done.stdout

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moehal.capability import Decision
+from moehal.config import MoEConfig
 from moehal.errors import NoBackendError
 from moehal.formats import ActivationFormat, ScaleKind, SmallBatchFormat
+from moehal.hardware import HardwareInfo
 from moehal.interfaces import (
     BuildRequest,
     Dispatcher,
@@ -30,7 +32,9 @@ from moehal.interfaces import (
     WeightProcessor,
 )
 from moehal.plugins import Registry
+from moehal.quant import QuantScheme
 from moehal.quant.activation import quantize_activation
+from moehal.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -384,3 +388,24 @@ def select(
             [d for d in decisions if d.kind != "pipeline" or not d.ok],
         )
     return Plan(req, pipelines[0], tuple(pipelines[1:]), tuple(decisions))
+
+
+# A small config for the machine-level question below: hardware and library checks do not look
+# at sizes, and a config is needed only to form a request.
+_PROBE_CONFIG = dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+
+
+def machine_decision(impl: Implementation, hardware: HardwareInfo, settings: Settings | None = None) -> Decision:
+    """Whether `impl` can run on this machine at all: its hardware check, then its library
+    check (`moehal doctor`'s question). Checks that depend on the layer (quant scheme,
+    activation, parallelism, shape) are `moehal explain`'s, for a given config."""
+    quant = min(impl.quant_schemes, key=lambda q: q.name) if impl.quant_schemes else QuantScheme.parse("bf16")
+    req = BuildRequest(MoEConfig(**_PROBE_CONFIG), quant, hardware, settings or Settings())  # type: ignore[arg-type]
+    try:
+        for check in (impl.check_hardware, impl.check_libraries):
+            d = check(req)
+            if not d.ok:
+                return d
+    except Exception as exc:  # noqa: BLE001 - a plugin's check that raises is itself the answer
+        return Decision(False, f"its capability check raised {type(exc).__name__}: {exc}", "hardware")
+    return Decision(True, "its hardware and library checks pass here", "libraries")

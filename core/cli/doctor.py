@@ -1,4 +1,5 @@
-"""`moehal doctor`: hardware seen, plugins loaded or failed, backends available or why not."""
+"""`moehal doctor`: hardware seen, plugins loaded or failed, backends available or why not, and
+each component of the available backends: whether it can run on this machine, and why not."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import moehal
 import torch
 from moehal.cli.common import cell, console, print_json, status_text, table
 from moehal.hardware import HardwareInfo, detect, package_version
+from moehal.selection import machine_decision
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,9 +48,11 @@ def collect(device: str | None = None) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001
                 entry["libraries"] = {"<error>": f"{type(exc).__name__}: {exc}"}
             entry["description"] = rec.info.description
+            entry["components"] = _components(reg, name, hw)
         else:
             entry["available"], entry["reason"] = False, f"plugin {rec.status}: {rec.error}"
             entry["libraries"] = {}
+            entry["components"] = []
         backends.append(entry)
     return {
         "moehal": moehal.__version__,
@@ -74,6 +78,19 @@ def collect(device: str | None = None) -> dict[str, Any]:
     }
 
 
+def _components(reg: moehal.Registry, backend: str, hw: HardwareInfo) -> list[dict[str, Any]]:
+    """Each dispatcher, experts kernel and fused forward of `backend`: whether its hardware and
+    library checks pass on this machine, and if not, why (`moehal.selection.machine_decision`).
+    Weight processors go with their experts kernel and are not listed."""
+    kinds = (("dispatcher", reg.dispatchers), ("experts", reg.experts), ("fused", reg.fused))
+    out = []
+    for kind, impls in kinds:
+        for impl in sorted((i for i in impls if i.backend == backend), key=lambda i: (-i.priority, i.qualname)):
+            d = machine_decision(impl, hw, reg.settings)
+            out.append({"name": impl.qualname, "kind": kind, "runs_here": d.ok, "reason": d.reason})
+    return out
+
+
 def run(args: argparse.Namespace, rest: Sequence[str] = ()) -> int:
     report = collect(args.device)
     if args.json:
@@ -92,6 +109,13 @@ def run(args: argparse.Namespace, rest: Sequence[str] = ()) -> int:
         plugin = {"loaded": "[green]loaded[/green]", "failed": "[red]FAILED[/red]"}.get(b["status"], b["status"])
         t.add_row(cell(b["name"]), plugin, status_text(b["available"]), cell(b["reason"] or ""), cell(libs))
     console.print(t)
+    comps = [c for b in report["backends"] if b["available"] for c in b["components"]]
+    if comps:
+        ct = table("Components of the available backends", "component", "kind", "runs here", "reason")
+        for c in comps:
+            why = "" if c["runs_here"] else c["reason"]
+            ct.add_row(cell(c["name"]), c["kind"], status_text(c["runs_here"]), cell(why))
+        console.print(ct)
     failed = [b for b in report["backends"] if b["status"] == "failed"]
     for b in failed:
         console.print(

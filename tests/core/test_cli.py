@@ -36,12 +36,18 @@ def test_doctor_json_lists_reference_available_and_others_with_reason():
         if name != "cuda" or not torch.cuda.is_available():  # a GPU machine has cuda
             assert b["available"] is False, f"{name} is available on this machine?"
     assert report["hardware"]["kind"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    ref = {c["name"]: c for c in by_name["reference"]["components"]}
+    assert ref["reference.experts"]["kind"] == "experts" and ref["reference.experts"]["runs_here"] is True
+    assert ref["reference.local"]["kind"] == "dispatcher"
+    npu = by_name["npu"]["components"]
+    assert npu and all(not c["runs_here"] and c["reason"] for c in npu)  # no NPU here: each says why
 
 
 def test_doctor_table(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "reference" in out and "Backends" in out
+    assert "Components of the available backends" in out and "reference.experts" in out
 
 
 def test_explain_shows_decisions_and_plan(capsys):

@@ -222,6 +222,7 @@ def test_a_conformance_report_on_an_sm90_gpu_says_which_paths_need_sm100():
     # The components section of `moehal conformance --backend cuda` on an H100 or H200: the
     # SM100-only paths read "not run" with their own hardware check's reason, not silence.
     import moehal
+    from moehal.selection import machine_decision
     from moehal_conformance import components
     from moehal_conformance.suite import Suite
 
@@ -235,4 +236,9 @@ def test_a_conformance_report_on_an_sm90_gpu_says_which_paths_need_sm100():
         assert rows[name].detail.startswith("[hardware]") and "needs SM100" in rows[name].detail, rows[name]
         assert rows[name].detail.endswith("this device is sm90"), rows[name]
     assert {rows[n].kind for n in sm100_only} == {"experts", "fused"}
+    # `moehal doctor` asks the same machine-level question of each component.
+    for name in sm100_only:
+        impl = next(i for i in reg.all_implementations() if i.qualname == name)
+        d = machine_decision(impl, hopper, reg.settings)
+        assert not d.ok and d.predicate == "hardware" and "needs SM100" in d.reason, d
     assert rows["cuda.deepep"].kind == rows["cuda.deepep_ll"].kind == "dispatcher"

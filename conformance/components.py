@@ -11,7 +11,8 @@ experts kernel and fused forward the backend declares gets one line:
 - `not run`: no case ran it, with the reason its own checks give on this device (for example
   "needs SM100 ... this device is sm90", or a missing vendor library).
 
-Weight processors are not listed: each is used by the experts kernel it prepares weights for.
+The components are `Registry.components(backend)`: weight processors are not listed, since each
+serves the experts kernel it prepares weights for.
 """
 
 from __future__ import annotations
@@ -63,17 +64,10 @@ def summarize(suite: Suite, hardware: HardwareInfo | None = None) -> list[Compon
     reg = suite.registry
     hw = hardware if hardware is not None else detect(suite.device)
     template = BuildRequest(moehal.MoEConfig(**BASE), BF16, hw, reg.settings)  # type: ignore[arg-type]
-    out: list[ComponentResult] = []
-    kinds: tuple[tuple[str, list[Implementation]], ...] = (
-        ("dispatcher", list(reg.dispatchers)),
-        ("experts", list(reg.experts)),
-        ("fused", list(reg.fused)),
-    )
-    for kind, impls in kinds:
-        mine = sorted((i for i in impls if i.backend == suite.backend), key=lambda i: (-i.priority, i.qualname))
-        for impl in mine:
-            out.append(_one(impl, kind, [r for r in suite.results if ran_in(r, impl.qualname)], template))
-    return out
+    return [
+        _one(impl, kind, [r for r in suite.results if ran_in(r, impl.qualname)], template)
+        for kind, impl in reg.components(suite.backend)
+    ]
 
 
 def _one(impl: Implementation, kind: str, ran: list[CaseResult], template: BuildRequest) -> ComponentResult:

@@ -164,6 +164,17 @@ class Registry:
     def all_implementations(self) -> list[Implementation]:
         return [*self.dispatchers, *self.experts, *self.fused, *self.processors]
 
+    def components(self, backend: str) -> list[tuple[str, Implementation]]:
+        """(kind, implementation) of each dispatcher, experts kernel and fused forward that
+        `backend` declares, highest priority first within each kind. Weight processors are left
+        out: each serves the experts kernel it prepares weights for."""
+        kinds = (("dispatcher", self.dispatchers), ("experts", self.experts), ("fused", self.fused))
+        return [
+            (kind, impl)
+            for kind, impls in kinds
+            for impl in sorted((i for i in impls if i.backend == backend), key=lambda i: (-i.priority, i.qualname))
+        ]
+
     def loaded_backends(self) -> list[str]:
         return sorted(n for n, r in self.plugins.items() if r.status == "loaded")
 

@@ -79,15 +79,13 @@ def collect(device: str | None = None) -> dict[str, Any]:
 
 
 def _components(reg: moehal.Registry, backend: str, hw: HardwareInfo) -> list[dict[str, Any]]:
-    """Each dispatcher, experts kernel and fused forward of `backend`: whether its hardware and
-    library checks pass on this machine, and if not, why (`moehal.selection.machine_decision`).
-    Weight processors go with their experts kernel and are not listed."""
-    kinds = (("dispatcher", reg.dispatchers), ("experts", reg.experts), ("fused", reg.fused))
+    """Each dispatcher, experts kernel and fused forward of `backend` (`Registry.components`):
+    whether its hardware and library checks pass on this machine, and if not, why
+    (`moehal.selection.machine_decision`)."""
     out = []
-    for kind, impls in kinds:
-        for impl in sorted((i for i in impls if i.backend == backend), key=lambda i: (-i.priority, i.qualname)):
-            d = machine_decision(impl, hw, reg.settings)
-            out.append({"name": impl.qualname, "kind": kind, "runs_here": d.ok, "reason": d.reason})
+    for kind, impl in reg.components(backend):
+        d = machine_decision(impl, hw, reg.settings)
+        out.append({"name": impl.qualname, "kind": kind, "runs_here": d.ok, "reason": d.reason})
     return out
 
 

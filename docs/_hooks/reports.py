@@ -4,6 +4,8 @@
 so a report committed by a device run appears without editing the page.
 `<!-- goals:FILE.json FILE.json ... -->` (paths under docs/) becomes the performance goals'
 summary computed from those `moehal bench` runs (`moehal.bench_goals`), never typed by hand.
+`<!-- components:FILE.json -->` (a conformance report under docs/) becomes its components
+table: each dispatcher, experts kernel and fused forward, verified or not run and why.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 _MARK = re.compile(r"<!-- reports:([\w\-/]+) -->")
 _GOALS = re.compile(r"<!-- goals:([^>]+?) -->")
+_COMPONENTS = re.compile(r"<!-- components:([^>]+?) -->")
 _KINDS = {".md": "report", ".json": "machine-readable", ".log": "log", ".png": "plot", ".txt": "text"}
 
 
@@ -35,10 +38,35 @@ def _goals(docs_dir: Path, paths: str) -> str:
     return goals_markdown(check_runs([docs_dir / p for p in paths.split()]), cells=False)
 
 
+def _components(docs_dir: Path, page_dir: Path, path: str) -> str:
+    import json
+
+    src = docs_dir / path.strip()
+    report = json.loads(src.read_text())
+    up = [".."] * len(page_dir.relative_to(docs_dir).parts)
+    link = Path(*up, src.relative_to(docs_dir).with_suffix(".md")).as_posix()
+    hw = report["hardware"]
+    rows = [
+        f"Backend `{report['backend']}` on {hw['name']} ({hw['device']}), {report['date'][:10]}, "
+        f"conformance verdict {'PASS' if report['summary']['ok'] else 'not PASS'} "
+        f"([report]({link})):",
+        "",
+        "| component | kind | result | detail |",
+        "|---|---|---|---|",
+    ]
+    for c in report.get("components", []):
+        detail = c["detail"].replace("|", "\\|")
+        rows.append(f"| `{c['qualname']}` | {c['kind']} | {c['status']} | {detail} |")
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     docs_dir = Path(config["docs_dir"])
     if "<!-- goals:" in markdown:
         markdown = _GOALS.sub(lambda m: _goals(docs_dir, m.group(1)), markdown)
+    if "<!-- components:" in markdown:
+        page_dir = (docs_dir / page.file.src_path).parent
+        markdown = _COMPONENTS.sub(lambda m: _components(docs_dir, page_dir, m.group(1)), markdown)
     if "<!-- reports:" not in markdown:
         return markdown
     page_dir = (docs_dir / page.file.src_path).parent

@@ -10,6 +10,7 @@ from moehal.errors import MoEHalError
 from moehal_conformance import components, report
 from moehal_conformance.runner import FAIL, PASS
 from moehal_conformance.suite import Suite
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -54,7 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoEHalError as exc:
         console.print(f"[red]{exc}[/red]", markup=False)
         return 2
-    cases = suite.cases()
+    try:
+        cases = suite.cases()
+    except MoEHalError as exc:  # e.g. PluginCheckError: a check of the backend raised
+        console.print(f"[red]FAIL[/red]: the suite could not compute its cases: {escape(str(exc))}", highlight=False)
+        return 1
     if args.select:
         cases = [c for c in cases if args.select in c.id]
     console.print(f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases")

@@ -41,6 +41,11 @@ class PluginLoadError(MoEHalError, RuntimeError):
     """A plugin failed to import or register (raised only in strict mode)."""
 
 
+class PluginCheckError(MoEHalError, RuntimeError):
+    """A plugin's capability check raised instead of answering with a `Decision`: a bug in that
+    plugin. Selection stops there rather than pass over the plugin without a word."""
+
+
 class NoBackendError(MoEHalError, RuntimeError):
     """No (dispatcher, experts) pair or fused forward accepts this configuration.
 

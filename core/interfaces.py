@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 from moehal.capability import Decision, accept, all_of, decline, require
 from moehal.config import Activation, MoEConfig
+from moehal.errors import MoEHalError, PluginCheckError
 from moehal.formats import ActivationFormat, CombineInput, DispatchOutput, SmallBatchFormat
 from moehal.hardware import HardwareInfo
 from moehal.quant import QuantScheme
@@ -130,16 +131,29 @@ class Implementation(ABC):
         return accept(predicate="shape")
 
     def supports(self, req: BuildRequest) -> Decision:
-        return all_of(
-            [
-                ("hardware", lambda: self.check_hardware(req)),
-                ("libraries", lambda: self.check_libraries(req)),
-                ("quant", lambda: self.check_quant(req)),
-                ("activation", lambda: self.check_activation(req)),
-                ("parallel", lambda: self.check_parallel(req)),
-                ("shape", lambda: self.check_shape(req)),
-            ]
-        )
+        """The named predicates in order; the first decline is the answer. A predicate that
+        raises (a plugin bug, not a decline) becomes `PluginCheckError`, naming the
+        implementation, so that a broken plugin is neither skipped in silence nor reported as
+        an anonymous traceback from inside selection."""
+        try:
+            return all_of(
+                [
+                    ("hardware", lambda: self.check_hardware(req)),
+                    ("libraries", lambda: self.check_libraries(req)),
+                    ("quant", lambda: self.check_quant(req)),
+                    ("activation", lambda: self.check_activation(req)),
+                    ("parallel", lambda: self.check_parallel(req)),
+                    ("shape", lambda: self.check_shape(req)),
+                ]
+            )
+        except MoEHalError:
+            raise
+        except Exception as exc:
+            raise PluginCheckError(
+                f"{self.qualname}: a capability check raised {type(exc).__name__}: {exc}. Checks must answer "
+                f"with accept/decline, not raise: this is a bug in plugin {self.backend!r}. Report it to its "
+                f"vendor; until it is fixed, MOEHAL_DISABLE_PLUGINS={self.backend} skips the plugin"
+            ) from exc
 
 
 # --- dispatch / combine ---------------------------------------------------------------------

@@ -611,3 +611,38 @@ def test_a_component_is_named_by_whole_words_of_the_pipeline():
     assert not components.ran_in(r, "cuda.trit") and not components.ran_in(r, "cuda.triton_weights")
     fused = dataclasses.replace(r, pipeline="fused cuda.trtllm_fp8_block")
     assert components.ran_in(fused, "cuda.trtllm_fp8_block") and not components.ran_in(fused, "cuda.triton")
+
+
+class _RaisingChecks(ReferenceExperts):
+    name = "raising"
+    priority = 40
+
+    def check_hardware(self, req):
+        raise RuntimeError("probe exploded")
+
+
+def test_a_check_that_raises_is_named_as_a_plugin_bug_everywhere(capsys):
+    from moehal.selection import machine_decision
+
+    suite = _suite("raising", _RaisingChecks())
+    # Selection (a layer's build, the suite's cases): a typed error naming the implementation.
+    with pytest.raises(moehal.PluginCheckError, match=r"raising\.raising: a capability check raised RuntimeError"):
+        suite.cases()
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+    with pytest.raises(moehal.PluginCheckError, match="MOEHAL_DISABLE_PLUGINS=raising"):
+        moehal.MoELayer(cfg, device="cpu", registry=suite.registry)
+    # The report's components and doctor: a line that says so, not a crash.
+    (comp,) = components.summarize(suite)
+    assert comp.status == "not run" and comp.detail.startswith("its capability checks raised PluginCheckError")
+    d = machine_decision(_RaisingChecks(), moehal.hardware.detect("cpu"))
+    assert not d.ok and d.reason == "its capability check raised RuntimeError: probe exploded"
+
+
+def test_the_cli_reports_a_check_that_raises_as_a_failure(monkeypatch, capsys):
+    import moehal_conformance.suite as suite_mod
+
+    registry = _suite("raising", _RaisingChecks()).registry
+    monkeypatch.setattr(suite_mod, "make_registry", lambda emulate=frozenset(): registry)
+    assert conformance_main(["--backend", "raising", "--device", "cpu", "--quick"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAIL: the suite could not compute its cases: raising.raising: a capability check raised" in out

@@ -42,8 +42,17 @@ class PluginLoadError(MoEHalError, RuntimeError):
 
 
 class PluginCheckError(MoEHalError, RuntimeError):
-    """A plugin's capability check raised instead of answering with a `Decision`: a bug in that
-    plugin. Selection stops there rather than pass over the plugin without a word."""
+    """A plugin's capability check or format declaration raised instead of answering: a bug in
+    that plugin. Selection stops there rather than pass over the plugin without a word."""
+
+    @classmethod
+    def raised(cls, qualname: str, backend: str, what: str, exc: BaseException) -> PluginCheckError:
+        """The error for `what` (e.g. "a capability check") of implementation `qualname`."""
+        return cls(
+            f"{qualname}: {what} raised {type(exc).__name__}: {exc}. Checks must answer (accept or decline, "
+            f"formats or none), not raise: this is a bug in plugin {backend!r}. Report it to its vendor; until "
+            f"it is fixed, MOEHAL_DISABLE_PLUGINS={backend} skips the plugin"
+        )
 
 
 class NoBackendError(MoEHalError, RuntimeError):

@@ -149,11 +149,7 @@ class Implementation(ABC):
         except MoEHalError:
             raise
         except Exception as exc:
-            raise PluginCheckError(
-                f"{self.qualname}: a capability check raised {type(exc).__name__}: {exc}. Checks must answer "
-                f"with accept/decline, not raise: this is a bug in plugin {self.backend!r}. Report it to its "
-                f"vendor; until it is fixed, MOEHAL_DISABLE_PLUGINS={self.backend} skips the plugin"
-            ) from exc
+            raise PluginCheckError.raised(self.qualname, self.backend, "a capability check", exc) from exc
 
 
 # --- dispatch / combine ---------------------------------------------------------------------

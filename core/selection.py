@@ -14,13 +14,13 @@ Every candidate that declined is kept with its reason: `NoBackendError` and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from moehal.capability import Decision
 from moehal.config import MoEConfig
-from moehal.errors import NoBackendError
+from moehal.errors import MoEHalError, NoBackendError, PluginCheckError
 from moehal.formats import ActivationFormat, ScaleKind, SmallBatchFormat
 from moehal.hardware import HardwareInfo
 from moehal.interfaces import (
@@ -35,6 +35,8 @@ from moehal.plugins import Registry
 from moehal.quant import QuantScheme
 from moehal.quant.activation import quantize_activation
 from moehal.settings import Settings
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -223,15 +225,26 @@ def _processor_for(
     return None, Decision(False, f"no weight processor for layout {layout!r} ({why})", "weights")
 
 
+def _ask(impl: Implementation, what: str, call: Callable[..., _T], *args: Any) -> _T:
+    """`call(*args)`, a plugin's answer about `impl`; a plugin that raises instead of answering
+    gets `PluginCheckError` naming it (as `Implementation.supports` does for its predicates)."""
+    try:
+        return call(*args)
+    except MoEHalError:
+        raise
+    except Exception as exc:
+        raise PluginCheckError.raised(impl.qualname, impl.backend, what, exc) from exc
+
+
 def _small_batch(
     experts: Experts, disp: Dispatcher, req: BuildRequest, decisions: list[CandidateDecision], layout: str | None
 ) -> SmallBatchFormat | None:
     """The experts' small-batch format if this dispatcher produces it exactly (no adapter:
     its point is fewer launches), recording a refusal. A requested layout rules out others."""
-    small = experts.small_batch_format(req)
+    small = _ask(experts, "small_batch_format", experts.small_batch_format, req)
     if small is None or (layout is not None and small.fmt.layout_name != layout):
         return None
-    cp = disp.can_produce(small.fmt, req)
+    cp = _ask(disp, "can_produce", disp.can_produce, small.fmt, req)
     if not cp.ok:
         name = f"{experts.qualname} [{small}]"
         decisions.append(CandidateDecision(name, "pipeline", False, f"{disp.qualname}: {cp.reason}", "format"))
@@ -300,7 +313,8 @@ def enumerate_pipelines(
         decisions.append(CandidateDecision(experts.qualname, "experts", d.ok, d.reason, d.predicate))
         if not d.ok:
             continue
-        formats = [f for f in experts.input_formats(req) if layout is None or f.layout_name == layout]
+        offered = _ask(experts, "input_formats", experts.input_formats, req)
+        formats = [f for f in offered if layout is None or f.layout_name == layout]
         if not formats:
             decisions.append(
                 CandidateDecision(experts.qualname, "experts", False, f"consumes no {layout!r} format here", "format")
@@ -309,12 +323,16 @@ def enumerate_pipelines(
             found = False
             refusals = []
             for disp in usable:
-                cp = disp.can_produce(fmt, req)
+                cp = _ask(disp, "can_produce", disp.can_produce, fmt, req)
                 src = fmt
                 adapters = 0
                 if not cp.ok:
                     alt = QuantizeAdapter.source_format(fmt, req.config.dtype)
-                    if alt is not None and fmt.scales is not ScaleKind.NONE and disp.can_produce(alt, req).ok:
+                    if (
+                        alt is not None
+                        and fmt.scales is not ScaleKind.NONE
+                        and _ask(disp, "can_produce", disp.can_produce, alt, req).ok
+                    ):
                         src, adapters, cp = alt, 1, Decision(True, "via quantize adapter", "format")
                 if cp.ok:
                     found = True

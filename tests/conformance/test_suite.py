@@ -646,3 +646,18 @@ def test_the_cli_reports_a_check_that_raises_as_a_failure(monkeypatch, capsys):
     assert conformance_main(["--backend", "raising", "--device", "cpu", "--quick"]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "FAIL: the suite could not compute its cases: raising.raising: a capability check raised" in out
+
+
+class _RaisingFormats(ReferenceDispatcher):
+    name = "negotiator"
+    priority = 40
+
+    def can_produce(self, fmt, req):
+        raise KeyError(fmt.layout_name)
+
+
+def test_a_format_negotiation_that_raises_is_named_too():
+    suite = _suite("formats", _bf16_experts("formats", ReferenceExpertsRunner), _RaisingFormats())
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+    with pytest.raises(moehal.PluginCheckError, match=r"formats\.negotiator: can_produce raised KeyError"):
+        moehal.MoELayer(cfg, device="cpu", registry=suite.registry)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import moehal
+from moehal.errors import PluginCheckError
 from moehal.hardware import HardwareInfo, detect
 from moehal.interfaces import BuildRequest, Dispatcher, Implementation
 from moehal_conformance.cases import BASE, BF16
@@ -105,7 +106,9 @@ def why_not_run(impl: Implementation, ran: list[CaseResult], template: BuildRequ
     for quant in schemes:
         try:
             decisions.append(impl.supports(dataclasses.replace(template, quant=quant)))
-        except Exception as exc:  # noqa: BLE001 - a plugin's check that raises is itself the answer
+        except PluginCheckError as exc:  # a plugin's check that raises is itself the answer
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - likewise, from an implementation that overrides supports()
             return f"its capability checks raised {type(exc).__name__}: {exc}"
     if any(d.ok for d in decisions):
         return "its own checks accept the base config on this device, but no case's pipeline included it"

@@ -25,7 +25,13 @@ from moehal.quant import FP8_BLOCK, FP8_TENSOR, NVFP4, fp8
 from moehal.routing import RoutingMethod, TopK
 from moehal.weights import ExpertWeights
 from moehal_cuda import flashinfer_layouts as L
-from moehal_cuda.support import FLASHINFER_BF16_LOGITS, FLASHINFER_MIN, parse_version, sm_decision
+from moehal_cuda.support import (
+    FLASHINFER_BF16_LOGITS,
+    FLASHINFER_MIN,
+    FLASHINFER_SOFTMAX_ROUTING,
+    parse_version,
+    sm_decision,
+)
 
 SM100 = (100, 103)
 # trtllm-gen RoutingMethodType (flashinfer tllm_enums.py)
@@ -114,16 +120,51 @@ def w2_scale_factor(req: BuildRequest) -> float:
     return 1.0 if routing_method_type(req) == ROUTING_DEEPSEEK_V3 else float(req.config.routed_scaling_factor)
 
 
-def logits_for_kernel(logits: torch.Tensor, method: int) -> torch.Tensor:
-    """The routing-logits dtype the installed trtllm-gen launcher accepts: DeepSeek-V3 routing
-    takes fp32 (bf16 too from flashinfer 0.6.8); the FP8 launchers take bf16 for the other
-    methods (flashinfer issue #2469), so fp32 logits are rounded to bf16 there (documented)."""
+def bf16_logits_ok() -> bool:
+    """Whether the installed trtllm-gen launcher takes bf16 logits for DeepSeek-V3 routing
+    (a package-metadata read: ask once per layer, not per forward)."""
+    return parse_version(flashinfer_version()) >= FLASHINFER_BF16_LOGITS
+
+
+def logits_for_kernel(logits: torch.Tensor, method: int, bf16_ok: bool) -> torch.Tensor:
+    """The routing logits as the installed trtllm-gen launcher takes them: DeepSeek-V3 routing
+    takes fp32 (bf16 too where `bf16_ok`, flashinfer 0.6.8); the FP8 launchers take bf16 for
+    the other methods (flashinfer issue #2469), so fp32 logits are rounded to bf16 there
+    (documented). Always contiguous: the launcher checks only their dtype and shape, and its
+    routing kernel reads `[token * E + e]` from the data pointer."""
     if method == ROUTING_DEEPSEEK_V3:
-        bf16_ok = parse_version(flashinfer_version()) >= FLASHINFER_BF16_LOGITS
-        if logits.dtype == torch.bfloat16 and bf16_ok:
-            return logits
-        return logits.float()
-    return logits.to(torch.bfloat16)
+        want = torch.bfloat16 if logits.dtype == torch.bfloat16 and bf16_ok else torch.float32
+    else:
+        want = torch.bfloat16
+    return logits.to(want).contiguous()
+
+
+def routing_limits(req: BuildRequest) -> Decision:
+    """The trtllm-gen routing kernel's limits, which its launcher asserts at the first forward
+    (`check_routing` of flashinfer's `csrc/trtllm_fused_moe_kernel_launcher.cu`): checked at
+    build so that another pipeline is chosen instead."""
+    c, r = req.config, req.config.routing
+    assert r is not None
+    if c.num_experts % 4:
+        return decline(f"the trtllm-gen routing kernel needs num_experts % 4 == 0, got {c.num_experts}", "routing")
+    if c.num_experts <= c.top_k:
+        why = f"the trtllm-gen routing kernel needs num_experts > top_k ({c.num_experts} <= {c.top_k})"
+        return decline(why, "routing")
+    if r.method is RoutingMethod.DEEPSEEK_V3:
+        reachable = r.topk_group * c.num_experts // r.n_group
+        if c.top_k > 8 or r.topk_group > 4:
+            return decline(
+                f"the trtllm-gen grouped routing supports top_k <= 8 and topk_group <= 4 "
+                f"(got {c.top_k} and {r.topk_group})",
+                "routing",
+            )
+        if c.top_k >= reachable:
+            return decline(
+                f"the trtllm-gen grouped routing needs top_k < topk_group * num_experts / n_group "
+                f"({c.top_k} >= {reachable})",
+                "routing",
+            )
+    return accept(predicate="routing")
 
 
 # --- TensorRT-LLM-gen fused MoE ---------------------------------------------------------------------
@@ -220,6 +261,7 @@ class _TrtllmRunner(FusedRunner):
         self.n_group = r.n_group if r.method is RoutingMethod.DEEPSEEK_V3 else 0
         self.topk_group = r.topk_group if r.method is RoutingMethod.DEEPSEEK_V3 else 0
         self.route_scale = kernel_route_scale(req)
+        self.bf16_logits = bf16_logits_ok()
 
     def load(self, weights: Any) -> None:
         self.w = weights
@@ -243,7 +285,7 @@ class TrtllmFp8BlockRunner(_TrtllmRunner):
         c, w = self.c, self.w
         q, s = fp8.quantize_group(hidden)  # 1x128 groups; the kernel wants scales [H/128, T]
         y = _fi("trtllm_fp8_block_scale_moe")(
-            logits_for_kernel(router_logits, self.method),
+            logits_for_kernel(router_logits, self.method, self.bf16_logits),
             self._bias(),
             q,
             s.t().contiguous(),
@@ -272,7 +314,7 @@ class TrtllmFp8TensorRunner(_TrtllmRunner):
         c, w = self.c, self.w
         q, _ = fp8.quantize_tensor(hidden, self.w.a13_scale)
         y = _fi("trtllm_fp8_per_tensor_scale_moe")(
-            logits_for_kernel(router_logits, self.method),
+            logits_for_kernel(router_logits, self.method, self.bf16_logits),
             self._bias(),
             q,
             w.w13,
@@ -315,13 +357,25 @@ class _TrtllmFused(FusedForward):
     def check_routing(self, req: BuildRequest) -> Decision:
         d = super().check_routing(req)
         r = req.config.routing
-        if d.ok and r is not None and r.method is RoutingMethod.DEEPSEEK_V3 and not r.renormalize:
+        if not d.ok or r is None:
+            return d
+        if r.method is RoutingMethod.DEEPSEEK_V3 and not r.renormalize:
             return decline(
                 "the kernel's DeepSeek-V3 routing always divides the selected weights by their sum "
                 "(norm_topk_prob); RoutingConfig.renormalize=False asks for raw weights",
                 "routing",
             )
-        return d
+        if r.method is RoutingMethod.SOFTMAX:
+            v = flashinfer_version()
+            if parse_version(v) < FLASHINFER_SOFTMAX_ROUTING:
+                want = ".".join(map(str, FLASHINFER_SOFTMAX_ROUTING))
+                return decline(
+                    f"trtllm-gen softmax routing needs flashinfer >= {want} (found {v}): older releases "
+                    "raise on softmax without renormalization and pick wrong experts when every logit "
+                    "is negative (flashinfer issue #2822)",
+                    "routing",
+                )
+        return routing_limits(req)
 
     def check_shape(self, req: BuildRequest) -> Decision:
         c = req.config
@@ -455,10 +509,13 @@ class CuteDslStandardRunner(ExpertsRunner):
         # token-major input is the caller's tensor, which may be a view of wider rows.
         h = inp.hidden.contiguous()  # (no copy when it is)
         x, x_sf = _fi("fp4_quantize")(h, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=False)
-        # local ids (-1 = remote) -> global ids; remote slots point at a local expert with weight 0
+        # local ids (-1 = remote) -> global ids. The wrapper's routing (`moe_sort`) skips ids
+        # outside this rank's experts, so remote slots get the first expert past them: no GEMM
+        # rows. With every expert local (-1 then marks padding) that is a local expert, weight 0.
         ids = inp.topk_ids
         valid = ids >= 0
-        gids = torch.where(valid, ids + c.local_expert_start, torch.full_like(ids, c.local_expert_start))
+        remote = (c.local_expert_start + c.num_local_experts) % c.num_experts
+        gids = torch.where(valid, ids + c.local_expert_start, torch.full_like(ids, remote))
         wts = torch.where(valid, inp.topk_weights, torch.zeros_like(inp.topk_weights))
         y = self.wrapper.run(
             x, x_sf, gids, wts, w.w13, w.w13_sf, w.w13_alpha, w.a2_gs.reshape(1), w.w2, w.w2_sf, w.w2_alpha

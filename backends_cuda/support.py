@@ -17,6 +17,12 @@ FLASHINFER_MIN = (0, 5, 0)
 # trtllm-gen FP8/FP4 MoE accept bf16 routing logits for DeepSeek-V3 routing from 0.6.8 (earlier:
 # fp32 only; sglang PR #25189 drops its fp32 upcast on that basis)
 FLASHINFER_BF16_LOGITS = (0, 6, 8)
+# trtllm-gen's softmax routings from the routing refactor (flashinfer PR #2803, in 0.6.8). Before
+# it, RoutingMethodType.Default (softmax, no renormalization) had no branch in the routing runner
+# and raised "Unimplemented routing method" (flashinfer PR #2889, "Bug A"), and Renormalize chose
+# other experts than a float32 softmax when every logit was negative (flashinfer issue #2822;
+# vLLM PR #37605 turned the path off for it, PR #38859 back on for the fixed releases).
+FLASHINFER_SOFTMAX_ROUTING = (0, 6, 8)
 
 
 def parse_version(text: str | None) -> tuple[int, ...]:

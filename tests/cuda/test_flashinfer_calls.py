@@ -27,7 +27,7 @@ from moehal.hardware import HardwareInfo
 from moehal.interfaces import BuildRequest
 from moehal.quant import NVFP4, QuantScheme
 from moehal.routing import RoutingConfig
-from moehal.weights import quantize_weights
+from moehal.weights import local_slice, quantize_weights
 from moehal_cuda import flashinfer_moe as fm
 
 SM100 = HardwareInfo("cuda", torch.device("cuda", 0), "Test B200", (10, 0))
@@ -125,6 +125,7 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     for mod in (top, fused, cute, blockscaled):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.delitem(sys.modules, "flashinfer.gemm", raising=False)
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: "0.6.8")  # softmax routing's first release
     fm._fi.cache_clear()
     yield rec
     fm._fi.cache_clear()
@@ -185,6 +186,22 @@ def test_cutedsl_standard_runner_quantizes_activations_with_linear_scales(fake_f
     assert ctor["max_num_tokens"] == 64 and ctor["use_cuda_graph"] is True
 
 
+def test_cutedsl_standard_runner_sends_remote_slots_to_no_local_expert(fake_flashinfer):
+    """Under expert parallelism, slots routed to another rank (-1) get a global id outside this
+    rank's experts, which the wrapper's routing (`moe_sort`) skips: no GEMM rows for them,
+    where a local id with weight 0 would pile (R-1)/R of all slots onto one expert."""
+    cfg = _cfg(ep_size=2, ep_rank=1)  # experts 2 and 3 live here
+    req = BuildRequest(cfg, NVFP4, SM100)
+    runner = fm.CuteDslStandardRunner(req, ActivationFormat(Layout.STANDARD, cfg.dtype))
+    runner.load(fm.prepare_cutedsl_nvfp4(local_slice(_nvfp4_weights(_cfg()), cfg), standard=True))
+    ids = torch.tensor([[0, 1], [1, -1], [-1, -1]], dtype=torch.int32)  # local ids
+    runner.apply(StandardInput(torch.randn(3, 256).bfloat16(), None, ids, torch.rand(3, 2)))
+    ((args, _),) = fake_flashinfer.named("CuteDslMoEWrapper.run")
+    assert torch.equal(args[2], torch.tensor([[2, 3], [3, 0], [0, 0]], dtype=torch.int32))
+    ((_, ctor),) = fake_flashinfer.named("CuteDslMoEWrapper")
+    assert ctor["local_expert_offset"] == 2 and ctor["num_local_experts"] == 2
+
+
 def test_cutedsl_masked_runner_keeps_outputs_expert_major(fake_flashinfer):
     cfg = _cfg()
     req = BuildRequest(cfg, NVFP4, SM100)
@@ -211,7 +228,7 @@ def test_cutedsl_masked_runner_keeps_outputs_expert_major(fake_flashinfer):
     [
         (RoutingConfig("softmax"), 1.0, 2.5),  # the kernel ignores the factor: folded into GEMM2's scales
         (RoutingConfig("softmax", renormalize=False), 1.0, 2.5),
-        (RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True), 2.5, 1.0),
+        (RoutingConfig("deepseek_v3", n_group=2, topk_group=2, has_correction_bias=True), 2.5, 1.0),
     ],
     ids=["renormalize", "softmax", "deepseek_v3"],
 )
@@ -239,7 +256,7 @@ def test_trtllm_routed_scaling_is_applied_once(fake_flashinfer, routing, kernel_
     ((args, kw),) = fake_flashinfer.named(impl._fn)
     assert args[15] == kernel_scale
     deepseek = routing.method.value == "deepseek_v3"
-    assert args[10:12] == ((2, 1) if deepseek else (0, 0))  # n_group, topk_group
+    assert args[10:12] == ((2, 2) if deepseek else (0, 0))  # n_group, topk_group
     assert kw["routing_method_type"] == (2 if deepseek else 1 if routing.renormalize else 0)
 
 
@@ -247,3 +264,73 @@ def test_trtllm_declines_deepseek_routing_without_renormalizing():
     cfg = _cfg(routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=1, renormalize=False))
     d = fm.TrtllmFp8BlockMoE().check_routing(BuildRequest(cfg, QuantScheme.parse("fp8_block"), SM100))
     assert not d.ok and "norm_topk_prob" in d.reason
+
+
+def _trtllm_req(cfg: MoEConfig) -> BuildRequest:
+    return BuildRequest(cfg, QuantScheme.parse("fp8_block"), SM100)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_trtllm_softmax_routing_needs_the_routing_refactor(monkeypatch, renormalize):
+    """Before flashinfer 0.6.8, Default routing raised at the first forward and Renormalize
+    picked wrong experts for all-negative logits (flashinfer issue #2822): a decline, with
+    the reason, on those releases; DeepSeek-V3 routing is not gated."""
+    req = _trtllm_req(_cfg(routing=RoutingConfig("softmax", renormalize=renormalize)))
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: "0.6.7")
+    d = fm.TrtllmFp8BlockMoE().check_routing(req)
+    assert not d.ok and d.predicate == "routing" and "0.6.8" in d.reason and "#2822" in d.reason
+    deepseek = _trtllm_req(_cfg(routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=2)))
+    assert fm.TrtllmFp8BlockMoE().check_routing(deepseek).ok
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: "0.6.8")
+    assert fm.TrtllmFp8TensorMoE().check_routing(req).ok
+
+
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        (dict(num_experts=6), "num_experts % 4"),
+        (dict(num_experts=4, top_k=4), "num_experts > top_k"),
+        (dict(num_experts=16, top_k=9, routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=2)), "top_k <= 8"),
+        (
+            dict(num_experts=64, top_k=8, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=5)),
+            "topk_group <= 4",
+        ),
+        # 2 of 8 groups of 4 experts: 8 reachable, and the launcher wants top_k strictly below that
+        (dict(num_experts=32, top_k=8, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=2)), "top_k <"),
+    ],
+    ids=["experts%4", "experts<=topk", "topk>8", "topk_group>4", "unreachable"],
+)
+def test_trtllm_routing_limits_decline_at_build(monkeypatch, kw, why):
+    """The routing kernel's launcher asserts these at the first forward: moehal declines them
+    at build, so another pipeline runs instead of a RuntimeError mid-serving."""
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: "0.6.8")
+    base = dict(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, routing=RoutingConfig("softmax"))
+    cfg = MoEConfig(**{**base, **kw})
+    d = fm.TrtllmFp8BlockMoE().check_routing(_trtllm_req(cfg))
+    assert not d.ok and d.predicate == "routing" and why in d.reason, d.reason
+    # DeepSeek-V3's own shape passes
+    ok = MoEConfig(256, 8, 256, 128, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=4))
+    assert fm.TrtllmFp8BlockMoE().check_routing(_trtllm_req(ok)).ok
+
+
+@pytest.mark.parametrize("routing", [RoutingConfig("softmax"), RoutingConfig("deepseek_v3", n_group=2, topk_group=2)])
+def test_trtllm_logits_reach_the_kernel_contiguous_and_version_is_read_at_build(fake_flashinfer, monkeypatch, routing):
+    """The launcher reads logits densely from their data pointer (it checks dtype and shape
+    only): strided logits are made contiguous. The flashinfer version is read when the layer
+    is built, not at every forward (a package-metadata lookup)."""
+    cfg = _cfg(routing=routing)
+    req = _trtllm_req(cfg)
+    w = quantize_weights(cfg, QuantScheme.parse("fp8_block"), torch.randn(4, 256, 256), torch.randn(4, 256, 128))
+    reads = []
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: reads.append(1) or "0.6.8")
+    runner = fm.TrtllmFp8BlockMoE().build(req)
+    runner.load(fm.TrtllmFp8BlockProcessor().process(w, req))
+    built = len(reads)
+    logits = torch.randn(4, 3).t()  # [3 tokens, 4 experts], transposed storage
+    for _ in range(2):
+        runner.forward(torch.randn(3, 256).bfloat16(), None, logits)
+    assert len(reads) == built
+    for args, _ in fake_flashinfer.named("trtllm_fp8_block_scale_moe"):
+        got = args[0]
+        assert got.is_contiguous() and got.shape == (3, 4)
+        torch.testing.assert_close(got.float(), logits.to(got.dtype).float())

@@ -9,7 +9,13 @@
   path is not graph capturable.
 
 The library's limits are checked at layer build with a reason (low-latency hidden sizes,
-top-k <= 11, FP8 hidden % 512, rows % 4, T_max vs. NVSHMEM_QP_DEPTH).
+top-k <= 11, FP8 hidden % 512, rows % 4 (FP8: % 128), T_max <= 1024 and vs. NVSHMEM_QP_DEPTH,
+rank counts).
+
+Every layer of a process shares one `deep_ep.Buffer` per (process group, mode)
+(`shared_buffer`), as SGLang's `DeepEPBuffer` and DeepEP's own README keep one: a second
+low-latency buffer in a process fails DeepEP's NVSHMEM set-up, and each buffer is sized for a
+whole layer's traffic (about 1.8 GiB per rank for a DeepSeek-V3 low-latency layer).
 
 NOT RUN here: sgl-deep-ep pins a torch release other than the device's (see
 docs/backends/cuda.md) and needs several GPUs with NVSHMEM.
@@ -17,6 +23,7 @@ docs/backends/cuda.md) and needs several GPUs with NVSHMEM.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +44,17 @@ from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
 from moehal.routing import TopK
 from moehal_cuda.support import sm_decision
 
-LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # csrc/kernels/legacy/launch.cuh SWITCH_HIDDEN
+LL_HIDDEN = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)  # csrc/kernels/legacy/launch.cuh SWITCH_HIDDEN
 LL_MAX_TOPK = 11
-DEFAULT_CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+# The low-latency dispatch counts arrivals against FINISHED_SUM_TAG (1024): SGLang asserts
+# num_max_dispatch_tokens_per_rank <= 1024 for it
+LL_MAX_TOKENS = 1024
+# sgl-deep-ep's low-latency FP8 kernel places each expert's scales at a stride of
+# align(ranks * T_max, 128) rows while the host allocates ranks * T_max: equal only when the
+# rows are a multiple of 128 (upstream DeepEP strides by ranks * T_max itself)
+LL_FP8_ROW_ALIGNMENT = 128
+DEFAULT_CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # normal mode's dispatch configs
+NVL_PEERS = 8  # deep_ep.Buffer asserts ranks < 8 or a multiple of 8 (NUM_MAX_NVL_PEERS)
 # Both modes take the layer's hidden states as they are, and DeepEP's kernels read bf16 (low
 # latency asserts it; normal mode sizes its NVLink buffers for 2-byte elements).
 _BF16_ONLY = "DeepEP sends bf16 hidden states; the layer dtype is {dtype}"
@@ -63,15 +78,76 @@ def _deep_ep_decision() -> Decision:
     return accept(f"deep_ep {package_version('sgl-deep-ep') or package_version('deep-ep')}", "libraries")
 
 
-def _parallel(req: BuildRequest) -> Decision:
+def _parallel(req: BuildRequest, normal: bool) -> Decision:
     c = req.config
     if c.ep_size < 2:
         return decline("DeepEP moves tokens between ranks: needs ep_size >= 2", "parallel")
     if req.process_group is None:
         return decline("DeepEP needs MoELayer(process_group=...) (the expert-parallel group)", "parallel")
-    if c.ep_size not in DEFAULT_CONFIG_RANKS:
+    if normal and c.ep_size not in DEFAULT_CONFIG_RANKS:
         return decline(f"DeepEP has default configs for {DEFAULT_CONFIG_RANKS} ranks, not {c.ep_size}", "parallel")
+    if not normal and c.ep_size >= NVL_PEERS and c.ep_size % NVL_PEERS:
+        return decline(f"DeepEP buffers take fewer than {NVL_PEERS} ranks or a multiple of {NVL_PEERS}", "parallel")
     return accept(predicate="parallel")
+
+
+@dataclass
+class SharedBuffer:
+    """The process's `deep_ep.Buffer` for one (process group, mode), and what it was sized for.
+    Runners read `.buffer` at each call: a later layer that needs more replaces it for all."""
+
+    group: Any
+    low_latency: bool
+    num_nvl_bytes: int = 0
+    num_rdma_bytes: int = 0
+    num_qps_per_rank: int = 1
+    buffer: Any = None
+
+
+_BUFFERS: dict[tuple[int, bool], SharedBuffer] = {}
+
+
+def _shared_entry(group: Any, low_latency: bool) -> SharedBuffer | None:
+    entry = _BUFFERS.get((id(group), low_latency))
+    return entry if entry is not None and entry.group is group else None
+
+
+def shared_buffer(group: Any, low_latency: bool, nvl_bytes: int, rdma_bytes: int, qps: int = 1) -> SharedBuffer:
+    """The one buffer of `group` in this mode, at least this large. Built at layer build; a
+    layer that needs more than the buffer holds replaces it with one sized for every layer so
+    far (a collective: every rank builds the same layers in the same order). Low latency takes
+    one QP per local expert (DeepEP: "requires that this number equals to the number of local
+    experts"), so layers with another count cannot share it (`check_limits` declines them)."""
+    import deep_ep
+
+    entry = _shared_entry(group, low_latency)
+    if entry is None:
+        entry = _BUFFERS[(id(group), low_latency)] = SharedBuffer(group, low_latency, num_qps_per_rank=qps)
+    if low_latency and entry.buffer is not None and entry.num_qps_per_rank != qps:
+        raise ValueError(
+            f"this process's DeepEP low-latency buffer has {entry.num_qps_per_rank} QPs per rank, not {qps}"
+        )
+    if entry.buffer is None or nvl_bytes > entry.num_nvl_bytes or rdma_bytes > entry.num_rdma_bytes:
+        entry.num_nvl_bytes = max(entry.num_nvl_bytes, nvl_bytes)
+        entry.num_rdma_bytes = max(entry.num_rdma_bytes, rdma_bytes)
+        # DeepEP frees a buffer, and its NVSHMEM state, when the object is collected; the old one
+        # must be gone before the next is made
+        entry.buffer = None
+        gc.collect()
+        kw: dict[str, Any] = {"low_latency_mode": True, "num_qps_per_rank": qps} if low_latency else {}
+        entry.buffer = deep_ep.Buffer(group, entry.num_nvl_bytes, entry.num_rdma_bytes, **kw)
+    return entry
+
+
+def release_buffers() -> int:
+    """Drop every shared DeepEP buffer of this process (for tests and teardown); the number
+    dropped. Runners built before must not be called afterwards."""
+    n = len(_BUFFERS)
+    for entry in _BUFFERS.values():
+        entry.buffer = None
+    _BUFFERS.clear()
+    gc.collect()
+    return n
 
 
 @dataclass(frozen=True)
@@ -89,11 +165,8 @@ class DeepEPLowLatencyRunner(DispatchRunner):
         self.fmt, self.c = fmt, c
         assert c.max_tokens is not None
         self.t_max = c.max_tokens
-        group = req.process_group
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(self.t_max, c.hidden_size, c.ep_size, c.num_experts)
-        self.buffer = deep_ep.Buffer(
-            group, 0, rdma, low_latency_mode=True, num_qps_per_rank=max(1, c.num_local_experts)
-        )
+        self.shared = shared_buffer(req.process_group, True, 0, rdma, max(1, c.num_local_experts))
         self.use_fp8 = fmt.is_quantized
         self.round_scale = fmt.scales is ScaleKind.GROUP_128_UE8M0
         self.idx_dtype = _topk_idx_dtype()
@@ -107,7 +180,7 @@ class DeepEPLowLatencyRunner(DispatchRunner):
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
             w = torch.ones_like(w)
-        recv, count, handle, _, _ = self.buffer.low_latency_dispatch(
+        recv, count, handle, _, _ = self.shared.buffer.low_latency_dispatch(
             hidden,
             ids,
             self.t_max,
@@ -125,7 +198,7 @@ class DeepEPLowLatencyRunner(DispatchRunner):
 
     def combine(self, expert_out: Any, handle: _LLHandle) -> torch.Tensor:
         assert isinstance(expert_out, MaskedOutput)
-        out, _, _ = self.buffer.low_latency_combine(
+        out, _, _ = self.shared.buffer.low_latency_combine(
             expert_out.hidden.to(torch.bfloat16), handle.topk_ids, handle.weights, handle.handle
         )
         if self.c.routed_scaling_factor != 1.0:
@@ -149,7 +222,7 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
         return _deep_ep_decision()
 
     def check_parallel(self, req: BuildRequest) -> Decision:
-        d = _parallel(req)
+        d = _parallel(req, normal=False)
         if not d.ok:
             return d
         return self.check_limits(req)
@@ -163,6 +236,20 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
             return decline(f"DeepEP low latency supports hidden sizes {LL_HIDDEN}, not {c.hidden_size}", "parallel")
         if c.top_k > LL_MAX_TOPK:
             return decline(f"DeepEP low latency supports top_k <= {LL_MAX_TOPK}, got {c.top_k}", "parallel")
+        if c.max_tokens > LL_MAX_TOKENS:
+            return decline(
+                f"DeepEP low latency supports max_tokens <= {LL_MAX_TOKENS} per rank (its arrival counters), "
+                f"got {c.max_tokens}",
+                "parallel",
+            )
+        shared = _shared_entry(req.process_group, True)
+        qps = max(1, c.num_local_experts)
+        if shared is not None and shared.buffer is not None and shared.num_qps_per_rank != qps:
+            return decline(
+                f"this process's DeepEP low-latency buffer serves layers with {shared.num_qps_per_rank} local "
+                f"experts; DeepEP keeps one per process, with one QP per local expert, and this layer has {qps}",
+                "parallel",
+            )
         if (c.ep_size * c.max_tokens) % 4:
             return decline("DeepEP low latency needs ep_size * max_tokens to be a multiple of 4", "parallel")
         depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
@@ -192,6 +279,12 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
         if fmt.scales in (ScaleKind.GROUP_128, ScaleKind.GROUP_128_UE8M0) and fmt.dtype == torch.float8_e4m3fn:
             if req.config.hidden_size % 512:
                 return decline("DeepEP FP8 low-latency dispatch needs hidden_size % 512 == 0", "format")
+            if rows % LL_FP8_ROW_ALIGNMENT:
+                return decline(
+                    f"DeepEP FP8 low-latency dispatch needs ep_size*max_tokens ({rows}) to be a multiple of "
+                    f"{LL_FP8_ROW_ALIGNMENT}: sgl-deep-ep strides its scales per expert by rows rounded up to it",
+                    "format",
+                )
             return accept(predicate="format")
         return decline(f"DeepEP low latency cannot produce {fmt}", "format")
 
@@ -216,8 +309,8 @@ class DeepEPNormalRunner(DispatchRunner):
         self.fmt, self.c = fmt, c
         cfg = deep_ep.Buffer.get_dispatch_config(c.ep_size)
         nvl = cfg.get_nvl_buffer_size_hint(c.hidden_size * 2, c.ep_size)
-        rdma = cfg.get_rdma_buffer_size_hint(c.hidden_size * 2, c.ep_size) if c.ep_size > 8 else 0
-        self.buffer = deep_ep.Buffer(req.process_group, nvl, rdma)
+        rdma = cfg.get_rdma_buffer_size_hint(c.hidden_size * 2, c.ep_size) if c.ep_size > NVL_PEERS else 0
+        self.shared = shared_buffer(req.process_group, False, nvl, rdma)
         self.quant = fmt.is_quantized
         self.ue8m0 = fmt.scales is ScaleKind.GROUP_128_UE8M0
         self.idx_dtype = _topk_idx_dtype()
@@ -236,8 +329,9 @@ class DeepEPNormalRunner(DispatchRunner):
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
             w = torch.ones_like(w)
-        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, c.num_experts)
-        recv_x, recv_ids, recv_w, _counts, handle, _ = self.buffer.dispatch(
+        buffer = self.shared.buffer
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, c.num_experts)
+        recv_x, recv_ids, recv_w, _counts, handle, _ = buffer.dispatch(
             hidden,
             topk_idx=ids,
             topk_weights=w,
@@ -274,7 +368,7 @@ class DeepEPNormalRunner(DispatchRunner):
         assert isinstance(expert_out, ContiguousOutput)
         c = self.c
         partial = tp.combine(expert_out.hidden, handle.slot_row, handle.weights, handle.num_recv, c.top_k, masked=False)
-        out, _, _ = self.buffer.combine(partial, handle.handle)  # unweighted sum over source ranks
+        out, _, _ = self.shared.buffer.combine(partial, handle.handle)  # unweighted sum over source ranks
         if c.routed_scaling_factor != 1.0:
             out = out.float() * c.routed_scaling_factor
         return out.to(c.dtype)
@@ -296,7 +390,7 @@ class DeepEPNormalDispatcher(Dispatcher):
         return _deep_ep_decision()
 
     def check_parallel(self, req: BuildRequest) -> Decision:
-        d = _parallel(req)
+        d = _parallel(req, normal=True)
         if d.ok and req.config.top_k > 128:
             return decline("DeepEP normal buffers are sized for top_k <= 128", "parallel")
         return d

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -88,11 +89,12 @@ class Group:
 
 
 class Config:
+    # sizes that grow with the traffic, as DeepEP's do (the numbers are the double's own)
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 1
+        return hidden_bytes * num_ranks
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 1
+        return hidden_bytes * num_ranks
 
 
 def _quantize(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,13 +108,25 @@ def _quantize(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.T
 
 
 class Buffer:
+    # every buffer made, and the live ones: DeepEP's NVSHMEM set-up fails on a second live
+    # low-latency buffer in a process (a rank here)
+    made: list[Buffer] = []
+    live: weakref.WeakSet[Buffer] = weakref.WeakSet()
+
     def __init__(self, group: Group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, **kwargs: Any) -> None:
         self.world, self.rank, self.size = group.world, group.rank(), group.size()
         self.low_latency_mode = kwargs.get("low_latency_mode", False)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.num_qps_per_rank = kwargs.get("num_qps_per_rank", 1)
+        if self.low_latency_mode:
+            twins = [b for b in Buffer.live if b.low_latency_mode and b.world is self.world and b.rank == self.rank]
+            assert not twins, "a second low-latency buffer in one process (DeepEP's NVSHMEM team split asserts)"
+        Buffer.made.append(weakref.proxy(self))
+        Buffer.live.add(self)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(t_max: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-        return 1
+        return t_max * hidden * num_ranks
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -15,7 +15,9 @@ DeepEP itself runs on no machine here: sgl-deep-ep pins another torch release
 from __future__ import annotations
 
 import sys
+import weakref
 
+import deep_ep_double
 import pytest
 import torch
 from deep_ep_double import Group, World, module
@@ -30,8 +32,9 @@ from moehal.reference.experts import ReferenceExperts
 from moehal.reference.oracle import reference_layer
 from moehal.routing import TopK
 from moehal.weights import local_slice, quantize_weights
+from moehal_cuda import deepep
 from moehal_cuda.deepep import DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
-from moehal_cuda.deepgemm_experts import DeepGemmExpertsRunner, TorchGemmOps
+from moehal_cuda.deepgemm_experts import MASKED_ROW_ALIGNMENT, DeepGemmExpertsRunner, TorchGemmOps
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the Triton kernels run interpreted
 RANKS = 2
@@ -39,6 +42,14 @@ RANKS = 2
 SHAPE = dict(num_experts=8, top_k=3, hidden_size=512, intermediate_size=128, routed_scaling_factor=1.5)
 # tokens per rank at each call: uneven, a rank with none, the worst case
 CALLS = [(5, 7), (8, 0), (3, 6), (8, 8)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_buffers():
+    """Each test starts and ends without shared DeepEP buffers (they are process-wide)."""
+    deepep.release_buffers()
+    yield
+    deepep.release_buffers()
 
 
 def _format(quant: QuantScheme, layout: Layout, alignment: int) -> ActivationFormat:
@@ -77,7 +88,7 @@ def _run(
     def rank(r: int) -> list[tuple]:
         cfg = MoEConfig(**SHAPE, max_tokens=max_tokens, ep_rank=r, ep_size=RANKS)
         req = BuildRequest(cfg, quant, detect(DEV), process_group=Group(world, r))
-        fmt = _format(quant, Layout.MASKED if ll else Layout.CONTIGUOUS, 64 if ll else 8)
+        fmt = _format(quant, Layout.MASKED if ll else Layout.CONTIGUOUS, MASKED_ROW_ALIGNMENT if ll else 8)
         dispatcher = DeepEPLowLatencyDispatcher() if ll else DeepEPNormalDispatcher()
         assert dispatcher.can_produce(fmt, req).ok
         disp = dispatcher.build(req, fmt)
@@ -121,7 +132,7 @@ def test_low_latency_runner_matches_the_oracle(monkeypatch, quant_name, experts)
     """`cuda.deepep_ll`: masked `[E_local, ranks * max_tokens, H]` input (fp8 with power-of-two
     scales for experts that want UE8M0), the experts' rows combined by DeepEP's weighted sum,
     routed scaling after. The input carries a bound on its rows far below the buffer's."""
-    max_tokens = 32  # ranks * max_tokens = 64 rows per expert: DeepGEMM's masked alignment
+    max_tokens = 64  # ranks * max_tokens = 128 rows per expert: DeepGEMM's masked alignment
     for call in _run(monkeypatch, quant_name, "low_latency", experts, max_tokens):
         for inp, _ in call:
             assert isinstance(inp, MaskedInput) and inp.hidden.shape[:2] == (4, RANKS * max_tokens)
@@ -158,7 +169,7 @@ def test_normal_runner_matches_the_oracle_and_keeps_one_buffer(monkeypatch, quan
 def test_dispatchers_hand_deep_ep_dense_inputs(monkeypatch, mode):
     """DeepEP asserts that x, topk_idx and topk_weights are contiguous (its `Buffer` checks, as
     the double does): an engine's views of wider rows and column-major top-k still run."""
-    assert _run(monkeypatch, "bf16", mode, "reference", 32 if mode == "low_latency" else 8, strided=True)
+    assert _run(monkeypatch, "bf16", mode, "reference", 64 if mode == "low_latency" else 8, strided=True)
 
 
 def test_contiguous_buffers_past_their_capacity_come_in_powers_of_two():
@@ -171,3 +182,40 @@ def test_contiguous_buffers_past_their_capacity_come_in_powers_of_two():
     assert [v.hidden.shape[0] for v in views] == sizes
     kept = sorted(k[1][0] for k in tp._WORKSPACE if k[0] == role)
     assert kept == [256, 512, 1024]
+
+
+def test_layers_share_one_deep_ep_buffer_per_group_and_mode(monkeypatch):
+    """One `deep_ep.Buffer` per (process group, mode) for every layer of a process, as SGLang
+    and DeepEP's README keep it: a second low-latency buffer fails DeepEP's NVSHMEM set-up
+    (the double asserts it), and one per layer would take gigabytes each. A layer that needs
+    more replaces the buffer for all; one with another local expert count is declined."""
+    monkeypatch.setitem(sys.modules, "deep_ep", module())
+    world = World(RANKS)
+    group = Group(world, 0)
+    quant = QuantScheme.parse("bf16")
+    fmt = _format(quant, Layout.MASKED, MASKED_ROW_ALIGNMENT)
+
+    def build(dispatcher, max_tokens, **kw):
+        cfg = MoEConfig(**{**SHAPE, **kw}, max_tokens=max_tokens, ep_rank=0, ep_size=RANKS)
+        req = BuildRequest(cfg, quant, detect(DEV), process_group=group)
+        if kw:  # the checks only (hidden 512 is the tests' small shape, not a DeepEP one)
+            return dispatcher.check_limits(req)
+        return dispatcher.build(req, fmt)
+
+    made = len(deep_ep_double.Buffer.made)
+    a, b = build(DeepEPLowLatencyDispatcher(), 64), build(DeepEPLowLatencyDispatcher(), 64)
+    assert a.shared is b.shared and len(deep_ep_double.Buffer.made) == made + 1
+    first = weakref.ref(a.shared.buffer)
+    big = build(DeepEPLowLatencyDispatcher(), 128)  # twice the rows: a larger buffer, for every layer
+    assert big.shared is a.shared and first() is None  # the old one freed before the new one was made
+    assert len(deep_ep_double.Buffer.made) == made + 2
+    assert a.shared.buffer.num_rdma_bytes == 128 * SHAPE["hidden_size"] * RANKS
+    assert build(DeepEPLowLatencyDispatcher(), 64).shared.buffer is big.shared.buffer  # no shrink, no new one
+    # normal mode keeps its own buffer on the same group
+    normal = build(DeepEPNormalDispatcher(), 8)
+    assert normal.shared is not a.shared and not normal.shared.buffer.low_latency_mode
+    # 16 experts over 2 ranks: 8 local experts, 8 QPs, where the process's buffer has 4
+    assert build(DeepEPLowLatencyDispatcher(), 64, hidden_size=2048).ok
+    d = build(DeepEPLowLatencyDispatcher(), 64, num_experts=16, hidden_size=2048)
+    assert not d.ok and "4 local experts" in d.reason and "has 8" in d.reason
+    assert deepep.release_buffers() == 2

@@ -168,6 +168,38 @@ def test_deepep_limits_checked_at_build():
     assert not ll().check_parallel(_req((9, 0), cfg=ok)).ok  # no process group given
 
 
+def test_deepep_limits_from_the_second_audit(monkeypatch):
+    """Session 40's read of DeepEP: max_tokens <= 1024 (its arrival counters; SGLang asserts
+    it), FP8 low latency with rows per expert a multiple of 128 (sgl-deep-ep's scale stride),
+    hidden 3584 among the low-latency sizes, and low latency's rank rule (fewer than 8 or a
+    multiple of 8) in place of normal mode's config table."""
+    from moehal_cuda.deepep import DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
+
+    ll = DeepEPLowLatencyDispatcher
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "8192")
+    ok = MoEConfig(num_experts=64, top_k=8, hidden_size=7168, intermediate_size=2048, ep_size=8, max_tokens=128)
+    assert ll.check_limits(_req((9, 0), cfg=ok.with_(max_tokens=1024))).ok
+    d = ll.check_limits(_req((9, 0), cfg=ok.with_(max_tokens=1032)))
+    assert not d.ok and "max_tokens <= 1024" in d.reason
+    assert ll.check_limits(_req((9, 0), cfg=ok.with_(hidden_size=3584))).ok
+    fp8 = ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128, 64)
+    assert ll().can_produce(fp8, _req((9, 0), cfg=ok.with_(max_tokens=16))).ok  # 8 x 16 = 128 rows
+    d = ll().can_produce(fp8, _req((9, 0), cfg=ok.with_(max_tokens=8)))  # 64 rows
+    assert not d.ok and "multiple of 128" in d.reason
+    bf16 = ActivationFormat(Layout.MASKED, torch.bfloat16, ScaleKind.NONE, 64)
+    assert ll().can_produce(bf16, _req((9, 0), cfg=ok.with_(max_tokens=8))).ok  # bf16 has no scales
+    hw = _req((9, 0)).hardware
+
+    def parallel(dispatcher, ranks: int):
+        cfg = ok.with_(num_experts=8 * ranks, ep_size=ranks)
+        return dispatcher.check_parallel(BuildRequest(cfg, QuantScheme.parse("bf16"), hw, process_group=object()))
+
+    assert parallel(ll(), 12).reason.startswith("DeepEP buffers take fewer than 8 ranks or a multiple of 8")
+    assert parallel(ll(), 40).ok  # no normal-mode config for 40 ranks; low latency needs none
+    assert not parallel(DeepEPNormalDispatcher(), 40).ok
+    assert parallel(ll(), 6).ok
+
+
 def test_deepgemm_prefers_masked_while_its_worst_case_buffers_fit(monkeypatch):
     import moehal_cuda.deepgemm_experts as dge
     from moehal.settings import Settings

@@ -248,9 +248,12 @@ class DeepGemmOps:
 
 # DeepGEMM's masked grouped GEMM computes and stores whole BLOCK_M tiles of each group: with
 # max_m not a multiple of the tile, a group's last tile spills into the next group's rows
-# (seen on 2 x H200, 2026-11-22: wrong outputs behind the EP dispatcher, max_m = 9). The
-# experts declare the alignment in their input format, so dispatchers size max_m for it.
-MASKED_ROW_ALIGNMENT = 64
+# (seen on 2 x H200, 2026-11-22: wrong outputs behind the EP dispatcher, max_m = 9). Its
+# heuristic picks BLOCK_M from {64, 128} by `expected_m` (csrc/jit_kernels/heuristics/common.hpp,
+# `MGroupedMasked`), so max_m must be a multiple of 128: at 64 (session 40's audit), an expert
+# with more than max_m - 64 rows spilled whenever the heuristic chose 128-row tiles. The experts
+# declare the alignment in their input format, so dispatchers size max_m for it.
+MASKED_ROW_ALIGNMENT = 128
 
 
 def check_masked_rows(max_m: int) -> None:

@@ -23,6 +23,8 @@ Variants:
                       (`triton_permute.MARK_PADDING_ROWS` False): DeepGEMM's FP8 GEMM computes them
                       (layers take the contiguous layout where masked buffers exceed the budget:
                       `--max-tokens`)
+  align=N             DeepGEMM's masked experts declare max_m aligned to N rows
+                      (`deepgemm_experts.MASKED_ROW_ALIGNMENT`; 128 since session 40, 64 before)
   m-indices           DeepGEMM's contiguous GEMMs get the row-to-expert map only, not the segments'
                       ends (`DeepGemmOps.psum_layout` False)
 """
@@ -105,6 +107,15 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             runner.fuse_fp8_gemm1_activation, dge.triton_masked_gemm_act = was, make
+    elif name.startswith("align="):
+        import moehal_cuda.deepgemm_experts as dge
+
+        was = dge.MASKED_ROW_ALIGNMENT
+        dge.MASKED_ROW_ALIGNMENT = int(name.split("=", 1)[1])
+        try:
+            yield
+        finally:
+            dge.MASKED_ROW_ALIGNMENT = was
     elif name == "m-indices":
         from moehal_cuda.deepgemm_experts import DeepGemmOps
 

@@ -22,7 +22,7 @@ from moehal.reference.dispatcher import ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts
 from moehal.routing import TopK
 from moehal.weights import quantize_weights
-from moehal_cuda.deepgemm_experts import DeepGemmExpertsRunner, TorchGemmOps
+from moehal_cuda.deepgemm_experts import MASKED_ROW_ALIGNMENT, DeepGemmExpertsRunner, TorchGemmOps
 from moehal_cuda.dispatch import CudaPermuteDispatcher
 from moehal_cuda.gemm_choice import GemmChoice
 
@@ -44,14 +44,17 @@ CASES = [
 
 
 def _fmt(quant: QuantScheme, layout: Layout) -> ActivationFormat:
+    # the row alignment the experts declare for the masked layout (DeepGEMM's tiles)
+    masked = layout is Layout.MASKED
+    align = MASKED_ROW_ALIGNMENT if masked else 8
     if quant.kind.value == "fp8_tensor":
-        return ActivationFormat(layout, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR, 8)
+        return ActivationFormat(layout, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR, align)
     if quant.kind.value == "fp8_block":
         ue = quant.scale_format is ScaleFormat.UE8M0
         return ActivationFormat(
-            layout, torch.float8_e4m3fn, ScaleKind.GROUP_128_UE8M0 if ue else ScaleKind.GROUP_128, 8
+            layout, torch.float8_e4m3fn, ScaleKind.GROUP_128_UE8M0 if ue else ScaleKind.GROUP_128, align
         )
-    return ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, 8 if layout is Layout.CONTIGUOUS else 1)
+    return ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, 1 if layout is Layout.STANDARD else align)
 
 
 class AlwaysTriton:

@@ -665,7 +665,7 @@ def test_nvfp4_dequant_experts_follow_the_scheme(layout):
     weights = quantize_weights(cfg, quant, w13, w2, w2_bias=torch.randn(6, 128, generator=g) * 0.1, calibration_input=x)
     weights = weights.to(DEV)
     req = BuildRequest(cfg, quant, detect(DEV))
-    fmt = ActivationFormat(layout, torch.bfloat16, ScaleKind.NONE, 8 if layout is Layout.CONTIGUOUS else 1)
+    fmt = _fmt(QuantScheme.parse("bf16"), layout)  # the experts' alignment (bf16: they dequantize first)
     disp = CudaPermuteDispatcher().build(req, fmt)
     ex = Nvfp4DequantRunner(req, fmt, TorchGemmOps(False))
     ex.load(weights)
@@ -732,8 +732,12 @@ def test_misaligned_masked_input_is_refused_not_computed():
     inp = MaskedInput(
         torch.zeros(4, 9, 256, dtype=torch.bfloat16, device=DEV), None, torch.ones(4, dtype=torch.int32, device=DEV), 1
     )
-    with pytest.raises(ValueError, match="not a multiple of 64"):
+    with pytest.raises(ValueError, match=f"not a multiple of {MASKED_ROW_ALIGNMENT}"):
         ex.apply(inp)
+    # 64 rows per expert: whole 64-row tiles, but DeepGEMM may take 128-row ones (session 40)
+    inp64 = MaskedInput(inp.hidden.new_zeros(4, 64, 256), None, inp.masked_m, 1)
+    with pytest.raises(ValueError, match="max_m=64, not a multiple of 128"):
+        ex.apply(inp64)
 
 
 @settings(max_examples=200, deadline=None)

@@ -130,10 +130,11 @@ def shared_buffer(group: Any, low_latency: bool, nvl_bytes: int, rdma_bytes: int
     if entry.buffer is None or nvl_bytes > entry.num_nvl_bytes or rdma_bytes > entry.num_rdma_bytes:
         entry.num_nvl_bytes = max(entry.num_nvl_bytes, nvl_bytes)
         entry.num_rdma_bytes = max(entry.num_rdma_bytes, rdma_bytes)
-        # DeepEP frees a buffer, and its NVSHMEM state, when the object is collected; the old one
-        # must be gone before the next is made
-        entry.buffer = None
-        gc.collect()
+        if entry.buffer is not None:
+            # DeepEP frees a buffer, and its NVSHMEM state, when the object is collected; the old
+            # one must be gone before the next is made
+            entry.buffer = None
+            gc.collect()
         kw: dict[str, Any] = {"low_latency_mode": True, "num_qps_per_rank": qps} if low_latency else {}
         entry.buffer = deep_ep.Buffer(group, entry.num_nvl_bytes, entry.num_rdma_bytes, **kw)
     return entry

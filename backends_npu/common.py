@@ -41,6 +41,17 @@ class FlatOutput:
     hidden: torch.Tensor
 
 
+def ascend_generation(name: str) -> str | None:
+    """The Atlas generation of an Ascend device name: 'A3' (Ascend910_93xx), 'A2' (Ascend910B*),
+    else None. Some vendor ops' limits differ between them."""
+    n = name.replace(" ", "")
+    if "910_93" in n:
+        return "A3"
+    if "910B" in n:
+        return "A2"
+    return None
+
+
 def vendor_ops(req: BuildRequest) -> VendorOps:
     return VendorOps(emulate=req.emulating(BACKEND))
 

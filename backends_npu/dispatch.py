@@ -3,8 +3,8 @@
 - `LocalFlatDispatcher` (one device): npu_moe_init_routing_v2 sorts the (token, k) slots by
   expert and, for W8A8, quantizes them per token in the same op; the group list comes back
   as counts (expert_tokens_num_type=1: the kernel, aclnnMoeInitRoutingV3, refuses 0, the
-  cumulative form). Combine gathers each slot's row through the op's gather index, weights
-  and sums over k (plain torch).
+  cumulative form, on Ascend 950; Atlas A2/A3 take either). Combine gathers each slot's row
+  through the op's gather index, weights and sums over k (plain torch).
 - `HcclDispatcher` (expert parallelism across processes): npu_moe_distribute_dispatch /
   npu_moe_distribute_combine over the HCCL group (quant_mode 2 = dynamic per-token int8),
   group list as counts (expert_token_nums_type=1). Needs ep_size > 1 and a process group.
@@ -22,14 +22,32 @@ from moehal.capability import Decision, accept, decline
 from moehal.formats import ActivationFormat, ScaleKind
 from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
 from moehal.routing import TopK
-from moehal_npu.common import NPU_LL_FLAT, FlatInput, FlatOutput, NpuImplementation, vendor_ops
+from moehal_npu.common import (
+    BACKEND,
+    NPU_LL_FLAT,
+    FlatInput,
+    FlatOutput,
+    NpuImplementation,
+    ascend_generation,
+    vendor_ops,
+)
 
-# npu_moe_distribute_dispatch limits (torch_npu ptaoplist_002364): K <= 8; H <= 7168 and a
-# multiple of 32 (A2; A3 requires H = 7168); BS <= 256 on A2, <= 512 on A3.
+# npu_moe_distribute_dispatch limits (torch_npu ptaoplist_002364, and the op's tiling checks in
+# ops-transformer mc2/moe_distribute_dispatch/op_host/op_tiling/moe_distribute_dispatch_tiling.cpp):
+# K <= 8; at most 512 experts; H <= 7168 and a multiple of 32. Per chip (checked on NPU hardware;
+# the emulation models no chip): Atlas A3 takes H = 7168 only, BS <= 512 and EP sizes from a
+# list; Atlas A2 takes BS <= 256, EP sizes that are multiples of 8 up to 256, and at most 24
+# experts per rank without HCCL's layered communication. Device names of neither kind are held
+# to A2's rules.
 HCCL_MAX_TOPK = 8
 HCCL_MAX_HIDDEN = 7168
 HCCL_HIDDEN_ALIGN = 32
 HCCL_MAX_BS = 512
+HCCL_MAX_EXPERTS = 512
+HCCL_A3_RANKS = (8, 16, 32, 64, 128, 144, 256, 288)
+HCCL_A2_MAX_RANKS = 256
+HCCL_A2_MAX_BS = 256
+HCCL_A2_MAX_LOCAL_EXPERTS = 24
 
 
 def can_produce_flat(fmt: ActivationFormat, req: BuildRequest) -> Decision:
@@ -187,6 +205,26 @@ class HcclDispatcher(NpuImplementation, Dispatcher):
             )
         if req.process_group is None:
             return decline("needs the expert-parallel process group: pass MoELayer(process_group=...)", "parallel")
+        if req.emulating(BACKEND):
+            return accept(predicate="parallel")
+        c, gen = req.config, ascend_generation(req.hardware.name)
+        if gen == "A3" and c.ep_size not in HCCL_A3_RANKS:
+            return decline(
+                f"npu_moe_distribute_dispatch on Atlas A3 takes EP sizes {HCCL_A3_RANKS}, not {c.ep_size}", "parallel"
+            )
+        if gen != "A3":
+            if c.ep_size % 8 or c.ep_size > HCCL_A2_MAX_RANKS:
+                return decline(
+                    f"npu_moe_distribute_dispatch on Atlas A2 takes EP sizes that are multiples of 8 up to "
+                    f"{HCCL_A2_MAX_RANKS}, not {c.ep_size} (device {req.hardware.name!r})",
+                    "parallel",
+                )
+            if c.num_local_experts > HCCL_A2_MAX_LOCAL_EXPERTS:
+                return decline(
+                    f"npu_moe_distribute_dispatch on Atlas A2 takes at most {HCCL_A2_MAX_LOCAL_EXPERTS} experts per "
+                    f"rank without HCCL's layered communication, not {c.num_local_experts}",
+                    "parallel",
+                )
         return accept(predicate="parallel")
 
     def check_shape(self, req: BuildRequest) -> Decision:
@@ -199,10 +237,23 @@ class HcclDispatcher(NpuImplementation, Dispatcher):
                 f"{HCCL_HIDDEN_ALIGN}, got {c.hidden_size}",
                 "shape",
             )
+        if c.num_experts > HCCL_MAX_EXPERTS:
+            return decline(f"npu_moe_distribute_dispatch takes at most {HCCL_MAX_EXPERTS} experts", "shape")
         if c.max_tokens is None or c.max_tokens > HCCL_MAX_BS:
             return decline(
                 f"needs MoEConfig.max_tokens <= {HCCL_MAX_BS} (the per-rank batch bound of "
                 "npu_moe_distribute_dispatch; 256 on Atlas A2)",
+                "shape",
+            )
+        if req.emulating(BACKEND):
+            return accept(predicate="shape")
+        gen = ascend_generation(req.hardware.name)
+        if gen == "A3" and c.hidden_size != HCCL_MAX_HIDDEN:
+            return decline(f"npu_moe_distribute_dispatch on Atlas A3 takes hidden_size {HCCL_MAX_HIDDEN} only", "shape")
+        if gen != "A3" and c.max_tokens > HCCL_A2_MAX_BS:
+            return decline(
+                f"npu_moe_distribute_dispatch on Atlas A2 takes max_tokens <= {HCCL_A2_MAX_BS} per rank, "
+                f"not {c.max_tokens} (device {req.hardware.name!r})",
                 "shape",
             )
         return accept(predicate="shape")

@@ -166,6 +166,14 @@ def npu_dequant_swiglu_quant(
     """
     if quant_mode != 1 or quant_offset is not None or bias is not None:
         raise NotImplementedError("only dynamic quantization (quant_mode=1) without bias/offset is emulated")
+    from moehal_npu.ops import DEQUANT_SWIGLU_ALIGN, DEQUANT_SWIGLU_MAX
+
+    n = x.shape[-1] // 2
+    if group_index is not None and (n > DEQUANT_SWIGLU_MAX or n % DEQUANT_SWIGLU_ALIGN):
+        raise ValueError(
+            f"npu_dequant_swiglu_quant with group_index: output width {n} must be <= {DEQUANT_SWIGLU_MAX} "
+            f"and a multiple of {DEQUANT_SWIGLU_ALIGN}"
+        )
     m = x.shape[0]
     y = x.double()
     if group_index is not None:
@@ -224,9 +232,9 @@ def npu_moe_init_routing_v2(
       slot `row` in expanded_x (row_idx_type=0); -1 for dropped slots (the documentation
       leaves their value open; the backend masks them by expert range itself);
     - expert_tokens_count_or_cumsum int64 `[end - start]`: counts (type 1). The kernel behind
-      the op (aclnnMoeInitRoutingV3) refuses type 0, the cumulative form, in its tiling check
-      ("expert_tokens_num_type currently not support 0"), and so does this; type 2 (key-value
-      pairs) is not emulated;
+      the op (aclnnMoeInitRoutingV3) refuses type 0, the cumulative form, on Ascend 950
+      ("expert_tokens_num_type currently not support 0"; Atlas A2/A3 accept it), and so does
+      this, the strictest chip's rule; type 2 (key-value pairs) is not emulated;
     - expanded_scale float32 `[N*K]`: per-row dynamic scale (quant_mode=1), else unspecified.
     """
     if drop_pad_mode != 0 or row_idx_type != 0 or quant_mode not in (-1, 1) or scale is not None:
@@ -440,6 +448,8 @@ def fused_deep_moe(
     if fuse_mode == DISPATCH_FFN_COMBINE:
         if quant_mode != 1:
             raise ValueError("DISPATCH_FFN_COMBINE is INT8 only (quant_mode=1)")
+        if bool((topk_idx < 0).any()):  # the vendor's test of this mode: "topk=-1 is not supported"
+            raise ValueError("DISPATCH_FFN_COMBINE does not take -1 top-k ids")
         s1 = gmm1_permuted_weight_scale.to(torch.int32).view(torch.float32)
         s2 = gmm2_weight_scale.to(torch.int32).view(torch.float32)
         w1 = gmm1_permuted_weight

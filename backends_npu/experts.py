@@ -33,6 +33,7 @@ from moehal.formats import (
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner
 from moehal.quant import BF16, W8A8_INT8, QuantKind
 from moehal_npu.common import NPU_LL_FLAT, FlatInput, FlatOutput, NpuImplementation, vendor_ops
+from moehal_npu.ops import DEQUANT_SWIGLU_ALIGN, DEQUANT_SWIGLU_MAX
 from moehal_npu.weights import GMM_LAYOUT, NpuWeights
 
 
@@ -125,6 +126,16 @@ class GmmExperts(NpuImplementation, Experts):
         return decline(
             f"{d.reason}: npu_swiglu and npu_dequant_swiglu_quant are SiLU-gated (SwiGLU) only", "activation"
         )
+
+    def check_shape(self, req: BuildRequest) -> Decision:
+        i = req.config.intermediate_size
+        if req.quant.kind is QuantKind.W8A8_INT8 and (i > DEQUANT_SWIGLU_MAX or i % DEQUANT_SWIGLU_ALIGN):
+            return decline(
+                f"npu_dequant_swiglu_quant with group_index takes an output width (intermediate_size) <= "
+                f"{DEQUANT_SWIGLU_MAX} and a multiple of {DEQUANT_SWIGLU_ALIGN}, not {i}",
+                "shape",
+            )
+        return super().check_shape(req)
 
     def input_formats(self, req: BuildRequest) -> Sequence[ActivationFormat]:
         return [activation_format(layout, req) for layout in (NPU_LL_FLAT, Layout.CONTIGUOUS, Layout.MASKED)]

@@ -186,6 +186,9 @@ class FusedDeepMoe(_FuseEP):
 class DispatchFfnCombine(_FuseEP):
     """FuseMode.DISPATCH_FFN_COMBINE: W8A8 INT8 only, no shared experts."""
 
+    # sgl-kernel-npu's own test of this mode: "Currently, topk=-1 is not supported" (it sends no
+    # -1 ids there, while its FUSED_DEEP_MOE test does)
+    drops_padding_ids = False
     name = "fuseep_dispatch_ffn_combine"
     mode_name = "FuseMode.DISPATCH_FFN_COMBINE"
     priority = 25

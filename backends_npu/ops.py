@@ -14,6 +14,10 @@ from typing import Any
 import torch
 
 ACL_FORMAT_FRACTAL_NZ = 29
+# npu_dequant_swiglu_quant with group_index: its output width must be <= 10496 and a multiple of
+# 64, which the op checks (op-plugin docs, torch_npu-npu_dequant_swiglu_quant.md, constraints)
+DEQUANT_SWIGLU_MAX = 10496
+DEQUANT_SWIGLU_ALIGN = 64
 
 
 def fuse_mode_enum() -> Any:
@@ -144,7 +148,7 @@ class VendorOps:
         """npu_moe_init_routing_v2 (dropless, gather row index). x `[N, H]` bf16, expert_idx
         int32 `[N, K]` -> (expanded_x `[N*K, H]` bf16 or int8, expanded_row_idx int32 `[N*K]`,
         expert tokens int64 `[end-start]` (type 1: counts; 2: key-value pairs; the kernel,
-        aclnnMoeInitRoutingV3, refuses 0), expanded_scale fp32 `[N*K]`)."""
+        aclnnMoeInitRoutingV3, refuses 0 on Ascend 950), expanded_scale fp32 `[N*K]`)."""
         n, k = expert_idx.shape
         kw: dict[str, Any] = dict(
             scale=None,

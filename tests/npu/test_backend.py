@@ -10,8 +10,9 @@ import pytest
 import torch
 from moehal import MoEConfig, MoELayer
 from moehal.errors import NoBackendError
-from moehal.hardware import detect
+from moehal.hardware import HardwareInfo, detect
 from moehal.interfaces import BuildRequest
+from moehal.quant import QuantScheme
 from moehal_npu import fuseep, ops, plugin, weights
 from npu_helpers import make_problem, rel_err
 
@@ -268,3 +269,61 @@ def test_fused_deep_moe_calls_each_deep_ep_release_as_it_takes_it(monkeypatch, h
     assert d.ok is has_fuse_modes
     if not has_fuse_modes:
         assert "predates fuse modes" in d.reason
+
+
+def _npu_req(name: str, cfg: MoEConfig, quant: str = "bf16") -> BuildRequest:
+    """A request on a (stand-in) Ascend device of this name, not emulated: the chip rules apply."""
+    hw = HardwareInfo("npu", torch.device("cpu"), name)  # torch.device("npu") needs torch_npu
+    return BuildRequest(cfg, QuantScheme.parse(quant), hw, process_group=object())
+
+
+@pytest.mark.parametrize(
+    "name,ranks,tokens,hidden,why",
+    [
+        ("Ascend910B3", 8, 256, 4096, None),  # Atlas A2
+        ("Ascend910B3", 4, 64, 4096, "multiples of 8 up to 256"),
+        ("Ascend910B3", 8, 512, 4096, "max_tokens <= 256"),
+        ("Ascend910_9391", 144, 512, 7168, None),  # Atlas A3
+        ("Ascend910_9391", 24, 64, 7168, "EP sizes (8, 16, 32, 64, 128, 144, 256, 288)"),
+        ("Ascend910_9391", 16, 64, 4096, "hidden_size 7168 only"),
+        ("Ascend950", 16, 512, 4096, "max_tokens <= 256"),  # neither: held to A2's rules
+    ],
+)
+def test_hccl_dispatcher_declines_what_the_ops_tiling_refuses(name, ranks, tokens, hidden, why):
+    """npu_moe_distribute_dispatch's tiling checks (ops-transformer mc2/moe_distribute_dispatch):
+    EP sizes, batch bound and hidden size differ between Atlas A2 and A3, read from the device
+    name; a shape it refuses is declined at build, not met in the op."""
+    from moehal_npu.dispatch import HcclDispatcher
+
+    cfg = MoEConfig(num_experts=ranks * 2, top_k=8, hidden_size=hidden, intermediate_size=1024, max_tokens=tokens)
+    req = _npu_req(name, cfg.with_(ep_size=ranks, ep_rank=0))
+    d = HcclDispatcher().check_parallel(req)
+    d = d if not d.ok else HcclDispatcher().check_shape(req)
+    assert d.ok if why is None else (not d.ok and why in d.reason), d.reason
+    many = _npu_req("Ascend910B3", cfg.with_(num_experts=8 * 32, ep_size=8, ep_rank=0))  # 32 experts per rank
+    d = HcclDispatcher().check_parallel(many)
+    assert not d.ok and "at most 24 experts per rank" in d.reason
+    d = HcclDispatcher().check_shape(_npu_req("Ascend910_9391", cfg.with_(num_experts=1024, hidden_size=7168)))
+    assert not d.ok and "at most 512 experts" in d.reason
+
+
+def test_w8a8_experts_decline_widths_the_swiglu_quant_op_refuses():
+    """npu_dequant_swiglu_quant with group_index takes an output width <= 10496 and a multiple
+    of 64 (its documented, checked constraint): Mixtral's 14336 is declined for W8A8, not bf16."""
+    from moehal_npu.experts import GmmExperts
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)
+    d = GmmExperts().check_shape(_npu_req("Ascend910B3", cfg, "w8a8_int8"))
+    assert not d.ok and "<= 10496 and a multiple of 64" in d.reason
+    d = GmmExperts().check_shape(_npu_req("Ascend910B3", cfg.with_(intermediate_size=1000), "w8a8_int8"))
+    assert not d.ok and "not 1000" in d.reason
+    assert GmmExperts().check_shape(_npu_req("Ascend910B3", cfg.with_(intermediate_size=1024), "w8a8_int8")).ok
+    assert GmmExperts().check_shape(_npu_req("Ascend910B3", cfg, "bf16")).ok
+
+
+def test_dispatch_ffn_combine_does_not_claim_to_drop_padding_ids():
+    """sgl-kernel-npu's test of DISPATCH_FFN_COMBINE: "Currently, topk=-1 is not supported";
+    FUSED_DEEP_MOE's test sends -1 ids. Layers with topk_padding get the other mode."""
+    from moehal_npu.fuseep import DispatchFfnCombine, FusedDeepMoe
+
+    assert FusedDeepMoe.drops_padding_ids and not DispatchFfnCombine.drops_padding_ids

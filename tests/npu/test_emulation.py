@@ -85,8 +85,10 @@ def test_dynamic_quant_per_token_symmetric():
 @pytest.mark.parametrize("activate_left", [True, False])
 def test_dequant_swiglu_quant(activate_left):
     gen = torch.Generator().manual_seed(5)
-    x = torch.randint(-(2**20), 2**20, (12, 16), generator=gen, dtype=torch.int32)
-    ws = torch.rand(4, 16, generator=gen) * 1e-3
+    x = torch.randint(
+        -(2**20), 2**20, (12, 128), generator=gen, dtype=torch.int32
+    )  # output 64 wide: the op's alignment
+    ws = torch.rand(4, 128, generator=gen) * 1e-3
     acts = torch.rand(12, generator=gen) * 1e-3
     q, s = emulation.npu_dequant_swiglu_quant(
         x,
@@ -96,15 +98,27 @@ def test_dequant_swiglu_quant(activate_left):
         activate_left=activate_left,
         quant_mode=1,
     )
-    assert q.shape == (12, 8) and q.dtype == torch.int8
+    assert q.shape == (12, 64) and q.dtype == torch.int8
     for g, (st, en) in enumerate(_groups(COUNTS)):
         d = x[st:en].double() * ws[g].double() * acts[st:en].double()[:, None]
-        left, right = d[:, :8], d[:, 8:]
+        left, right = d[:, :64], d[:, 64:]
         a = left / (1 + torch.exp(-left)) * right if activate_left else right / (1 + torch.exp(-right)) * left
         deq = q[st:en].double() * s[st:en].double()[:, None]
         bound = a.abs().amax(-1, keepdim=True) / 127 * 0.51 + 1e-9  # half a quantization step per row
         assert bool(((deq - a).abs() <= bound).all())
-    assert torch.equal(q[sum(COUNTS) :], torch.zeros(2, 8, dtype=torch.int8))
+    assert torch.equal(q[sum(COUNTS) :], torch.zeros(2, 64, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("width", [32, 10560])
+def test_dequant_swiglu_quant_refuses_what_the_op_checks(width):
+    """With group_index, the op's output width must be <= 10496 and a multiple of 64 (its
+    documented constraint, which it checks): the emulation refuses the same widths."""
+    x = torch.zeros(4, 2 * width, dtype=torch.int32)
+    with pytest.raises(ValueError, match="must be <= 10496 and a multiple of 64"):
+        emulation.npu_dequant_swiglu_quant(
+            x, weight_scale=torch.ones(1, 2 * width), activation_scale=torch.ones(4),
+            group_index=torch.tensor([4]), activate_left=True, quant_mode=1,
+        )  # fmt: skip
 
 
 def test_format_cast_keeps_logical_values():
@@ -114,7 +128,8 @@ def test_format_cast_keeps_logical_values():
 
 def test_moe_init_routing_v2_refuses_cumulative_token_counts():
     """The kernel behind the op (aclnnMoeInitRoutingV3) takes counts (1) or key-value pairs (2),
-    and refuses 0, the cumulative form, in its tiling check; so does the emulation."""
+    and refuses 0, the cumulative form, in its tiling check on Ascend 950 (Atlas A2/A3 take
+    it); the emulation keeps the strictest chip's rule."""
     x, ids = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="expert_tokens_num_type currently not support 0"):
         emulation.npu_moe_init_routing_v2(x, ids, expert_num=4, expert_tokens_num_type=0, expert_tokens_num_flag=True)
@@ -226,7 +241,8 @@ def test_fused_deep_moe(fuse_mode, quantized):
     e, h, i, bs, k = 3, 64, 128, 6, 2
     x = torch.randn(bs, h, generator=gen).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(bs)]).long()
-    ids[0, 1] = -1  # a slot that is not dispatched
+    if fuse_mode == emulation.FUSED_DEEP_MOE:  # DISPATCH_FFN_COMBINE takes no -1 ids (the vendor's test of it)
+        ids[0, 1] = -1  # a slot that is not dispatched
     wts = torch.rand(bs, k, generator=gen)
     if quantized:
         w13 = torch.randint(-127, 128, (e, 2 * i, h), generator=gen, dtype=torch.int8)
@@ -245,6 +261,11 @@ def test_fused_deep_moe(fuse_mode, quantized):
         x, ids, wts, g1, g1s, g2, g2s, bs, e, quant_mode=1 if quantized else 0, fuse_mode=fuse_mode
     )
     ref = _fused_oracle(x, ids, wts, w13, s13, w2, s2, quantized)
+    if fuse_mode == emulation.DISPATCH_FFN_COMBINE:
+        dropped = ids.clone()
+        dropped[0, 1] = -1
+        with pytest.raises(ValueError, match="does not take -1 top-k ids"):
+            emulation.fused_deep_moe(x, dropped, wts, g1, g1s, g2, g2s, bs, e, quant_mode=1, fuse_mode=fuse_mode)
     assert out.dtype == torch.bfloat16 and out.shape == (bs, h)
     assert torch.equal(recv, torch.bincount(ids[ids >= 0], minlength=e).to(torch.int32))
     err = float((out.double() - ref).abs().max() / ref.abs().max())

@@ -16,7 +16,8 @@ Families:
 - determinism, cuda_graph, side_stream, two_streams, inference_mode, out_buffer, strided_inputs,
   input_dtypes:
   per claimed quant scheme, at the base shape and at the 512-wide one for paths it did not reach.
-- padded_ids: -1 top-k ids (`MoEConfig.topk_padding`), per claimed quant scheme, paths as above.
+- padded_ids: -1 top-k ids (`MoEConfig.topk_padding`), per claimed quant scheme, paths as above;
+  and at top-1 for the first claimed scheme, where a kernel may write output rows directly.
 - double_process, bad_input, honesty.
 """
 
@@ -300,6 +301,11 @@ class CaseBuilder:
         for quant in claimed or [BF16]:
             padded = dict(topk_padding=True)
             cases.extend(self.behaviour_cases("padded_ids", base.with_(**padded), wide.with_(**padded), quant))
+        # top-1 on one device: the portable Triton kernel's GEMM2 wrote output rows itself there,
+        # and left padded tokens' rows as the buffer held them (found in session 40's audit)
+        cases.extend(
+            self.cases_for("padded_ids", "padded_ids", "top1", base.with_(top_k=1, topk_padding=True), first, tokens=16)
+        )
         for check in ("double_process", "bad_input"):
             cases.extend(self.cases_for(check, check, "base", base, first, tokens=16))
         cases.append(

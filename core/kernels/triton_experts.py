@@ -141,7 +141,9 @@ class TritonExpertsRunner(ExpertsRunner):
         self.config = c
         self.is_rocm = req.hardware.kind == "rocm"
         self.device_name = req.hardware.name if req.hardware.kind in ("rocm", "cuda") else None
-        self.all_local = c.ep_size == 1
+        # no -1 ids: one device and no padding slots (the kernel then lets top-1 GEMM2 write the
+        # output rows itself, and nothing would write a padded token's row)
+        self.all_local = c.ep_size == 1 and not c.topk_padding
         self.w: Any = None
         self._bound: dict[int, Any] = {}  # token count -> its `BoundFusedMoE` on these weights
         self._tables = kernel.TABLES_VERSION

@@ -86,6 +86,23 @@ def test_token_with_no_local_expert_is_zero():
     assert out[0].abs().sum() > 0 and out[2].abs().sum() > 0
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_padded_slot_on_one_device_is_zero(top_k):
+    """`topk_padding` on one device: a token whose every slot is -1 gets a zero row. At top-1
+    the kernel writes the output rows itself (every expert local), and nobody wrote a padded
+    token's row: it kept whatever the output buffer held (session 40's audit)."""
+    cfg = moehal.MoEConfig(num_experts=4, top_k=top_k, hidden_size=64, intermediate_size=64, topk_padding=True)
+    w, x, ids, wts = problem(cfg, "bf16", t=3)
+    ids = ids.clone()
+    ids[1] = -1  # token 1: padding
+    layer = moehal.MoELayer(cfg, "bf16", backend="tritonmoe", device=DEVICE, registry=triton_registry())
+    layer.load_weights(w)
+    for _ in range(3):  # fresh output buffers may hold anything
+        out = layer(x, ids, wts)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert out[0].abs().sum() > 0 and out[2].abs().sum() > 0
+
+
 @pytest.mark.parametrize("t", [0, 1])
 def test_zero_and_one_token(t):
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)

@@ -150,6 +150,15 @@ class AiterExperts(Experts):
             return decline("AITER's MoE kernels need hidden and intermediate sizes that are multiples of 128", "shape")
         return accept(predicate="shape")
 
+    def check_quant(self, req: BuildRequest) -> Decision:
+        d = super().check_quant(req)
+        if d.ok and req.quant.kind is QuantKind.W8A8_INT8 and req.hardware.arch == "gfx950":
+            # int8 takes AITER's ASM stage 1 (fused_moe.py get_2stage_cfgs), whose per-token int8
+            # kernels ship for gfx942 only (hsa/gfx942/fmoe_2stages): "not find kernel" at the
+            # first forward on gfx950. vLLM and SGLang send int8 MoE to Triton, as moehal then does.
+            return decline("AITER ships no per-token int8 MoE kernel for gfx950; the Triton fused MoE runs it", "quant")
+        return d
+
     def input_formats(self, req: BuildRequest) -> Sequence[ActivationFormat]:
         return [ActivationFormat(Layout.STANDARD, req.config.dtype)]  # AITER quantizes inside
 

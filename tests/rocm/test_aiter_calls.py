@@ -123,3 +123,16 @@ def test_aiter_is_not_claimed_deterministic():
     """CK's second stage adds the top-k rows into the output atomically, in no fixed order:
     conformance must not hold AITER to bitwise repeatability."""
     assert AiterExperts.deterministic is False
+
+
+def test_int8_declines_on_gfx950_where_aiter_ships_no_kernel():
+    """int8 per-token MoE takes AITER's ASM stage 1, whose kernels ship for gfx942 only
+    (hsa/gfx942/fmoe_2stages): on gfx950 it would fail at the first forward ("not find
+    kernel"), so it declines there and the Triton fused MoE takes the layer."""
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128)
+    int8, fp8 = moehal.QuantScheme.parse("w8a8_int8"), moehal.QuantScheme.parse("fp8_block")
+    mi355 = HardwareInfo("rocm", torch.device("cpu"), "AMD Instinct MI355X", (9, 5), "gfx950")
+    d = AiterExperts().check_quant(BuildRequest(cfg, int8, mi355))
+    assert not d.ok and "gfx950" in d.reason and "Triton" in d.reason
+    assert AiterExperts().check_quant(BuildRequest(cfg, int8, MI300)).ok
+    assert AiterExperts().check_quant(BuildRequest(cfg, fp8, mi355)).ok

@@ -24,6 +24,7 @@ docs/backends/cuda.md) and needs several GPUs with NVSHMEM.
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -68,14 +69,58 @@ def _topk_idx_dtype() -> torch.dtype:
     return getattr(deep_ep, "topk_idx_t", torch.int64)
 
 
-def _deep_ep_decision() -> Decision:
+# What each mode calls on `deep_ep.Buffer`: a release that lacks one is declined at build, not
+# met as an AttributeError at the first forward.
+LL_CALLS = ("get_low_latency_rdma_size_hint", "low_latency_dispatch", "low_latency_combine")
+NORMAL_CALLS = ("get_dispatch_config", "get_dispatch_layout", "dispatch", "combine")
+# `low_latency_dispatch(round_scale=...)` (power-of-two scales) came with DeepEP PR #206 (June 2025)
+ROUND_SCALE_SINCE = "DeepEP PR #206, June 2025"
+
+
+def _deep_ep_version() -> str:
+    return package_version("sgl-deep-ep") or package_version("deep-ep") or "(version unknown)"
+
+
+def _deep_ep_decision(calls: tuple[str, ...]) -> Decision:
     if not module_available("deep_ep"):
         return decline("deep_ep is not installed (DeepEP; sgl-deep-ep wheels pin a torch release)", "libraries")
     try:
-        import deep_ep  # noqa: F401
+        import deep_ep
     except Exception as exc:  # noqa: BLE001
         return decline(f"deep_ep failed to import: {type(exc).__name__}: {exc}", "libraries")
-    return accept(f"deep_ep {package_version('sgl-deep-ep') or package_version('deep-ep')}", "libraries")
+    missing = [n for n in calls if not callable(getattr(getattr(deep_ep, "Buffer", None), n, None))]
+    if missing:
+        return decline(
+            f"deep_ep {_deep_ep_version()} has no Buffer.{', Buffer.'.join(missing)}: moehal calls DeepEP's "
+            "legacy Buffer API (docs/backends/cuda.md)",
+            "libraries",
+        )
+    return accept(f"deep_ep {_deep_ep_version()}", "libraries")
+
+
+def takes_keyword(fn: Any, name: str) -> bool:
+    """Whether `fn` accepts the keyword `name`. A signature Python cannot read (a compiled
+    function) counts as yes: the call itself will tell."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _round_scale_decision() -> Decision:
+    """Power-of-two scales (the GROUP_128_UE8M0 format) need `round_scale`, which older DeepEP
+    releases' `low_latency_dispatch` does not take."""
+    import deep_ep
+
+    if takes_keyword(deep_ep.Buffer.low_latency_dispatch, "round_scale"):
+        return accept(predicate="format")
+    return decline(
+        f"deep_ep {_deep_ep_version()}'s low_latency_dispatch takes no round_scale ({ROUND_SCALE_SINCE}), so it "
+        "cannot send the power-of-two scales these experts want; upgrade DeepEP, or use experts that take "
+        "float scales",
+        "format",
+    )
 
 
 def _parallel(req: BuildRequest, normal: bool) -> Decision:
@@ -169,7 +214,7 @@ class DeepEPLowLatencyRunner(DispatchRunner):
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(self.t_max, c.hidden_size, c.ep_size, c.num_experts)
         self.shared = shared_buffer(req.process_group, True, 0, rdma, max(1, c.num_local_experts))
         self.use_fp8 = fmt.is_quantized
-        self.round_scale = fmt.scales is ScaleKind.GROUP_128_UE8M0
+        self.scale_kw = {"round_scale": True} if fmt.scales is ScaleKind.GROUP_128_UE8M0 else {}
         self.idx_dtype = _topk_idx_dtype()
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, _LLHandle]:
@@ -181,14 +226,11 @@ class DeepEPLowLatencyRunner(DispatchRunner):
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
             w = torch.ones_like(w)
+        # round_scale only where wanted (float power-of-two scales: the GROUP_128_UE8M0 format),
+        # so that releases from before it serve the other formats; use_ue8m0 (int32-packed
+        # scales) is never asked for and keeps its default, False
         recv, count, handle, _, _ = self.shared.buffer.low_latency_dispatch(
-            hidden,
-            ids,
-            self.t_max,
-            c.num_experts,
-            use_fp8=self.use_fp8,
-            round_scale=self.round_scale,
-            use_ue8m0=False,  # float (power-of-two) scales: the GROUP_128_UE8M0 format
+            hidden, ids, self.t_max, c.num_experts, use_fp8=self.use_fp8, **self.scale_kw
         )
         x, s = recv if isinstance(recv, tuple) else (recv, None)
         expected = max(1, (self.t_max * c.ep_size * c.top_k + c.num_experts - 1) // c.num_experts)
@@ -220,7 +262,7 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
         return sm_decision(req, (90, 100, 103), "DeepEP")
 
     def check_libraries(self, req: BuildRequest) -> Decision:
-        return _deep_ep_decision()
+        return _deep_ep_decision(LL_CALLS)
 
     def check_parallel(self, req: BuildRequest) -> Decision:
         d = _parallel(req, normal=False)
@@ -286,7 +328,7 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
                     f"{LL_FP8_ROW_ALIGNMENT}: sgl-deep-ep strides its scales per expert by rows rounded up to it",
                     "format",
                 )
-            return accept(predicate="format")
+            return _round_scale_decision() if fmt.scales is ScaleKind.GROUP_128_UE8M0 else accept(predicate="format")
         return decline(f"DeepEP low latency cannot produce {fmt}", "format")
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> DispatchRunner:
@@ -388,7 +430,7 @@ class DeepEPNormalDispatcher(Dispatcher):
         return sm_decision(req, (90, 100, 103), "DeepEP")
 
     def check_libraries(self, req: BuildRequest) -> Decision:
-        return _deep_ep_decision()
+        return _deep_ep_decision(NORMAL_CALLS)
 
     def check_parallel(self, req: BuildRequest) -> Decision:
         d = _parallel(req, normal=True)

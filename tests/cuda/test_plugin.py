@@ -200,6 +200,52 @@ def test_deepep_limits_from_the_second_audit(monkeypatch):
     assert parallel(ll(), 6).ok
 
 
+def test_deepep_releases_without_the_calls_moehal_makes_are_declined_at_build(monkeypatch):
+    """A `deep_ep` whose Buffer lacks a call a mode makes is declined by that mode's library
+    check, with the missing calls named, not met at the first forward. A release from before
+    `round_scale` (DeepEP PR #206) still serves bf16 and float-scale FP8 low latency, and
+    declines power-of-two scales with the reason; the runner asks for `round_scale` only then."""
+    import sys
+    import types
+
+    from moehal_cuda.deepep import DeepEPLowLatencyDispatcher, DeepEPLowLatencyRunner, DeepEPNormalDispatcher
+
+    class OldBuffer:  # a low-latency API from before round_scale, and no normal mode
+        def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=1):
+            pass
+
+        @staticmethod
+        def get_low_latency_rdma_size_hint(t_max, hidden, num_ranks, num_experts):
+            return 1
+
+        def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True):
+            raise AssertionError("not called here")
+
+        def low_latency_combine(self, x, topk_idx, topk_weights, handle):
+            raise AssertionError("not called here")
+
+    old = types.ModuleType("deep_ep")
+    old.Buffer = OldBuffer
+    monkeypatch.setitem(sys.modules, "deep_ep", old)
+    monkeypatch.setattr("moehal_cuda.deepep.module_available", lambda name: True)
+    cfg = MoEConfig(num_experts=64, top_k=8, hidden_size=7168, intermediate_size=2048, ep_size=8, max_tokens=16)
+    req = _req((9, 0), cfg=cfg)
+    ll, normal = DeepEPLowLatencyDispatcher(), DeepEPNormalDispatcher()
+    assert ll.check_libraries(req).ok
+    d = normal.check_libraries(req)
+    assert not d.ok and "has no Buffer.get_dispatch_config, Buffer.get_dispatch_layout, Buffer.dispatch" in d.reason
+    assert "legacy Buffer API" in d.reason
+    float_scales = ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128, 128)
+    pow2_scales = ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.GROUP_128_UE8M0, 128)
+    assert ll.can_produce(float_scales, req).ok
+    assert ll.can_produce(ActivationFormat(Layout.MASKED, torch.bfloat16, ScaleKind.NONE, 128), req).ok
+    d = ll.can_produce(pow2_scales, req)
+    assert not d.ok and "takes no round_scale (DeepEP PR #206" in d.reason
+    monkeypatch.setattr("moehal_cuda.deepep.shared_buffer", lambda *a, **k: None)
+    assert DeepEPLowLatencyRunner(req, float_scales).scale_kw == {}
+    assert DeepEPLowLatencyRunner(req, pow2_scales).scale_kw == {"round_scale": True}
+
+
 def test_deepgemm_prefers_masked_while_its_worst_case_buffers_fit(monkeypatch):
     import moehal_cuda.deepgemm_experts as dge
     from moehal.settings import Settings

@@ -127,16 +127,16 @@ def bf16_logits_ok() -> bool:
 
 
 def logits_for_kernel(logits: torch.Tensor, method: int, bf16_ok: bool) -> torch.Tensor:
-    """The routing logits as the installed trtllm-gen launcher takes them: DeepSeek-V3 routing
-    takes fp32 (bf16 too where `bf16_ok`, flashinfer 0.6.8); the FP8 launchers take bf16 for
-    the other methods (flashinfer issue #2469), so fp32 logits are rounded to bf16 there
-    (documented). Always contiguous: the launcher checks only their dtype and shape, and its
-    routing kernel reads `[token * E + e]` from the data pointer."""
-    if method == ROUTING_DEEPSEEK_V3:
-        want = torch.bfloat16 if logits.dtype == torch.bfloat16 and bf16_ok else torch.float32
-    else:
-        want = torch.bfloat16
-    return logits.to(want).contiguous()
+    """The routing logits as the installed trtllm-gen launcher takes them: fp32 always, bf16 as
+    given where the release takes it. DeepSeek-V3 routing takes bf16 from flashinfer 0.6.8
+    (`bf16_ok`). The softmax routings take fp32 or bf16 in every release moehal runs them on
+    (0.6.8+, `FLASHINFER_SOFTMAX_ROUTING`; fp32 came with flashinfer PR #2534 for issue
+    #2469), so fp32 logits stay fp32 there: rounding them to bf16 could pick other experts
+    than the layer's fp32 router did. Other dtypes (fp16) go as fp32, which holds them exactly.
+    Always contiguous: the launcher checks only their dtype and shape, and its routing kernel
+    reads `[token * E + e]` from the data pointer."""
+    keep_bf16 = logits.dtype == torch.bfloat16 and (bf16_ok or method != ROUTING_DEEPSEEK_V3)
+    return logits.to(torch.bfloat16 if keep_bf16 else torch.float32).contiguous()
 
 
 def routing_limits(req: BuildRequest) -> Decision:

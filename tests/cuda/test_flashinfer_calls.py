@@ -313,6 +313,30 @@ def test_trtllm_routing_limits_decline_at_build(monkeypatch, kw, why):
     assert fm.TrtllmFp8BlockMoE().check_routing(_trtllm_req(ok)).ok
 
 
+@pytest.mark.parametrize(
+    "method,given,bf16_ok,sent",
+    [
+        (fm.ROUTING_RENORMALIZE, torch.float32, True, torch.float32),  # rounding could change the top-k
+        (fm.ROUTING_DEFAULT, torch.float32, True, torch.float32),
+        (fm.ROUTING_RENORMALIZE, torch.bfloat16, True, torch.bfloat16),
+        (fm.ROUTING_RENORMALIZE, torch.float16, True, torch.float32),  # fp32 holds fp16 exactly
+        (fm.ROUTING_DEEPSEEK_V3, torch.bfloat16, True, torch.bfloat16),  # flashinfer 0.6.8+
+        (fm.ROUTING_DEEPSEEK_V3, torch.bfloat16, False, torch.float32),  # older: fp32 only
+        (fm.ROUTING_DEEPSEEK_V3, torch.float32, True, torch.float32),
+    ],
+)
+def test_trtllm_logits_keep_their_precision_where_the_launcher_takes_it(method, given, bf16_ok, sent):
+    """fp32 router logits reach the softmax routings as fp32 (flashinfer PR #2534, in every
+    release those routings run on here): two experts whose fp32 logits differ below bf16's
+    resolution keep their order, which rounding to bf16 would turn into a tie."""
+    logits = torch.tensor([[1.0, 1.0 + 2**-10, -1.0, 0.5]]).to(given)
+    got = fm.logits_for_kernel(logits, method, bf16_ok)
+    assert got.dtype == sent
+    torch.testing.assert_close(got, logits.to(sent))
+    if given == torch.float32 and sent == torch.float32:
+        assert got[0, 1] > got[0, 0]  # the order the layer's router computed
+
+
 @pytest.mark.parametrize("routing", [RoutingConfig("softmax"), RoutingConfig("deepseek_v3", n_group=2, topk_group=2)])
 def test_trtllm_logits_reach_the_kernel_contiguous_and_version_is_read_at_build(fake_flashinfer, monkeypatch, routing):
     """The launcher reads logits densely from their data pointer (it checks dtype and shape

@@ -54,7 +54,9 @@ class _Captured:
         tensors of several dtypes (hidden states, ids, weights) takes torch's per-tensor path: a
         kernel launch each. As bytes they are one list of one dtype: one launch for all. Inputs
         that are not contiguous take the typed copy, which handles any strides."""
-        if BYTE_COPY_INPUTS and all(t.is_contiguous() for t in inputs):
+        # (a `[T, 1]` tensor with strides (1, T) is contiguous to torch, yet only a last stride
+        # of 1 lets it be viewed as bytes: top-1 ids and weights transposed from `topk` are so)
+        if BYTE_COPY_INPUTS and all(t.is_contiguous() and t.stride(-1) == 1 for t in inputs):
             torch._foreach_copy_(self.input_bytes, [t.view(torch.uint8) for t in inputs])
         else:
             torch._foreach_copy_(self.inputs, inputs)
@@ -100,6 +102,9 @@ class GraphCache:
         self._on_cuda = device.type == "cuda"
         self._graphs: dict[tuple, _Captured] = {}  # key -> copying graph
         self._direct: dict[tuple, _Captured] = {}  # where -> direct graph
+        # the inputs' part of every direct graph's `where`: a call on other tensors (new inputs,
+        # or a batch above the graph limit) is told apart before an output is allocated for it
+        self._direct_inputs: set[tuple] = set()
         self._direct_per_key: dict[tuple, int] = {}
         self._last: dict[tuple, tuple] = {}  # key -> where the previous call's inputs and output were
         self._last_output: dict[tuple, tuple] = {}  # inputs' signature -> where its last 2 outputs were
@@ -125,6 +130,7 @@ class GraphCache:
     def clear(self) -> None:
         self._graphs.clear()
         self._direct.clear()
+        self._direct_inputs.clear()
         self._direct_per_key.clear()
         self._last.clear()
         self._last_output.clear()
@@ -191,8 +197,10 @@ class GraphCache:
         """Replay a direct graph for these inputs, if one was captured: the one that writes
         `out`, or without `out`, the one that writes this call's new output where the allocator
         put it, else the one that reads the inputs in place (its output then copied out).
-        On a miss, remembers the signature and output for the `__call__` that follows."""
-        if not self._direct:
+        On a miss, remembers the signature and output for the `__call__` that follows. Inputs
+        that no direct graph reads return None at once: nothing is allocated for a call that
+        takes the copying graph or runs eagerly (a prefill batch above the graph limit)."""
+        if sig not in self._direct_inputs:
             return None
         target = out if out is not None else self._fresh_output(inputs)
         target_sig = self._sig(target)
@@ -227,6 +235,7 @@ class GraphCache:
         self, key: tuple, where: tuple, inputs: tuple[torch.Tensor, ...], out: torch.Tensor | None
     ) -> _Captured:
         cap = self._direct[where] = self._capture(inputs, copy_inputs=False, out=out)
+        self._direct_inputs.add(where[: 4 * len(inputs)])
         self._direct_per_key[key] = self._direct_per_key.get(key, 0) + 1
         return cap
 

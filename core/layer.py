@@ -245,7 +245,7 @@ class MoELayer(torch.nn.Module):
         if self._graph_tokens and not self.validate_values:  # an engine's steady state: one replay
             if router_logits is None:
                 y = self._graphs_topk.replay_direct((hidden_states, topk_ids, topk_weights), out)
-            elif topk_ids is None:  # both given is an error, which the checked path raises
+            elif topk_ids is None and topk_weights is None:  # both kinds given: the checked path raises
                 y = self._graphs_logits.replay_direct((hidden_states, router_logits), out)
             else:
                 y = None

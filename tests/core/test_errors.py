@@ -222,3 +222,23 @@ def test_forward_replays_a_direct_graph_before_its_checks_and_checks_everything_
         layer(x, ids, w, out=out)
     ids.copy_(bad)
     assert replays == [1]
+
+
+def test_logits_and_top_k_weights_together_are_refused_even_where_a_direct_graph_exists(registry, fake_cuda_graphs):
+    """The direct replay of a logits layer is keyed by the hidden states and logits only, so
+    it must not serve a call that also passes top-k weights: that is the checked path's error,
+    whether or not a graph was captured on those tensors."""
+    cfg = CFG.with_(routing=moehal.RoutingConfig("softmax"))
+    weights, *_ = build_problem(cfg, BF16, 1)
+    layer = moehal.MoELayer(cfg, BF16, device="cpu", registry=registry)
+    layer.load_weights(weights)
+    layer._graphs_logits = cache = GraphCache(layer._forward_logits, torch.device("cpu"))
+    layer._graph_tokens, layer.validate_values = 64, False  # as on CUDA (the CPU layer refuses graphs)
+    x, logits = torch.randn(3, 32).bfloat16(), torch.randn(3, 4)
+    out = torch.empty_like(x)
+    cache(x, logits, out=out)
+    cache(x, logits, out=out)  # captured on the caller's tensors
+    assert cache.direct_graphs == 1
+    assert layer(x, router_logits=logits, out=out) is out
+    with pytest.raises(moehal.InputError, match="not both"):
+        layer(x, None, torch.rand(3, 2), router_logits=logits, out=out)

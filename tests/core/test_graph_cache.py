@@ -111,6 +111,43 @@ def test_out_gets_its_own_graph_and_new_inputs_are_copied_in(monkeypatch, fake_c
     assert cache.direct_graphs == 1
 
 
+def test_calls_on_tensors_no_direct_graph_reads_allocate_one_output_and_keep_none(monkeypatch, fake_cuda_graphs):
+    """Once a direct graph exists, every call first tries it. A call on other tensors (new
+    inputs, or a prefill batch above the graph limit that then runs eagerly) must not get an
+    output allocated by that try: the copying graph allocates its own, and an eager forward
+    never takes the one kept for it, which would stay alive until the layer's next call."""
+    cache, alloc = _cache(monkeypatch, [torch.empty(3, 4)])
+    x, w = torch.randn(3, 4), torch.randn(3, 2)
+    _call(cache, x, w)
+    _call(cache, x, w)  # inputs in place: a direct graph
+    assert cache.direct_graphs == 1
+    before = alloc.calls
+    big_x, big_w = torch.randn(4096, 4), torch.randn(4096, 2)  # what an eager prefill call tries
+    assert cache.replay_direct((big_x, big_w)) is None
+    assert alloc.calls == before and cache._missed is None
+    x2, w2 = torch.randn(3, 4), torch.randn(3, 2)  # new inputs: the copying graph
+    assert torch.equal(_call(cache, x2, w2), _forward(x2, w2))
+    assert alloc.calls == before + 1 and cache._missed is None
+
+
+def test_top_1_ids_transposed_from_topk_are_copied_in(fake_cuda_graphs):
+    """`torch.topk(..., 1, dim=0)` then `.t()` gives `[T, 1]` ids and weights with strides
+    (1, T): contiguous to torch, but not viewable as bytes. They take the typed copy."""
+
+    def forward(x, ids, w):
+        return x + (ids.float() * w).sum(dim=1, keepdim=True).to(x.dtype)
+
+    cache = GraphCache(forward, torch.device("cpu"))
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        scores = torch.randn(5, 3, generator=g)
+        top = torch.topk(scores, 1, dim=0)
+        ids, w = top.indices.t().to(torch.int32), top.values.t()
+        assert ids.is_contiguous() and ids.stride() == (1, 3)
+        x = torch.randn(3, 8, generator=g).bfloat16()
+        assert torch.equal(cache(x, ids, w), forward(x, ids, w))
+
+
 def test_graph_cache_replays_with_new_inputs_on_cpu_semantics(fake_cuda_graphs):
     """The cache's bookkeeping (one capture per token count, inputs copied in, output copied
     out) without a GPU: a stand-in graph object that records and re-runs the function."""

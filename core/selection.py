@@ -33,7 +33,7 @@ from moehal.interfaces import (
 )
 from moehal.plugins import Registry
 from moehal.quant import QuantScheme
-from moehal.quant.activation import quantize_activation
+from moehal.quant.activation import quantize_activation, scale_kind_dtype
 from moehal.settings import Settings
 
 _T = TypeVar("_T")
@@ -61,7 +61,12 @@ class QuantizeAdapter:
 
     @staticmethod
     def source_format(target: ActivationFormat, dtype: Any) -> ActivationFormat | None:
-        return target.unquantized(dtype) if target.is_quantized else None
+        """The unquantized format to dispatch for `target`, or None where the adapter cannot make
+        `target` exactly: the reference quantizers emit fp8 e4m3fn (group and static scales) and
+        int8 (per token) only, so experts that want e.g. e4m3fnuz get no adapter."""
+        if not target.is_quantized or scale_kind_dtype(target.scales) != target.dtype:
+            return None
+        return target.unquantized(dtype)
 
     def __init__(self, target: ActivationFormat) -> None:
         self.target = target

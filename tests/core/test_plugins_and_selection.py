@@ -166,6 +166,58 @@ def test_static_input_scale_reaches_the_quantize_adapter(plugin_path):
     torch.testing.assert_close(layer(x, ids, wts), ref(x, ids, wts))
 
 
+def test_no_quantize_adapter_for_a_dtype_the_reference_quantizers_do_not_make():
+    """The adapter quantizes with the reference quantizers, which make fp8 e4m3fn and int8.
+    Experts that want e4m3fnuz 1x128 rows (what an MI300 kernel computes in) behind a
+    dispatcher that sends bf16 only get no adapter, since it would hand them e4m3fn bits whose
+    values are off by 2x. With no other way to feed them, they are declined, and the
+    refusal names the dispatcher's reason."""
+    import types
+
+    from moehal.capability import accept, decline
+    from moehal.interfaces import BackendInfo, BuildRequest, Dispatcher, Experts
+    from moehal.plugins import Registry
+    from moehal.selection import QuantizeAdapter, select
+
+    fnuz = ActivationFormat(Layout.STANDARD, torch.float8_e4m3fnuz, ScaleKind.GROUP_128)
+    fn = ActivationFormat(Layout.STANDARD, torch.float8_e4m3fn, ScaleKind.GROUP_128)
+    assert QuantizeAdapter.source_format(fnuz, torch.bfloat16) is None
+    assert QuantizeAdapter.source_format(fn, torch.bfloat16) == fn.unquantized(torch.bfloat16)
+
+    class Bf16Only(Dispatcher):
+        name, priority = "bf16_only", 5
+
+        def can_produce(self, fmt, req):
+            if fmt.is_quantized:
+                return decline("sends bf16 only", "format")
+            return accept(predicate="format")
+
+        def build(self, req, fmt):
+            raise NotImplementedError
+
+    class FnuzExperts(Experts):
+        name, priority = "fnuz", 5
+        quant_schemes = frozenset({moehal.QuantScheme.parse("fp8_block")})
+
+        def input_formats(self, req):
+            return [fnuz]
+
+        def build(self, req, fmt):
+            raise NotImplementedError
+
+    plugin = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: BackendInfo("toyfnuz", "0", "toy")),
+        moehal_dispatchers=moehal.hookimpl(lambda: [Bf16Only()]),
+        moehal_experts=moehal.hookimpl(lambda: [FnuzExperts()]),
+    )
+    reg = Registry(moehal.Settings())
+    reg.register(plugin, "toyfnuz")
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    req = BuildRequest(cfg, moehal.QuantScheme.parse("fp8_block"), moehal.detect("cpu"), moehal.Settings())
+    with pytest.raises(moehal.NoBackendError, match="sends bf16 only"):
+        select(req, reg, backend="toyfnuz")
+
+
 def test_broken_plugins_are_reported_and_skipped(plugin_path):
     reg = _registry()
     broken, hookfail = reg.plugins["broken"], reg.plugins["hookfail"]

@@ -67,3 +67,22 @@ def test_layer_called_with_router_logits_equals_topk_call(registry):
     logits = torch.randn(6, 8).bfloat16()  # bf16 logits accepted; routing runs in fp32
     topk = route(logits, 2, routing, bias)
     torch.testing.assert_close(layer(x, router_logits=logits), layer(x, topk.ids, topk.weights))
+
+
+def test_equal_scores_go_to_the_lower_expert_and_group_index():
+    """The vendors' routing kernels order equal scores by the lower index; `torch.topk` leaves
+    ties unspecified. bf16 logits tie often, so the oracle fixes the order: softmax, sigmoid and
+    DeepSeek-V3's group and expert picks alike (the loop oracle above sorts stably too)."""
+    logits = torch.tensor([[1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]]).bfloat16()
+    for method in ("softmax", "sigmoid"):
+        assert route(logits, 3, RoutingConfig(method)).ids.tolist() == [[0, 1, 2]]
+    # four groups of two, all scoring alike: the two lowest groups are kept, then the lowest experts
+    flat = torch.zeros(1, 8)
+    ds = RoutingConfig("deepseek_v3", n_group=4, topk_group=2)
+    assert route(flat, 3, ds).ids.tolist() == [[0, 1, 2]]
+    # many tokens of bf16 logits with ties, against the stable Python loop
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 16, generator=g) * 4).round().bfloat16().float()  # coarse: many ties
+    want, _ = _deepseek_loop(logits, torch.zeros(16), 4, 4, 2, True)
+    got = route(logits, 4, RoutingConfig("deepseek_v3", n_group=4, topk_group=2))
+    assert torch.equal(got.ids.long(), want)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,6 +20,17 @@ class Activation(str, enum.Enum):
 
 
 _DTYPES = {torch.bfloat16, torch.float16, torch.float32}
+
+
+def _as_int(owner: str, name: str, value: object) -> int:
+    """`value` as a Python int (numpy and torch integers included); a float, a bool or
+    anything else is a ConfigError, where `int()` would truncate 127.5 to 127."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{owner}.{name} must be an integer, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +84,12 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation", Activation(self.activation))
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "ep_size", "ep_rank"):
+            object.__setattr__(self, name, _as_int("MoEConfig", name, getattr(self, name)))
+        if self.max_tokens is not None:
+            object.__setattr__(self, "max_tokens", _as_int("MoEConfig", "max_tokens", self.max_tokens))
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "ep_size"):
-            if int(getattr(self, name)) <= 0:
+            if getattr(self, name) <= 0:
                 raise ConfigError(f"MoEConfig.{name} must be positive, got {getattr(self, name)}")
         if self.top_k > self.num_experts:
             raise ConfigError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")

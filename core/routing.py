@@ -45,6 +45,10 @@ class RoutingConfig:
 
     def check(self, num_experts: int, top_k: int) -> None:
         if self.method is RoutingMethod.DEEPSEEK_V3:
+            for name in ("n_group", "topk_group"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(f"RoutingConfig.{name} must be a positive integer, got {v!r}")
             if num_experts % self.n_group:
                 raise ConfigError(f"num_experts={num_experts} not divisible by n_group={self.n_group}")
             if not 1 <= self.topk_group <= self.n_group:

@@ -130,12 +130,25 @@ def test_ep_weights_hint(registry):
         (dict(dtype=torch.int8), "bf16, fp16, fp32"),
         (dict(hidden_size=0), "must be positive"),
         (dict(routing=moehal.RoutingConfig("deepseek_v3", n_group=3)), "not divisible by n_group"),
+        (dict(routing=moehal.RoutingConfig("deepseek_v3", n_group=0)), "n_group must be a positive integer"),
+        (dict(hidden_size=31.5), "hidden_size must be an integer, got 31.5"),  # not truncated to 31
+        (dict(num_experts=4.0), "num_experts must be an integer"),
+        (dict(ep_size=2, ep_rank=0.5), "ep_rank must be an integer"),
+        (dict(max_tokens=2.5), "max_tokens must be an integer"),
+        (dict(top_k=True), "top_k must be an integer"),
     ],
 )
 def test_config_errors(kwargs, match):
     base = dict(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
     with pytest.raises(moehal.ConfigError, match=match):
         moehal.MoEConfig(**{**base, **kwargs})
+
+
+def test_config_takes_numpy_and_torch_integers_as_python_ints():
+    import numpy as np
+
+    cfg = moehal.MoEConfig(num_experts=np.int64(4), top_k=2, hidden_size=torch.tensor(32).item(), intermediate_size=16)
+    assert type(cfg.num_experts) is int and cfg.num_experts == 4 and cfg.hidden_size == 32
 
 
 def test_cuda_graph_replay_is_refused_off_cuda(layer):

@@ -63,33 +63,47 @@ class Registry:
 
     # Loading ---------------------------------------------------------------------------------
     def load_entry_points(self) -> None:
-        eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
-        for ep in eps:
-            dist = getattr(ep, "dist", None)
-            dist_name = dist.metadata["Name"] if dist is not None else None
-            dist_version = dist.version if dist is not None else None
-            if ep.name in self.plugins:
+        """Load every `moehal.backends` entry point, in name order. A name that more than one
+        distribution provides loads none of them: which one would win is install order, which
+        moehal never chooses by. A disabled name is not imported at all."""
+        providers: dict[str, list[Any]] = {}
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):
+            providers.setdefault(ep.name, []).append(ep)
+        for name, eps in providers.items():
+            ep = eps[0]
+            dist_name, dist_version = _distribution(ep)
+            if name in self.settings.disabled_plugins:
+                self.plugins[name] = PluginRecord(
+                    name, "disabled", dist_name, dist_version, ep.value, error="disabled by MOEHAL_DISABLE_PLUGINS"
+                )
+                continue
+            if len(eps) > 1:
+                named = ", ".join(f"{_distribution(e)[0] or '?'} ({e.value})" for e in eps)
                 self._fail(
-                    PluginRecord(ep.name, "failed", dist_name, dist_version, ep.value),
-                    f"duplicate plugin name {ep.name!r}: already provided by {self.plugins[ep.name].distribution}",
+                    PluginRecord(name, "failed", dist_name, dist_version, ep.value),
+                    f"plugin name {name!r} is provided by {len(eps)} distributions: {named}. moehal loads "
+                    "none of them rather than pick one by install order; uninstall all but one",
                     None,
                 )
                 continue
-            if ep.name in self.settings.disabled_plugins:
-                self.plugins[ep.name] = PluginRecord(
-                    ep.name, "disabled", dist_name, dist_version, ep.value, error="disabled by MOEHAL_DISABLE_PLUGINS"
+            if name in self.plugins:  # registered by the application before the entry points
+                self._fail(
+                    PluginRecord(name, "failed", dist_name, dist_version, ep.value),
+                    f"duplicate plugin name {name!r}: already provided by "
+                    f"{self.plugins[name].distribution or self.plugins[name].module}",
+                    None,
                 )
                 continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
                 self._fail(
-                    PluginRecord(ep.name, "failed", dist_name, dist_version, ep.value),
+                    PluginRecord(name, "failed", dist_name, dist_version, ep.value),
                     f"import failed: {type(exc).__name__}: {exc}",
                     traceback.format_exc(),
                 )
                 continue
-            self.register(plugin, ep.name, distribution=dist_name, version=dist_version, module=ep.value)
+            self.register(plugin, name, distribution=dist_name, version=dist_version, module=ep.value)
 
     def register(
         self,
@@ -189,6 +203,12 @@ class Registry:
                 f"unknown backend {name!r}{why}; loaded backends: {self.loaded_backends()}. "
                 "Run `moehal doctor` to see every plugin and why it is or is not available."
             )
+
+
+def _distribution(ep: Any) -> tuple[str | None, str | None]:
+    """(name, version) of the distribution that declares an entry point, where known."""
+    dist = getattr(ep, "dist", None)
+    return (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
 
 
 _lock = threading.Lock()

@@ -238,6 +238,25 @@ def test_disabled_plugins_are_not_imported(plugin_path):
     assert "moehal_broken_plugin" not in sys.modules
 
 
+def test_a_name_two_distributions_provide_loads_neither(tmp_path, monkeypatch):
+    """Which of two distributions declaring one backend name would load first is install
+    order: neither is imported, and the failure names both. Disabling the name skips it quietly,
+    strict mode included."""
+    _make_dist(tmp_path, "moehal_dup_a", "moehal_dup_a_plugin", BROKEN_IMPORT, "dup")
+    _make_dist(tmp_path, "moehal_dup_b", "moehal_dup_b_plugin", textwrap.dedent(TOY_PLUGIN), "dup")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = _registry()
+    rec = reg.plugins["dup"]
+    assert rec.status == "failed" and "provided by 2 distributions" in rec.error
+    assert "moehal_dup_a" in rec.error and "moehal_dup_b" in rec.error and "install order" in rec.error
+    assert "moehal_dup_a_plugin" not in sys.modules and "moehal_dup_b_plugin" not in sys.modules
+    assert "dup" not in reg.loaded_backends()
+    with pytest.raises(moehal.PluginLoadError, match="provided by 2 distributions"):
+        _registry(strict=True)
+    quiet = _registry(strict=True, disabled_plugins=frozenset({"dup"}))
+    assert quiet.plugins["dup"].status == "disabled"
+
+
 def test_settings_read_from_env():
     s = moehal.Settings.from_env(
         {

@@ -74,7 +74,14 @@ def run(args: argparse.Namespace, rest: Sequence[str] = ()) -> int:
         return 2
     reg = moehal.discover()
     req = moehal.BuildRequest(cfg, quant, moehal.detect(args.device), reg.settings)
-    backend = args.backend or reg.settings.backend
+    # `auto` (or no flag) defers to MOEHAL_BACKEND, as `MoELayer(backend="auto")` does
+    backend = args.backend if args.backend not in (None, "auto") else reg.settings.backend
+    if backend is not None:
+        try:
+            reg.check_backend(backend)
+        except MoEHalError as exc:
+            console.print(str(exc), style="red", markup=False, highlight=False)
+            return 2
     pipelines, decisions = moehal.enumerate_pipelines(req, reg, backend, args.layout)
     if args.json:
         print_json(

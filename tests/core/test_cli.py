@@ -100,6 +100,18 @@ def test_explain_rejects_an_invalid_config(capsys):
     assert "exceeds num_experts" in capsys.readouterr().out
 
 
+def test_explain_backend_auto_means_any_and_a_misspelt_one_is_named(capsys):
+    """`--backend auto` means no restriction, as `MoELayer(backend="auto")` does (it declined
+    every candidate as "not of the requested backend 'auto'"); an unknown name is the unknown-
+    backend error with the loaded backends, not a table of declines."""
+    args = ["explain", "--experts", "8", "--hidden", "256", "--intermediate", "128", "--device", "cpu"]
+    assert main([*args, "--backend", "auto"]) == 0
+    assert "moehal plan" in capsys.readouterr().out
+    assert main([*args, "--backend", "refrence"]) == 2
+    out = capsys.readouterr().out
+    assert "unknown backend 'refrence'" in out and "reference" in out
+
+
 def test_list(capsys):
     assert main(["list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

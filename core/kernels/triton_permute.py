@@ -402,8 +402,9 @@ def _scatter_rows(
                 v = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=m2, other=0.0)
                 if WEIGHT_ON_INPUT:
                     vw = v.to(tl.float32) * wt[:, None]
-                    if EXACT_ROUND:
-                        vw = round_to_bf16_grid(vw)
+                    if EXACT_ROUND:  # the interpreter's cast to bf16 is not round-to-nearest-even
+                        if x_ptr.dtype.element_ty == tl.bfloat16:  # (fp16 and fp32 casts are)
+                            vw = round_to_bf16_grid(vw)
                     v = vw.to(x_ptr.dtype.element_ty)
                 if QUANT:
                     if STATIC:

@@ -288,14 +288,17 @@ def test_padding_ids_reach_no_row(masked, ep):
     assert out[1::3].abs().sum() > 0
 
 
-def test_weight_on_input_scales_rows():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_weight_on_input_scales_rows(dtype):
+    """Rows times the router weight, rounded once to the layer dtype (the interpreted kernel
+    once rounded them to bf16 whatever the dtype: fp16 and fp32 layers lost precision)."""
     e, t = 4, 5
     ids, w = _routing(t, e, 1, 7)
-    x = _x(t, 7)
-    buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, torch.bfloat16, DEV, False)
+    x = _x(t, 7).to(dtype)
+    buf = TP.alloc_padded((e, TP.masked_rows(t, 8)), H, dtype, DEV, False)
     r = TP.permute(x, ids, w, buf, expert_start=0, num_local_experts=e, masked=True, weight_on_input=True)
     idx = P.index_slots(ids.cpu(), 0, e)
-    scaled = (x.cpu().float() * w.cpu()).bfloat16()
+    scaled = (x.cpu().float() * w.cpu()).to(dtype)
     ref, _ = P.to_masked(scaled, idx, buf.hidden.shape[1])
     assert torch.equal(r.hidden.cpu(), ref)
 

@@ -347,6 +347,11 @@ def _scatter_rows(
         else:
             pos = tl.load(slot_pos_ptr + s, mask=valid, other=0)
         if MASKED:
+            # an expert holds at most max_m rows: more arrive only from ids that break the
+            # contract (a token naming one expert twice, unchecked without validate_values);
+            # those slots are dropped (row -1) rather than written into the next expert's rows
+            # or past the buffer
+            valid = valid & (pos < max_m)
             dest_e = tl.where(valid, local, 0)
             dest_m = pos
             row_id = dest_e * max_m + dest_m
@@ -421,11 +426,15 @@ def _scatter_rows(
         rp = pid - n_slot_programs
         e = rp // N_SPLIT
         if FUSED_POS:
-            cnt = tl.sum((all_ids == e).to(tl.int32), axis=0)
+            cnt = tl.minimum(tl.sum((all_ids == e).to(tl.int32), axis=0), max_m)
             if rp % N_SPLIT == 0:
                 tl.store(counts_ptr + e, cnt)  # masked_m for the experts' kernels
         else:
             cnt = tl.load(counts_ptr + e)
+            if cnt > max_m:  # (the positions pass counted every slot; see the slots' note)
+                cnt = max_m
+                if rp % N_SPLIT == 0:
+                    tl.store(counts_ptr + e, cnt)
         prev = tl.load(state_ptr + e)
         base = out_ptr + e.to(tl.int64) * stride_oe
         zero_stale_rows(base, stride_om, 0, H, cnt, prev, rp % N_SPLIT, N_SPLIT, BLOCK_R, BLOCK_H)

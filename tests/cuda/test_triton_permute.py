@@ -477,3 +477,29 @@ def test_a_bound_combine_matches_combine_at_every_call_and_refuses_what_it_was_n
         launch(y, r.slot_row, None, None)
     with pytest.raises(ValueError, match="into torch.bfloat16"):
         launch(y, r.slot_row, w, torch.empty(t, H, dtype=torch.float32, device=DEV))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-positions", "positions-pass"])
+def test_masked_rows_past_max_m_are_dropped_not_written_into_the_next_expert(fused, monkeypatch):
+    """Ids that break the contract (a token naming one expert twice; only `validate_values`
+    checks) can send an expert more slots than its max_m rows. Those slots are dropped (row
+    -1) and the count stops at max_m: the next expert's rows, and memory past the buffer for
+    the last expert, are never written, and the next call's stale-row zeroing stays inside."""
+    if not fused:
+        monkeypatch.setattr(TP, "FUSED_POSITIONS_MAX_SLOTS", 0)
+    t, k, e, h = 8, 2, 3, 64
+    max_m = TP.masked_rows(t, 8)
+    buf = TP.alloc_padded((e, max_m), h, torch.bfloat16, DEV, False)
+    x = torch.arange(1, t + 1).float()[:, None].repeat(1, h).bfloat16().to(DEV)
+    for expert in (0, e - 1):  # the last expert's overflow would land past the buffer
+        ids = torch.full((t, k), expert, dtype=torch.int32, device=DEV)  # 16 slots, 8 rows
+        r = TP.permute(x, ids, torch.ones(t, k, device=DEV), buf, expert_start=0, num_local_experts=e, masked=True)
+        counts = r.counts.cpu().tolist()
+        assert counts[expert] == max_m and sum(counts) == max_m, counts
+        rows = r.slot_row.cpu()
+        assert (rows >= 0).sum() == max_m and (rows[rows >= 0] // max_m == expert).all()
+        others = [i for i in range(e) if i != expert]
+        assert buf.hidden[others].abs().sum() == 0  # nothing spilled into another expert
+    good = torch.tensor([[0, 1]] * t, dtype=torch.int32, device=DEV)  # back to valid ids
+    r = TP.permute(x, good, torch.ones(t, k, device=DEV), buf, expert_start=0, num_local_experts=e, masked=True)
+    assert r.counts.cpu().tolist() == [t, t, 0] and buf.hidden[2].abs().sum() == 0

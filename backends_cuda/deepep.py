@@ -357,7 +357,9 @@ class DeepEPNormalRunner(DispatchRunner):
         self.quant = fmt.is_quantized
         self.ue8m0 = fmt.scales is ScaleKind.GROUP_128_UE8M0
         self.idx_dtype = _topk_idx_dtype()
-        self.capacity = 0  # contiguous rows at the worst case; 0: unknown (no max_tokens)
+        # contiguous rows at the worst case; 0 (no max_tokens): `contiguous_workspace` rounds each
+        # call's rows to a power of two, since a rank receives another count at every call
+        self.capacity = 0
         if c.max_tokens is not None:
             slots = c.max_tokens * c.ep_size * min(c.top_k, c.num_local_experts)
             self.capacity = contiguous_rows(slots, c.num_local_experts, fmt.row_alignment)
@@ -388,7 +390,7 @@ class DeepEPNormalRunner(DispatchRunner):
         # n changes at every call: this call's rows of one buffer sized for the worst case
         # (every rank's max_tokens), not a persistent buffer per received count
         dest = tp.contiguous_workspace(
-            "deepep.contiguous", rows, self.capacity or rows, c.hidden_size, self.fmt.dtype, recv_x.device, self.quant
+            "deepep.contiguous", rows, self.capacity, c.hidden_size, self.fmt.dtype, recv_x.device, self.quant
         )
         p = tp.permute(
             recv_x,

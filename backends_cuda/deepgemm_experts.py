@@ -673,8 +673,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         from moehal.kernels.triton_permute import contiguous_rows
 
         c = self.config
-        if c.max_tokens is None:
-            return rows
+        if c.max_tokens is None:  # 0: `contiguous_workspace` rounds each call's rows to a power of two
+            return 0
         ranks = c.ep_size if self.req.process_group is not None else 1
         slots = c.max_tokens * ranks * min(c.top_k, c.num_local_experts)
         return contiguous_rows(slots, c.num_local_experts, self.fmt.row_alignment)

@@ -26,6 +26,7 @@ from moehal.formats import (
     StandardOutput,
 )
 from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
+from moehal.kernels.host import next_power_of_2
 from moehal.quant.activation import quantize_activation
 from moehal.routing import TopK
 from moehal_cuda.support import cuda_or_interpreter, interpreted_mode, triton_decision
@@ -72,14 +73,17 @@ class PermuteRunner(DispatchRunner):
         from moehal.kernels import triton_permute as tp
 
         c, dt = self.config, (self.fmt.dtype if self.quant else self.dtype)
-        rows_for = c.max_tokens if c.max_tokens is not None else t
         name = f"dispatch.{self.fmt.layout_name}"
         if self.fmt.layout is Layout.MASKED:
+            # no max_tokens: buffers for token counts rounded up to a power of two, so a stream
+            # of batch sizes keeps a few of them (within 2x of the largest), not one per size
+            rows_for = c.max_tokens if c.max_tokens is not None else next_power_of_2(t)
             lead = (self.e, tp.masked_rows(rows_for, math.lcm(64, self.fmt.row_alignment)))
             return tp.workspace(name, lead, c.hidden_size, dt, device, self.quant)
-        # contiguous: this call's rows of a buffer sized once for max_tokens
+        # contiguous: this call's rows of a buffer sized once for max_tokens (without it, a
+        # capacity of 0 lets `contiguous_workspace` round each call's rows to a power of two)
         rows = tp.contiguous_rows(t * self.k, self.e, self.fmt.row_alignment)
-        cap = tp.contiguous_rows(rows_for * self.k, self.e, self.fmt.row_alignment)
+        cap = tp.contiguous_rows(c.max_tokens * self.k, self.e, self.fmt.row_alignment) if c.max_tokens else 0
         return tp.contiguous_workspace(name, rows, cap, c.hidden_size, dt, device, self.quant)
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, PermuteHandle]:

@@ -503,3 +503,35 @@ def test_masked_rows_past_max_m_are_dropped_not_written_into_the_next_expert(fus
     good = torch.tensor([[0, 1]] * t, dtype=torch.int32, device=DEV)  # back to valid ids
     r = TP.permute(x, good, torch.ones(t, k, device=DEV), buf, expert_start=0, num_local_experts=e, masked=True)
     assert r.counts.cpu().tolist() == [t, t, 0] and buf.hidden[2].abs().sum() == 0
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_layers_without_max_tokens_keep_a_few_buffers_for_a_stream_of_batch_sizes(layout, monkeypatch):
+    """With no `max_tokens` the dispatcher's buffers are sized by each call; keyed by the exact
+    size, every new batch size (prefill lengths, an expert-parallel rank's arrivals) kept a
+    buffer of its own for the process's life. Rounded up to powers of two, 1..40 tokens keep
+    at most 7 (1, 2, 4, ..., 64 slots' worth), and DeepGEMM's contiguous buffers follow the
+    same rule (capacity 0)."""
+    from moehal.config import MoEConfig
+    from moehal.formats import ActivationFormat, Layout
+    from moehal.hardware import detect
+    from moehal.interfaces import BuildRequest
+    from moehal.quant import QuantScheme
+    from moehal.routing import TopK
+    from moehal_cuda import dispatch
+    from moehal_cuda.deepgemm_experts import DeepGemmExpertsRunner, TorchGemmOps
+
+    monkeypatch.setattr(TP, "_WORKSPACE", {})
+    monkeypatch.setattr(dispatch, "KEEP_BOUND_TOKENS", 0)  # every size bound per call, as prefill is
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)  # max_tokens=None
+    req = BuildRequest(cfg, QuantScheme.parse("bf16"), detect(DEV))
+    fmt = ActivationFormat(Layout(layout), torch.bfloat16, row_alignment=4)
+    run = dispatch.CudaPermuteDispatcher().build(req, fmt)
+    g = torch.Generator().manual_seed(3)
+    for t in range(1, 41):
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t)]).int().to(DEV)
+        x = torch.randn(t, 64, generator=g).bfloat16().to(DEV)
+        inp, _ = run.dispatch(x, TopK(ids, torch.rand(t, 2, generator=g).to(DEV)))
+        assert inp.hidden.shape[-1] == 64
+    assert len(TP._WORKSPACE) <= 7, sorted(k[1] for k in TP._WORKSPACE)
+    assert DeepGemmExpertsRunner(req, fmt, TorchGemmOps(False)).contiguous_capacity(123) == 0

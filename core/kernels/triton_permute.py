@@ -430,11 +430,11 @@ def _scatter_rows(
             if rp % N_SPLIT == 0:
                 tl.store(counts_ptr + e, cnt)  # masked_m for the experts' kernels
         else:
-            cnt = tl.load(counts_ptr + e)
-            if cnt > max_m:  # (the positions pass counted every slot; see the slots' note)
-                cnt = max_m
-                if rp % N_SPLIT == 0:
-                    tl.store(counts_ptr + e, cnt)
+            # the positions pass counted every slot; the experts' kernels read the rows held
+            # (see the slots' note on max_m)
+            cnt = tl.minimum(tl.load(counts_ptr + e), max_m)
+            if rp % N_SPLIT == 0:
+                tl.store(counts_ptr + e, cnt)
         prev = tl.load(state_ptr + e)
         base = out_ptr + e.to(tl.int64) * stride_oe
         zero_stale_rows(base, stride_om, 0, H, cnt, prev, rp % N_SPLIT, N_SPLIT, BLOCK_R, BLOCK_H)

@@ -56,8 +56,10 @@ class QuantScheme:
         """Parse `bf16`, `fp8_block`, `fp8_block:ue8m0`, `fp8_tensor`, `nvfp4`, `w8a8_int8`."""
         if isinstance(text, QuantScheme):
             return text
-        kind, _, fmt = str(text).partition(":")
+        kind, colon, fmt = str(text).partition(":")
         try:
+            if colon and not fmt:  # "fp8_block:" names no scale format
+                raise ValueError(text)
             parsed_kind, parsed_fmt = QuantKind(kind), ScaleFormat(fmt or "float")
         except ValueError:
             known = ", ".join(s.name for s in ALL_SCHEMES)

@@ -83,5 +83,7 @@ def test_scheme_names_round_trip(text):
 def test_unknown_scheme_and_bad_ue8m0_are_config_errors():
     with pytest.raises(moehal.ConfigError, match="known:"):
         QuantScheme.parse("int4")
+    with pytest.raises(moehal.ConfigError, match="known:"):
+        QuantScheme.parse("fp8_block:")  # a colon with no scale format after it
     with pytest.raises(moehal.ConfigError, match="fp8_block only"):
         QuantScheme.parse("nvfp4:ue8m0")

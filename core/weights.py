@@ -124,7 +124,9 @@ def validate(weights: ExpertWeights, config: MoEConfig, quant: QuantScheme, devi
             raise WeightError(
                 f"`{name}` has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]} for {quant.name}"
             )
-        if t.device.type != device.type:
+        # the index too where the layer has one: a layer on cuda:0 must not take weights on
+        # cuda:1 (kernels would fault, or read them across the bus)
+        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
             raise WeightError(f"`{name}` is on {t.device}, the layer is on {device}; move it first")
     extra = sorted(set(present) - set(spec))
     if extra:
@@ -158,7 +160,7 @@ def quantize_weights(
     }
     if k is QuantKind.BF16:
         return ExpertWeights(w13.to(config.dtype), w2.to(config.dtype), **extra)
-    a_amax, a2_amax = _calibrate(config, w13, w2, calibration_input)
+    a_amax, a2_amax = _calibrate(config, w13, calibration_input, w13_bias)
     if k is QuantKind.FP8_BLOCK:
         ue8m0 = quant.scale_format is ScaleFormat.UE8M0
         q13, s13 = fp8.quantize_block(w13, ue8m0)
@@ -200,13 +202,19 @@ def quantize_weights(
     return ExpertWeights(q13, q2, s13, s2, **extra)
 
 
-def _calibrate(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor | None) -> tuple[float, float]:
+def _calibrate(
+    config: MoEConfig, w13: torch.Tensor, x: torch.Tensor | None, w13_bias: torch.Tensor | None
+) -> tuple[float, float]:
+    """Amax (with 25% headroom) of the first GEMM's input and of the second's (the activation of
+    `x @ w13^T + w13_bias`, every expert); unit-scale placeholders without `x`."""
     if x is None or x.numel() == 0:
         return 4.0, 4.0
     from moehal.activations import apply_activation
 
     a_amax = float(x.float().abs().amax().clamp_min(1e-6))
     h = torch.einsum("th,enh->etn", x.float(), w13.float())
+    if w13_bias is not None:
+        h = h + w13_bias.float()[:, None, :]
     a2 = apply_activation(h, config)
     return a_amax * 1.25, float(a2.abs().amax().clamp_min(1e-6)) * 1.25
 

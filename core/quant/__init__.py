@@ -51,6 +51,13 @@ class QuantScheme:
     def is_quantized(self) -> bool:
         return self.kind is not QuantKind.BF16
 
+    @property
+    def static_activation_scales(self) -> bool:
+        """Whether activations are quantized with fixed scales that come with the weights
+        (fp8_tensor's per-tensor scales, nvfp4's global scales): such weights need scales
+        calibrated on real activations; the other schemes scale activations at run time."""
+        return self.kind in (QuantKind.FP8_TENSOR, QuantKind.NVFP4)
+
     @classmethod
     def parse(cls, text: str | QuantScheme) -> QuantScheme:
         """Parse `bf16`, `fp8_block`, `fp8_block:ue8m0`, `fp8_tensor`, `nvfp4`, `w8a8_int8`."""

@@ -87,3 +87,22 @@ def test_unknown_scheme_and_bad_ue8m0_are_config_errors():
         QuantScheme.parse("fp8_block:")  # a colon with no scale format after it
     with pytest.raises(moehal.ConfigError, match="fp8_block only"):
         QuantScheme.parse("nvfp4:ue8m0")
+
+
+@pytest.mark.parametrize("quant", ["fp8_tensor", "nvfp4"])
+def test_static_activation_scales_cover_the_w13_bias(quant):
+    # the second GEMM's input is act(x @ w13^T + b13): a calibration without the bias clipped it
+    cfg = moehal.MoEConfig(
+        num_experts=2, top_k=1, hidden_size=32, intermediate_size=16, has_w13_bias=True, dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(2, 32, 32, generator=g) * 0.05, torch.randn(2, 32, 16, generator=g) * 0.05
+    b13 = torch.full((2, 32), 8.0)  # the activation's range comes from the bias
+    x = torch.randn(8, 32, generator=g)
+    scheme = moehal.QuantScheme.parse(quant)
+    assert scheme.static_activation_scales
+    w = moehal.quantize_weights(cfg, scheme, w13, w2, w13_bias=b13, calibration_input=x)
+    a2 = moehal.activations.apply_activation(torch.einsum("th,enh->etn", x, w13) + b13[:, None, :], cfg)
+    full = 448.0 if quant == "fp8_tensor" else 448.0 * 6.0
+    covered = full / float(w.a2_scale) if quant == "nvfp4" else float(w.a2_scale) * full
+    assert covered >= float(a2.abs().amax())

@@ -83,3 +83,15 @@ def test_inputs_on_another_gpu_than_the_layer_are_refused():
     x, ids, w = _inputs(cfg, 4, 0)
     with pytest.raises(moehal.InputError, match="hidden_states is on cuda:1; the layer is on cuda:0"):
         layer(x.to("cuda:1"), ids.to("cuda:1"), w.to("cuda:1"))
+
+
+def test_weights_on_another_gpu_than_the_layer_are_refused():
+    import moehal
+
+    cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32)
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(16, cfg.w13_rows, 512, generator=g), torch.randn(16, 512, 256, generator=g)
+    weights = moehal.quantize_weights(cfg, moehal.QuantScheme.parse("bf16"), w13, w2)
+    layer = moehal.MoELayer(cfg, "bf16", backend="cuda", device="cuda:0")
+    with pytest.raises(moehal.WeightError, match="is on cuda:1, the layer is on cuda:0"):
+        layer.load_weights(weights.to("cuda:1"))

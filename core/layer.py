@@ -129,6 +129,12 @@ class MoELayer(torch.nn.Module):
         self._graphs_logits = GraphCache(self._forward_logits, self.device)
         self.cuda_graph_tokens = cuda_graph_tokens
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and unpickling build a new layer from the old one's state: it needs an
+        # id of its own, or a compiled graph of the copy would run the original's weights
+        super().__setstate__(state)
+        self._op_id = custom_op.register_layer(self)
+
     @property
     def cuda_graph_tokens(self) -> int:
         """Eager calls with at most this many tokens replay a per-token-count CUDA graph (0: off)."""

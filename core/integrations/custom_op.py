@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,25 +41,64 @@ if TYPE_CHECKING:  # pragma: no cover
     from moehal.layer import MoELayer
 
 __all__ = [
+    "adopt_id",
     "get_layer",
     "is_graph_capturable",
     "moe_forward",
     "moe_forward_logits",
     "register_layer",
+    "set_refresher",
     "traced_forward",
 ]
 
 _lock = threading.Lock()
 _ids = itertools.count()
 _layers: dict[int, weakref.ReferenceType[MoELayer]] = {}
+# layer_id -> a callable the real ops call first: it brings the layer up to date (e.g. rebuilds
+# it after its source weights changed) and may hand the id to a new layer (`adopt_id`)
+_refreshers: dict[int, Callable[[], object]] = {}
+
+
+def _forget(ref: weakref.ReferenceType[MoELayer], layer_id: int) -> None:
+    with _lock:
+        if _layers.get(layer_id) is ref:  # not a layer that adopted the id since
+            del _layers[layer_id]
+            _refreshers.pop(layer_id, None)
 
 
 def register_layer(layer: MoELayer) -> int:
-    """Give `layer` a process-unique id for the custom ops (called by `MoELayer.__init__`)."""
+    """Give `layer` a process-unique id for the custom ops (called by `MoELayer.__init__`, and
+    again for a copy: a deep copy or an unpickled layer is another layer)."""
     with _lock:
         layer_id = next(_ids)
-        _layers[layer_id] = weakref.ref(layer, lambda _ref, i=layer_id: _layers.pop(i, None))
+        _layers[layer_id] = weakref.ref(layer, lambda ref, i=layer_id: _forget(ref, i))
     return layer_id
+
+
+def adopt_id(layer: MoELayer, layer_id: int) -> None:
+    """Make `layer` the one that `layer_id` names, in place of the layer that had it: graphs
+    compiled on the old layer run the new one. For a rebuild of the same layer (same config),
+    as the transformers integration does when a module's weights change."""
+    with _lock:
+        _layers[layer_id] = weakref.ref(layer, lambda ref, i=layer_id: _forget(ref, i))
+    layer._op_id = layer_id
+
+
+def set_refresher(layer_id: int, refresh: Callable[[], object] | None) -> None:
+    """Have the real ops call `refresh()` before running layer `layer_id` (None: stop). The fake
+    implementations never call it: a rebuild cannot run while a compiler traces."""
+    with _lock:
+        if refresh is None:
+            _refreshers.pop(layer_id, None)
+        else:
+            _refreshers[layer_id] = refresh
+
+
+def _live_layer(layer_id: int) -> MoELayer:
+    refresh = _refreshers.get(layer_id)
+    if refresh is not None:
+        refresh()
+    return get_layer(layer_id)
 
 
 def get_layer(layer_id: int) -> MoELayer:
@@ -94,14 +134,14 @@ def moe_forward(
     hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_id: int
 ) -> torch.Tensor:
     """Run layer `layer_id` on caller-routed tokens (eager forward of `MoELayer`)."""
-    out = get_layer(layer_id).forward(hidden, topk_ids, topk_weights)
+    out = _live_layer(layer_id).forward(hidden, topk_ids, topk_weights)
     return _not_aliasing(out, hidden, topk_ids, topk_weights)
 
 
 @torch.library.custom_op("moehal::moe_forward_logits", mutates_args=())
 def moe_forward_logits(hidden: torch.Tensor, router_logits: torch.Tensor, layer_id: int) -> torch.Tensor:
     """Run layer `layer_id`, routing from `router_logits` (eager forward of `MoELayer`)."""
-    out = get_layer(layer_id).forward(hidden, router_logits=router_logits)
+    out = _live_layer(layer_id).forward(hidden, router_logits=router_logits)
     return _not_aliasing(out, hidden, router_logits)
 
 
@@ -122,11 +162,24 @@ def _fake_hidden(layer: MoELayer, hidden: torch.Tensor) -> None:
         )
 
 
+def _traced_layer(layer_id: int | torch.SymInt) -> MoELayer:
+    """The layer a fake implementation checks against. Compiling one block for many layers
+    (regional compilation, with `torch._dynamo.config.allow_unspec_int_on_nn_module`) makes the
+    id symbolic: its trace-time value names one of those layers, and reading it adds no guard,
+    so the block is not recompiled per layer."""
+    if isinstance(layer_id, torch.SymInt):
+        hint = getattr(layer_id.node, "hint", None)  # the example value; no guard
+        if not isinstance(hint, int):
+            raise InputError("moehal's custom op got a layer id with no known value while tracing")
+        return get_layer(hint)
+    return get_layer(layer_id)
+
+
 @moe_forward.register_fake
 def _moe_forward_fake(
     hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_id: int
 ) -> torch.Tensor:
-    layer = get_layer(layer_id)
+    layer = _traced_layer(layer_id)
     _fake_hidden(layer, hidden)
     k = layer.config.top_k
     if topk_ids.dim() != 2 or topk_weights.dim() != 2 or topk_ids.shape[1] != k or topk_weights.shape[1] != k:
@@ -152,7 +205,7 @@ def _moe_forward_fake(
 
 @moe_forward_logits.register_fake
 def _moe_forward_logits_fake(hidden: torch.Tensor, router_logits: torch.Tensor, layer_id: int) -> torch.Tensor:
-    layer = get_layer(layer_id)
+    layer = _traced_layer(layer_id)
     _fake_hidden(layer, hidden)
     c = layer.config
     if c.routing is None:

@@ -19,9 +19,11 @@ into its canonical layout once (transpose, de-interleave gate/up), infers the ac
 probing the module's own gate function against moehal's (silu, gelu, gpt-oss SwiGLU with the
 module's alpha/limit), builds a `MoELayer` (selection happens here, once) and caches it on the
 module. Later calls reuse it; if a weight is replaced or modified in place (its storage or
-version counter changes) the layer is rebuilt. Layouts moehal cannot express exactly raise
-`NotSupportedError` with the reason (post-expert norms, expert-parallel sentinels, activations
-without a moehal equivalent); nothing silently falls back.
+version counter changes) the layer is rebuilt, compiled graphs included (the custom op checks
+the weights before it runs; a rebuilt layer of the same shape keeps its custom-op id). Layouts
+moehal cannot express exactly raise `NotSupportedError` with the reason (post-expert norms,
+expert-parallel sentinels, activations without a moehal equivalent); nothing silently falls
+back.
 
 `torch.compile`: the experts call becomes the `moehal::moe_forward` custom op (no graph break);
 layers must be prepared before tracing, by one eager forward or by `prepare(model)`.
@@ -36,6 +38,7 @@ weights with any layout flags, so they run on exactly the problem moehal runs.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +47,7 @@ import torch
 from moehal.activations import apply_activation
 from moehal.config import Activation, MoEConfig
 from moehal.errors import NotSupportedError
+from moehal.integrations import custom_op
 from moehal.layer import MoELayer
 from moehal.quant import QuantKind, QuantScheme
 from moehal.weights import quantize_weights
@@ -138,10 +142,15 @@ def canonical_weights(
 
 
 def _probe(n: int, device: torch.device) -> torch.Tensor:
-    # Deterministic values over [-10, 10]: crosses the SwiGLU clamps (7.0) and both signs.
+    # Deterministic values of both signs: half over [-10, 10], half at magnitudes up to 1e3.
+    # Clamps sit anywhere (gpt-oss 7, DeepSeek-V4 and GLM 10, Step 16): a probe that never
+    # crosses one would take a clamped SwiGLU for plain SiLU. Large values stay exact in
+    # float32 for every candidate (no overflow below ~88 in exp(-x) of the sigmoid's far side).
     g = torch.Generator().manual_seed(0)
-    x = torch.rand(16, n, generator=g) * 20 - 10
-    return x.to(device)
+    near = torch.rand(8, n, generator=g) * 20 - 10
+    sign = torch.where(torch.rand(8, n, generator=g) < 0.5, -1.0, 1.0)
+    far = sign * torch.pow(10.0, torch.rand(8, n, generator=g) * 3)  # |x| in [1, 1e3]
+    return torch.cat([near, far]).to(device)
 
 
 def infer_activation(module: torch.nn.Module, base: MoEConfig, layout: ExpertsLayout | None = None) -> MoEConfig:
@@ -200,7 +209,6 @@ def infer_activation(module: torch.nn.Module, base: MoEConfig, layout: ExpertsLa
 class _Prepared:
     key: tuple[Any, ...]
     layer: MoELayer
-    layer_id: int
 
 
 def _version(t: torch.Tensor) -> int:
@@ -276,9 +284,23 @@ def _prepared(module: torch.nn.Module, top_k: int, backend: str, quant: QuantSch
     state: _Prepared | None = module.__dict__.get(_STATE)
     if state is None or state.key != key:
         layer = _build(module, top_k, backend, quant)
-        state = _Prepared(key, layer, layer._op_id)
+        if state is not None and layer.config == state.layer.config and layer.quant == state.layer.quant:
+            # the same layer with new weights: it keeps the old one's custom-op id, so graphs
+            # compiled on it run the new weights
+            custom_op.adopt_id(layer, state.layer._op_id)
+        state = _Prepared(key, layer)
         module.__dict__[_STATE] = state  # a plain attribute: not a submodule, not in the state dict
+        # compiled graphs call the custom op without this forward's eager check: the op checks
+        # the weights first (a weak reference: the registry keeps no module alive)
+        ref = weakref.ref(module)
+        custom_op.set_refresher(layer._op_id, lambda: _refresh(ref, top_k, backend, quant))
     return state
+
+
+def _refresh(ref: weakref.ReferenceType[torch.nn.Module], top_k: int, backend: str, quant: QuantScheme) -> None:
+    module = ref()
+    if module is not None:
+        _prepared(module, top_k, backend, quant)
 
 
 def _make_forward(backend: str, quant: QuantScheme) -> Callable[..., torch.Tensor]:
@@ -301,7 +323,7 @@ def _make_forward(backend: str, quant: QuantScheme) -> Callable[..., torch.Tenso
         x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
         w = top_k_weights if top_k_weights.is_floating_point() else top_k_weights.float()
         if torch.compiler.is_compiling():
-            out = torch.ops.moehal.moe_forward(x, top_k_index, w, state.layer_id)
+            out = torch.ops.moehal.moe_forward(x, top_k_index, w, state.layer._op_id)
         else:
             out = state.layer(x, top_k_index, w)
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
@@ -314,13 +336,27 @@ def _make_forward(backend: str, quant: QuantScheme) -> Callable[..., torch.Tenso
 moehal_experts_forward = _make_forward("auto", QuantScheme.parse("bf16"))
 
 
+def _float_checkpoint_scheme(quant: QuantScheme | str) -> QuantScheme:
+    """The scheme moehal may quantize a float checkpoint into by itself: one whose activation
+    scales are computed at run time. Schemes with static activation scales (fp8_tensor, nvfp4)
+    would get placeholder scales here, which clip real hidden states (up to ~100% error)."""
+    scheme = QuantScheme.parse(quant)
+    if scheme.static_activation_scales:
+        raise NotSupportedError(
+            f"quant={scheme.name!r} uses static activation scales, which a float checkpoint does not carry "
+            "and the transformers integration cannot calibrate; use quant='fp8_block' or 'w8a8_int8' (scaled "
+            "at run time), or build a MoELayer with moehal.quantize_weights(..., calibration_input=...)"
+        )
+    return scheme
+
+
 def register(name: str = DEFAULT_NAME, *, backend: str = "auto", quant: QuantScheme | str = "bf16") -> str:
     """Register moehal in transformers' `ALL_EXPERTS_FUNCTIONS` under `name`, selecting
     `backend` (`auto`: the best available) with weights in `quant` (`bf16`: the model's own
     float weights, unquantized). Returns `name`; registering a name again replaces it."""
     from transformers.integrations.moe import ExpertsInterface
 
-    scheme = QuantScheme.parse(quant)
+    scheme = _float_checkpoint_scheme(quant)
     fn = moehal_experts_forward if (backend, scheme.name) == ("auto", "bf16") else _make_forward(backend, scheme)
     ExpertsInterface.register(name, fn)
     return name
@@ -337,7 +373,7 @@ def prepare(
     preparation outside any traced region). `top_k` defaults to each module's
     `config.num_experts_per_tok`. Use the same backend/quant as the registered name. Returns
     the number of modules prepared."""
-    scheme = QuantScheme.parse(quant)
+    scheme = _float_checkpoint_scheme(quant)
     count = 0
     for m in model.modules():
         if not _is_experts_module(m):

@@ -142,6 +142,56 @@ def test_registry_holds_weak_references():
         custom_op.get_layer(layer_id)
 
 
+def test_deepcopy_gets_its_own_op_id():
+    # a copy that kept the original's id would run the original's weights once compiled
+    import copy
+
+    cfg = moehal.MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER, dtype=torch.float32)
+    a = moehal.MoELayer(cfg, device="cpu")
+    b = copy.deepcopy(a)  # e.g. a model copied before its weights are loaded
+    assert b._op_id != a._op_id and custom_op.get_layer(b._op_id) is b
+    gen = torch.Generator().manual_seed(3)
+    for layer in (a, b):
+        layer.load_weights(w13=torch.randn(E, 2 * INTER, H, generator=gen), w2=torch.randn(E, H, INTER, generator=gen))
+    x, w = torch.randn(4, H, generator=gen), torch.rand(4, K, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(4)])
+    with torch.no_grad():
+        compiled = torch.compile(lambda x, i, w: b(x, i, w), fullgraph=True, backend="eager")(x, ids, w)
+        torch.testing.assert_close(compiled, b(x, ids, w), rtol=0, atol=0)
+        assert not torch.allclose(compiled, a(x, ids, w))
+
+
+def test_regional_compile_with_unspec_ids_is_one_graph(monkeypatch):
+    # one decoder block compiled for many layers: with the ids as graph inputs, one graph serves
+    # all of them (the fake impls read a symbolic id's example value, adding no guard)
+    monkeypatch.setattr(torch._dynamo.config, "allow_unspec_int_on_nn_module", True)
+    routing = moehal.RoutingConfig("softmax", renormalize=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.router = torch.nn.Linear(H, E)
+            self.moe = _layer(routing=routing, seed=seed)[0]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.moe(x, router_logits=self.router(x))
+
+    blocks = [Block(s) for s in range(10)]  # more than Dynamo's recompile limit (8)
+    graphs = []
+
+    def count(gm, _example):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for b in blocks:
+            want = b(x)
+            b.compile(fullgraph=True, backend=count, dynamic=True)
+            torch.testing.assert_close(b(x), want, rtol=1e-6, atol=1e-6)
+    assert len(graphs) == 1
+
+
 # --- GPU: CUDA-graph capture -----------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")

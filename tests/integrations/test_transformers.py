@@ -150,6 +150,60 @@ def test_weights_changed_in_place_rebuild_the_layer():
         torch.testing.assert_close(ours, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_experts_see_replaced_weights():
+    # the compiled forward skips the eager weight check: the custom op makes it, and the rebuilt
+    # layer takes over the old one's op id, so the graph runs the new weights without a recompile
+    model = _model("qwen3_moe")
+    model.set_experts_implementation("moehal")
+    mt.prepare(model)
+    experts = next(m for m in model.modules() if "_moehal_state" in m.__dict__)
+    gen = torch.Generator().manual_seed(11)
+    x, wts = torch.randn(6, HID, generator=gen), torch.rand(6, K, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(6)])
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        before = compiled(x, ids, wts)
+        op_id = experts.__dict__["_moehal_state"].layer._op_id
+        experts.down_proj = torch.nn.Parameter(-1.5 * experts.down_proj.detach())  # new storage
+        after = compiled(x, ids, wts)
+        assert experts.__dict__["_moehal_state"].layer._op_id == op_id  # rebuilt, same id
+        torch.testing.assert_close(after, experts(x, ids, wts), rtol=0, atol=0)
+        torch.testing.assert_close(after, -1.5 * before, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_activation_probe_sees_clamps_above_ten():
+    # DeepSeek-V4 and GLM clamp SwiGLU at 10: a probe that never crosses the clamp took it for
+    # plain SiLU and dropped it silently
+    cfg = moehal.MoEConfig(num_experts=E, top_k=K, hidden_size=HID, intermediate_size=INTER, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(12)
+    w13, w2 = torch.randn(E, 2 * INTER, HID, generator=gen), torch.randn(E, HID, INTER, generator=gen)
+    module = mt.experts_module(cfg, w13, w2)
+
+    def clamped(gate_up: torch.Tensor, limit: float = 10.0) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+    module._apply_gate = clamped
+    with pytest.raises(moehal.NotSupportedError, match="matches none of moehal's activations"):
+        mt.infer_activation(module, cfg)
+    module._apply_gate = lambda gu: clamped(gu, limit=900.0)  # a clamp anywhere the probe reaches
+    with pytest.raises(moehal.NotSupportedError):
+        mt.infer_activation(module, cfg)
+    module._apply_gate = lambda gu: torch.nn.functional.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1]
+    assert mt.infer_activation(module, cfg).activation is moehal.Activation.SILU
+
+
+@pytest.mark.parametrize("quant", ["fp8_tensor", "nvfp4"])
+def test_static_activation_scale_schemes_are_refused(quant):
+    # a float checkpoint has no activation scales: placeholders would clip real hidden states
+    with pytest.raises(moehal.NotSupportedError, match="static activation scales"):
+        mt.register("moehal-static", quant=quant)
+    with pytest.raises(moehal.NotSupportedError, match="static activation scales"):
+        mt.prepare(_model("mixtral"), quant=quant)
+
+
 def test_compiled_moe_block_has_no_graph_break():
     model = _model("qwen3_moe")
     model.set_experts_implementation("moehal")

@@ -26,6 +26,7 @@ from typing import Any
 
 import moehal
 import torch
+from moehal.bench_goals import is_peer
 from moehal.clock_sampler import ClockSampler
 from moehal.errors import MoEHalError
 from moehal.hardware import detect
@@ -345,7 +346,7 @@ def bench_one(
 ) -> Row:
     """One row: the layer of `backend` (or a peer's experts function) at `tokens`, timed as a
     CUDA-graph replay where it captures; `host_columns`: also the host-time columns (NaN without)."""
-    if _is_peer(backend) and quant.is_quantized:  # before the weights are made: they cost seconds
+    if is_peer(backend) and quant.is_quantized:  # before the weights are made: they cost seconds
         raise moehal.NotSupportedError(f"the {backend} peer takes float (bf16) weights only")
     w13, w2, weights = _weights(shape, cfg, quant, dev)
     h = cfg.hidden_size
@@ -430,10 +431,6 @@ def bench_one(
         host_b2b_us=host_b2b * 1e6,
         host_graph_out_b2b_us=host_graph_out_b2b * 1e6,
     )
-
-
-def _is_peer(backend: str) -> bool:
-    return backend == "sglang" or backend.startswith("transformers:")
 
 
 def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -572,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = [(s, t) for s in shapes for t in token_counts]
         order = [(s, q, b, t, r) for r in range(args.rounds) for s, t in cells for q in quants for b in backends]
     jobs = [j for j in order if not (j[2] == "reference" and j[3] > args.max_reference_tokens)]
-    peers_float = [j for j in jobs if not (_is_peer(j[2]) and QuantScheme.parse(j[1]).is_quantized)]
+    peers_float = [j for j in jobs if not (is_peer(j[2]) and QuantScheme.parse(j[1]).is_quantized)]
     if len(peers_float) < len(jobs):
         console.print("peers take float weights: their rows run for bf16 only", markup=False)
     jobs = peers_float
@@ -635,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False
                     )
                 except Exception as exc:  # noqa: BLE001
-                    if not _is_peer(backend):
+                    if not is_peer(backend):
                         raise  # a moehal failure is a bug: loud
                     # another library's failure must not cost the rest of the run
                     console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)

@@ -34,6 +34,12 @@ HOST_EAGER_US = "host_us"  # host us per plain eager call (no graphs)
 HOST_B2B_US = "host_graph_out_b2b_us"
 METRICS = (PCT_ROOFLINE, VS_PEER, VS_BF16, HOST_US, HOST_EAGER_US, HOST_B2B_US)
 PEERS = frozenset({"sglang"})  # backends that are another engine's kernels, never ours
+PEER_PREFIXES = ("transformers:",)  # transformers' own experts functions (`moehal bench --backends peers`)
+
+
+def is_peer(backend: str) -> bool:
+    """Whether a bench row's backend is a peer (compared against, never checked against a goal)."""
+    return backend in PEERS or backend.startswith(PEER_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,9 @@ class Goal:
             raise ValueError(f"goal {self.name!r}: unknown metric {self.metric!r}; one of {METRICS}")
 
     def covers(self, quant: str, tokens: int) -> bool:
-        return quant == self.quant and self.min_tokens <= tokens <= (self.max_tokens or tokens)
+        """Rows of this scheme, whatever their scale format (`fp8_block:ue8m0` is fp8_block)."""
+        kind = quant.partition(":")[0]
+        return kind == self.quant and self.min_tokens <= tokens <= (self.max_tokens or tokens)
 
     def met_by(self, value: float) -> bool:
         return value <= self.target if self.at_most else value >= self.target
@@ -158,7 +166,7 @@ def check_goals(
     rows: Iterable[Any], device: str = "", goals: Sequence[Goal] = ISSUE_4_GOALS, peer: str = "sglang"
 ) -> list[GoalCheck]:
     """Every goal against every cell (backend, shape, tokens) that it covers, from `moehal.bench.Row`
-    objects or their JSON dicts, of every backend but the peers (`PEERS`: compared against, never
+    objects or their JSON dicts, of every backend but the peers (`is_peer`: compared against, never
     checked). A ratio (against the peer, or fp8 against bf16) pairs rows of the same round, so a
     run of several rounds compares rows measured next to each other; the cell's value is then the
     median over its rounds."""
@@ -170,7 +178,7 @@ def check_goals(
     checks = []
     for g in goals:
         for (backend, quant, shape, tokens), rs in cells.items():
-            if backend in PEERS or not g.covers(quant, tokens):
+            if is_peer(backend) or not g.covers(quant, tokens):
                 continue
             values = [v for v in (_value(g, r, by_key, peer) for r in rs) if v is not None]
             if not values:
@@ -183,16 +191,21 @@ def check_goals(
 
 def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
     """`moehal bench --out` JSON files -> rows per device (`ceilings.device`), so that one
-    device's bf16 and fp8 runs are checked together. A device's later file wins a repeated row
-    (the same backend, scheme, shape, tokens and round)."""
-    runs: dict[str, dict[tuple, dict[str, Any]]] = {}
+    device's bf16 and fp8 runs are checked together. A device's later file that measured a cell
+    (backend, scheme, shape, tokens) replaces every round of it: rounds of two runs never mix
+    in one cell (a one-round rerun would otherwise replace round 0 of a three-round record and
+    pair its rows with the older rounds' partners)."""
+    runs: dict[str, dict[tuple, dict[int, dict[str, Any]]]] = {}
     for p in paths:
         data = json.loads(Path(p).read_text())
         device = str(data.get("ceilings", {}).get("device", "?"))
-        rows = runs.setdefault(device, {})
+        cells = runs.setdefault(device, {})
+        fresh: dict[tuple, dict[int, dict[str, Any]]] = {}
         for r in data["rows"]:
-            rows[_key(r)] = r
-    return {d: list(rows.values()) for d, rows in runs.items()}
+            key = _key(r)
+            fresh.setdefault(key[:4], {})[key[4]] = r
+        cells.update(fresh)
+    return {d: [r for rounds in cells.values() for r in rounds.values()] for d, cells in runs.items()}
 
 
 def check_runs(paths: Iterable[str | Path], goals: Sequence[Goal] = ISSUE_4_GOALS) -> list[GoalCheck]:

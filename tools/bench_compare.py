@@ -22,8 +22,15 @@ def _mhz(r: dict | None) -> str:
 
 
 def _median_row(rows: list[dict]) -> dict:
-    """The round with the median time (an actual row: its roofline share and clocks go with it)."""
-    return sorted(rows, key=lambda r: r["time_us"])[(len(rows) - 1) // 2]
+    """A row with the median time over the rounds and its % of roofline (the mean of the two
+    middle times for an even count, as `moehal goals` and the plot take it); the other columns
+    (clocks) are the lower middle round's."""
+    ranked = sorted(rows, key=lambda r: r["time_us"])
+    t = statistics.median(r["time_us"] for r in ranked)
+    mid = dict(ranked[(len(ranked) - 1) // 2])
+    mid["pct_roofline"] = mid["pct_roofline"] * mid["time_us"] / t  # same roofline, median time
+    mid["time_us"] = t
+    return mid
 
 
 def _ratio(num: dict[int, dict], den: dict[int, dict]) -> str:

@@ -201,3 +201,42 @@ def test_bench_rounds_interleave_the_cells_rows(tmp_path, capsys):
     assert data["rounds"] == 2
     printed = capsys.readouterr().out
     assert "their rows run for bf16 only" in printed and "round" in printed
+
+
+def test_a_later_file_replaces_every_round_of_a_cell(tmp_path):
+    # a one-round rerun of a three-round record: the cell is the rerun's, not its round 0 beside
+    # the record's rounds 1-2 (whose ratios would pair rows of two runs)
+    def run(name: str, rows: list[dict]) -> Path:
+        p = tmp_path / name
+        p.write_text(json.dumps({"ceilings": {"device": "d"}, "rows": rows}))
+        return p
+
+    record = run("record.json", [row("cuda", 2048, 160.0 + r, round=r, pct_roofline=70.0) for r in range(3)])
+    rerun = run("rerun.json", [row("cuda", 2048, 130.0, round=0, pct_roofline=80.0)])
+    rows = load_runs([record, rerun])["d"]
+    assert [(r["time_us"], r["round"]) for r in rows] == [(130.0, 0)]
+    cell = by_cell(check_runs([record, rerun]))["prefill_roofline", "cuda", "s", 2048]
+    assert (cell.value, cell.rounds) == (80.0, 1)
+
+
+def test_transformers_peers_are_never_checked():
+    rows = [row("transformers:grouped_mm", 16, 50.0, pct_roofline=10.0), row("cuda", 16, 40.0, pct_roofline=95.0)]
+    assert {c.backend for c in check_goals(rows)} == {"cuda"}
+
+
+def test_ue8m0_fp8_rows_are_fp8_block_rows():
+    rows = [row("cuda", 2048, 150.0), row("cuda", 2048, 100.0, quant="fp8_block:ue8m0")]
+    fp8 = by_cell(check_goals(rows))["fp8_vs_bf16", "cuda", "s", 2048]
+    assert fp8.value == pytest.approx(1.5) and fp8.met
+
+
+def test_bench_compare_takes_the_median_of_an_even_number_of_rounds(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_compare", REPO / "tools" / "bench_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [row("cuda", 16, t, round=r, pct_roofline=100.0 * 60.0 / t) for r, t in enumerate((100.0, 140.0))]
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps({"ceilings": {"device": "d"}, "date": "x", "rounds": 2, "rows": rows}))
+    assert "| s | 16 | 120.0 (50%) |" in mod.table(str(p))

@@ -45,9 +45,24 @@ DEFAULT_TOKENS = (1, 4, 16, 64, 128, 512, 1024, 4096)
 
 @dataclass
 class Ceilings:
-    copy_bytes_per_s: float
-    matmul_flops_per_s: float
+    """What the device reached in this run: the roofline's terms (`measure_ceilings`)."""
+
+    copy_bytes_per_s: float  # a copy's reads and writes: the issue's bandwidth term
+    matmul_flops_per_s: float  # a dense bf16 matmul
     device: str
+    # a read-only stream (a sum over 1 GiB), which weight streaming resembles more than a copy
+    # does: on an H200 the decode rows read weights faster than the copy moved bytes
+    read_bytes_per_s: float = float("nan")
+    # a dense fp8 matmul (`torch._scaled_mm`) where the GPU has fp8 tensor cores: the FLOP term
+    # of fp8 rows (twice the bf16 rate on SM90; NaN where not measured: fp8 rows then use bf16's)
+    fp8_matmul_flops_per_s: float = float("nan")
+
+    def matmul_rate(self, quant: QuantScheme) -> tuple[float, str]:
+        """The dense rate a row of `quant` is held to, and its name: fp8's own where measured."""
+        kind = quant.kind.value
+        if kind.startswith("fp8") and math.isfinite(self.fp8_matmul_flops_per_s):
+            return self.fp8_matmul_flops_per_s, "fp8"
+        return self.matmul_flops_per_s, "bf16"
 
 
 @dataclass
@@ -85,6 +100,12 @@ class Row:
     host_graph_out_b2b_us: float = float("nan")
     # `--rounds`: which pass over the run's cells measured this row (0 in a run of one round)
     round: int = 0
+    # which dense rate the roofline's FLOP term used (`Ceilings.matmul_rate`; rows from before
+    # 2026-11-27 session 42 held every scheme to bf16's)
+    roofline_matmul: str = "bf16"
+    # % of a roofline whose bandwidth term is the larger of the copy and the read-only rate
+    # (stricter than the issue's copy bandwidth where weights stream faster than a copy)
+    pct_roofline_read: float = float("nan")
 
 
 def _sync(dev: torch.device) -> None:
@@ -247,7 +268,26 @@ def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, set
     n = 8192 if dev.type == "cuda" else 512
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
     t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3, warmup_s=settle_s)
-    return Ceilings(copy, 2 * n**3 / t, detect(dev).describe())
+    matmul = 2 * n**3 / t
+    t = time_call(lambda: src.sum(), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    read = src.numel() * src.element_size() / t
+    return Ceilings(copy, matmul, detect(dev).describe(), read, _fp8_matmul_rate(dev, n, settle_s))
+
+
+def _fp8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
+    """Dense e4m3 matmul FLOP/s (`torch._scaled_mm`, per-tensor scales, bf16 out) on GPUs with
+    fp8 tensor cores (CUDA SM89+); NaN elsewhere or where torch cannot run it."""
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
+        return math.nan
+    try:
+        a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as it wants
+        one = torch.ones((), device=dev)
+        mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        mm()
+    except (RuntimeError, AttributeError):
+        return math.nan
+    return 2 * n**3 / time_call(mm, dev, reps=10, warmup_s=settle_s)
 
 
 def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
@@ -406,7 +446,10 @@ def bench_one(
     touched = int(torch.unique(ids).numel())
     wbytes = int(_weight_bytes_per_expert(weights) * touched)
     flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
-    roof = max(wbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
+    rate, rate_name = ceil.matmul_rate(quant)
+    roof = max(wbytes / ceil.copy_bytes_per_s, flops / rate)
+    read = ceil.read_bytes_per_s
+    roof_read = max(wbytes / max(ceil.copy_bytes_per_s, read), flops / rate) if math.isfinite(read) else math.nan
     return Row(
         shape,
         backend,
@@ -430,6 +473,8 @@ def bench_one(
         watts,
         host_b2b_us=host_b2b * 1e6,
         host_graph_out_b2b_us=host_graph_out_b2b * 1e6,
+        roofline_matmul=rate_name,
+        pct_roofline_read=100 * roof_read / t,
     )
 
 
@@ -549,9 +594,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry = moehal.discover()
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
     ceil = measure_ceilings(dev, settle_s=args.settle_s)
+    fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.0f}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
     console.print(
-        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
-        f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s (measured now)"
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, read {ceil.read_bytes_per_s / 1e12:.2f} TB/s, "
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.0f}{fp8} TFLOP/s (measured now)"
     )
     if args.max_tokens:
         console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")

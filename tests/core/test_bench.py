@@ -21,11 +21,15 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         == 0
     )
     data = json.loads(out.with_suffix(".json").read_text())
-    assert data["ceilings"]["copy_bytes_per_s"] > 0 and data["ceilings"]["matmul_flops_per_s"] > 0
+    ceil = data["ceilings"]
+    assert ceil["copy_bytes_per_s"] > 0 and ceil["matmul_flops_per_s"] > 0 and ceil["read_bytes_per_s"] > 0
+    assert ceil["fp8_matmul_flops_per_s"] != ceil["fp8_matmul_flops_per_s"], "fp8 tensor cores: a GPU's, NaN here"
     rows = data["rows"]
     assert [r["tokens"] for r in rows] == [1, 8]
     for r in rows:
         assert r["time_us"] > 0 and 0 < r["roofline_us"] and r["pct_roofline"] > 0
+        # the read-only rate can only raise the bandwidth term's rate: never a higher % than the copy's
+        assert 0 < r["pct_roofline_read"] <= r["pct_roofline"] * (1 + 1e-9) and r["roofline_matmul"] == "bf16"
         assert r["flops"] == 2 * r["tokens"] * 2 * (128 * 128 + 64 * 128)
         assert r["host_us"] != r["host_us"], "host overhead is a CUDA measurement: NaN on CPU"
         assert r["host_graph_us"] != r["host_graph_us"]
@@ -256,3 +260,17 @@ def test_the_plot_draws_each_token_counts_median_over_the_rounds():
     pts = [(16, 90.0), (1, 50.0), (16, 70.0), (1, 52.0), (16, 80.0)]
     assert medians_by_tokens(pts) == [(1, 51.0), (16, 80.0)]
     assert medians_by_tokens([(4, 3.0)]) == [(4, 3.0)]
+
+
+def test_fp8_rows_are_held_to_the_fp8_rate_where_measured():
+    from moehal.bench import Ceilings
+    from moehal.quant import QuantScheme
+
+    nan = float("nan")
+    with_fp8 = Ceilings(3e12, 600e12, "gpu", 4e12, 1200e12)
+    assert with_fp8.matmul_rate(QuantScheme.parse("fp8_block")) == (1200e12, "fp8")
+    assert with_fp8.matmul_rate(QuantScheme.parse("fp8_block:ue8m0")) == (1200e12, "fp8")
+    assert with_fp8.matmul_rate(QuantScheme.parse("fp8_tensor")) == (1200e12, "fp8")
+    assert with_fp8.matmul_rate(QuantScheme.parse("bf16")) == (600e12, "bf16")
+    assert with_fp8.matmul_rate(QuantScheme.parse("nvfp4")) == (600e12, "bf16")  # no fp4 rate measured
+    assert Ceilings(3e12, 600e12, "old", nan, nan).matmul_rate(QuantScheme.parse("fp8_block")) == (600e12, "bf16")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from moehal.capability import Decision, accept, decline
+from moehal.ep_dispatcher import check_process_group
 from moehal.formats import ActivationFormat, ScaleKind
 from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
 from moehal.routing import TopK
@@ -206,7 +207,7 @@ class HcclDispatcher(NpuImplementation, Dispatcher):
         if req.process_group is None:
             return decline("needs the expert-parallel process group: pass MoELayer(process_group=...)", "parallel")
         if req.emulating(BACKEND):
-            return accept(predicate="parallel")
+            return check_process_group(req)  # the emulation too: a wrong ep_rank routes to the wrong experts
         c, gen = req.config, ascend_generation(req.hardware.name)
         if gen == "A3" and c.ep_size not in HCCL_A3_RANKS:
             return decline(
@@ -225,7 +226,7 @@ class HcclDispatcher(NpuImplementation, Dispatcher):
                     f"rank without HCCL's layered communication, not {c.num_local_experts}",
                     "parallel",
                 )
-        return accept(predicate="parallel")
+        return check_process_group(req)
 
     def check_shape(self, req: BuildRequest) -> Decision:
         c = req.config

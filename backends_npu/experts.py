@@ -121,7 +121,8 @@ class GmmExperts(NpuImplementation, Experts):
 
     def check_activation(self, req: BuildRequest) -> Decision:
         d = super().check_activation(req)
-        if d.ok:
+        c = req.config
+        if d.ok or (c.activation in self.activations and c.gated):  # a bias or weight-on-input decline
             return d
         return decline(
             f"{d.reason}: npu_swiglu and npu_dequant_swiglu_quant are SiLU-gated (SwiGLU) only", "activation"

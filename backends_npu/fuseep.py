@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from moehal.capability import Decision, accept, decline
 from moehal.config import Activation
+from moehal.ep_dispatcher import check_process_group
 from moehal.interfaces import BuildRequest, FusedForward, FusedRunner
 from moehal.quant import W8A8_INT8, QuantKind
 from moehal.routing import TopK
@@ -101,7 +102,8 @@ class _FuseEP(NpuImplementation, FusedForward):
 
     def check_activation(self, req: BuildRequest) -> Decision:
         d = super().check_activation(req)
-        if d.ok:
+        c = req.config
+        if d.ok or (c.activation in self.activations and c.gated):  # a bias or weight-on-input decline
             return d
         return decline(f"{d.reason}: fused_deep_moe's epilogue is SwiGLU (SiLU-gated) only", "activation")
 
@@ -130,7 +132,8 @@ class _FuseEP(NpuImplementation, FusedForward):
                 "pass MoELayer(process_group=...)",
                 "parallel",
             )
-        return accept(predicate="parallel")
+        # its buffer is sized from the group and it loads E / ep_size experts: the two must agree
+        return check_process_group(req)
 
     def check_shape(self, req: BuildRequest) -> Decision:
         c = req.config

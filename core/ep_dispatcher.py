@@ -81,6 +81,27 @@ def _group_info(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def check_process_group(req: BuildRequest) -> Decision:
+    """The expert-parallel group against the config: its size must be `ep_size` and this
+    process's rank in it `ep_rank`, or the experts this rank loads are not the ones its peers
+    send it tokens for (wrong results, no error). For every dispatcher that moves tokens over
+    `req.process_group`, vendors' included."""
+    c = req.config
+    try:
+        rank, world = _group_info(req.process_group)
+    except (RuntimeError, ValueError) as exc:
+        return decline(f"torch.distributed is not usable: {exc}", "parallel")
+    if world != c.ep_size:
+        return decline(f"the process group has {world} ranks, MoEConfig.ep_size is {c.ep_size}", "parallel")
+    if rank != c.ep_rank:
+        return decline(
+            f"this process is rank {rank} of the group, MoEConfig.ep_rank is {c.ep_rank}; "
+            "build each rank's config with its group rank",
+            "parallel",
+        )
+    return accept(f"EP over {world} ranks", "parallel")
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """`[N, ...]` -> uint8 `[N, bytes per row]` (a view where possible)."""
     per_row = math.prod(t.shape[1:]) * t.element_size()
@@ -272,19 +293,7 @@ class TorchDistributedDispatcher(Dispatcher):
                 "(torch.distributed.group.WORLD for the default group)",
                 "parallel",
             )
-        try:
-            rank, world = _group_info(req.process_group)
-        except (RuntimeError, ValueError) as exc:
-            return decline(f"torch.distributed is not usable: {exc}", "parallel")
-        if world != c.ep_size:
-            return decline(f"the process group has {world} ranks, MoEConfig.ep_size is {c.ep_size}", "parallel")
-        if rank != c.ep_rank:
-            return decline(
-                f"this process is rank {rank} of the group, MoEConfig.ep_rank is {c.ep_rank}; "
-                "build each rank's config with its group rank",
-                "parallel",
-            )
-        return accept(f"EP over {world} ranks", "parallel")
+        return check_process_group(req)
 
     def can_produce(self, fmt: ActivationFormat, req: BuildRequest) -> Decision:
         return check_core_format(fmt, req.config.dtype)  # quantizes before sending; scales travel with the rows

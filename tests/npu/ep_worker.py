@@ -38,6 +38,15 @@ def main() -> int:
 
     reg = moehal.Registry(moehal.Settings(emulate=frozenset({"npu"})))
     reg.load_entry_points()
+    if sys.argv[5:] == ["swapped"]:  # each rank built with another rank's ep_rank: refused at selection
+        try:
+            MoELayer(cfg.with_(ep_rank=world - 1 - rank), quant, backend="npu", device="cpu", registry=reg,
+                     process_group=dist.group.WORLD)  # fmt: skip
+        except moehal.NoBackendError as exc:
+            line = next(x for x in str(exc).splitlines() if "npu.hccl" in x)
+            print(f"rank {rank} {line.strip()}", flush=True)
+            return 0
+        return 1
     layer = MoELayer(cfg, quant, backend="npu", device="cpu", registry=reg, process_group=dist.group.WORLD)
     p = layer.plan.pipeline
     assert p.dispatcher.qualname == "npu.hccl", p.name

@@ -19,6 +19,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_two_ranks(*args: str) -> list[str]:
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), "2", str(port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+    return outs
+
+
+def test_hccl_refuses_an_ep_rank_that_is_not_the_process_rank():
+    # each rank would load the other's experts and receive tokens meant for them: wrong output
+    outs = _run_two_ranks("bf16", "swapped")
+    for rank, out in enumerate(outs):
+        assert f"npu.hccl: declined: this process is rank {rank} of the group, MoEConfig.ep_rank is {1 - rank}" in out
+
+
 @pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
 def test_hccl_dispatch_two_ranks(quant):
     port = _free_port()

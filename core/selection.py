@@ -151,6 +151,7 @@ class Pipeline:
             "weight_layout": self.main.weight_layout,  # type: ignore[attr-defined]
             "routes_internally": self.routes_internally,
             "graph_capturable": self.graph_capturable,
+            "fallback": self.main.fallback,  # type: ignore[attr-defined]
         }
 
 
@@ -193,9 +194,10 @@ class Plan:
             lines.append("  mode         EMULATED: vendor ops run as torch stand-ins (explicitly enabled)")
         elif mode == "interpreted":
             lines.append("  mode         INTERPRETED: kernel code runs under an interpreter (e.g. TRITON_INTERPRET=1)")
-        if p.main.priority <= 0 and p.main.backend == "reference":
+        if p.main.fallback:  # type: ignore[attr-defined]
             lines.append(
-                "  note         the slow reference fallback was chosen; `moehal explain` shows why others declined"
+                f"  note         the slow {p.main.backend} fallback ({p.main.qualname}) was chosen; `moehal explain` "
+                "shows why others declined"
             )
         lines.append(
             f"  alternatives {len(self.alternatives)} accepted, {sum(not d.ok for d in self.decisions)} declined"

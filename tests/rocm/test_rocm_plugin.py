@@ -67,7 +67,9 @@ def test_torch_fallback_for_schemes_no_kernel_takes(reg, quant, monkeypatch):
     layer = moehal.MoELayer(cfg, quant, backend="rocm", device="cpu", registry=reg)
     plan = layer.plan
     assert plan.pipeline.main.qualname == "rocm.slow_torch_fallback"
-    assert "slow_torch_fallback" in str(plan)
+    # the plan says a slow catch-all was chosen, in words and in its JSON (`Implementation.fallback`)
+    assert "the slow rocm fallback (rocm.slow_torch_fallback) was chosen" in str(plan)
+    assert plan.as_dict()["pipeline"]["fallback"] is True
     chosen = [d for d in plan.decisions if d.name == "rocm.slow_torch_fallback"]
     assert chosen and chosen[0].ok and chosen[0].reason.startswith("slow fallback")
     declined = {d.name: d for d in plan.decisions if not d.ok}

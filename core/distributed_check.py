@@ -16,6 +16,7 @@ bounded timeouts: a failure in one rank surfaces as an error on every rank, neve
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import importlib
 import math
@@ -95,27 +96,32 @@ class EPCase:
 
 
 def ep_cases(world: int) -> list[EPCase]:
-    """The standard EP suite for `world` ranks (8 experts: world must divide 8)."""
-    return [
-        EPCase("bf16 contiguous, random routing"),
-        EPCase("bf16 masked, max_m from received rows", layout="masked"),
-        EPCase("bf16 masked, static max_m = max_tokens*ep", layout="masked", max_tokens=16),
-        EPCase("bf16 standard", layout="standard"),
-        EPCase("uneven loads, a rank with no tokens", tokens_per_rank=(13, 0, 5, 1), routing="skewed"),
-        EPCase("a rank that receives nothing", routing="avoid_last_rank", layout="masked", tokens_per_rank=(7, 4)),
-        EPCase("experts with no tokens", routing="even_experts", tokens_per_rank=(3, 5, 2)),
-        EPCase("top-k spanning ranks, scaling 2.5", top_k=4, routing="span_ranks", routed_scaling_factor=2.5),
-        EPCase("top-k on one rank (dedup)", routing="same_rank", layout="masked", top_k=2),
-        EPCase("no tokens on any rank", tokens_per_rank=(0,)),
-        EPCase("fp8_block group-128 contiguous", quant="fp8_block", top_k=3),
-        EPCase("fp8_block group-128 masked, uneven", quant="fp8_block", layout="masked", tokens_per_rank=(9, 0, 2)),
-        EPCase("w8a8_int8 per-token standard", quant="w8a8_int8", layout="standard", routing="skewed"),
-        EPCase("w8a8_int8 per-token contiguous", quant="w8a8_int8", top_k=4, routing="span_ranks"),
-        EPCase("top-1, router weight on input", top_k=1, apply_router_weight_on_input=True, layout="standard", seed=3),
-        EPCase("fp32 contiguous (tight tolerance)", dtype=torch.float32, top_k=3, seed=5),
-        EPCase("-1 ids: padded tokens and slots", top_k=3, padded=True, seed=7),
-        EPCase("-1 ids, masked", layout="masked", padded=True, seed=8),
-    ]
+    """The standard EP suite for `world` ranks: 8 experts, or the least multiple of 8 that
+    `world` divides (24 for 3 ranks), so every world size gets whole ranks of experts."""
+    experts = 8 * world // math.gcd(8, world)
+    return [dataclasses.replace(c, num_experts=experts) for c in _EP_CASES]
+
+
+_EP_CASES = [
+    EPCase("bf16 contiguous, random routing"),
+    EPCase("bf16 masked, max_m from received rows", layout="masked"),
+    EPCase("bf16 masked, static max_m = max_tokens*ep", layout="masked", max_tokens=16),
+    EPCase("bf16 standard", layout="standard"),
+    EPCase("uneven loads, a rank with no tokens", tokens_per_rank=(13, 0, 5, 1), routing="skewed"),
+    EPCase("a rank that receives nothing", routing="avoid_last_rank", layout="masked", tokens_per_rank=(7, 4)),
+    EPCase("experts with no tokens", routing="even_experts", tokens_per_rank=(3, 5, 2)),
+    EPCase("top-k spanning ranks, scaling 2.5", top_k=4, routing="span_ranks", routed_scaling_factor=2.5),
+    EPCase("top-k on one rank (dedup)", routing="same_rank", layout="masked", top_k=2),
+    EPCase("no tokens on any rank", tokens_per_rank=(0,)),
+    EPCase("fp8_block group-128 contiguous", quant="fp8_block", top_k=3),
+    EPCase("fp8_block group-128 masked, uneven", quant="fp8_block", layout="masked", tokens_per_rank=(9, 0, 2)),
+    EPCase("w8a8_int8 per-token standard", quant="w8a8_int8", layout="standard", routing="skewed"),
+    EPCase("w8a8_int8 per-token contiguous", quant="w8a8_int8", top_k=4, routing="span_ranks"),
+    EPCase("top-1, router weight on input", top_k=1, apply_router_weight_on_input=True, layout="standard", seed=3),
+    EPCase("fp32 contiguous (tight tolerance)", dtype=torch.float32, top_k=3, seed=5),
+    EPCase("-1 ids: padded tokens and slots", top_k=3, padded=True, seed=7),
+    EPCase("-1 ids, masked", layout="masked", padded=True, seed=8),
+]
 
 
 # --- inputs -----------------------------------------------------------------------------------

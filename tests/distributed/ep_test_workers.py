@@ -94,6 +94,13 @@ ALIGNED_CASES = [
 ]
 
 
+def suite_only_worker(rank: int, world: int) -> list:
+    """The standard EP suite alone, on `world` ranks."""
+    from moehal import distributed_check as dc
+
+    return dc.run_ep_cases(rank, world)
+
+
 def suite_worker(rank: int, world: int) -> dict:
     """Everything one spawn of `world` ranks checks (spawning costs more than the cases)."""
     from moehal import distributed_check as dc

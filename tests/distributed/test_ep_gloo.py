@@ -1,4 +1,4 @@
-"""Expert parallelism across processes: gloo on the CPU, world sizes 2 and 4.
+"""Expert parallelism across processes: gloo on the CPU, world sizes 2 and 4 (and the suite alone on 3).
 
 Each world size spawns its ranks once and runs the whole `moehal.distributed_check` suite
 (bf16, fp8 group-128, int8 per-token; contiguous, masked, standard; uneven loads, empty
@@ -96,3 +96,12 @@ def test_a_failing_rank_errors_every_rank_quickly():
     assert "InjectedFault" in outcomes[1].error
     assert "InjectedFault" not in outcomes[0].error  # rank 0 failed in its own collective
     assert elapsed < 45, f"took {elapsed:.1f}s"
+
+
+def test_the_suite_sizes_its_experts_for_a_world_of_three():
+    # 3 ranks do not divide 8 experts: the suite takes 24 there rather than failing every case
+    assert {c.num_experts for c in dc.ep_cases(3)} == {24} and {c.num_experts for c in dc.ep_cases(4)} == {8}
+    outcomes = dc.run_spawned(3, workers.suite_only_worker, timeout_s=180, op_timeout_s=90)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.error for o in outcomes]
+    rows = dc.summarize([o.result for o in outcomes])
+    assert len(rows) == len(CASES) and all(r.verdict == "PASS" for r in rows), [(r.case, r.detail) for r in rows]

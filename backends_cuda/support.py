@@ -8,7 +8,7 @@ from typing import Any
 from moehal.capability import Decision, accept, decline
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest
-from moehal.kernels.host import interpreting
+from moehal.kernels.host import interpreting, kernels_interpreted
 
 # sgl-deep-gemm builds are tied to a torch release; 0.1.4.post1 (+ apache-tvm-ffi 0.1.11) is the
 # one verified with torch 2.11 + CUDA 13.0 (see docs/backends/cuda.md).
@@ -40,7 +40,8 @@ def parse_version(text: str | None) -> tuple[int, ...]:
 
 
 def interpreted_mode(req: BuildRequest) -> str:
-    return "interpreted" if req.hardware.kind == "cpu" and interpreting() else "native"
+    # TRITON_INTERPRET on a GPU host interprets the kernels there too: reported as such
+    return "interpreted" if kernels_interpreted() else "native"
 
 
 def cuda_or_interpreter(req: BuildRequest) -> Decision:

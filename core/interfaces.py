@@ -171,7 +171,8 @@ class DispatchRunner(ABC):
 
     @abstractmethod
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[DispatchOutput, Any]:
-        """hidden `[T, H]` in config.dtype; topk ids are *global* expert ids."""
+        """hidden `[T, H]` in config.dtype, unit column stride (any row stride: the layer makes
+        other inputs contiguous); topk ids are *global* expert ids."""
 
     @abstractmethod
     def combine(self, expert_out: CombineInput, handle: Any) -> torch.Tensor:

@@ -287,6 +287,8 @@ class MoELayer(torch.nn.Module):
     ) -> torch.Tensor:
         if self.plan.pipeline.routes_internally:
             assert self._fused is not None
+            if hidden_states.stride(-1) != 1:  # see `_forward_topk`
+                hidden_states = hidden_states.contiguous()
             y = self._fused.forward(hidden_states, None, router_logits)
             return y if out is None else out.copy_(y)
         routing = self.config.routing
@@ -308,6 +310,8 @@ class MoELayer(torch.nn.Module):
         if out is not None and (self._fused is not None or out.data_ptr() == hidden_states.data_ptr()
                                 or not out.is_contiguous()):  # fmt: skip
             return out.copy_(self._forward_topk(hidden_states, topk_ids, topk_weights))
+        if hidden_states.stride(-1) != 1:  # runners get rows of unit column stride (any row stride):
+            hidden_states = hidden_states.contiguous()  # kernels index a row's columns densely
         topk = TopK(topk_ids, topk_weights)
         if self._fused is not None:
             return self._fused.forward(hidden_states, topk, None)

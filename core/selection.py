@@ -188,8 +188,9 @@ class Plan:
         lines.append(
             f"  routing      {'inside the kernel' if p.routes_internally else 'by the caller or moehal.route'}"
         )
-        lines.append(f"  graphs       {'capturable' if p.graph_capturable else 'not capturable'}")
         mode = p.execution_mode(r)
+        capturable = p.graph_capturable and mode != "interpreted"  # an interpreter runs on the host
+        lines.append(f"  graphs       {'capturable' if capturable else 'not capturable'}")
         if mode == "emulated":
             lines.append("  mode         EMULATED: vendor ops run as torch stand-ins (explicitly enabled)")
         elif mode == "interpreted":

@@ -38,6 +38,12 @@ def interpreting() -> bool:
 INTERPRETED: bool = interpreting()
 
 
+def kernels_interpreted() -> bool:
+    """Whether moehal's Triton kernels run (or, not imported yet, will run) in the interpreter,
+    on whatever device: an execution mode that reports must say, a GPU's included."""
+    return INTERPRETED or interpreting()
+
+
 def persistent_tensors() -> torch.inference_mode:
     """The mode to allocate buffers in that outlive the call (workspaces, scratch, a graph's
     static inputs): normal tensors, even where the call that allocates them runs under

@@ -23,7 +23,7 @@ from moehal.errors import WeightError
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput, StandardOutput
 from moehal.hardware import HardwareInfo, module_available
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
-from moehal.kernels.host import interpreting
+from moehal.kernels.host import interpreting, kernels_interpreted
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 
@@ -209,7 +209,7 @@ class TritonExperts(Experts):
             self.priority = priority  # type: ignore[misc]
 
     def execution_mode(self, req: BuildRequest) -> str:
-        return "interpreted" if req.hardware.kind == "cpu" else "native"
+        return "interpreted" if req.hardware.kind == "cpu" or kernels_interpreted() else "native"
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         kind = req.hardware.kind

@@ -1225,6 +1225,8 @@ def fused_moe(
     every size is static. (`bind_fused_moe` decides the launches; this binds and calls in one
     go.)
     """
+    if hidden_scales is not None and out_dtype is None:  # quantized input: its dtype is no output dtype
+        raise ValueError("fused_moe on quantized hidden states (hidden_scales given) needs out_dtype")
     bound = bind_fused_moe(
         hidden.shape[0], topk_ids.shape[1], w, activation=activation, gated=gated, swiglu_alpha=swiglu_alpha,
         swiglu_limit=swiglu_limit, out_dtype=out_dtype or hidden.dtype, hidden_dtype=hidden.dtype,

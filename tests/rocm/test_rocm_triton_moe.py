@@ -186,3 +186,39 @@ def test_mi300_fnuz_path(quant, prequantized):
     out, ref, processed = _direct(cfg, quant, hw, fmt)
     assert processed.w13.dtype == torch.float8_e4m3fnuz
     assert rel_err(out, ref) < (1e-5 if quant == "fp8_tensor" else TOL[quant])
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "fp8_tensor", "w8a8_int8"])
+def test_hidden_states_of_any_column_stride(quant):
+    # the kernels index a row's columns densely: a column-major input (same values) must give
+    # the same output, not rows read at the wrong addresses (the quantizers took stride(0) only)
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.float32)
+    w, x, ids, wts = problem(cfg, quant, 6)
+    layer = moehal.MoELayer(cfg, quant, backend="tritonmoe", device=DEVICE, registry=triton_registry())
+    layer.load_weights(w)
+    column_major = x.t().contiguous().t()
+    assert torch.equal(column_major, x) and column_major.stride(-1) != 1
+    torch.testing.assert_close(layer(column_major, ids, wts), layer(x, ids, wts), rtol=0, atol=0)
+
+
+def test_interpreted_kernels_are_reported_on_a_gpu_too():
+    # TRITON_INTERPRET on a GPU host interprets moehal's kernels there as well: the mode says so,
+    # and the plan does not claim graph capture for code the interpreter runs on the host
+    if not INTERPRET:
+        pytest.skip("checks what TRITON_INTERPRET=1 reports")
+    from moehal.kernels.triton_experts import TritonExperts
+    from moehal_cuda.dispatch import CudaPermuteDispatcher
+
+    hw = HardwareInfo("cuda", torch.device("cuda", 0), "NVIDIA H200", (9, 0))
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    req = BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), hw)
+    assert TritonExperts(devices=frozenset({"cuda"})).execution_mode(req) == "interpreted"
+    assert CudaPermuteDispatcher().execution_mode(req) == "interpreted"
+
+
+def test_fused_moe_on_quantized_input_needs_an_output_dtype():
+    from moehal.kernels.triton_fused_moe import fused_moe
+
+    x = torch.zeros(2, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="needs out_dtype"):
+        fused_moe(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), None, hidden_scales=torch.ones(2, 1))

@@ -209,6 +209,9 @@ class CaseBuilder:
     def all_cases(self) -> list[Case]:
         cases: list[Case] = []
         base = MoEConfig(**BASE)  # type: ignore[arg-type]
+        # Fused kernels (e.g. Ascend FuseEP) have minimum sizes: this shape reaches them.
+        wide_512: dict[str, object] = dict(hidden_size=512, intermediate_size=512, max_tokens=16)
+        wide = base.with_(**wide_512)
         claimed: list[QuantScheme] = []
         # matrix ------------------------------------------------------------------------------
         for quant in ALL_SCHEMES:
@@ -219,7 +222,10 @@ class CaseBuilder:
                     cases.append(c)
             if any_ok:
                 claimed.append(quant)
-        first = claimed[0] if claimed else BF16
+        # A scheme whose kernels all decline the base shape (a fused kernel's minimum size) is
+        # claimed where the wide one has a pipeline: its families run there, and wide_512 passes.
+        claimed += [q for q in ALL_SCHEMES if q not in claimed and self.pipelines(wide, q)[0]]
+        first = claimed[0] if claimed else BF16  # a scheme the base shape takes, where there is one
         # features ----------------------------------------------------------------------------
         features: dict[str, dict[str, object]] = {
             "biases": dict(activation="swiglu_oai", has_w13_bias=True, has_w2_bias=True),
@@ -227,8 +233,7 @@ class CaseBuilder:
             "weight_on_input": dict(top_k=1, apply_router_weight_on_input=True),
             "ep_local_range": dict(ep_size=2, ep_rank=1),
             "hidden_not_128x": dict(hidden_size=192, intermediate_size=96),
-            # Fused kernels (e.g. Ascend FuseEP) have minimum sizes: this one reaches them.
-            "wide_512": dict(hidden_size=512, intermediate_size=512, max_tokens=16),
+            "wide_512": wide_512,
         }
         for quant in claimed:
             for name, change in features.items():
@@ -262,22 +267,26 @@ class CaseBuilder:
         for quant in claimed[:2]:
             cases.extend(self.cases_for("pairs", "numeric", "silu", base, quant, per_layout=None, tokens=9))
         # padding rows ------------------------------------------------------------------------
-        wide = base.with_(**features["wide_512"])
         for quant in claimed:
             # With biases, computing a padding row would make it non-zero; backends without
             # bias support are checked without (then only leaks into the output show). Experts
             # that decline the base shape (DeepGEMM's FP8 GEMMs want K in multiples of 128) are
-            # checked at the wide one.
+            # checked at the wide one. Each (kernel, layout) at the first config that reaches it:
+            # a layout whose experts take no biases is still checked when another's do.
+            covered: set[tuple[str, str]] = set()
             for name, cfg in (
                 ("bias_rows", base.with_(has_w13_bias=True, has_w2_bias=True, top_k=1)),
                 ("plain_rows", base.with_(top_k=1)),
                 ("bias_rows_512", wide.with_(has_w13_bias=True, has_w2_bias=True, top_k=1)),
                 ("plain_rows_512", wide.with_(top_k=1)),
             ):
-                found = list(self.cases_for("padding", "padding", name, cfg, quant, tokens=5))
+                found = [
+                    c
+                    for c in self.cases_for("padding", "padding", name, cfg, quant, tokens=5)
+                    if (c.pipeline.main.qualname, c.layout) not in covered  # type: ignore[union-attr]
+                ]
+                covered |= {(c.pipeline.main.qualname, c.layout) for c in found}  # type: ignore[union-attr]
                 cases.extend(found)
-                if found:
-                    break
         # routing inside the layer --------------------------------------------------------------
         routings = {
             "softmax": RoutingConfig("softmax"),

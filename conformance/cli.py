@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from moehal.cli.common import make_console
 from moehal.errors import MoEHalError
 from moehal_conformance import components, report
-from moehal_conformance.runner import FAIL, PASS
+from moehal_conformance.runner import FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -62,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.select:
         cases = [c for c in cases if args.select in c.id]
+        suite.select = args.select  # the reports say the verdict is a subset's
     console.print(f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
@@ -72,8 +73,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         suite.run(cases, tick)
     if args.ep:
-        console.print(f"expert parallelism: {args.ep} processes")
-        suite.run_ep(args.ep, args.ep_dispatcher)
+        why = "the run was interrupted before the expert-parallel cases"  # a time limit: report now
+        if not suite.interrupted:
+            console.print(f"expert parallelism: {args.ep} processes")
+            try:
+                suite.run_ep(args.ep, args.ep_dispatcher)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM, as Suite.run takes it: keep the report
+                suite.interrupted = True
+                why = "the run was interrupted during the expert-parallel cases"
+        if suite.interrupted:
+            disp = args.ep_dispatcher or "reference.torch_distributed"
+            suite.results.append(CaseResult(f"ep/world{args.ep}", "ep", "ep", "-", "-", disp, NOT_RUN, detail=why))
     counts = suite.counts()
     t = Table(title=f"conformance: {suite.backend}", title_justify="left")
     for col in ("family", "pass", "fail", "declined", "not run"):
@@ -110,10 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if suite.interrupted:
         console.print(f"[yellow]INCOMPLETE[/yellow]: interrupted; {counts['not run']} case(s) did not run")
         return 1
-    if not suite.claimed_anything and not args.select:
-        console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")
+    if not suite.ok:  # the reports' verdict: a -k subset that ran nothing is no pass either
+        if args.select:
+            picked = f"-k {escape(args.select)}: {len(cases)} case(s) selected"
+            console.print(f"[yellow]{picked}, none ran and passed[/yellow]")
+        else:
+            console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")
         return 1
+    subset = f" (subset: -k {escape(args.select)})" if args.select else ""
     console.print(
-        f"[green]PASS[/green]: {counts[PASS]} pass, {counts['declined']} declined, {counts['not run']} not run"
+        f"[green]PASS[/green]{subset}: {counts[PASS]} pass, {counts['declined']} declined, {counts['not run']} not run"
     )
     return 0

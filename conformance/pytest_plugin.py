@@ -39,9 +39,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from moehal_conformance.suite import Suite
 
     profile = "quick" if config.getoption("moehal_quick") else "full"
-    config._moehal_suite = Suite.create(  # type: ignore[attr-defined]
-        backend, config.getoption("moehal_device"), config.getoption("moehal_emulate"), profile
-    )
+    suite = Suite.create(backend, config.getoption("moehal_device"), config.getoption("moehal_emulate"), profile)
+    suite.select = config.getoption("keyword") or None  # a -k subset's report says so
+    config._moehal_suite = suite  # type: ignore[attr-defined]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -62,6 +62,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if suite is not None and path and suite.results:
         from moehal_conformance import report
 
+        if exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop:
+            # Ctrl-C, SIGTERM or -x: keep what ran, say what did not, as the CLI does
+            suite.interrupted = True
+            done = {r.id for r in suite.results}
+            cases = [getattr(i, "callspec", None) for i in getattr(session, "items", [])]
+            cases = [c.params["moehal_case"] for c in cases if c is not None and "moehal_case" in c.params]
+            suite._not_run([c for c in cases if c.id not in done], "the run was interrupted before this case")
         report.write(suite, path)
 
 

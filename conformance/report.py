@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ def to_dict(suite: Suite) -> dict[str, Any]:
                 "mode": r.mode,
                 "label": r.label,
                 "detail": r.detail,
-                "metrics": r.metrics,
+                # NaN and Inf (the metrics of an output with NaN, or of the wrong shape) are not JSON
+                "metrics": {k: v if math.isfinite(v) else None for k, v in r.metrics.items()},
                 **({"traceback": r.traceback} if r.traceback else {}),
             }
             for r in suite.results
@@ -63,11 +65,14 @@ def to_markdown(suite: Suite) -> str:
     hw = meta["hardware"]
     cap = f" (compute capability {hw['capability'][0]}.{hw['capability'][1]})" if hw["capability"] else ""
     libs = ", ".join(f"{k} {v or 'missing'}" for k, v in meta["vendor_libraries"].items()) or "none"
+    nothing = "NOTHING RAN" if suite.select else "NOTHING CLAIMED"
     verdict = (
         "PASS"
         if suite.ok
-        else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else "NOTHING CLAIMED"))
+        else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else nothing))
     )
+    if suite.select:  # a subset's verdict is not the backend's
+        verdict += f", subset (-k `{suite.select}`)"
     lines = [
         f"# moehal conformance report: backend `{meta['backend']}`",
         "",
@@ -169,7 +174,8 @@ def write(suite: Suite, path: str | Path) -> tuple[Path, Path]:
     p = Path(path)
     stem = p.with_suffix("") if p.suffix in (".md", ".json") else p
     stem.parent.mkdir(parents=True, exist_ok=True)
-    js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
-    js.write_text(json.dumps(to_dict(suite), indent=2, default=str))
+    # appended, not with_suffix: that would take ".2" off a name such as "acme-0.1.2"
+    js, md = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"
+    js.write_text(json.dumps(to_dict(suite), indent=2, default=str, allow_nan=False))
     md.write_text(to_markdown(suite))
     return js, md

@@ -15,6 +15,7 @@ from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
 from moehal.layer import MoELayer
 from moehal.plugins import Registry
+from moehal.reference.oracle import reference_layer
 from moehal.weights import ExpertWeights, quantize_weights
 from moehal_conformance.cases import Case
 from moehal_conformance.tolerances import Tolerance, compare, tolerance_for
@@ -105,15 +106,9 @@ class CaseRunner:
         self.registry, self.device = registry, device
 
     def _oracle(self, case: Case, prob: Problem) -> torch.Tensor:
-        ref = MoELayer(
-            case.config,
-            case.quant,
-            backend="reference",
-            device="cpu",
-            registry=self.registry,
-            layout="standard",
-            validate=False,
-        )
+        # reference_layer, not MoELayer(backend="reference"): that forces the reference experts
+        # only, and a CPU dispatcher of the backend under test would sit in the oracle too.
+        ref = reference_layer(case.config, case.quant, "cpu", layout="standard", registry=self.registry, validate=False)
         ref.load_weights(prob.weights)
         if prob.logits is not None:
             return ref(prob.x, router_logits=prob.logits.to(case.logits_dtype))
@@ -177,6 +172,13 @@ class CaseRunner:
         return layer(prob.x.to(d), prob.ids.to(d), prob.wts.to(d))
 
     def _numeric(self, case: Case, res: CaseResult, out: torch.Tensor, prob: Problem) -> None:
+        # compare() looks at values only: an output in another dtype or on another device than
+        # the layer's (an engine adds it to its residual) would pass on its numbers.
+        d = self.device
+        if out.dtype != case.config.dtype or out.device.type != d.type or d.index not in (None, out.device.index):
+            res.status = FAIL
+            res.detail = f"output is {out.dtype} on {out.device}; the layer's is {case.config.dtype} on {d}"
+            return
         ref = self._oracle(case, prob)
         c = compare(out.cpu(), ref, tolerance_for(case.quant, case.config.dtype))
         res.metrics.update(rel_l2=c.rel_l2, rel_max=c.rel_max)
@@ -306,6 +308,8 @@ class CaseRunner:
     def _differs(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, exact: bool) -> str | None:
         """Why `got` is not `want`: beyond the tolerance, or not bitwise equal where the
         pipeline claims determinism (`exact`); None when it is."""
+        if got.dtype != want.dtype:
+            return f"dtype {got.dtype} != {want.dtype}"
         got, want = got.cpu(), want.cpu()
         c = compare(got, want, tol)
         return c.detail if (exact and not torch.equal(got, want)) or not c.ok else None
@@ -415,7 +419,7 @@ class CaseRunner:
 
     def _check_strided_inputs(self, case: Case, res: CaseResult) -> None:
         """Inputs as engines may hold them: hidden_states a view of wider rows (row stride past
-        H), topk_ids and topk_weights column-major views (`[T, K]` read from `[K, T]`). The
+        H) or column-major, topk_ids and topk_weights column-major views (`[T, K]` read from `[K, T]`). The
         result must match the oracle, and equal the call on contiguous copies bitwise where the
         pipeline claims determinism. A kernel that indexes its inputs as if they were dense
         reads the wrong rows here, silently."""
@@ -430,13 +434,20 @@ class CaseRunner:
         ids_s, w_s = ids.t().contiguous().t(), w.t().contiguous().t()  # strides (1, T)
         if x.shape[0] > 1 and (xs.is_contiguous() or ids_s.is_contiguous() or w_s.is_contiguous()):
             raise AssertionError("the strided inputs came out contiguous; the case is mis-built")
+        tol = tolerance_for(case.quant, case.config.dtype)
         exact = case.pipeline is not None and case.pipeline.deterministic
         problems = []
         for t in sorted({1, x.shape[0]}):
             want = layer(x[:t], ids[:t], w[:t])
             got = layer(xs[:t], ids_s[:t], w_s[:t])
-            if exact and not torch.equal(got, want):
-                problems.append(f"{t} tokens: differs bitwise from the call on contiguous inputs")
+            # every size, not bitwise only: the oracle sees the last size's result alone
+            why = self._differs(got, want, tol, exact)
+            if why:
+                problems.append(f"{t} tokens: differs from the call on contiguous inputs ({why})")
+            # hidden_states column-major (a transposed activation): same values, column stride T
+            why = self._differs(layer(x[:t].t().contiguous().t(), ids[:t], w[:t]), want, tol, exact)
+            if why:
+                problems.append(f"{t} tokens, column-major hidden_states: differs from contiguous ({why})")
         self._agreeing(case, res, problems, got, prob, "strided inputs", "bitwise equal to contiguous inputs")
 
     def _check_input_dtypes(self, case: Case, res: CaseResult) -> None:
@@ -450,13 +461,15 @@ class CaseRunner:
         d, dt = self.device, case.config.dtype
         x, ids = prob.x.to(d), prob.ids.to(d)
         w = prob.wts.to(d, dt)  # the router weights as the layer dtype holds them
+        tol = tolerance_for(case.quant, dt)
         exact = case.pipeline is not None and case.pipeline.deterministic
         problems = []
         for t in sorted({1, x.shape[0]}):
             want = layer(x[:t], ids[:t], w[:t].float())
             got = layer(x[:t], ids[:t].long(), w[:t])
-            if exact and not torch.equal(got, want):
-                problems.append(f"{t} tokens: differs bitwise from int32 ids and fp32 weights")
+            why = self._differs(got, want, tol, exact)  # every size, as in _check_strided_inputs
+            if why:
+                problems.append(f"{t} tokens: differs from int32 ids and fp32 weights ({why})")
         what = f"int64 ids, {str(dt).removeprefix('torch.')} weights"
         rounded = replace(prob, wts=prob.wts.to(dt).float())  # the weights the layer was given
         self._agreeing(case, res, problems, got, rounded, what, "bitwise equal to int32 ids and fp32 weights")
@@ -476,7 +489,7 @@ class CaseRunner:
             prob = replace(prob, ids=ids)
             layer = self._layer(case)
             layer.load_weights(prob.weights.to(self.device))
-            out = self._forward(case, layer, prob).cpu()
+            out = self._forward(case, layer, prob)  # on the device: _numeric checks where it is
             leaked = out[::3].float().abs().max().item()
             rows += out[::3].shape[0]
             if leaked != 0.0:

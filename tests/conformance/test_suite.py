@@ -10,10 +10,11 @@ import types
 import moehal
 import pytest
 import torch
-from moehal.formats import ContiguousInput, StandardInput
-from moehal.interfaces import BackendInfo
+from moehal.formats import ContiguousInput, MaskedOutput, StandardInput
+from moehal.interfaces import BackendInfo, FusedForward, FusedRunner
 from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
+from moehal.reference.oracle import reference_layer
 from moehal_conformance import components, report
 from moehal_conformance.cli import main as conformance_main
 from moehal_conformance.runner import CaseResult
@@ -662,3 +663,300 @@ def test_a_format_negotiation_that_raises_is_named_too():
     cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
     with pytest.raises(moehal.PluginCheckError, match=r"formats\.negotiator: can_produce raised KeyError"):
         moehal.MoELayer(cfg, device="cpu", registry=suite.registry)
+
+
+# Audit of the suite itself (session 41's findings) ---------------------------------------------
+class _NoScalingDispatcher(ReferenceDispatcher):
+    """The reference dispatcher, but it forgets `routed_scaling_factor`."""
+
+    name = "unscaled"
+    priority = 40
+
+    def build(self, req, fmt):
+        runner = super().build(req, fmt)
+        runner.scale = 1.0
+        return runner
+
+
+def test_the_oracle_keeps_the_reference_dispatcher_whatever_the_backend_declares():
+    """`MoELayer(backend="reference")` forces the reference experts only: a CPU dispatcher of the
+    backend under test that outranks `reference.local` sat in the oracle too, and a bug in it was
+    checked against itself (the routed_scaling cases passed with the output 2.5x off)."""
+    suite = _suite("noscale", _bf16_experts("noscale", ReferenceExpertsRunner), _NoScalingDispatcher())
+    cases = [c for c in suite.cases() if c.quant.name == "bf16" and c.pipeline is not None]
+    cases = [c for c in cases if "/routed_scaling/" in c.id or c.id.startswith("matrix/bf16/silu/")]
+    assert all(c.pipeline.dispatcher.qualname == "noscale.unscaled" for c in cases), [c.id for c in cases]
+    suite.run(cases)
+    by_feature = {}
+    for r in suite.results:
+        by_feature.setdefault(r.id.split("/")[2], set()).add(r.status)
+    assert by_feature == {"silu": {"pass"}, "routed_scaling": {"fail"}}, [(r.id, r.detail) for r in suite.results]
+    assert all(r.metrics["rel_l2"] > 0.5 for r in suite.results if r.status == "fail")
+
+
+def _cli_report(tmp_path, name, *args):
+    argv = ["--backend", "reference", "--device", "cpu", "--quick", "--report", str(tmp_path / name), *args]
+    code = conformance_main(argv)
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    verdict = next(line for line in (tmp_path / f"{name}.md").read_text().splitlines() if line.startswith("**Verdict"))
+    return code, data, verdict
+
+
+def test_the_cli_and_its_reports_agree_on_a_k_subset(tmp_path, capsys):
+    """A -k selection that runs nothing (a typo, or cases that do not run on this device) is no
+    pass: exit 1, as the reports say. A passing subset exits 0, and its reports say it was one."""
+    code, data, verdict = _cli_report(tmp_path, "none", "-k", "nosuchcase")
+    assert code == 1 and data["summary"]["ok"] is False and data["select"] == "nosuchcase"
+    assert verdict.startswith("**Verdict: NOTHING RAN, subset (-k `nosuchcase`)**")
+    code, data, verdict = _cli_report(tmp_path, "graphs", "-k", "cuda_graph")
+    assert data["summary"]["not run"] > 0 and data["summary"]["pass"] == 0
+    assert code == 1 and data["summary"]["ok"] is False
+    code, data, verdict = _cli_report(tmp_path, "silu", "-k", "matrix/bf16/silu/")
+    assert code == 0 and data["summary"]["ok"] is True and data["summary"]["pass"] > 0
+    assert data["select"] == "matrix/bf16/silu/"
+    assert verdict.startswith("**Verdict: PASS, subset (-k `matrix/bf16/silu/`)**")
+    assert "PASS (subset: -k matrix/bf16/silu/)" in " ".join(capsys.readouterr().out.split())
+
+
+def _fused_suite(name, fused):
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    ns = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: BackendInfo(name, "9.9", "throwaway")),
+        moehal_fused_forwards=moehal.hookimpl(lambda: [fused]),
+    )
+    assert reg.register(ns, name).status == "loaded"
+    return Suite(name, reg, torch.device("cpu"), profile="quick")
+
+
+class _Float32Runner(FusedRunner):
+    """The reference layer, its output handed back in float32 whatever the layer's dtype."""
+
+    def __init__(self, req):
+        self.ref = reference_layer(req.config, req.quant, "cpu", layout="standard", validate=False)
+
+    def load(self, weights):
+        self.ref.load_weights(weights)
+
+    def forward(self, hidden, topk, router_logits):
+        return self.ref(hidden, topk.ids, topk.weights).float()
+
+
+class _Float32Fused(FusedForward):
+    name = "f32"
+    priority = 40
+    devices = frozenset({"cpu"})
+    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+
+    def build(self, req):
+        return _Float32Runner(req)
+
+
+def test_an_output_in_another_dtype_than_the_layers_fails():
+    """compare() looks at values only: a bf16 layer returning float32 (twice the traffic, and an
+    engine's bf16 residual add promotes or refuses it) passed on its numbers."""
+    suite = _fused_suite("f32", _Float32Fused())
+    cases = [c for c in suite.cases() if c.check in ("numeric", "out_buffer") and c.pipeline is not None]
+    cases = [c for c in cases if c.config.dtype == torch.bfloat16 and c.family in ("matrix", "out_buffer")]
+    assert {c.check for c in cases} == {"numeric", "out_buffer"}
+    suite.run(cases)
+    seen = [(r.id, r.status, r.detail) for r in suite.results]
+    assert all(status == "fail" for _, status, _ in seen), seen
+    numeric = [detail for i, _, detail in seen if i.startswith("matrix/")]
+    assert numeric and all(d == "output is torch.float32 on cpu; the layer's is torch.bfloat16 on cpu" for d in numeric)
+    out_buffer = [detail for i, _, detail in seen if i.startswith("out_buffer/")]
+    assert out_buffer and all("(dtype torch.bfloat16 != torch.float32)" in d for d in out_buffer), seen
+
+
+class _ContiguousExperts(ReferenceExperts):
+    """Contiguous layout only; takes biases."""
+
+    name = "cont"
+    priority = 40
+
+    def input_formats(self, req):
+        return [f for f in super().input_formats(req) if f.layout_name == "contiguous"]
+
+
+class _DirtyPaddingRunner(ReferenceExpertsRunner):
+    """Leaves 7.0 in every padding row of its masked output."""
+
+    def apply(self, inp):
+        out = super().apply(inp)
+        live = torch.arange(out.hidden.shape[1])[None, :] < inp.masked_m[:, None]
+        return MaskedOutput(torch.where(live[..., None], out.hidden, torch.full_like(out.hidden, 7.0)))
+
+
+class _MaskedNoBiasExperts(ReferenceExperts):
+    """Masked layout only; no biases; dirty padding rows."""
+
+    name = "mask"
+    priority = 30
+    supports_bias = False
+
+    def input_formats(self, req):
+        return [f for f in super().input_formats(req) if f.layout_name == "masked"]
+
+    def build(self, req, fmt):
+        return _DirtyPaddingRunner(req, fmt)
+
+
+def test_a_layout_whose_experts_take_no_biases_still_gets_padding_cases():
+    """The padding family stopped at the first config that gave any case: the contiguous
+    experts took the bias config, and the masked ones (no biases) were never checked."""
+    suite = _suite("twolayouts", [_ContiguousExperts(), _MaskedNoBiasExperts()])
+    padding = [c for c in suite.cases() if c.check == "padding"]
+    claimed = {c.quant.name for c in suite.cases() if c.family == "matrix" and c.pipeline is not None}
+    assert {(c.quant.name, c.layout) for c in padding} == {(q, x) for q in claimed for x in ("contiguous", "masked")}
+    assert all("/bias_rows/" in c.id for c in padding if c.layout == "contiguous")
+    assert all("/plain_rows/" in c.id for c in padding if c.layout == "masked")
+    suite.run([c for c in padding if c.quant.name == "bf16"])
+    statuses = {r.layout: (r.status, r.detail) for r in suite.results}
+    assert statuses["contiguous"][0] == "pass" and statuses["masked"][0] == "fail", statuses
+    assert "padding rows are not zero (max |value| 7)" in statuses["masked"][1]
+
+
+class _DenseIdsAtDecodeRunner(ReferenceExpertsRunner):
+    """At 1 token (a decode kernel) reads topk_ids and topk_weights with dense strides."""
+
+    def apply(self, inp):
+        if isinstance(inp, StandardInput) and inp.hidden.shape[0] == 1:
+            i, w = inp.topk_ids, inp.topk_weights
+            inp = dataclasses.replace(
+                inp,
+                topk_ids=torch.as_strided(i, i.shape, (i.shape[1], 1)),
+                topk_weights=torch.as_strided(w, w.shape, (w.shape[1], 1)),
+            )
+        return super().apply(inp)
+
+
+class _Int32IdsAtDecodeRunner(_Int32IdsRunner):
+    """Takes int64 ids as int32 at 1 token only."""
+
+    def apply(self, inp):
+        return super().apply(inp) if inp.hidden.shape[0] == 1 else ReferenceExpertsRunner.apply(self, inp)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_one_token_result_is_checked_where_the_pipeline_claims_no_determinism(deterministic):
+    """strided_inputs and input_dtypes compared the 1-token call bitwise only: for a pipeline
+    that claims no determinism (as rocm.aiter) only the last size's result met the oracle."""
+    results = []
+    for check, runner, dispatcher in (
+        ("strided_inputs", _DenseIdsAtDecodeRunner, None),
+        ("input_dtypes", _Int32IdsAtDecodeRunner, _PassIdsDispatcher()),
+    ):
+        experts = _bf16_experts("decode", runner)
+        type(experts).deterministic = deterministic
+        suite = _suite("decode", experts, dispatcher)
+        cases = [c for c in suite.cases() if c.check == check and c.layout == "standard" and c.pipeline is not None]
+        assert cases and all(c.pipeline.deterministic is deterministic for c in cases)
+        suite.run(cases)
+        results += suite.results
+    seen = [(r.check, r.status, r.detail) for r in results]
+    assert {r.check for r in results} == {"strided_inputs", "input_dtypes"}, seen
+    assert all(r.status == "fail" and r.detail.startswith("1 tokens: differs") for r in results), seen
+
+
+class _WideOnlyRunner(FusedRunner):
+    def __init__(self, req):
+        self.ref = reference_layer(req.config, req.quant, "cpu", layout="standard", validate=False)
+
+    def load(self, weights):
+        self.ref.load_weights(weights)
+
+    def forward(self, hidden, topk, router_logits):
+        return self.ref(hidden, topk.ids, topk.weights)
+
+
+class _WideOnlyFused(FusedForward):
+    """A fused kernel with a minimum size (as Ascend FuseEP): hidden sizes from 512."""
+
+    name = "wide"
+    priority = 40
+    devices = frozenset({"cpu"})
+    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16"), moehal.QuantScheme.parse("w8a8_int8")})
+
+    def check_shape(self, req):
+        from moehal.capability import accept, decline
+
+        if req.config.hidden_size < 512:
+            return decline(f"hidden_size {req.config.hidden_size} < 512", "shape")
+        return accept(predicate="shape")
+
+    def build(self, req):
+        return _WideOnlyRunner(req)
+
+
+def test_schemes_a_fused_kernel_takes_only_at_the_wide_shape_are_claimed():
+    """Claims came from the base-shape matrix alone: a fused kernel with a minimum size claimed
+    nothing, features/wide_512 was never built for it, and the verdict was NOTHING CLAIMED."""
+    suite = _fused_suite("wide", _WideOnlyFused())
+    cases = suite.cases()
+    wide = [c for c in cases if c.id.startswith("features/") and "/wide_512/" in c.id and c.pipeline is not None]
+    assert {c.quant.name for c in wide} == {"bf16", "w8a8_int8"}, [c.id for c in wide]
+    assert {c.quant.name for c in cases if c.check == "out_buffer" and c.pipeline is not None} == {"bf16", "w8a8_int8"}
+    suite.run(wide)
+    assert {r.status for r in suite.results} == {"pass"}, [(r.id, r.detail) for r in suite.results]
+    assert suite.claimed_anything and suite.ok
+
+
+class _NanForGeluRunner(ReferenceExpertsRunner):
+    def apply(self, inp):
+        out = super().apply(inp)
+        if self.config.activation is moehal.Activation.GELU:
+            return type(out)(out.hidden * float("nan"))
+        return out
+
+
+def test_the_json_report_stays_json_when_a_case_fails_on_nan(tmp_path):
+    """NaN and Infinity metrics (an output with NaN, or of the wrong shape) were written as bare
+    `NaN`, which strict JSON parsers refuse: the whole report with them."""
+    suite = _suite("nan", _bf16_experts("nan", _NanForGeluRunner))
+    suite.run([c for c in suite.cases() if c.id.startswith(("matrix/bf16/gelu/", "matrix/bf16/silu/"))])
+    assert any(r.status == "fail" and r.metrics["rel_l2"] != r.metrics["rel_l2"] for r in suite.results)
+    js, md = report.write(suite, tmp_path / "nan")
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    data = json.loads(js.read_text(), parse_constant=strict)
+    failed = [c for c in data["cases"] if c["status"] == "fail"]
+    assert failed and all(c["metrics"] == {"rel_l2": None, "rel_max": None} for c in failed)
+    assert all(c["metrics"]["rel_l2"] is not None for c in data["cases"] if c["status"] == "pass")
+    assert "| nan |" in md.read_text()
+
+
+def test_a_report_name_keeps_its_dots(tmp_path):
+    """with_suffix took ".1" off "acme-0.1.1": two versions' reports overwrote each other."""
+    suite = _reference_suite()
+    for name in ("acme-0.1.1", "acme-0.1.2", "named.json", "other.md"):
+        report.write(suite, tmp_path / name)
+    names = {"acme-0.1.1", "acme-0.1.2", "named", "other"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{n}{s}" for n in names for s in (".json", ".md"))
+
+
+def test_sigterm_during_the_ep_cases_keeps_the_report(monkeypatch, tmp_path):
+    """`timeout` sends SIGTERM, which the CLI turns into KeyboardInterrupt so the report of what
+    ran is kept; during `--ep` it escaped main(), and no report was written."""
+    import os
+    import signal
+    import time
+
+    def terminated(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises at once
+
+    monkeypatch.setattr(Suite, "run_ep", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code, data, verdict = _cli_report(tmp_path, "ep", "-k", "matrix/bf16/silu/", "--ep", "2")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped main(): no report")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 1 and data["interrupted"] is True and data["summary"]["ok"] is False
+    assert data["summary"]["pass"] > 0 and data["summary"]["not run"] == 1
+    ep = data["cases"][-1]
+    assert ep["id"] == "ep/world2" and ep["status"] == "not run" and "during the expert-parallel" in ep["detail"]
+    assert verdict.startswith("**Verdict: INCOMPLETE (interrupted)")

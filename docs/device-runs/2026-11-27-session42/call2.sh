@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Session 42, call 2 (call 1's machine): conformance of the CUDA backend on this session's suite
+# (the oracle is the pure reference pipeline; output dtypes checked), then the benchmark with the
+# new ceilings (a read-only stream rate and a dense fp8 matmul rate, measured in the same run):
+# #4's decode rows (bf16, cuda only, two rounds) and prefill rows of bf16 and fp8_block (one
+# round), so that fp8 rows read against the fp8 rate and every row against the read rate.
+#   usage (repo root, DeepGEMM wheels present): bash <this file>
+set -u
+source tools/device_setup.sh
+record_env
+step conformance 260 python3 -m moehal.cli.main conformance --backend cuda --quick --report "$OUT/conformance-cuda"
+tail -n 3 "$OUT/conformance.log"
+export COLUMNS=220
+step bench 200 python3 -m moehal.cli.main bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
+  --tokens 1,8,16,128 --quant bf16 --backends cuda --rounds 2 --out "$OUT/bench"
+step bench-prefill 150 python3 -m moehal.cli.main bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
+  --tokens 1024,4096 --quant bf16,fp8_block --backends cuda --no-host --max-tokens 4096 --out "$OUT/bench-prefill"
+python3 -m moehal.cli.main goals "$OUT/bench.json" | tail -n 30
+python3 tools/bench_compare.py "$OUT/bench-prefill.json" | tail -n 8
+cat "$OUT/steps.txt"

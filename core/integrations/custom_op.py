@@ -51,7 +51,9 @@ __all__ = [
     "traced_forward",
 ]
 
-_lock = threading.Lock()
+# re-entrant: a layer's weakref callback (`_forget`) runs inside whatever allocation set off the
+# garbage collector, `register_layer`'s own included, on the thread holding the lock
+_lock = threading.RLock()
 _ids = itertools.count()
 _layers: dict[int, weakref.ReferenceType[MoELayer]] = {}
 # layer_id -> a callable the real ops call first: it brings the layer up to date (e.g. rebuilds

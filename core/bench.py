@@ -51,7 +51,8 @@ class Ceilings:
     matmul_flops_per_s: float  # a dense bf16 matmul
     device: str
     # a read-only stream (a sum over 1 GiB), which weight streaming resembles more than a copy
-    # does: on an H200 the decode rows read weights faster than the copy moved bytes
+    # does. On an H200 it measured the copy's rate (4.14 TB/s), while decode rows streamed their
+    # weights at up to 4.38 TB/s (docs/device-runs/2026-11-27-session42): not yet a tighter bound
     read_bytes_per_s: float = float("nan")
     # a dense fp8 matmul (`torch._scaled_mm`) where the GPU has fp8 tensor cores: the FLOP term
     # of fp8 rows (twice the bf16 rate on SM90; NaN where not measured: fp8 rows then use bf16's)
@@ -104,7 +105,7 @@ class Row:
     # 2026-11-27 session 42 held every scheme to bf16's)
     roofline_matmul: str = "bf16"
     # % of a roofline whose bandwidth term is the larger of the copy and the read-only rate
-    # (stricter than the issue's copy bandwidth where weights stream faster than a copy)
+    # (what the issue's copy bandwidth would read under a read-only ceiling)
     pct_roofline_read: float = float("nan")
 
 

@@ -32,10 +32,7 @@ HOST_US = "host_graph_out_us"  # host us per eager call replaying graphs, inputs
 HOST_EAGER_US = "host_us"  # host us per plain eager call (no graphs)
 # host us per call replaying graphs, inputs in place, out=, calls back to back (an engine's loop)
 HOST_B2B_US = "host_graph_out_b2b_us"
-# the same % with the bandwidth term at the larger of the copy and the read-only rate (runs from
-# 2026-11-27 session 42 on): stricter where weights stream faster than a copy moves bytes
-PCT_ROOFLINE_READ = "pct_roofline_read"
-METRICS = (PCT_ROOFLINE, VS_PEER, VS_BF16, HOST_US, HOST_EAGER_US, HOST_B2B_US, PCT_ROOFLINE_READ)
+METRICS = (PCT_ROOFLINE, VS_PEER, VS_BF16, HOST_US, HOST_EAGER_US, HOST_B2B_US)
 PEERS = frozenset({"sglang"})  # backends that are another engine's kernels, never ours
 PEER_PREFIXES = ("transformers:",)  # transformers' own experts functions (`moehal bench --backends peers`)
 
@@ -58,8 +55,6 @@ class Goal:
     metric: str
     target: float
     at_most: bool = False
-    # shown only where a run measured it (a column older runs lack): no "not measured" lines
-    optional: bool = False
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -94,12 +89,6 @@ ISSUE_4_GOALS: tuple[Goal, ...] = (
     # `host_graphs` times each call right after a synchronize, which adds the host's resume time.
     Goal("host_graphs_b2b", "host time under 20 us per eager forward (graph replay, inputs in place, out=), "
          "calls back to back, 1-128 tokens", "bf16", 1, 128, HOST_B2B_US, 20.0, at_most=True),
-    # Not the issue's goals: the roofline goals again, with the bandwidth term at the larger of
-    # the copy and the read-only rate. They say where a verdict above rests on the copy rate.
-    Goal("small_roofline_read", "16-128 tokens: at least 90% of roofline at the read-only rate (stricter)",
-         "bf16", 16, 128, PCT_ROOFLINE_READ, 90.0, optional=True),
-    Goal("prefill_roofline_read", "1024-4096 tokens: at least 75% of roofline at the read-only rate (stricter)",
-         "bf16", 1024, 4096, PCT_ROOFLINE_READ, 75.0, optional=True),
 )  # fmt: skip
 
 
@@ -138,7 +127,7 @@ class GoalCheck:
 
     def _fmt(self, v: float) -> str:
         m = self.goal.metric
-        if m in (PCT_ROOFLINE, PCT_ROOFLINE_READ):
+        if m == PCT_ROOFLINE:
             return f"{v:.0f}%"
         if m in (VS_PEER, VS_BF16):
             return f"{v:.2f}x"
@@ -192,8 +181,6 @@ def check_goals(
             if is_peer(backend) or not g.covers(quant, tokens):
                 continue
             values = [v for v in (_value(g, r, by_key, peer) for r in rs) if v is not None]
-            if not values and g.optional:
-                continue
             if not values:
                 checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0))
                 continue
@@ -292,7 +279,7 @@ def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
 
 
 def _target_text(g: Goal) -> str:
-    if g.metric in (PCT_ROOFLINE, PCT_ROOFLINE_READ):
+    if g.metric == PCT_ROOFLINE:
         return f">= {g.target:.0f}%"
     if g.metric in (VS_PEER, VS_BF16):
         return f">= {g.target:g}x"

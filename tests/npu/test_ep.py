@@ -45,17 +45,5 @@ def test_hccl_refuses_an_ep_rank_that_is_not_the_process_rank():
 
 @pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])
 def test_hccl_dispatch_two_ranks(quant):
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), "2", str(port), quant],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+    for rank, out in enumerate(_run_two_ranks(quant)):
         assert f"rank {rank} {quant} npu.hccl -> npu.gmm [npu_ll_flat" in out, out

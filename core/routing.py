@@ -18,7 +18,7 @@ class RoutingMethod(str, enum.Enum):
     """How scores are computed from logits before top-k."""
 
     SOFTMAX = "softmax"  # softmax over experts, then top-k (Mixtral, Qwen-MoE)
-    SIGMOID = "sigmoid"  # sigmoid scores, then top-k (Llama-4 top-1)
+    SIGMOID = "sigmoid"  # top-k of the logits, weights their sigmoids (Llama-4 top-1)
     DEEPSEEK_V3 = "deepseek_v3"  # sigmoid + correction bias, grouped top-k (DeepSeek-V3/R1, Kimi-K2)
 
 
@@ -31,6 +31,10 @@ class RoutingConfig:
         renormalize: divide the selected weights by their sum (DeepSeek's norm_topk_prob).
         n_group, topk_group: DeepSeek-V3 grouped selection: experts are split into n_group
             groups, the best topk_group groups (by the sum of their two best scores) are kept.
+            The sum ranks groups with or without a correction bias, as DeepSeek-V3's gate and
+            TensorRT-LLM's routing kernel do; vLLM's and SGLang's `grouped_topk` rank by the
+            group's best score when no bias is given (DeepSeek-V2's rule), which this method
+            does not implement: without a bias the two can keep different groups.
         has_correction_bias: DeepSeek-V3 e_score_correction_bias, loaded with the weights.
     """
 
@@ -100,8 +104,11 @@ def route(
         scores = torch.softmax(scores_in, dim=-1)
         weights, ids = topk_lowest_index_first(scores, top_k)
     elif config.method is RoutingMethod.SIGMOID:
-        scores = torch.sigmoid(scores_in)
-        weights, ids = topk_lowest_index_first(scores, top_k)
+        # Select on the logits, then score the chosen (Llama-4's router; sigmoid is monotone):
+        # float32 sigmoid is exactly 1.0 above a logit of about 16.6, so selecting on scores
+        # would tie distinct logits and hand the tie to the lower index
+        logits_k, ids = topk_lowest_index_first(scores_in, top_k)
+        weights = torch.sigmoid(logits_k)
     else:
         scores = torch.sigmoid(scores_in)
         choice = scores if correction_bias is None else scores + correction_bias.float()

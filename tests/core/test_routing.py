@@ -48,9 +48,31 @@ def test_deepseek_v3_grouped_routing(seed, t, renorm):
 def test_softmax_and_sigmoid_routing(method):
     logits = torch.randn(5, 8)
     got = route(logits, 2, RoutingConfig(method, renormalize=False))
-    scores = logits.softmax(-1) if method == "softmax" else logits.sigmoid()
-    ref = scores.topk(2, dim=-1)
-    assert torch.equal(got.ids.long(), ref.indices) and torch.allclose(got.weights, ref.values)
+    if method == "softmax":
+        ref = logits.softmax(-1).topk(2, dim=-1)
+        assert torch.equal(got.ids.long(), ref.indices) and torch.allclose(got.weights, ref.values)
+    else:  # Llama-4: top-k of the logits, then their sigmoids
+        ref = logits.topk(2, dim=-1)
+        assert torch.equal(got.ids.long(), ref.indices) and torch.allclose(got.weights, ref.values.sigmoid())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_routing_selects_on_logits_where_sigmoid_saturates(dtype):
+    """float32 sigmoid is 1.0 from a logit of about 16.6 on: selecting on scores tied 18 and 25
+    and gave the tie to expert 0 (Llama-4's router takes the larger logit)."""
+    logits = torch.tensor([[18.0, 25.0, -3.0, 0.5], [17.0, 17.5, 18.0, 24.0]], dtype=dtype)
+    got = route(logits, 1, RoutingConfig("sigmoid", renormalize=False))
+    assert got.ids.view(-1).tolist() == [1, 3]
+    assert torch.equal(got.weights, torch.sigmoid(logits.float().amax(-1, keepdim=True)))
+
+
+def test_deepseek_v3_ranks_groups_by_top2_sum_without_a_bias_too():
+    """Documented semantics (RoutingConfig): groups rank by the sum of their two best scores
+    with or without a correction bias (DeepSeek-V3's gate, TensorRT-LLM), not by the best score
+    as vLLM's grouped_topk does without a bias. Scores [0.9, 0.1 | 0.6, 0.6]: group 1 wins."""
+    logits = torch.logit(torch.tensor([[0.9, 0.1, 0.6, 0.6]]))
+    got = route(logits, 1, RoutingConfig("deepseek_v3", n_group=2, topk_group=1, renormalize=False))
+    assert got.ids.tolist() == [[2]]
 
 
 def test_layer_called_with_router_logits_equals_topk_call(registry):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -83,7 +84,11 @@ class MoEConfig:
     topk_padding: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "activation", Activation(self.activation))
+        try:
+            object.__setattr__(self, "activation", Activation(self.activation))
+        except ValueError:
+            names = ", ".join(a.value for a in Activation)
+            raise ConfigError(f"MoEConfig.activation must be one of {names}; got {self.activation!r}") from None
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "ep_size", "ep_rank"):
             object.__setattr__(self, name, _as_int("MoEConfig", name, getattr(self, name)))
         if self.max_tokens is not None:
@@ -102,6 +107,13 @@ class MoEConfig:
             raise ConfigError(f"ep_rank={self.ep_rank} outside [0, ep_size={self.ep_size})")
         if self.activation is Activation.SWIGLU_OAI and not self.gated:
             raise ConfigError("activation swiglu_oai is gated by definition; set gated=True")
+        # NaN or a non-positive clamp would make every output NaN or constant, silently
+        if not math.isfinite(self.swiglu_alpha):
+            raise ConfigError(f"MoEConfig.swiglu_alpha must be finite, got {self.swiglu_alpha}")
+        if not self.swiglu_limit > 0:
+            raise ConfigError(f"MoEConfig.swiglu_limit must be > 0 (inf: no clamp), got {self.swiglu_limit}")
+        if not math.isfinite(self.routed_scaling_factor):
+            raise ConfigError(f"MoEConfig.routed_scaling_factor must be finite, got {self.routed_scaling_factor}")
         if self.apply_router_weight_on_input and self.top_k != 1:
             raise ConfigError(
                 "apply_router_weight_on_input needs top_k == 1 (the input is shared by all "

@@ -22,9 +22,12 @@ layers of one shape, so this is a per-process cost, not a per-layer one.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from moehal.errors import ConfigError
 
 DEFAULT_MASKED_WORKSPACE_GIB = 8.0
 
@@ -45,6 +48,10 @@ class Settings:
     emulate: frozenset[str] = field(default_factory=frozenset)
     masked_workspace_gib: float = DEFAULT_MASKED_WORKSPACE_GIB
 
+    def __post_init__(self) -> None:
+        if not self.masked_workspace_gib >= 0:  # NaN too
+            raise ConfigError(f"Settings.masked_workspace_gib must be >= 0, got {self.masked_workspace_gib}")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
@@ -56,7 +63,9 @@ class Settings:
         try:
             masked_gib = float(gib) if gib else DEFAULT_MASKED_WORKSPACE_GIB
         except ValueError:
-            raise ValueError(f"MOEHAL_MASKED_WORKSPACE_GIB must be a number of GiB, got {gib!r}") from None
+            masked_gib = math.nan  # refused below, with the variable's name
+        if not masked_gib >= 0:  # NaN too
+            raise ConfigError(f"MOEHAL_MASKED_WORKSPACE_GIB must be a number of GiB >= 0, got {gib!r}")
         return cls(
             backend=None if backend == "auto" else backend,
             disabled_plugins=_names(env.get("MOEHAL_DISABLE_PLUGINS")),

@@ -136,6 +136,13 @@ def test_ep_weights_hint(registry):
         (dict(ep_size=2, ep_rank=0.5), "ep_rank must be an integer"),
         (dict(max_tokens=2.5), "max_tokens must be an integer"),
         (dict(top_k=True), "top_k must be an integer"),
+        (dict(activation="relu"), "activation must be one of silu, .*got 'relu'"),
+        # a clamp <= 0 made every output constant, a NaN one every output NaN, silently
+        (dict(activation="swiglu_oai", swiglu_limit=-7.0), "swiglu_limit must be > 0"),
+        (dict(activation="swiglu_oai", swiglu_limit=0.0), "swiglu_limit must be > 0"),
+        (dict(activation="swiglu_oai", swiglu_limit=float("nan")), "swiglu_limit must be > 0"),
+        (dict(activation="swiglu_oai", swiglu_alpha=float("nan")), "swiglu_alpha must be finite"),
+        (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor must be finite"),
     ],
 )
 def test_config_errors(kwargs, match):
@@ -255,3 +262,18 @@ def test_logits_and_top_k_weights_together_are_refused_even_where_a_direct_graph
     assert layer(x, router_logits=logits, out=out) is out
     with pytest.raises(moehal.InputError, match="not both"):
         layer(x, None, torch.rand(3, 2), router_logits=logits, out=out)
+
+
+def test_swiglu_without_a_clamp_is_allowed():
+    cfg = moehal.MoEConfig(4, 2, 32, 16, activation="swiglu_oai", swiglu_limit=float("inf"))
+    assert cfg.swiglu_limit == float("inf")
+
+
+@pytest.mark.parametrize("value", ["lots", "nan", "-1"])
+def test_masked_workspace_setting_errors_are_config_errors(value):
+    """A bad MOEHAL_MASKED_WORKSPACE_GIB raised a bare ValueError out of every discover() (so of
+    every CLI command and layer), and NaN or a negative budget passed."""
+    with pytest.raises(moehal.ConfigError, match="MOEHAL_MASKED_WORKSPACE_GIB must be a number of GiB >= 0"):
+        moehal.Settings.from_env({"MOEHAL_MASKED_WORKSPACE_GIB": value})
+    with pytest.raises(moehal.ConfigError, match="masked_workspace_gib must be >= 0"):
+        moehal.Settings(masked_workspace_gib=-1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import moehal
@@ -21,8 +21,10 @@ SUITE_VERSION = "0.1.0"
 
 
 def make_registry(emulate: frozenset[str] = frozenset()) -> Registry:
+    """The environment's settings (every field: the masked workspace budget changes which layout
+    a layer takes), with no forced backend (each case names its own) and `emulate` added."""
     base = Settings.from_env()
-    settings = Settings(None, base.disabled_plugins, base.strict, base.emulate | emulate)
+    settings = replace(base, backend=None, emulate=base.emulate | emulate)
     reg = Registry(settings)
     reg.load_entry_points()
     return reg

@@ -960,3 +960,17 @@ def test_sigterm_during_the_ep_cases_keeps_the_report(monkeypatch, tmp_path):
     ep = data["cases"][-1]
     assert ep["id"] == "ep/world2" and ep["status"] == "not run" and "during the expert-parallel" in ep["detail"]
     assert verdict.startswith("**Verdict: INCOMPLETE (interrupted)")
+
+
+def test_the_suites_registry_keeps_every_setting_of_the_environment(monkeypatch):
+    """make_registry rebuilt Settings field by field and dropped the masked workspace budget:
+    conformance then tested the layout a layer under that budget would not take."""
+    from moehal_conformance.suite import make_registry
+
+    monkeypatch.setenv("MOEHAL_MASKED_WORKSPACE_GIB", "0.5")
+    monkeypatch.setenv("MOEHAL_BACKEND", "reference")
+    monkeypatch.setenv("MOEHAL_EMULATE", "npu")
+    settings = make_registry(frozenset({"rocm"})).settings
+    assert settings.masked_workspace_gib == 0.5 == moehal.Settings.from_env().masked_workspace_gib
+    assert settings.backend is None, "each case names its backend"
+    assert settings.emulate == {"npu", "rocm"}

@@ -60,8 +60,19 @@ def _components(docs_dir: Path, page_dir: Path, path: str) -> str:
     return "\n".join(rows)
 
 
+# A snippet include spelled any other way than `--8<--` is shown as text: fail the build
+# instead (ruff's Markdown formatter once rewrote them as `--8 < --"file"`)
+_MANGLED_SNIPPET = re.compile(r"^\s*-+\s*8\s*<\s*-+", re.MULTILINE)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     docs_dir = Path(config["docs_dir"])
+    for m in _MANGLED_SNIPPET.finditer(markdown):
+        if m.group(0).strip() != "--8<--":
+            from mkdocs.exceptions import PluginError
+
+            line = markdown.count("\n", 0, m.start()) + 1
+            raise PluginError(f'{page.file.src_path}:{line}: a snippet include must read --8<-- "file"')
     if "<!-- goals:" in markdown:
         markdown = _GOALS.sub(lambda m: _goals(docs_dir, m.group(1)), markdown)
     if "<!-- components:" in markdown:

@@ -51,7 +51,7 @@ class Ceilings:
     copy_bytes_per_s: float  # a copy's reads and writes: the issue's bandwidth term
     matmul_flops_per_s: float  # a dense bf16 matmul
     device: str
-    # a read-only stream over 1 GiB, which weight streaming resembles more than a copy does: the
+    # a read-only stream (`stream_bytes`), which weight streaming resembles more than a copy does: the
     # faster of `torch.sum` and, on GPUs, moehal's streaming kernel (`triton_stream`). On an H200
     # the sum alone measured the copy's rate (4.14 TB/s) while decode rows streamed their weights
     # at up to 4.38 TB/s (docs/device-runs/2026-11-27-session42)
@@ -61,6 +61,9 @@ class Ceilings:
     fp8_matmul_flops_per_s: float = float("nan")
     # what measured `read_bytes_per_s`: "torch.sum" or "triton_stream(block, warps, programs)"
     read_kernel: str = "torch.sum"
+    # bytes of the buffer the copy reads (and writes) and the read-only stream reads
+    # (`STREAM_BYTES`; 1 GiB in records before session 43)
+    stream_bytes: int = 1 << 30
 
     def matmul_rate(self, quant: QuantScheme) -> tuple[float, str]:
         """The dense rate a row of `quant` is held to, and its name: fp8's own where measured."""
@@ -262,25 +265,47 @@ def _short_kernel_name(name: str) -> str:
     return head[-60:] if head else name[:60]
 
 
+# The streams' buffer (the copy's source and destination, the read's input) on a GPU, where its
+# memory allows: an H100 read 1 GiB at 2.85 TB/s and 4 GiB at 3.05 TB/s (torch.sum; a copy or
+# a launch costs a fixed few tens of microseconds that a short stream does not hide), while a
+# DeepSeek-V3 EP8 decode row streamed its 2.7 GB of weights at 3.02 TB/s
+# (docs/device-runs/2026-11-27-session43). Rows read up to a few GB per forward.
+STREAM_BYTES = 4 << 30
+
+
+def stream_elements(dev: torch.device) -> int:
+    """float32 elements of each ceiling stream's buffer: `STREAM_BYTES` on a GPU whose free
+    memory holds the copy's two buffers twice over (else 1 GiB, as before session 43); 4M on
+    the CPU (its rate is only for the tests' tables)."""
+    if dev.type != "cuda":
+        return 1 << 22
+    free, _ = torch.cuda.mem_get_info(dev)
+    return STREAM_BYTES // 4 if free >= 4 * STREAM_BYTES else 1 << 28
+
+
 def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S) -> Ceilings:
     """Copy bandwidth and dense matmul rate, each timed as the rows are (`time_call`: after
     `settle_s` of the same work, so at the clocks the GPU holds under it)."""
-    big = 1 << 28 if dev.type == "cuda" else 1 << 22  # elements
+    big = stream_elements(dev)
     src = torch.randn(big, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
-    t = time_call(lambda: dst.copy_(src), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    t = time_call(functools.partial(dst.copy_, src), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
     copy = 2 * src.numel() * src.element_size() / t
     n = 8192 if dev.type == "cuda" else 512
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
     t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3, warmup_s=settle_s)
     matmul = 2 * n**3 / t
-    t = time_call(lambda: src.sum(), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    t = time_call(src.sum, dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
     read, read_kernel = src.numel() * src.element_size() / t, "torch.sum"
     for rate, name in _stream_read_rates(src, settle_s):
         if rate > read:
             read, read_kernel = rate, name
     fp8 = _fp8_matmul_rate(dev, n, settle_s)
-    return Ceilings(copy, matmul, detect(dev).describe(), read, fp8, read_kernel)
+    nbytes = big * src.element_size()
+    del src, dst
+    if dev.type == "cuda":  # the streams' 8 GiB back to the device, not kept for the rows
+        torch.cuda.empty_cache()
+    return Ceilings(copy, matmul, detect(dev).describe(), read, fp8, read_kernel, nbytes)
 
 
 # (elements per step, warps, programs per SM) of the streaming-read kernel that the ceiling
@@ -636,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.0f}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
     console.print(
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, read {ceil.read_bytes_per_s / 1e12:.2f} TB/s "
-        f"({ceil.read_kernel}), "
+        f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
         f"matmul {ceil.matmul_flops_per_s / 1e12:.0f}{fp8} TFLOP/s (measured now)"
     )
     if args.max_tokens:

@@ -54,6 +54,21 @@ class PluginCheckError(MoEHalError, RuntimeError):
             f"it is fixed, MOEHAL_DISABLE_PLUGINS={backend} skips the plugin"
         )
 
+    @classmethod
+    def answered(cls, qualname: str, backend: str, what: str, answer: object, expected: str) -> PluginCheckError:
+        """The error for `what` of implementation `qualname` answering `answer`, not `expected`."""
+        return cls(
+            f"{qualname}: {what} answered {short_repr(answer)}, not {expected}: this is a bug in "
+            f"plugin {backend!r}. Report it to its vendor; until it is fixed, MOEHAL_DISABLE_PLUGINS={backend} "
+            "skips the plugin"
+        )
+
+
+def short_repr(answer: object) -> str:
+    """A plugin's answer as an error message shows it: its repr, cut to 200 characters, and its type."""
+    shown = repr(answer)
+    return f"{shown if len(shown) <= 200 else shown[:197] + '...'} ({type(answer).__name__})"
+
 
 class NoBackendError(MoEHalError, RuntimeError):
     """No (dispatcher, experts) pair or fused forward accepts this configuration.

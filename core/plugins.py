@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
 import pluggy
 from moehal import hookspecs
-from moehal.errors import PluginLoadError, UnknownBackendError
+from moehal.errors import PluginLoadError, UnknownBackendError, short_repr
 from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, Implementation, WeightProcessor
 from moehal.settings import Settings
 
@@ -148,11 +149,16 @@ class Registry:
         infos = [i for i in call("moehal_backend_info") if i is not None]
         if len(infos) != 1:
             raise PluginLoadError(f"plugin {name!r} must implement moehal_backend_info exactly once")
+        _check_info(infos[0])
         out: dict[str, Any] = {"info": infos[0]}
         known = {i.qualname for i in self.all_implementations()}
         for attr, (hook_name, base) in _COLLECT.items():
             impls: list[Implementation] = []
             for result in call(hook_name):
+                if result is not None and (not isinstance(result, Sequence) or isinstance(result, (str, bytes))):
+                    raise PluginLoadError(
+                        f"{hook_name} returned {short_repr(result)}, not a list of {base.__name__} instances"
+                    )
                 for impl in result or ():
                     if not isinstance(impl, base):
                         raise PluginLoadError(f"{hook_name} returned {impl!r}, not a {base.__name__} instance")
@@ -202,6 +208,23 @@ class Registry:
             raise UnknownBackendError(
                 f"unknown backend {name!r}{why}; loaded backends: {self.loaded_backends()}. "
                 "Run `moehal doctor` to see every plugin and why it is or is not available."
+            )
+
+
+def _check_info(info: Any) -> None:
+    """`moehal_backend_info`'s answer is a `BackendInfo` that `moehal doctor` can show, or the
+    plugin fails to load (before any of its implementations is added)."""
+    if not isinstance(info, BackendInfo):
+        raise PluginLoadError(f"moehal_backend_info returned {short_repr(info)}, not a moehal.BackendInfo")
+    for attr in ("name", "version", "description"):
+        if not isinstance(getattr(info, attr), str):
+            raise PluginLoadError(
+                f"moehal_backend_info's BackendInfo.{attr} is {short_repr(getattr(info, attr))}, not a str"
+            )
+    for attr in ("available", "libraries"):
+        if not callable(getattr(info, attr)):
+            raise PluginLoadError(
+                f"moehal_backend_info's BackendInfo.{attr} is {short_repr(getattr(info, attr))}, not a callable"
             )
 
 

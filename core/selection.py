@@ -108,7 +108,7 @@ class Pipeline:
 
     def execution_mode(self, req: BuildRequest) -> str:
         """'emulated' if any part is, else 'interpreted' if any part is, else 'native'."""
-        modes = {p.execution_mode(req) for p in (self.main, self.dispatcher, self.processor) if p is not None}
+        modes = {_mode(p, req) for p in (self.main, self.dispatcher, self.processor) if p is not None}
         for mode in ("emulated", "interpreted"):
             if mode in modes:
                 return mode
@@ -225,7 +225,7 @@ def _processor_for(
     for p in sorted(processors, key=lambda p: (-p.priority, p.qualname)):
         if p.layout != layout:
             continue
-        d = p.supports(req)
+        d = _decision(p, "a capability check", p.supports, req)
         if d.ok:
             return p, d
         reasons.append(f"{p.qualname}: {d.reason}")
@@ -233,15 +233,51 @@ def _processor_for(
     return None, Decision(False, f"no weight processor for layout {layout!r} ({why})", "weights")
 
 
-def _ask(impl: Implementation, what: str, call: Callable[..., _T], *args: Any) -> _T:
-    """`call(*args)`, a plugin's answer about `impl`; a plugin that raises instead of answering
-    gets `PluginCheckError` naming it (as `Implementation.supports` does for its predicates)."""
+def _ask(
+    impl: Implementation,
+    what: str,
+    call: Callable[..., _T],
+    *args: Any,
+    returns: type | tuple[type, ...] = object,
+    expected: str = "",
+) -> _T:
+    """`call(*args)`, a plugin's answer about `impl`; a plugin that raises instead of answering,
+    or answers something other than an instance of `returns` (described as `expected`), gets
+    `PluginCheckError` naming it (as `Implementation.supports` does for its predicates)."""
     try:
-        return call(*args)
+        answer = call(*args)
     except MoEHalError:
         raise
     except Exception as exc:
         raise PluginCheckError.raised(impl.qualname, impl.backend, what, exc) from exc
+    if not isinstance(answer, returns):
+        raise PluginCheckError.answered(impl.qualname, impl.backend, what, answer, expected)
+    return answer
+
+
+def _decision(impl: Implementation, what: str, call: Callable[..., Decision], *args: Any) -> Decision:
+    """A plugin's `Decision` (`supports`, `can_produce`), checked to be one."""
+    return _ask(impl, what, call, *args, returns=Decision, expected="a Decision")
+
+
+_MODES = ("native", "emulated", "interpreted")
+
+
+def _mode(impl: Implementation, req: BuildRequest) -> str:
+    """`impl.execution_mode(req)`, checked to be one of the modes selection knows."""
+    mode = _ask(impl, "execution_mode", impl.execution_mode, req, returns=str, expected=f"one of {_MODES}")
+    if mode not in _MODES:
+        raise PluginCheckError.answered(impl.qualname, impl.backend, "execution_mode", mode, f"one of {_MODES}")
+    return mode
+
+
+def _input_formats(experts: Experts, req: BuildRequest) -> list[ActivationFormat]:
+    """`experts.input_formats(req)`, checked to be a list or tuple of `ActivationFormat`."""
+    want = "a list of ActivationFormat"
+    offered = _ask(experts, "input_formats", experts.input_formats, req, returns=(list, tuple), expected=want)
+    if not all(isinstance(f, ActivationFormat) for f in offered):
+        raise PluginCheckError.answered(experts.qualname, experts.backend, "input_formats", offered, want)
+    return list(offered)
 
 
 def _small_batch(
@@ -249,10 +285,17 @@ def _small_batch(
 ) -> SmallBatchFormat | None:
     """The experts' small-batch format if this dispatcher produces it exactly (no adapter:
     its point is fewer launches), recording a refusal. A requested layout rules out others."""
-    small = _ask(experts, "small_batch_format", experts.small_batch_format, req)
+    small = _ask(
+        experts,
+        "small_batch_format",
+        experts.small_batch_format,
+        req,
+        returns=(SmallBatchFormat, type(None)),
+        expected="a SmallBatchFormat or None",
+    )
     if small is None or (layout is not None and small.fmt.layout_name != layout):
         return None
-    cp = _ask(disp, "can_produce", disp.can_produce, small.fmt, req)
+    cp = _decision(disp, "can_produce", disp.can_produce, small.fmt, req)
     if not cp.ok:
         name = f"{experts.qualname} [{small}]"
         decisions.append(CandidateDecision(name, "pipeline", False, f"{disp.qualname}: {cp.reason}", "format"))
@@ -276,7 +319,7 @@ def enumerate_pipelines(
 
     dispatchers: list[tuple[Dispatcher, Decision]] = []
     for disp in sorted(registry.dispatchers, key=lambda d: (-d.priority, d.qualname)):
-        d = disp.supports(req)
+        d = _decision(disp, "a capability check", disp.supports, req)
         dispatchers.append((disp, d))
         decisions.append(CandidateDecision(disp.qualname, "dispatcher", d.ok, d.reason, d.predicate))
     usable = [disp for disp, d in dispatchers if d.ok]
@@ -291,7 +334,7 @@ def enumerate_pipelines(
         if why:
             decisions.append(CandidateDecision(fused.qualname, "fused", False, why, "request"))
             continue
-        d = fused.supports(req)
+        d = _decision(fused, "a capability check", fused.supports, req)
         proc = None
         if d.ok:
             proc, pd = _processor_for(fused.weight_layout, req, registry.processors)
@@ -303,7 +346,9 @@ def enumerate_pipelines(
                     "fused",
                     fused=fused,
                     processor=proc,
-                    routes_internally=fused.routes_internally(req),
+                    routes_internally=_ask(
+                        fused, "routes_internally", fused.routes_internally, req, returns=bool, expected="a bool"
+                    ),
                     rank=(-fused.priority, 0, 0, 0, fused.qualname, 0),
                 )
             )
@@ -313,7 +358,7 @@ def enumerate_pipelines(
         if why:
             decisions.append(CandidateDecision(experts.qualname, "experts", False, why, "request"))
             continue
-        d = experts.supports(req)
+        d = _decision(experts, "a capability check", experts.supports, req)
         proc = None
         if d.ok:
             proc, pd = _processor_for(experts.weight_layout, req, registry.processors)
@@ -321,7 +366,7 @@ def enumerate_pipelines(
         decisions.append(CandidateDecision(experts.qualname, "experts", d.ok, d.reason, d.predicate))
         if not d.ok:
             continue
-        offered = _ask(experts, "input_formats", experts.input_formats, req)
+        offered = _input_formats(experts, req)
         formats = [f for f in offered if layout is None or f.layout_name == layout]
         if not formats:
             decisions.append(
@@ -331,7 +376,7 @@ def enumerate_pipelines(
             found = False
             refusals = []
             for disp in usable:
-                cp = _ask(disp, "can_produce", disp.can_produce, fmt, req)
+                cp = _decision(disp, "can_produce", disp.can_produce, fmt, req)
                 src = fmt
                 adapters = 0
                 if not cp.ok:
@@ -339,7 +384,7 @@ def enumerate_pipelines(
                     if (
                         alt is not None
                         and fmt.scales is not ScaleKind.NONE
-                        and _ask(disp, "can_produce", disp.can_produce, alt, req).ok
+                        and _decision(disp, "can_produce", disp.can_produce, alt, req).ok
                     ):
                         src, adapters, cp = alt, 1, Decision(True, "via quantize adapter", "format")
                 if cp.ok:
@@ -377,7 +422,7 @@ def enumerate_pipelines(
     kept = []
     for p in pipelines:
         parts = [x for x in (p.main, p.dispatcher, p.processor) if x is not None]
-        bad = [x.qualname for x in parts if x.execution_mode(req) == "interpreted" and x.backend != backend]
+        bad = [x.qualname for x in parts if _mode(x, req) == "interpreted" and x.backend != backend]
         if bad:
             decisions.append(
                 CandidateDecision(

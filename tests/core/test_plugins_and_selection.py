@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
+import types
 
 import moehal
 import pytest
 import torch
 from moe_testing import build_problem
+from moehal.capability import accept
 from moehal.formats import ActivationFormat, Layout, MaskedInput, ScaleKind
+from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward
 
 TOY_PLUGIN = '''
 from __future__ import annotations
@@ -347,3 +351,121 @@ def test_reference_layer_is_the_pure_reference_pipeline_or_says_what_is_missing(
     assert {d.qualname for d in registry.dispatchers} > {"reference.local"}, "the caller's registry is unchanged"
     with pytest.raises(ValueError, match="register the reference plugin"):
         reference_layer(cfg, "bf16", "cpu", registry=moehal.Registry(moehal.Settings()))
+
+
+# A plugin's answers at selection and registration: malformed ones name the plugin ---------------
+
+_BF16 = moehal.QuantScheme.parse("bf16")
+
+
+class _AnyDispatcher(Dispatcher):
+    name, priority = "any", 5
+
+    def can_produce(self, fmt, req):
+        return accept(predicate="format")
+
+    def build(self, req, fmt):
+        raise NotImplementedError
+
+
+class _StandardExperts(Experts):
+    name, priority = "k", 5
+    quant_schemes = frozenset({_BF16})
+
+    def input_formats(self, req):
+        return [ActivationFormat(Layout.STANDARD, req.config.dtype)]
+
+    def build(self, req, fmt):
+        raise NotImplementedError
+
+
+class _Fused(FusedForward):
+    name, priority = "f", 5
+    quant_schemes = frozenset({_BF16})
+
+    def build(self, req):
+        raise NotImplementedError
+
+
+def _raise(*args):
+    raise RuntimeError("probe failed")
+
+
+def _answers_plugin(**hooks):
+    """A well-formed plugin 'test' (a dispatcher that produces anything, standard bf16 experts),
+    any of whose hooks a test replaces."""
+    answers = {
+        "moehal_backend_info": lambda: BackendInfo("test", "1", "malformed answers"),
+        "moehal_dispatchers": lambda: [_AnyDispatcher()],
+        "moehal_experts": lambda: [_StandardExperts()],
+        **hooks,
+    }
+    return types.SimpleNamespace(**{hook: moehal.hookimpl(answer) for hook, answer in answers.items()})
+
+
+def _select_test_plugin(plugin):
+    reg = moehal.Registry(moehal.Settings())
+    assert reg.register(plugin, "test").status == "loaded"
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+    return moehal.select(moehal.BuildRequest(cfg, _BF16, moehal.detect("cpu"), moehal.Settings()), reg)
+
+
+@pytest.mark.parametrize(
+    "hook, kind, method, answer, match",
+    [
+        ("moehal_experts", _StandardExperts, "input_formats", lambda s, req: None, "input_formats answered None"),
+        ("moehal_experts", _StandardExperts, "input_formats", lambda s, req: ["standard"], "input_formats answered"),
+        ("moehal_experts", _StandardExperts, "execution_mode", _raise, "execution_mode raised RuntimeError"),
+        ("moehal_experts", _StandardExperts, "execution_mode", lambda s, req: "fast", "execution_mode answered 'fast'"),
+        (
+            "moehal_experts",
+            _StandardExperts,
+            "small_batch_format",
+            lambda s, req: s.input_formats(req)[0],
+            "small_batch_format answered",
+        ),
+        ("moehal_dispatchers", _AnyDispatcher, "can_produce", lambda s, fmt, req: True, "can_produce answered True"),
+        ("moehal_dispatchers", _AnyDispatcher, "supports", lambda s, req: True, "a capability check answered True"),
+        ("moehal_fused_forwards", _Fused, "routes_internally", _raise, "routes_internally raised RuntimeError"),
+        ("moehal_fused_forwards", _Fused, "routes_internally", lambda s, req: "yes", "routes_internally answered"),
+    ],
+)
+def test_a_malformed_plugin_answer_at_selection_is_a_plugin_check_error(hook, kind, method, answer, match):
+    """A plugin answer that raises, or is not what the contract says (a Decision, a list of
+    ActivationFormat, a bool, a known execution mode...), stops selection with PluginCheckError
+    naming the implementation and the hook, not an anonymous error from inside selection (or,
+    worse, a silent acceptance)."""
+    assert _select_test_plugin(_answers_plugin()).pipeline.name == "test.any -> test.k [standard[bfloat16]]"
+    bad = type(f"Bad{kind.__name__}", (kind,), {method: answer})
+    with pytest.raises(moehal.PluginCheckError, match=match) as info:
+        _select_test_plugin(_answers_plugin(**{hook: lambda: [bad()]}))
+    assert f"test.{kind.name}: " in str(info.value) and "plugin 'test'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "hook, answer, why",
+    [
+        ("moehal_backend_info", lambda: {"name": "test", "version": "1"}, "not a moehal.BackendInfo"),
+        ("moehal_backend_info", lambda: BackendInfo("test", 1, "x"), r"BackendInfo.version is 1 \(int\), not a str"),
+        ("moehal_experts", lambda: _StandardExperts(), "moehal_experts returned .* not a list of Experts"),
+    ],
+)
+def test_a_malformed_hook_answer_fails_the_plugin_and_adds_nothing(hook, answer, why, monkeypatch):
+    """A plugin whose hooks answer the wrong type is recorded failed, with the reason, and none
+    of its implementations is registered (auto-selection cannot use what doctor does not know);
+    doctor reports it; strict mode raises."""
+    from moehal.cli.doctor import collect
+
+    plugin = _answers_plugin(**{hook: answer})
+    reg = moehal.Registry(moehal.Settings())
+    rec = reg.register(plugin, "test")
+    assert rec.status == "failed" and reg.plugins["test"] is rec
+    assert rec.error.startswith("PluginLoadError: ") and re.search(why, rec.error), rec.error
+    assert not reg.all_implementations() and rec.implementations == [] and "test" not in reg.loaded_backends()
+    monkeypatch.setattr(moehal, "discover", lambda **kw: reg)
+    (entry,) = collect("cpu")["backends"]
+    assert entry["status"] == "failed" and entry["available"] is False and entry["components"] == []
+    strict = moehal.Registry(moehal.Settings(strict=True))
+    with pytest.raises(moehal.PluginLoadError, match=why):
+        strict.register(plugin, "test")
+    assert not strict.all_implementations() and "test" not in strict.loaded_backends()

@@ -288,7 +288,15 @@ class GraphCache:
             fn = lambda: self._fn(*static, out=out)  # noqa: E731
         else:
             fn = lambda: out.copy_(self._fn(*static))  # noqa: E731
+        # An in-place call (`out` in an input's storage, as `layer(h, ..., out=h)`): the warm-up
+        # run that `capture` makes writes the result over the input, and the replay that follows
+        # would compute from that result. The input's bytes are kept across the capture.
+        kept = None
+        if out is not None and not copy_inputs and any(_same_storage(out, t) for t in static):
+            kept = out.clone()
         graph, output = capture(fn, self._device, pool=self._pool)
+        if kept is not None:
+            out.copy_(kept)
         x = inputs[0]
         if output.shape != x.shape or output.dtype != x.dtype:  # what `_fresh_output` relies on
             raise TypeError(f"graphed forward returned {output.dtype} {tuple(output.shape)}, not its input's")
@@ -299,6 +307,10 @@ class GraphCache:
         with persistent_tensors():  # (views made in inference mode could not be written outside it)
             input_bytes = tuple(t.view(torch.uint8) for t in static)
         return _Captured(graph, static, output, input_bytes)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @contextmanager

@@ -387,3 +387,18 @@ def test_copying_graph_copies_its_inputs_as_bytes_in_one_call(fake_cuda_graphs, 
     monkeypatch.setattr(graphs, "BYTE_COPY_INPUTS", False)
     args = inputs(8)
     assert torch.equal(cache(*args), forward(*args)) and len(copies[0]) == 3
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["same-tensor", "view-of-the-input"])
+def test_in_place_calls_are_right_on_the_call_that_captures(monkeypatch, fake_cuda_graphs, view):
+    """`out=` in the input's storage (an engine's `layer(h, ..., out=h)`): the capture's warm-up
+    run wrote the result over the input, and the call that captured returned f(f(x))."""
+    cache, _ = _cache(monkeypatch, [torch.empty(3, 4)])
+    buf, w = torch.empty(3, 4), torch.randn(3, 2)
+    for step in range(5):
+        x = torch.randn(3, 4)
+        buf.copy_(x)
+        out = buf[:] if view else buf
+        y = _call(cache, buf, w, out=out)
+        assert torch.equal(y, _forward(x, w)), f"call {step}"
+    assert cache.output_writing_graphs == 1, "the in-place call still gets the graph that writes out"

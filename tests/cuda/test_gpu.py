@@ -226,6 +226,30 @@ def test_eager_calls_replay_cuda_graphs(pipeline):
 
 
 @pytest.mark.parametrize("pipeline", ["cuda.deepgemm", "cuda.triton"])
+def test_in_place_calls_replay_graphs_right_from_the_capturing_call(pipeline):
+    """`layer(h, ..., out=h)` with `cuda_graph_tokens`: the call that captures the graph writing
+    `h` returned f(f(h)) (the capture's warm-up had overwritten the input; session 43)."""
+    if pipeline == "cuda.deepgemm" and (why := _deepgemm_usable()):
+        pytest.skip(why)
+    import moehal
+    from moehal.bench import _pipeline_named
+
+    cfg, _, ref = _layers("bf16", "masked")
+    pipe = _pipeline_named(pipeline, cfg, moehal.QuantScheme.parse("bf16"), torch.device("cuda"), moehal.discover())
+    layer = moehal.MoELayer(cfg, "bf16", device="cuda", pipeline=pipe, cuda_graph_tokens=20)
+    layer.load_weights(_weights(cfg, "bf16"))
+    h, ids, w = _inputs(cfg, 6, 0)
+    for seed in range(1, 6):
+        nx, nids, nw = _inputs(cfg, 6, seed)
+        h.copy_(nx), ids.copy_(nids), w.copy_(nw)
+        want = ref(nx, nids, nw)
+        assert layer(h, ids, w, out=h) is h
+        err = ((h.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err < 3e-2, f"call {seed}: relative error {err:.3f}"
+    assert layer._graphs_topk.output_writing_graphs == 1
+
+
+@pytest.mark.parametrize("pipeline", ["cuda.deepgemm", "cuda.triton"])
 def test_graphs_and_buffers_made_in_inference_mode_serve_calls_outside_it(pipeline):
     """An engine serves under `torch.inference_mode()`: the layer's first calls capture graphs
     and allocate its buffers there. Later calls under `torch.no_grad()` (new tensors: copied

@@ -232,6 +232,8 @@ class MoELayer(torch.nn.Module):
         scratch is shared by layers, and Triton launches on the current device).
         """
         if torch.compiler.is_compiling():  # one opaque node: moehal::moe_forward[_logits]
+            if out is not None:  # (shapes, dtypes and devices only: traceable) as eager checks it
+                self._check_out(out, hidden_states)
             y = custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
             return y if out is None else out.copy_(y)
         order = self._order

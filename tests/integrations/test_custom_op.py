@@ -124,6 +124,22 @@ def test_fake_impl_rejects_bad_shapes_at_trace_time():
         )
 
 
+@pytest.mark.parametrize(
+    ("tokens", "out"),
+    [(4, torch.zeros(4, H, dtype=torch.float64)), (1, torch.zeros(4, H)), (1, torch.zeros(H))],
+    ids=["float64-for-float32", "more-rows", "one-dim"],
+)
+def test_compiled_calls_check_out_as_eager_does(tokens, out):
+    """A wrong `out=` was filled silently under torch.compile (one of another dtype, or one row
+    broadcast into all), while eager raises InputError."""
+    layer, *_ = _layer()
+    x, ids, w = torch.randn(tokens, H), torch.zeros(tokens, K, dtype=torch.int64), torch.rand(tokens, K)
+    with pytest.raises(moehal.InputError, match="out must be"):
+        layer(x, ids, w, out=out)
+    with pytest.raises(Exception, match="out must be"):
+        torch.compile(lambda a, b, c, o: layer(a, b, c, out=o), fullgraph=True, backend="eager")(x, ids, w, out)
+
+
 def test_fake_impl_needs_loaded_weights():
     cfg = moehal.MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER, dtype=torch.float32)
     layer = moehal.MoELayer(cfg, device="cpu")

@@ -69,6 +69,16 @@ def peer_callable(
         raise NotSupportedError("SGLang's Triton fused MoE runs on CUDA devices only")
     if config.activation is not Activation.SILU or not config.gated or config.has_w13_bias or config.has_w2_bias:
         raise NotSupportedError("the SGLang peer is wired for SiLU-and-mul without biases (the benchmark shapes)")
+    # what the call below does not pass to SGLang: it would compute another layer
+    unwired = {
+        "routed_scaling_factor != 1": config.routed_scaling_factor != 1.0,
+        "apply_router_weight_on_input": config.apply_router_weight_on_input,
+        "ep_size > 1 (global ids on local weights)": config.ep_size > 1,
+        "topk_padding (-1 ids)": config.topk_padding,
+    }
+    if any(unwired.values()):
+        names = ", ".join(k for k, v in unwired.items() if v)
+        raise NotSupportedError(f"the SGLang peer does not pass {names} to SGLang (the benchmark shapes use none)")
     fm, runner_config = _import_entry()
     e = config.num_local_experts
     rc = runner_config(num_experts=e, num_local_experts=e, activation="silu", is_gated=True, inplace=False)

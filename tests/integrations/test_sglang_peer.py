@@ -26,6 +26,22 @@ def test_declines_other_activations():
         sglang.peer_callable(CFG.with_(activation="gelu"), *_weights(), "cuda")
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (dict(routed_scaling_factor=2.5), "routed_scaling_factor"),
+        (dict(top_k=1, apply_router_weight_on_input=True), "apply_router_weight_on_input"),
+        (dict(ep_size=2), "ep_size > 1"),
+        (dict(topk_padding=True), "topk_padding"),
+    ],
+)
+def test_declines_what_it_does_not_pass_to_sglang(change, named):
+    """The peer computed another layer for these (up to 1.66 off at routed_scaling_factor 2.5,
+    session 43's audit); it declines them before importing SGLang."""
+    with pytest.raises(moehal.NotSupportedError, match=f"does not pass {named}"):
+        sglang.peer_callable(CFG.with_(**change), *_weights(), "cuda")
+
+
 def test_declines_with_the_import_error_when_sglang_is_missing(monkeypatch):
     monkeypatch.setattr(sglang, "_IMPORT_FAILURE", [])
     monkeypatch.setitem(sys.modules, sglang.ENTRY_MODULE, None)  # import raises ImportError

@@ -11,21 +11,40 @@ from typing import Any
 import moehal
 import torch
 from moehal.cli.common import cell, console, print_json, status_text, table
+from moehal.errors import MoEHalError
 from moehal.hardware import HardwareInfo, detect, package_version
 from moehal.selection import machine_decision
 
+_EXIT_CODES = """exit status:
+  0  the report was made
+  1  MOEHAL_STRICT_PLUGINS is set and a plugin failed to load (every failure is reported)
+  2  --device names a device this machine lacks (the report says why; nothing was probed)"""
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="show hardware, plugins and backend availability")
+    p = sub.add_parser(
+        "doctor",
+        help="show hardware, plugins and backend availability",
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default=None, help="device to check (default: the best torch sees)")
     p.set_defaults(func=run)
 
 
 def collect(device: str | None = None) -> dict[str, Any]:
-    """The doctor report as plain data."""
-    reg = moehal.discover()
-    hw: HardwareInfo = detect(device)
+    """The doctor report as plain data. Plugins are loaded non-strictly even under
+    MOEHAL_STRICT_PLUGINS, so that every failing plugin is reported, not only the first; a
+    `device` this machine lacks is reported under hardware["error"] (backends not probed)."""
+    strict = moehal.Settings.from_env().strict
+    reg = moehal.discover(strict=False) if strict else moehal.discover()
+    hw: HardwareInfo | None = None
+    hw_error = None
+    try:
+        hw = detect(device)
+    except MoEHalError as exc:
+        hw_error = str(exc)
     backends = []
     for name, rec in sorted(reg.plugins.items()):
         entry: dict[str, Any] = {
@@ -38,17 +57,21 @@ def collect(device: str | None = None) -> dict[str, Any]:
             "implementations": rec.implementations,
         }
         if rec.info is not None:
-            try:
-                avail = rec.info.available(hw)
-                entry["available"], entry["reason"] = avail.ok, avail.reason
-            except Exception as exc:  # noqa: BLE001 - a plugin's probe must not break doctor
-                entry["available"], entry["reason"] = False, f"availability probe raised {type(exc).__name__}: {exc}"
+            if hw is None:  # no such device here: nothing to probe
+                entry["available"], entry["reason"] = False, f"not checked: device {device!r} is not available here"
+            else:
+                try:
+                    avail = rec.info.available(hw)
+                    entry["available"], entry["reason"] = avail.ok, avail.reason
+                except Exception as exc:  # noqa: BLE001 - a plugin's probe must not break doctor
+                    why = f"availability probe raised {type(exc).__name__}: {exc}"
+                    entry["available"], entry["reason"] = False, why
             try:
                 entry["libraries"] = rec.info.libraries()
             except Exception as exc:  # noqa: BLE001
                 entry["libraries"] = {"<error>": f"{type(exc).__name__}: {exc}"}
             entry["description"] = rec.info.description
-            entry["components"] = _components(reg, name, hw)
+            entry["components"] = _components(reg, name, hw) if hw is not None else []
         else:
             entry["available"], entry["reason"] = False, f"plugin {rec.status}: {rec.error}"
             entry["libraries"] = {}
@@ -67,11 +90,13 @@ def collect(device: str | None = None) -> dict[str, Any]:
             "name": hw.name,
             "capability": hw.capability,
             "arch": hw.arch,
-        },
+        }
+        if hw is not None
+        else {"kind": None, "device": device, "name": None, "capability": None, "arch": None, "error": hw_error},
         "settings": {
             "backend": reg.settings.backend,
             "disabled_plugins": sorted(reg.settings.disabled_plugins),
-            "strict": reg.settings.strict,
+            "strict": strict,
             "emulate": sorted(reg.settings.emulate),
         },
         "backends": backends,
@@ -91,16 +116,21 @@ def _components(reg: moehal.Registry, backend: str, hw: HardwareInfo) -> list[di
 
 def run(args: argparse.Namespace, rest: Sequence[str] = ()) -> int:
     report = collect(args.device)
+    failed = [b for b in report["backends"] if b["status"] == "failed"]
+    rc = 2 if report["hardware"].get("error") else 1 if report["settings"]["strict"] and failed else 0
     if args.json:
         print_json(report)
-        return 0
+        return rc
     hw = report["hardware"]
     cap = f" (compute capability {hw['capability'][0]}.{hw['capability'][1]})" if hw["capability"] else ""
     console.print(
         f"[bold]moehal {report['moehal']}[/bold]  python {report['python']}  torch {report['torch']}"
         f"  triton {report['triton'] or '-'}"
     )
-    console.print(f"hardware: {hw['kind']} {hw['device']} {hw['name']}{cap}")
+    if hw.get("error"):
+        console.print(f"[red]hardware: {cell(hw['error'])}[/red]")
+    else:
+        console.print(f"hardware: {hw['kind']} {hw['device']} {hw['name']}{cap}")
     t = table("Backends", "backend", "plugin", "available", "reason", "vendor libraries")
     for b in report["backends"]:
         libs = ", ".join(f"{k} {v or 'missing'}" for k, v in b["libraries"].items()) or "-"
@@ -114,7 +144,6 @@ def run(args: argparse.Namespace, rest: Sequence[str] = ()) -> int:
             why = "" if c["runs_here"] else c["reason"]
             ct.add_row(cell(c["name"]), c["kind"], status_text(c["runs_here"]), cell(why))
         console.print(ct)
-    failed = [b for b in report["backends"] if b["status"] == "failed"]
     for b in failed:
         console.print(
             f"[red]plugin {cell(b['name'])} ({cell(b['distribution'] or b['module'])}) failed to load:[/red] "
@@ -123,4 +152,6 @@ def run(args: argparse.Namespace, rest: Sequence[str] = ()) -> int:
     s = report["settings"]
     if s["backend"] or s["disabled_plugins"] or s["emulate"]:
         console.print(f"settings: {s}")
-    return 0
+    if s["strict"] and failed:
+        console.print(f"[red]MOEHAL_STRICT_PLUGINS is set and {len(failed)} plugin(s) failed to load[/red]")
+    return rc

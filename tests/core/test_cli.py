@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 
 import moehal
 import pytest
 import torch
-from moehal.cli import common
-from moehal.cli.main import main
+from moehal.cli import common, explain
+from moehal.cli.main import build_parser, main
+from moehal.formats import ActivationFormat, Layout
+from moehal.interfaces import BackendInfo, Experts
 
 
 @pytest.fixture(autouse=True)
@@ -116,3 +119,166 @@ def test_list(capsys):
     assert main(["list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {"reference.local", "reference.experts"} <= {r["name"] for r in rows}
+
+
+class _NoWeightOnInput(Experts):
+    """Declares what cuda.trtllm_* declares: no apply_router_weight_on_input."""
+
+    name, priority = "no_weight_on_input", 100
+    quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+    supports_router_weight_on_input = False
+
+    def input_formats(self, req):
+        return [ActivationFormat(Layout.STANDARD, req.config.dtype)]
+
+    def build(self, req, fmt):
+        raise NotImplementedError
+
+
+class _Interpreted(_NoWeightOnInput):
+    """Capturable as declared, but runs under an interpreter here."""
+
+    name = "interpreted"
+    supports_router_weight_on_input = True
+    graph_capturable = True
+
+    def execution_mode(self, req):
+        return "interpreted"
+
+
+class _RaisingCheck(_NoWeightOnInput):
+    name = "raising_check"
+    supports_router_weight_on_input = True
+
+    def check_shape(self, req):
+        raise KeyError("oops")
+
+
+class _NoQuant(_NoWeightOnInput):
+    name = "no_quant"
+    quant_schemes = frozenset()  # an experts kernel declaring no scheme takes none
+
+
+def _with_toy_backend(monkeypatch, *experts):
+    """`moehal.discover()` answers the installed plugins plus a `toy` backend of `experts`."""
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    plugin = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: BackendInfo("toy", "0", "toy")),
+        moehal_experts=moehal.hookimpl(lambda: list(experts)),
+    )
+    assert reg.register(plugin, "toy").status == "loaded"
+    monkeypatch.setattr(moehal.plugins, "_default", reg)
+    return reg
+
+
+SMALL = ["--hidden", "128", "--intermediate", "64", "--device", "cpu"]
+
+
+def test_explain_router_weight_on_input_picks_what_the_layer_picks(capsys, monkeypatch):
+    """A kernel that declines apply_router_weight_on_input: explain could not say the layer has
+    it, so it showed that kernel chosen where MoELayer picks another."""
+    reg = _with_toy_backend(monkeypatch, _NoWeightOnInput())
+    args = ["explain", "--json", "--experts", "8", "--top-k", "1", *SMALL]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]["experts"] == "toy.no_weight_on_input"
+    cfg = moehal.MoEConfig(8, 1, 128, 64, apply_router_weight_on_input=True)
+    layer = moehal.MoELayer(cfg, device="cpu", registry=reg)
+    assert main([*args, "--router-weight-on-input"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["name"] == layer.plan.pipeline.name, (data["chosen"], layer.plan.pipeline.name)
+    declined = {d["name"]: d["reason"] for d in data["decisions"] if not d["ok"]}
+    assert "apply_router_weight_on_input" in declined["toy.no_weight_on_input"]
+
+
+def test_explain_flags_set_every_field_selection_reads():
+    flags = ["--routing", "deepseek_v3", "--n-group", "4", "--topk-group", "2", "--correction-bias"]
+    flags += ["--no-renormalize", "--routed-scaling-factor", "2.5", "--w13-bias", "--experts", "16", "--top-k", "1"]
+    cfg = explain.config_from_args(build_parser().parse_args(["explain", *flags, "--router-weight-on-input"]))
+    routing = moehal.RoutingConfig("deepseek_v3", renormalize=False, n_group=4, topk_group=2, has_correction_bias=True)
+    assert cfg.routing == routing and cfg.routed_scaling_factor == 2.5 and cfg.apply_router_weight_on_input
+    assert cfg.has_w13_bias and not cfg.has_w2_bias
+    cfg = explain.config_from_args(build_parser().parse_args(["explain", "--w2-bias"]))
+    assert cfg.has_w2_bias and not cfg.has_w13_bias and cfg.routing is None
+    with pytest.raises(moehal.ConfigError, match="--n-group: routing options need --routing"):
+        explain.config_from_args(build_parser().parse_args(["explain", "--n-group", "2"]))
+
+
+def test_explain_json_errors_are_json_with_exit_code_2(capsys):
+    for extra, kind in ((["--backend", "nope"], "UnknownBackendError"), (["--experts", "0"], "ConfigError")):
+        assert main(["explain", "--json", *SMALL, *extra]) == 2
+        data = json.loads(capsys.readouterr().out)
+        assert data["type"] == kind and data["error"], data
+
+
+def test_explain_json_mode_and_graph_capture_agree_with_the_text_plan(capsys, monkeypatch):
+    _with_toy_backend(monkeypatch, _Interpreted())
+    args = ["explain", *SMALL, "--backend", "toy"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "graphs       not capturable" in out and "INTERPRETED" in out
+    assert main([*args, "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert chosen["experts"] == "toy.interpreted"
+    assert chosen["mode"] == "interpreted" and chosen["graph_capturable"] is False, chosen
+
+
+def test_explain_reports_a_raising_plugin_check_with_exit_code_2(capsys, monkeypatch):
+    _with_toy_backend(monkeypatch, _RaisingCheck())
+    assert main(["explain", *SMALL]) == 2
+    assert "toy.raising_check: a capability check raised KeyError" in capsys.readouterr().out
+    assert main(["explain", "--json", *SMALL]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["type"] == "PluginCheckError" and "MOEHAL_DISABLE_PLUGINS=toy" in data["error"]
+
+
+def test_a_device_this_machine_lacks_is_a_config_error(capsys):
+    with pytest.raises(moehal.ConfigError, match="'cuda:99' asked for"):
+        moehal.detect("cuda:99")  # no GPU, a CPU-only torch, or fewer than 100 GPUs: each says so
+    if getattr(torch, "npu", None) is None:
+        with pytest.raises(moehal.ConfigError, match="import torch_npu"):
+            moehal.detect("npu")
+    assert main(["explain", "--hidden", "128", "--intermediate", "64", "--device", "cuda:99"]) == 2
+    assert "'cuda:99' asked for" in capsys.readouterr().out
+    assert main(["doctor", "--device", "cuda:99"]) == 2
+    assert "hardware: device 'cuda:99' asked for" in capsys.readouterr().out
+    assert main(["doctor", "--json", "--device", "cuda:99"]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert "'cuda:99' asked for" in report["hardware"]["error"]
+    assert report["backends"] and not any(b["available"] for b in report["backends"])
+
+
+def test_list_says_none_for_an_experts_kernel_without_quant_schemes(capsys, monkeypatch):
+    """No schemes: dispatchers and weight processors take any, experts kernels and fused forwards none."""
+    _with_toy_backend(monkeypatch, _NoQuant())
+    assert main(["list"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 7:
+            rows[cells[0]] = cells
+    assert rows["toy.no_quant"][4] == "none", rows["toy.no_quant"]
+    assert rows["reference.local"][4] == "any", rows["reference.local"]
+
+
+def test_doctor_reports_every_failing_plugin_under_strict(capsys, monkeypatch, tmp_path):
+    for n in (1, 2):
+        (tmp_path / f"moehal_cli_bad{n}.py").write_text(f"raise ImportError('vendor lib {n} missing')\n")
+        info = tmp_path / f"moehal_cli_bad{n}-0.0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: moehal_cli_bad{n}\nVersion: 0.0.1\n")
+        (info / "entry_points.txt").write_text(f"[moehal.backends]\nclibad{n} = moehal_cli_bad{n}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(moehal.plugins, "_default", None)  # restored after the test
+    monkeypatch.setenv("MOEHAL_STRICT_PLUGINS", "0")
+    assert main(["doctor", "--json"]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("MOEHAL_STRICT_PLUGINS", "1")
+    moehal.plugins._default = None  # as in a fresh process (it raised PluginLoadError on clibad1)
+    assert main(["doctor", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    failed = {b["name"]: b["error"] for b in report["backends"] if b["status"] == "failed"}
+    assert "vendor lib 1 missing" in failed["clibad1"] and "vendor lib 2 missing" in failed["clibad2"], failed
+    assert report["settings"]["strict"] is True
+    assert main(["doctor"]) == 1
+    assert "MOEHAL_STRICT_PLUGINS is set and 2 plugin(s) failed" in capsys.readouterr().out

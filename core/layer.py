@@ -95,6 +95,18 @@ class MoELayer(torch.nn.Module):
         # with the device current while they queue (Triton launches on the current device)
         self._order: StreamOrder | None = stream_order.for_device(self.device) if self._on_cuda else None
         self.validate_values = validate if validate is not None else hw.kind == "cpu"
+        self._build_runners()
+        self._weights: ExpertWeights | None = None
+        self._correction_bias: torch.Tensor | None = None
+        self._processed = False
+        self._op_id = custom_op.register_layer(self)  # torch.compile sees the layer as one custom op
+        self._graph_tokens = 0
+        self._graphs_topk = GraphCache(self._forward_topk, self.device)
+        self._graphs_logits = GraphCache(self._forward_logits, self.device)
+        self.cuda_graph_tokens = cuda_graph_tokens
+
+    def _build_runners(self) -> None:
+        """The plan's runners, built for this layer (at construction, and for a copy)."""
         p = self.plan.pipeline
         self._fused: FusedRunner | None = None
         self._dispatch: DispatchRunner | None = None
@@ -120,19 +132,38 @@ class MoELayer(torch.nn.Module):
             self._adapter = QuantizeAdapter(p.fmt) if p.adapter else None
             self._experts = p.experts.build(self.request, p.fmt)
             self._accepts_topk = True
-        self._weights: ExpertWeights | None = None
-        self._correction_bias: torch.Tensor | None = None
-        self._processed = False
-        self._op_id = custom_op.register_layer(self)  # torch.compile sees the layer as one custom op
-        self._graph_tokens = 0
-        self._graphs_topk = GraphCache(self._forward_topk, self.device)
-        self._graphs_logits = GraphCache(self._forward_logits, self.device)
-        self.cuda_graph_tokens = cuda_graph_tokens
+
+    # Copies (copy.deepcopy, pickle) -----------------------------------------------------------
+    _RUNNERS = ("_fused", "_dispatch", "_small_dispatch", "_adapter", "_experts")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy is the layer built again from its plan, with a copy of the weights loaded so
+        far. Runners whose weights are processed are copied as they are, on the CPU only: on an
+        accelerator their bound launches hold this layer's buffer addresses, so a copy would
+        run on the original's buffers."""
+        if self._processed and self.device.type != "cpu":
+            raise NotSupportedError(
+                f"a layer whose weights are processed on {self.device} cannot be copied: its kernels' "
+                "launches hold the addresses of this layer's buffers. Copy the model before "
+                "load_weights, or build a new MoELayer and load the weights into it"
+            )
+        state = self.__dict__.copy()
+        state["_order"] = None  # the device's one order, taken again by the copy
+        state["_graphs_topk"] = state["_graphs_logits"] = None  # graphs of this layer's buffers
+        if not self._processed:
+            for name in self._RUNNERS:  # built again from the plan: nothing of them is loaded yet
+                state[name] = None
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # copy.deepcopy and unpickling build a new layer from the old one's state: it needs an
-        # id of its own, or a compiled graph of the copy would run the original's weights
+        # copy.deepcopy and unpickling build a new layer from the old one's state (`__getstate__`):
+        # it needs an id of its own, or a compiled graph of the copy would run the original's weights
         super().__setstate__(state)
+        if not self._processed:
+            self._build_runners()
+        self._order = stream_order.for_device(self.device) if self._on_cuda else None
+        self._graphs_topk = GraphCache(self._forward_topk, self.device)
+        self._graphs_logits = GraphCache(self._forward_logits, self.device)
         self._op_id = custom_op.register_layer(self)
 
     @property

@@ -148,6 +148,19 @@ class TritonExpertsRunner(ExpertsRunner):
         self._bound: dict[int, Any] = {}  # token count -> its `BoundFusedMoE` on these weights
         self._tables = kernel.TABLES_VERSION
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (of a layer on the CPU, `MoELayer.__getstate__`) binds its own launches, on
+        # its copy of the weights, and imports the kernel module again
+        state = self.__dict__.copy()
+        del state["kernel"]
+        state["_bound"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from moehal.kernels import triton_fused_moe as kernel
+
+        self.__dict__.update(state, kernel=kernel)
+
     def load(self, weights: Any) -> None:
         self.w = weights
         self._bound.clear()  # they hold the previous weights (and their TMA descriptors)

@@ -250,6 +250,34 @@ def test_in_place_calls_replay_graphs_right_from_the_capturing_call(pipeline):
 
 
 @pytest.mark.parametrize("pipeline", ["cuda.deepgemm", "cuda.triton"])
+def test_a_copy_made_before_loading_is_a_layer_of_its_own(pipeline):
+    """copy.deepcopy of a GPU layer before load_weights (a model copied, then loaded): the copy
+    builds its own runners and runs alone; a processed GPU layer refuses to copy."""
+    if pipeline == "cuda.deepgemm" and (why := _deepgemm_usable()):
+        pytest.skip(why)
+    import copy
+
+    import moehal
+    from moehal.bench import _pipeline_named
+
+    cfg, _, ref = _layers("bf16", "masked")
+    pipe = _pipeline_named(pipeline, cfg, moehal.QuantScheme.parse("bf16"), torch.device("cuda"), moehal.discover())
+    layer = moehal.MoELayer(cfg, "bf16", device="cuda", pipeline=pipe, cuda_graph_tokens=20)
+    twin = copy.deepcopy(layer)
+    assert twin._experts is not layer._experts and twin._order is layer._order  # one order per device
+    weights = _weights(cfg, "bf16")
+    layer.load_weights(weights)
+    twin.load_weights(_weights(cfg, "bf16"))
+    for seed, t in enumerate((3, 3, 3, 30)):  # three graph calls (capture, then replay), one eager
+        x, ids, w = _inputs(cfg, t, seed)
+        y = twin(x, ids, w)
+        assert torch.equal(y, layer(x, ids, w))
+        assert ((y.float() - ref(x, ids, w).float()).abs().max() / ref(x, ids, w).float().abs().max()) < 3e-2
+    with pytest.raises(moehal.NotSupportedError, match="cannot be copied"):
+        copy.deepcopy(layer)
+
+
+@pytest.mark.parametrize("pipeline", ["cuda.deepgemm", "cuda.triton"])
 def test_graphs_and_buffers_made_in_inference_mode_serve_calls_outside_it(pipeline):
     """An engine serves under `torch.inference_mode()`: the layer's first calls capture graphs
     and allocate its buffers there. Later calls under `torch.no_grad()` (new tensors: copied

@@ -4,6 +4,7 @@ fake-tensor checks at trace time, and CUDA-graph capture on a GPU."""
 from __future__ import annotations
 
 import gc
+import os
 
 import moehal
 import pytest
@@ -297,3 +298,62 @@ def test_compiled_model_runs_as_cuda_graph_on_gpu(backend):
             x = torch.randn(8, H, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
             torch.testing.assert_close(compiled(x), f(x), rtol=2e-2, atol=2e-2)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def _cpu_pipelines():
+    """Every pipeline this CPU builds for a bf16 layer: the reference's, the NPU backend's
+    (emulated) and, under TRITON_INTERPRET=1, the portable Triton ones."""
+    settings = moehal.Settings(emulate=frozenset({"npu"}))
+    reg = moehal.Registry(settings)
+    reg.load_entry_points()
+    cfg = moehal.MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER)
+    req = moehal.BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), moehal.detect("cpu"), settings)
+    pipes = {}
+    for backend in (None, "rocm"):  # (interpreted pipelines only where their backend is asked for)
+        pipes.update((p.name, p) for p in moehal.enumerate_pipelines(req, reg, backend)[0])
+    return cfg, reg, pipes
+
+
+@pytest.mark.parametrize("processed", [True, False], ids=["processed", "loaded-unprocessed"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_every_cpu_pipeline_copies_and_the_copy_runs_alone(processed, how):
+    """A Triton layer failed to copy (a module among its runner's state), and copies shared the
+    original's graph caches and stream order. A copy now runs on its own weights."""
+    import copy
+    import pickle
+
+    cfg, reg, pipes = _cpu_pipelines()
+    assert "reference.local -> reference.experts [standard[bfloat16]]" in pipes
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert "reference.local -> rocm.triton [standard[bfloat16]]" in pipes
+    gen = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, INTER, generator=gen) / INTER**0.5).bfloat16()
+    x = torch.randn(3, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(3)])
+    wts = torch.rand(3, K, generator=gen)
+    dup = copy.deepcopy if how == "deepcopy" else (lambda m: pickle.loads(pickle.dumps(m)))
+    for name, pipe in pipes.items():
+        layer = moehal.MoELayer(cfg, device="cpu", registry=reg, pipeline=pipe)
+        layer.load_weights(w13=w13.clone(), w2=w2.clone(), process=processed)
+        twin = dup(layer)
+        for lay in (layer, twin):
+            if not processed:
+                lay.process_weights_after_loading()
+        assert twin._op_id != layer._op_id, name
+        want = layer(x, ids, wts)
+        assert torch.equal(twin(x, ids, wts), want), name
+        del layer  # the copy holds nothing of the original
+        gc.collect()
+        assert torch.equal(twin(x, ids, wts), want), name
+
+
+def test_a_layer_processed_on_a_gpu_refuses_to_copy(monkeypatch):
+    """On an accelerator, bound launches hold the layer's buffer addresses: a copy would run on
+    the original's buffers, so copying is refused (before load_weights it is a rebuild)."""
+    import copy
+
+    layer, *_ = _layer()
+    monkeypatch.setattr(layer, "device", torch.device("cuda", 0))
+    with pytest.raises(moehal.NotSupportedError, match="Copy the model before load_weights"):
+        copy.deepcopy(layer)

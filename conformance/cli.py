@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         suite = Suite.create(args.backend, args.device, args.emulate, "quick" if args.quick else "full")
     except MoEHalError as exc:
-        console.print(f"[red]{exc}[/red]", markup=False)
+        console.print(f"[red]{escape(str(exc))}[/red]", highlight=False)
         return 2
     try:
         cases = suite.cases()

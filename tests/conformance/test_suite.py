@@ -650,6 +650,13 @@ def test_the_cli_reports_a_check_that_raises_as_a_failure(monkeypatch, capsys):
     assert "FAIL: the suite could not compute its cases: raising.raising: a capability check raised" in out
 
 
+def test_the_cli_prints_an_unknown_backend_without_markup_tags(capsys):
+    # the style renders (no literal tags), and the name, untrusted text, is printed as given
+    assert conformance_main(["--backend", "nosuch[/bold]", "--device", "cpu"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[red]" not in out and "unknown backend 'nosuch[/bold]'" in out
+
+
 class _RaisingFormats(ReferenceDispatcher):
     name = "negotiator"
     priority = 40

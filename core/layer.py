@@ -14,6 +14,7 @@ import torch
 from moehal import stream_order
 from moehal.config import MoEConfig
 from moehal.errors import (
+    ConfigError,
     InputError,
     NotSupportedError,
     WeightError,
@@ -28,11 +29,26 @@ from moehal.interfaces import BuildRequest, DispatchRunner, ExpertsRunner, Fused
 from moehal.plugins import Registry, discover
 from moehal.quant import QuantScheme
 from moehal.routing import TopK, route
-from moehal.selection import Pipeline, Plan, QuantizeAdapter, select
+from moehal.selection import Pipeline, Plan, QuantizeAdapter, enumerate_pipelines, select
 from moehal.stream_order import StreamOrder
 from moehal.weights import ExpertWeights, validate
 
 _ID_DTYPES = frozenset({torch.int32, torch.int64})
+
+
+def _accepted(pipeline: Pipeline, req: BuildRequest, registry: Registry, layout: str | None) -> Pipeline:
+    """`pipeline` as selection accepts it for this request (it may have been enumerated for
+    another config, quant scheme or device), else ConfigError with the declines."""
+    pipes, decisions = enumerate_pipelines(req, registry, pipeline.main.backend, layout)
+    for p in pipes:  # the same components and formats, with this request's weight processor
+        if p.name == pipeline.name:
+            return p
+    parts = {x.qualname for x in (pipeline.main, pipeline.dispatcher, pipeline.processor) if x is not None}
+    why = [f"{d.name}: {d.reason}" for d in decisions if not d.ok and d.name in parts] or ["no decline recorded"]
+    raise ConfigError(
+        f"pipeline {pipeline.name} is not accepted for {req.config.describe()} | quant {req.quant.name} | "
+        f"{req.hardware.describe()}: " + "; ".join(why)
+    )
 
 
 class MoELayer(torch.nn.Module):
@@ -85,7 +101,7 @@ class MoELayer(torch.nn.Module):
         chosen = backend if backend != "auto" else reg.settings.backend
         self.request = BuildRequest(config, self.quant, hw, reg.settings, process_group)
         if pipeline is not None:
-            self.plan: Plan = Plan(self.request, pipeline, (), ())
+            self.plan: Plan = Plan(self.request, _accepted(pipeline, self.request, reg, layout), (), ())
         else:
             self.plan = select(self.request, reg, chosen, layout)
         self.device = hw.device
@@ -173,6 +189,8 @@ class MoELayer(torch.nn.Module):
 
     @cuda_graph_tokens.setter
     def cuda_graph_tokens(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise InputError(f"cuda_graph_tokens must be an int >= 0, got {limit!r}")
         if limit < 0:
             raise InputError(f"cuda_graph_tokens must be >= 0, got {limit}")
         if limit and self.device.type != "cuda":
@@ -193,11 +211,21 @@ class MoELayer(torch.nn.Module):
     ) -> None:
         """Load this rank's expert weights in the canonical layout (see `moehal.weights`),
         either as an `ExpertWeights` or as keyword tensors (`w13=..., w2=..., w13_scale=...`).
-        With `process` (default) the chosen kernel's weight processing runs right after."""
+        With `process` (default) the chosen kernel's weight processing runs right after.
+
+        The tensors become the layer's: where a kernel consumes the canonical layout as given,
+        it keeps them rather than a copy (no second copy of the weights). Do not modify or
+        reuse them afterwards (an engine refilling one staging buffer per layer would change
+        every earlier layer's weights); new weights need a new layer."""
         if self._processed:
             raise WeightsAlreadyProcessedError(
                 "weights were already loaded and processed for this layer; build a new MoELayer "
                 "to load different weights"
+            )
+        if weights is not None and not isinstance(weights, ExpertWeights):
+            raise WeightError(
+                f"load_weights takes an ExpertWeights or keyword tensors, got {type(weights).__name__}"
+                + (" (a dict: load_weights(**weights))" if isinstance(weights, dict) else "")
             )
         w = weights if weights is not None else ExpertWeights(**tensors)
         validate(w, self.config, self.quant, self.device)
@@ -291,6 +319,11 @@ class MoELayer(torch.nn.Module):
             if y is not None:
                 return y
         if not self._processed:
+            if self._weights is not None:
+                raise WeightsNotLoadedError(
+                    "the weights are loaded but not processed (load_weights(..., process=False)): call "
+                    "layer.process_weights_after_loading() first"
+                )
             raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
         self._check_hidden(hidden_states)
         if out is not None:
@@ -382,6 +415,11 @@ class MoELayer(torch.nn.Module):
         if self._dispatch is None or self._experts is None:
             raise InputError(f"{self.plan.pipeline.name} is fused: it has no stages to trace")
         if not self._processed:
+            if self._weights is not None:
+                raise WeightsNotLoadedError(
+                    "the weights are loaded but not processed (load_weights(..., process=False)): call "
+                    "layer.process_weights_after_loading() first"
+                )
             raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
         topk = TopK(topk_ids, topk_weights)
         self._check_hidden(hidden_states)
@@ -452,6 +490,8 @@ class MoELayer(torch.nn.Module):
             raise InputError(f"out must be {list(x.shape)} {x.dtype} like hidden_states, got {what}")
         if out.device != x.device:
             raise InputError(f"out is on {out.device}, hidden_states on {x.device}")
+        if out.numel() > 1 and 0 in out.stride():  # (an expanded view: every row the same memory)
+            raise InputError(f"out must not be an expanded view (strides {out.stride()}): pass a tensor of its own")
 
     def _check_logits(self, logits: torch.Tensor, x: torch.Tensor) -> None:
         c = self.config

@@ -45,7 +45,11 @@ class RoutingConfig:
     has_correction_bias: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "method", RoutingMethod(self.method))
+        try:
+            object.__setattr__(self, "method", RoutingMethod(self.method))
+        except ValueError:
+            names = ", ".join(m.value for m in RoutingMethod)
+            raise ConfigError(f"RoutingConfig.method must be one of {names}; got {self.method!r}") from None
 
     def check(self, num_experts: int, top_k: int) -> None:
         if self.method is RoutingMethod.DEEPSEEK_V3:

@@ -137,7 +137,7 @@ def validate(weights: ExpertWeights, config: MoEConfig, quant: QuantScheme, devi
 
 def quantize_weights(
     config: MoEConfig,
-    quant: QuantScheme,
+    quant: QuantScheme | str,
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
@@ -146,13 +146,20 @@ def quantize_weights(
     correction_bias: torch.Tensor | None = None,
     calibration_input: torch.Tensor | None = None,
 ) -> ExpertWeights:
-    """Reference quantization of float weights into the canonical layout of `quant`.
+    """Reference quantization of float weights into the canonical layout of `quant` (a
+    `QuantScheme` or its name, e.g. "fp8_block").
 
     Static activation scales (fp8_tensor, nvfp4) are calibrated from `calibration_input`
     `[T, H]` if given (activations of the second GEMM are estimated from a bf16 pass), else
     set for unit-scale data.
     """
+    quant = QuantScheme.parse(quant)
     k = quant.kind
+    if k is QuantKind.NVFP4 and (w13.shape[-1] % nvfp4.SF_VEC or w2.shape[-1] % nvfp4.SF_VEC):
+        raise WeightError(
+            f"nvfp4 packs blocks of {nvfp4.SF_VEC} along K: hidden size {w13.shape[-1]} and intermediate "
+            f"size {w2.shape[-1]} must both be multiples of {nvfp4.SF_VEC}"
+        )
     extra: dict[str, torch.Tensor | None] = {
         "w13_bias": w13_bias,
         "w2_bias": w2_bias,

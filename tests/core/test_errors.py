@@ -4,6 +4,8 @@ chosen, and every test would meet the device check instead)."""
 
 from __future__ import annotations
 
+import re
+
 import moehal
 import pytest
 import torch
@@ -277,3 +279,62 @@ def test_masked_workspace_setting_errors_are_config_errors(value):
         moehal.Settings.from_env({"MOEHAL_MASKED_WORKSPACE_GIB": value})
     with pytest.raises(moehal.ConfigError, match="masked_workspace_gib must be >= 0"):
         moehal.Settings(masked_workspace_gib=-1.0)
+
+
+# Session 43's audit: errors that were untyped or misleading, and arguments taken unchecked.
+
+
+def test_an_unknown_routing_method_is_a_config_error():
+    with pytest.raises(moehal.ConfigError, match="method must be one of softmax, sigmoid, deepseek_v3; got 'topk'"):
+        moehal.RoutingConfig("topk")
+
+
+def test_quantize_weights_takes_a_scheme_name_and_names_what_nvfp4_cannot_pack():
+    w13, w2 = torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    w = moehal.quantize_weights(CFG, "fp8_block", w13, w2)  # as the README writes it
+    assert w.w13.dtype == torch.float8_e4m3fn
+    cfg = CFG.with_(intermediate_size=24)
+    with pytest.raises(moehal.WeightError, match="multiples of 16"):
+        moehal.quantize_weights(cfg, "nvfp4", torch.randn(4, 48, 32), torch.randn(4, 32, 24))
+
+
+@pytest.mark.parametrize("value", [None, "64", 1.5, True])
+def test_cuda_graph_tokens_must_be_an_int(layer, value):
+    with pytest.raises(moehal.InputError, match="cuda_graph_tokens must be an int"):
+        layer.cuda_graph_tokens = value
+
+
+def test_load_weights_names_a_dict_given_for_an_expert_weights(registry):
+    weights, *_ = build_problem(CFG, BF16, 1)
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
+    with pytest.raises(moehal.WeightError, match=r"got dict \(a dict: load_weights\(\*\*weights\)\)"):
+        layer.load_weights(weights.tensors())
+    layer.load_weights(**weights.tensors())  # the way it says
+
+
+def test_an_expanded_out_is_refused(layer):
+    x, ids, w = _inputs()
+    with pytest.raises(moehal.InputError, match="expanded view"):
+        layer(x, ids, w, out=torch.zeros(1, 32, dtype=torch.bfloat16).expand(3, 32))
+
+
+def test_a_forward_before_processing_says_to_process(registry):
+    weights, *_ = build_problem(CFG, BF16, 1)
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
+    layer.load_weights(weights, process=False)
+    with pytest.raises(moehal.WeightsNotLoadedError, match=r"call layer.process_weights_after_loading\(\)"):
+        layer(*_inputs())
+
+
+def test_a_pipeline_enumerated_for_another_request_is_refused():
+    """`pipeline=` skipped every check: a pipeline enumerated for bf16 built for nvfp4 (then a
+    bare KeyError at load). Now it must be accepted for the layer's own request."""
+    settings = moehal.Settings(emulate=frozenset({"npu"}))
+    reg = moehal.Registry(settings)
+    reg.load_entry_points()
+    req = moehal.BuildRequest(CFG, BF16, moehal.detect("cpu"), settings)
+    pipe = next(p for p in moehal.enumerate_pipelines(req, reg)[0] if p.main.qualname == "npu.gmm")
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=reg, pipeline=pipe)  # its own request
+    assert layer.plan.pipeline.name == pipe.name
+    with pytest.raises(moehal.ConfigError, match=f"pipeline {re.escape(pipe.name)} is not accepted.*npu.gmm: "):
+        moehal.MoELayer(CFG, "nvfp4", device="cpu", registry=reg, pipeline=pipe)

@@ -2,7 +2,7 @@
 # Session 43, call 3 (a fresh machine; DeepGEMM's wheels and the small ones carried): how the
 # stream ceilings depend on the buffer size (copy, torch.sum and the streaming kernel at 1, 2 and
 # 4 GiB), then the GPU tests on this session's code (the selection, plugin, CLI, routing and
-# config fixes among them).
+# config fixes among them; the in-place graph and layer-copy tests are new).
 #   usage (repo root, .whl present): bash <this file>
 set -u
 ls .whl
@@ -27,6 +27,6 @@ for gib in (1, 2, 4):
 PY
 cat "$OUT/stream-sizes.log"
 PYT="python3 -m pytest -q -p no:cacheprovider -o addopts=--import-mode=importlib"
-step tests 400 $PYT tests/cuda tests/core/test_bench.py tests/core/test_token_moe.py tests/core/test_routing.py
+step tests 430 $PYT tests/cuda tests/integrations/test_custom_op.py tests/core/test_graph_cache.py tests/core/test_bench.py tests/core/test_token_moe.py
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/steps.txt"

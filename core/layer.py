@@ -7,6 +7,7 @@ no search, and no host sync unless input validation with value checks is on).
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 from typing import Any, Literal
 
@@ -189,8 +190,12 @@ class MoELayer(torch.nn.Module):
 
     @cuda_graph_tokens.setter
     def cuda_graph_tokens(self, limit: int) -> None:
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise InputError(f"cuda_graph_tokens must be an int >= 0, got {limit!r}")
+        try:  # numpy and torch integers too, as MoEConfig's sizes (`config._as_int`)
+            if isinstance(limit, bool):
+                raise TypeError
+            limit = operator.index(limit)
+        except TypeError:
+            raise InputError(f"cuda_graph_tokens must be an int >= 0, got {limit!r}") from None
         if limit < 0:
             raise InputError(f"cuda_graph_tokens must be >= 0, got {limit}")
         if limit and self.device.type != "cuda":

@@ -302,6 +302,10 @@ def test_quantize_weights_takes_a_scheme_name_and_names_what_nvfp4_cannot_pack()
 def test_cuda_graph_tokens_must_be_an_int(layer, value):
     with pytest.raises(moehal.InputError, match="cuda_graph_tokens must be an int"):
         layer.cuda_graph_tokens = value
+    import numpy as np
+
+    layer.cuda_graph_tokens = np.int64(0)  # numpy and torch integers are ints, as in MoEConfig
+    assert type(layer.cuda_graph_tokens) is int
 
 
 def test_load_weights_names_a_dict_given_for_an_expert_weights(registry):

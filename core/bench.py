@@ -114,6 +114,9 @@ class Row:
     # % of a roofline whose bandwidth term is the larger of the copy and the read-only rate
     # (what the issue's copy bandwidth would read under a read-only ceiling)
     pct_roofline_read: float = float("nan")
+    # a peer's rows: which kernel config the peer ran, where it can say ("tuned", "default", ...;
+    # `moehal.integrations.sglang.config_source`); "" for moehal's rows and older runs
+    peer_config: str = ""
 
 
 def _sync(dev: torch.device) -> None:
@@ -459,12 +462,14 @@ def bench_one(
     xd = x.to(dev, cfg.dtype)
     capturable = False
     layer: moehal.MoELayer | None = None
+    peer_config = ""
     if backend.startswith("transformers:") or backend == "sglang":
         # A peer: another library's experts function on the same float weights and routing.
         if backend == "sglang":
             from moehal.integrations import sglang
 
             call = sglang.peer_callable(cfg, w13, w2, dev)
+            peer_config = sglang.config_source(cfg)  # before its first call: see there
             capturable = True  # SGLang captures its MoE into CUDA graphs when serving
         else:
             from moehal.integrations.transformers import peer_callable
@@ -539,6 +544,7 @@ def bench_one(
         host_graph_out_b2b_us=host_graph_out_b2b * 1e6,
         roofline_matmul=rate_name,
         pct_roofline_read=100 * roof_read / t,
+        peer_config=peer_config,
     )
 
 
@@ -685,6 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print("peers take float weights: their rows run for bf16 only", markup=False)
     jobs = peers_float
     rows: list[Row] = []
+    # rows that could not be measured, and why: saved beside the rows, so that `moehal goals`
+    # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)
+    skipped: list[dict[str, Any]] = []
     out = Path(args.out) if args.out else None
 
     def save() -> None:  # after every row: a time limit keeps what was measured
@@ -701,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "settle_s": args.settle_s,
             "rounds": args.rounds,
             "rows": [asdict(r) for r in rows],
+            "skipped": skipped,
         }
         out.with_suffix(".json").write_text(json.dumps(data, indent=2))
 
@@ -739,14 +749,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows.append(row)
                     save()
                 except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
-                    console.print(
-                        f"{shape} {q} {backend} T={tokens}: skipped: {str(exc).splitlines()[0]}", markup=False
-                    )
+                    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
+                    skipped.append(_skip(shape, q, backend, tokens, rnd, why))
+                    save()
                 except Exception as exc:  # noqa: BLE001
                     if not is_peer(backend):
                         raise  # a moehal failure is a bug: loud
                     # another library's failure must not cost the rest of the run
                     console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
+                    skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
+                    save()
                 progress.advance(task)
         except KeyboardInterrupt:
             console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
@@ -759,13 +772,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.goals:
         from moehal.bench_goals import check_goals, goals_table
 
-        checks = check_goals(rows, ceil.device)
+        checks = check_goals([*rows, *skipped], ceil.device)
         console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
     if out is not None:
         save()
         png = plot(rows, out.with_suffix(".png"))
         console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
     return 0
+
+
+def _skip(shape: str, quant: str, backend: str, tokens: int, rnd: int, why: str) -> dict[str, Any]:
+    """A row `moehal bench` could not measure, as `moehal.bench_goals` reads it (`SKIPPED`)."""
+    from moehal.bench_goals import SKIPPED
+
+    return {"shape": shape, "quant": quant, "backend": backend, "tokens": tokens, "round": rnd, SKIPPED: why}
 
 
 def results_table(rows: Sequence[Row]) -> Any:

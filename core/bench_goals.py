@@ -107,6 +107,9 @@ class GoalCheck:
     low: float | None = None
     high: float | None = None
     rounds: int = 1
+    # what a reader needs beside the value: the peer ran SGLang's default config, the pair came
+    # from two files, the row was skipped (and why), ...; "" when nothing
+    note: str = ""
 
     @property
     def met(self) -> bool | None:
@@ -119,11 +122,11 @@ class GoalCheck:
     @property
     def value_text(self) -> str:
         if self.value is None:
-            return "-"
+            return f"- ({self.note})" if self.note else "-"
         text = self._fmt(self.value)
         if self.rounds > 1 and self.low is not None and self.high is not None:
             text += f" ({self._fmt(self.low)}-{self._fmt(self.high)}, {self.rounds} rounds)"
-        return text
+        return f"{text} [{self.note}]" if self.note else text
 
     def _fmt(self, v: float) -> str:
         m = self.goal.metric
@@ -150,28 +153,61 @@ def _key(row: Mapping[str, Any]) -> tuple[str, str, str, int, int]:
     return row["backend"], row["quant"], row["shape"], int(row["tokens"]), _round(row)
 
 
-def _value(g: Goal, r: Mapping[str, Any], by_key: Mapping[tuple, Mapping[str, Any]], peer: str) -> float | None:
-    """Goal `g`'s number for row `r`; a ratio pairs it with the peer's or the bf16 row of its round."""
+# Which file of a `load_runs` merge a row came from: a ratio pairs rows of one file, measured in
+# one run on one machine (a device string does not tell two machines of one model apart)
+RUN = "_run"
+# A row `moehal bench` could not measure (`skipped`: why); its cell reads "not measured"
+SKIPPED = "skipped"
+
+
+def _peer_note(peer_row: Mapping[str, Any]) -> str:
+    """What the peer ran, where it was not its tuned config (`Row.peer_config`)."""
+    how = str(peer_row.get("peer_config") or "")
+    return "" if how in ("", "tuned") else f"peer config: {how}"
+
+
+def _value(
+    g: Goal, r: Mapping[str, Any], by_key: Mapping[tuple, Mapping[str, Any]], peer: str, across_files: bool
+) -> tuple[float | None, str]:
+    """Goal `g`'s number for row `r`, and a note; a ratio pairs it with the peer's or the bf16 row
+    of its round in its own file (in any file, noted, with `across_files`)."""
     backend, _, shape, tokens, rnd = _key(r)
     if g.metric not in (VS_PEER, VS_BF16):
-        return _finite(r.get(g.metric))
-    other = by_key.get(
-        (peer, r["quant"], shape, tokens, rnd) if g.metric == VS_PEER else (backend, "bf16", shape, tokens, rnd)
-    )
-    theirs, mine = (_finite(other.get("time_us")) if other else None), _finite(r.get("time_us"))
-    return theirs / mine if theirs and mine else None
+        return _finite(r.get(g.metric)), ""
+    pair = (peer, r["quant"], shape, tokens, rnd) if g.metric == VS_PEER else (backend, "bf16", shape, tokens, rnd)
+    other, note = by_key.get((*pair, r.get(RUN, 0))), ""
+    if other is None and across_files:
+        other = next((v for k, v in by_key.items() if k[:5] == pair), None)
+        note = "rows of two files"
+    if other is None:
+        return None, ""
+    if SKIPPED in other:
+        return None, f"{other['backend']} {other['quant']} row skipped: {other[SKIPPED]}"
+    if r.get("timing") and other.get("timing") and r["timing"] != other["timing"]:
+        return None, f"timed {r['timing']} against {other['timing']}"
+    if g.metric == VS_PEER:
+        note = "; ".join(n for n in (note, _peer_note(other)) if n)
+    theirs, mine = _finite(other.get("time_us")), _finite(r.get("time_us"))
+    return (theirs / mine if theirs and mine else None), note
 
 
 def check_goals(
-    rows: Iterable[Any], device: str = "", goals: Sequence[Goal] = ISSUE_4_GOALS, peer: str = "sglang"
+    rows: Iterable[Any],
+    device: str = "",
+    goals: Sequence[Goal] = ISSUE_4_GOALS,
+    peer: str = "sglang",
+    across_files: bool = False,
 ) -> list[GoalCheck]:
     """Every goal against every cell (backend, shape, tokens) that it covers, from `moehal.bench.Row`
     objects or their JSON dicts, of every backend but the peers (`is_peer`: compared against, never
-    checked). A ratio (against the peer, or fp8 against bf16) pairs rows of the same round, so a
-    run of several rounds compares rows measured next to each other; the cell's value is then the
-    median over its rounds."""
+    checked). A ratio (against the peer, or fp8 against bf16) pairs rows of the same round and
+    file (`RUN`, set by `load_runs`), so a run of several rounds compares rows measured next to
+    each other; the cell's value is then the median over its rounds. `across_files`: pair rows
+    of two files of one device where a file lacks the partner (each such cell says so).
+    Dicts with `SKIPPED` (rows the benchmark could not measure, and why) make their cells
+    "not measured", with the reason."""
     plain = [_plain(r) for r in rows]
-    by_key = {_key(r): r for r in plain}
+    by_key = {(*_key(r), r.get(RUN, 0)): r for r in plain}
     cells: dict[tuple[str, str, str, int], list[Mapping[str, Any]]] = {}
     for r in plain:
         cells.setdefault(_key(r)[:4], []).append(r)
@@ -180,36 +216,59 @@ def check_goals(
         for (backend, quant, shape, tokens), rs in cells.items():
             if is_peer(backend) or not g.covers(quant, tokens):
                 continue
-            values = [v for v in (_value(g, r, by_key, peer) for r in rs) if v is not None]
+            measured = [r for r in rs if SKIPPED not in r]
+            if not measured:
+                why = "; ".join(sorted({str(r[SKIPPED]) for r in rs}))
+                checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0, note=f"skipped: {why}"))
+                continue
+            found = [_value(g, r, by_key, peer, across_files) for r in measured]
+            values = [v for v, _ in found if v is not None]
+            note = "; ".join(dict.fromkeys(n for _, n in found if n))  # each once, in order
             if not values:
-                checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0))
+                checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0, note=note))
                 continue
             mid = statistics.median(values)
-            checks.append(GoalCheck(g, device, backend, shape, tokens, mid, min(values), max(values), len(values)))
+            checks.append(
+                GoalCheck(g, device, backend, shape, tokens, mid, min(values), max(values), len(values), note)
+            )
     return checks
 
 
 def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
     """`moehal bench --out` JSON files -> rows per device (`ceilings.device`), so that one
-    device's bf16 and fp8 runs are checked together. A device's later file that measured a cell
+    device's bf16 and fp8 runs are checked together. Each row keeps which file it came from
+    (`RUN`): ratios pair rows of one file. A device's later file that measured a cell
     (backend, scheme, shape, tokens) replaces every round of it: rounds of two runs never mix
     in one cell (a one-round rerun would otherwise replace round 0 of a three-round record and
-    pair its rows with the older rounds' partners)."""
+    pair its rows with the older rounds' partners). A file's skipped rows (`SKIPPED`) stand in
+    for cells that no file measured."""
     runs: dict[str, dict[tuple, dict[int, dict[str, Any]]]] = {}
-    for p in paths:
+    skips: dict[str, dict[tuple, dict[int, dict[str, Any]]]] = {}
+    for i, p in enumerate(paths):
         data = json.loads(Path(p).read_text())
         device = str(data.get("ceilings", {}).get("device", "?"))
-        cells = runs.setdefault(device, {})
-        fresh: dict[tuple, dict[int, dict[str, Any]]] = {}
-        for r in data["rows"]:
-            key = _key(r)
-            fresh.setdefault(key[:4], {})[key[4]] = r
-        cells.update(fresh)
-    return {d: [r for rounds in cells.values() for r in rounds.values()] for d, cells in runs.items()}
+        for source, into in ((data["rows"], runs), (data.get(SKIPPED, []), skips)):
+            fresh: dict[tuple, dict[int, dict[str, Any]]] = {}
+            for r in source:
+                key = _key(r)
+                fresh.setdefault(key[:4], {})[key[4]] = {**r, RUN: i}
+            into.setdefault(device, {}).update(fresh)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for device in dict.fromkeys([*runs, *skips]):  # in the files' order
+        cells = runs.get(device, {})
+        unmeasured = {k: v for k, v in skips.get(device, {}).items() if k not in cells}
+        out[device] = [r for group in (cells, unmeasured) for rounds in group.values() for r in rounds.values()]
+    return out
 
 
-def check_runs(paths: Iterable[str | Path], goals: Sequence[Goal] = ISSUE_4_GOALS) -> list[GoalCheck]:
-    return [c for device, rows in load_runs(paths).items() for c in check_goals(rows, device, goals)]
+def check_runs(
+    paths: Iterable[str | Path], goals: Sequence[Goal] = ISSUE_4_GOALS, across_files: bool = False
+) -> list[GoalCheck]:
+    return [
+        c
+        for device, rows in load_runs(paths).items()
+        for c in check_goals(rows, device, goals, across_files=across_files)
+    ]
 
 
 @dataclass(frozen=True)
@@ -223,6 +282,9 @@ class GoalSummary:
     measured: int
     unmeasured: int
     misses: tuple[GoalCheck, ...]
+    # the cells' notes (`GoalCheck.note`: why one is not measured, what one was measured against)
+    # and how many cells carry each
+    notes: tuple[tuple[str, int], ...] = ()
 
     @property
     def status(self) -> str:
@@ -245,11 +307,19 @@ def summarize(checks: Iterable[GoalCheck]) -> list[GoalSummary]:
                 continue
             measured = [c for c in cs if c.met is not None]
             misses = tuple(c for c in measured if not c.met)
+            notes: dict[str, int] = {}
+            for c in cs:
+                for n in filter(None, c.note.split("; ")):
+                    notes[n] = notes.get(n, 0) + 1
             out.append(
                 GoalSummary(g, device, backend, len(measured) - len(misses), len(measured), len(cs) - len(measured),
-                            misses)
+                            misses, tuple(notes.items()))
             )  # fmt: skip
     return out
+
+
+def _notes_text(s: GoalSummary) -> str:
+    return "".join(f"; {n} in {k} of {s.measured + s.unmeasured}" for n, k in s.notes)
 
 
 def _misses_text(s: GoalSummary, sep: str = ", ") -> str:
@@ -265,7 +335,7 @@ def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
     ]
     for s in summarize(checks):
         g = s.goal
-        met = f"{s.met} of {s.measured}" + (f" ({s.unmeasured} not measured)" if s.unmeasured else "")
+        met = f"{s.met} of {s.measured}" + (f" ({s.unmeasured} not measured)" if s.unmeasured else "") + _notes_text(s)
         lines.append(f"| {g.text} | {_target_text(g)} | {s.device} | {s.backend} | {s.status} | {met} "
                      f"| {_misses_text(s) or '-'} |")  # fmt: skip
     if not cells:
@@ -302,10 +372,11 @@ def goals_table(checks: Sequence[GoalCheck]) -> Any:
             tables[(s.device, s.backend)] = t
             for col in ("goal", "tokens", "target", "met"):
                 t.add_column(col, no_wrap=True)
-            t.add_column("where not met", overflow="fold", min_width=24)
+            t.add_column("where not met, and notes", overflow="fold", min_width=24)
         cells = f"{s.met}/{s.measured}" + (f" +{s.unmeasured} unmeasured" if s.unmeasured else "")
+        notes = [f"{n} in {k} of {s.measured + s.unmeasured}" for n, k in s.notes]
         t.add_row(
             s.goal.name, s.goal.tokens_text, _target_text(s.goal), f"[{colour[s.status]}]{cells}[/]",
-            escape(_misses_text(s, "\n")) or "-",
+            escape("\n".join([_misses_text(s, "\n"), *notes]).strip()) or "-",
         )  # fmt: skip
     return Group(*tables.values())

@@ -14,6 +14,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("files", nargs="+", help="`moehal bench --out` JSON files")
     p.add_argument("--markdown", action="store_true", help="markdown: the summary, then every cell")
     p.add_argument("--json", action="store_true", help="machine-readable: every cell")
+    p.add_argument(
+        "--pair-across-files",
+        action="store_true",
+        help="pair a ratio's rows from two files of one device where a file lacks the partner "
+        "(each such cell says so); by default a ratio pairs rows of one file, one run",
+    )
     p.set_defaults(func=run)
 
 
@@ -21,14 +27,14 @@ def run(args: argparse.Namespace, rest: object = None) -> int:
     """Exit 0 whatever the goals' status: this reports, it does not gate."""
     from moehal.bench_goals import check_runs, goals_markdown, goals_table
 
-    checks = check_runs(args.files)
+    checks = check_runs(args.files, across_files=args.pair_across_files)
     if not checks:
         print("no row of these files is covered by a goal", file=sys.stderr)
         return 1
     if args.json:
         print_json([
             {"goal": c.goal.name, "device": c.device, "backend": c.backend, "shape": c.shape, "tokens": c.tokens,
-             "value": c.value, "low": c.low, "high": c.high, "rounds": c.rounds, "status": c.status}
+             "value": c.value, "low": c.low, "high": c.high, "rounds": c.rounds, "status": c.status, "note": c.note}
             for c in checks
         ])  # fmt: skip
     elif args.markdown:

@@ -25,6 +25,11 @@ from moehal.errors import NotSupportedError
 
 ENTRY_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 RUNNER_CONFIG_MODULE = "sglang.srt.layers.moe.moe_runner.base"
+# where SGLang looks up its shipped tuned configs (`get_moe_configs`), newer layout first
+TUNED_CONFIG_MODULES = (
+    "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config",
+    "sglang.srt.layers.moe.fused_moe_triton.fused_moe_triton_config",
+)
 
 
 def sglang_version() -> str | None:
@@ -90,3 +95,60 @@ def peer_callable(
             return fm.fused_experts(x, w13, w2, (wts.float(), ids.int(), None), rc)
 
     return call
+
+
+# (local experts, intermediate size) -> what `config_source` found, the first time it asked
+_CONFIG_SOURCES: dict[tuple[int, int], str] = {}
+
+
+def config_source(config: MoEConfig) -> str:
+    """Which kernel config SGLang runs for this layer's bf16 experts on this GPU: "tuned" (a
+    config file it ships for this Triton release), "tuned for Triton X" (its fallback to another
+    release's file), "default" (no file: its untuned default tiles), or "unknown: why".
+
+    Why: issue #4's prefill goal compares against SGLang's *tuned* Triton path, and SGLang ships
+    no tuned file for some benchmark shapes (DeepSeek-V3's EP8 slice, Mixtral on an H100). The
+    goals then mark those cells (`moehal.bench_goals`). It asks SGLang's own lookup,
+    `get_moe_configs(E, N, None)` (`N`: the intermediate size, `None`: bf16), which its fused
+    experts call with the same arguments. That lookup is cached and says a fallback only in a
+    warning, so the first answer per shape is kept here, and this must run before the peer's
+    first call."""
+    import logging
+
+    key = (config.num_local_experts, config.intermediate_size)
+    if key in _CONFIG_SOURCES:
+        return _CONFIG_SOURCES[key]
+    mod = None
+    for name in TUNED_CONFIG_MODULES:
+        try:
+            mod = importlib.import_module(name)
+            break
+        except Exception:  # noqa: BLE001 - another layout of SGLang: try the next
+            continue
+    if mod is None or not hasattr(mod, "get_moe_configs"):
+        return "unknown: SGLang's get_moe_configs is not importable here"
+    seen: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    log = logging.getLogger(mod.__name__)
+    handler = _Keep(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        configs = mod.get_moe_configs(*key, None)
+    except Exception as exc:  # noqa: BLE001 - SGLang's lookup failed: say so, do not guess
+        return f"unknown: {type(exc).__name__}: {exc}"
+    finally:
+        log.removeHandler(handler)
+    fallback = [m for m in seen if "Fallback to triton version" in m]
+    if not configs:
+        found = "default"
+    elif fallback:
+        version = fallback[0].split("Fallback to triton version", 1)[1].split()[0].rstrip(".")
+        found = f"tuned for Triton {version}"
+    else:
+        found = "tuned"
+    _CONFIG_SOURCES[key] = found
+    return found

@@ -4,6 +4,8 @@
 so a report committed by a device run appears without editing the page.
 `<!-- goals:FILE.json FILE.json ... -->` (paths under docs/) becomes the performance goals'
 summary computed from those `moehal bench` runs (`moehal.bench_goals`), never typed by hand.
+`<!-- goals:--pair-across-files FILE.json ... -->` pairs a ratio's rows across the files, as
+`moehal goals --pair-across-files` does.
 `<!-- components:FILE.json -->` (a conformance report under docs/) becomes its components
 table: each dispatcher, experts kernel and fused forward, verified or not run and why.
 """
@@ -35,7 +37,10 @@ def _table(docs_dir: Path, page_dir: Path, sub: str) -> str:
 def _goals(docs_dir: Path, paths: str) -> str:
     from moehal.bench_goals import check_runs, goals_markdown
 
-    return goals_markdown(check_runs([docs_dir / p for p in paths.split()]), cells=False)
+    words = paths.split()
+    across = "--pair-across-files" in words
+    files = [docs_dir / p for p in words if p != "--pair-across-files"]
+    return goals_markdown(check_runs(files, across_files=across), cells=False)
 
 
 def _components(docs_dir: Path, page_dir: Path, path: str) -> str:

@@ -100,8 +100,13 @@ def test_runs_merge_per_device_and_the_later_file_wins(tmp_path):
     runs = load_runs([a, b, c, d])
     assert sorted(runs) == ["gpu0", "gpu1"] and len(runs["gpu0"]) == 2
     cells = {(x.goal.name, x.device): x for x in check_runs([a, b, c, d])}
-    assert cells["fp8_vs_bf16", "gpu0"].value == pytest.approx(1.5), "fp8 against the same device's bf16"
     assert cells["prefill_roofline", "gpu0"].value == 81.0 and not cells["prefill_roofline", "gpu1"].met
+    # fp8 (b) and bf16 (d) come from two files: paired only when asked, and then said so
+    assert cells["fp8_vs_bf16", "gpu0"].status == "not measured"
+    across = {(x.goal.name, x.device): x for x in check_runs([a, b, c, d], across_files=True)}
+    fp8 = across["fp8_vs_bf16", "gpu0"]
+    assert fp8.value == pytest.approx(1.5) and fp8.note == "rows of two files", "the same device's bf16"
+    assert fp8.value_text == "1.50x [rows of two files]"
 
 
 def test_committed_h100_record_reads_as_its_readme_says():
@@ -240,3 +245,92 @@ def test_bench_compare_takes_the_median_of_an_even_number_of_rounds(tmp_path):
     p = tmp_path / "b.json"
     p.write_text(json.dumps({"ceilings": {"device": "d"}, "date": "x", "rounds": 2, "rows": rows}))
     assert "| s | 16 | 120.0 (50%) |" in mod.table(str(p))
+
+
+def _run_file(tmp_path: Path, name: str, rows: list[dict], device: str = "d", **extra) -> Path:
+    p = tmp_path / name
+    p.write_text(json.dumps({"ceilings": {"device": device}, "rows": rows, **extra}))
+    return p
+
+
+def test_a_ratio_pairs_rows_of_one_file_never_two_machines(tmp_path):
+    """Session 44's audit: two files of one GPU model (two machines, one device string) paired a
+    cuda-only rerun with another machine's SGLang rows, and a 0.5x cell read 1.11x, met."""
+    first = _run_file(tmp_path, "a.json", [row("cuda", 8, 100.0), row("sglang", 8, 50.0)])
+    rerun = _run_file(tmp_path, "b.json", [row("cuda", 8, 45.0)])  # another machine, cuda rows only
+    cell = by_cell(check_runs([first, rerun]))["decode_vs_peer", "cuda", "s", 8]
+    assert cell.status == "not measured" and cell.value is None
+    cell = by_cell(check_runs([first, rerun], across_files=True))["decode_vs_peer", "cuda", "s", 8]
+    assert cell.met and cell.note == "rows of two files"
+    md = goals_markdown(check_runs([first, rerun], across_files=True), cells=False)
+    assert "1 of 1; rows of two files in 1 of 1 |" in md
+
+
+def test_a_ratio_of_rows_timed_two_ways_is_not_measured():
+    rows = [row("cuda", 8, 100.0, timing="graph"), row("sglang", 8, 150.0, timing="eager")]
+    cell = by_cell(check_goals(rows))["decode_vs_peer", "cuda", "s", 8]
+    assert cell.status == "not measured" and cell.note == "timed graph against eager"
+    assert cell.value_text == "- (timed graph against eager)"
+
+
+def test_cells_against_sglangs_default_config_say_so():
+    rows = [
+        row("cuda", 2048, 100.0, round=r) for r in range(2)
+    ] + [row("sglang", 2048, 130.0, round=r, peer_config="default") for r in range(2)] + [
+        row("cuda", 1024, 100.0), row("sglang", 1024, 110.0, peer_config="tuned"),
+    ]  # fmt: skip
+    c = by_cell(check_goals(rows, "dev"))
+    untuned = c["prefill_vs_peer", "cuda", "s", 2048]
+    assert untuned.met and untuned.note == "peer config: default"
+    assert untuned.value_text == "1.30x (1.30x-1.30x, 2 rounds) [peer config: default]"
+    assert c["prefill_vs_peer", "cuda", "s", 1024].note == "", "a tuned peer needs no note"
+    (s,) = [s for s in summarize(c.values()) if s.goal.name == "prefill_vs_peer"]
+    assert s.notes == (("peer config: default", 1),)
+    assert "| 1 of 2; peer config: default in 1 of 2 |" in goals_markdown(list(c.values()), cells=False)
+
+
+def test_skipped_rows_are_cells_not_measured_with_the_reason(tmp_path):
+    skipped = [
+        {"shape": "s", "quant": "bf16", "backend": "cuda", "tokens": 4096, "round": 0, "skipped": "CUDA out of memory"},
+        {"shape": "s", "quant": "bf16", "backend": "sglang", "tokens": 8, "round": 0, "skipped": "peer failed: X"},
+    ]
+    p = _run_file(tmp_path, "a.json", [row("cuda", 8, 10.0, pct_roofline=1.0)], skipped=skipped)
+    c = by_cell(check_runs([p]))
+    oom = c["prefill_roofline", "cuda", "s", 4096]
+    assert oom.status == "not measured" and oom.note == "skipped: CUDA out of memory"
+    peer = c["decode_vs_peer", "cuda", "s", 8]
+    assert peer.status == "not measured" and peer.note == "sglang bf16 row skipped: peer failed: X"
+    (s,) = [s for s in summarize(c.values()) if s.goal.name == "prefill_roofline"]
+    assert (s.measured, s.unmeasured) == (0, 1), "a skipped row is counted, not dropped"
+    # a later file that measured the cell replaces the skip; a later skip never hides a measurement
+    later = _run_file(tmp_path, "b.json", [row("cuda", 4096, 50.0, pct_roofline=80.0)])
+    assert by_cell(check_runs([p, later]))["prefill_roofline", "cuda", "s", 4096].met
+    skip_again = _run_file(tmp_path, "c.json", [], skipped=skipped[:1])
+    assert by_cell(check_runs([later, skip_again]))["prefill_roofline", "cuda", "s", 4096].met
+
+
+def test_bench_saves_skipped_rows_and_its_goals_count_them(tmp_path, capsys):
+    from moehal.bench import main as bench_main
+
+    out = tmp_path / "b"
+    argv = ["--shapes", "tiny", "--tokens", "2", "--backends", "reference,sglang", "--reps", "1", "--no-host"]
+    assert bench_main([*argv, "--settle-s", "0", "--goals", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    (skip,) = data["skipped"]
+    assert (skip["backend"], skip["tokens"], skip["round"]) == ("sglang", 2, 0)
+    assert "CUDA devices only" in skip["skipped"]
+    assert "sglang bf16 row skipped" in capsys.readouterr().out.replace("\n", " ")
+    cell = by_cell(check_runs([out.with_suffix(".json")]))["decode_vs_peer", "reference", "tiny", 2]
+    assert cell.status == "not measured" and "CUDA devices only" in cell.note
+
+
+def test_the_docs_marker_can_pair_across_files(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reports_hook", REPO / "docs" / "_hooks" / "reports.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    _run_file(tmp_path, "a.json", [row("cuda", 8, 100.0)])
+    _run_file(tmp_path, "b.json", [row("sglang", 8, 150.0)])
+    assert "| not measured | 0 of 0 (1 not measured) | - |" in hook._goals(tmp_path, "a.json b.json")
+    assert "| met | 1 of 1; rows of two files in 1 of 1 |" in hook._goals(tmp_path, "--pair-across-files a.json b.json")

@@ -72,3 +72,58 @@ def test_bench_reports_the_peer_as_skipped_not_failed(capsys):
     assert main(["--shapes", "tiny", "--tokens", "2", "--backends", "reference,sglang", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "sglang T=2: skipped" in out
+
+
+def _fake_config_module(monkeypatch, result, warning: str | None = None):
+    """A stand-in for SGLang's tuned-config lookup: `get_moe_configs` returns `result` and logs
+    `warning` as SGLang does when it falls back to another Triton release's file."""
+    import logging
+    import types
+
+    name = sglang.TUNED_CONFIG_MODULES[0]
+    mod = types.ModuleType(name)
+    calls = []
+
+    def get_moe_configs(e, n, dtype, block_n=0, block_k=0):
+        calls.append((e, n, dtype))
+        if warning:
+            logging.getLogger(name).warning(warning)
+        return result
+
+    mod.get_moe_configs = get_moe_configs
+    monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(sglang, "_CONFIG_SOURCES", {})
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("result", "warning", "expected"),
+    [
+        (None, "Using default MoE kernel config. Performance might be sub-optimal!", "default"),
+        ({1: {"BLOCK_SIZE_M": 16}}, None, "tuned"),
+        ({1: {}}, "Config file not found at /x. Fallback to triton version 3.4.0 and use", "tuned for Triton 3.4.0"),
+    ],
+)  # fmt: skip
+def test_config_source_says_which_config_sglang_runs(monkeypatch, result, warning, expected):
+    """Issue #4 compares against SGLang's *tuned* path; rows say where SGLang had no tuned file."""
+    calls = _fake_config_module(monkeypatch, result, warning)
+    assert sglang.config_source(CFG) == expected
+    assert calls == [(4, 32, None)], "SGLang's own lookup: local experts, intermediate size, bf16"
+    assert sglang.config_source(CFG) == expected and len(calls) == 1, "the first answer is kept per shape"
+
+
+def test_config_source_is_unknown_without_sglang(monkeypatch):
+    monkeypatch.setattr(sglang, "_CONFIG_SOURCES", {})
+    for name in sglang.TUNED_CONFIG_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert sglang.config_source(CFG).startswith("unknown: ")
+
+
+def test_config_source_reports_a_failing_lookup(monkeypatch):
+    _fake_config_module(monkeypatch, None)
+
+    def broken(*args):
+        raise AttributeError("server args are not set")
+
+    monkeypatch.setattr(sys.modules[sglang.TUNED_CONFIG_MODULES[0]], "get_moe_configs", broken)
+    assert sglang.config_source(CFG) == "unknown: AttributeError: server args are not set"

@@ -45,7 +45,7 @@ Not graph-capturable (the count exchange reads device memory on the host).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -100,6 +100,50 @@ def check_process_group(req: BuildRequest) -> Decision:
             "parallel",
         )
     return accept(f"EP over {world} ranks", "parallel")
+
+
+# Config fields that may differ between the ranks of one EP layer: each rank's own position,
+# and its own bound on the tokens it brings to one forward
+_PER_RANK_FIELDS = frozenset({"ep_rank", "max_tokens"})
+
+
+def what_ranks_must_share(req: BuildRequest, wire: dict[str, str]) -> dict[str, str]:
+    """What every rank of one expert-parallel layer must agree on, as text: the config's math
+    (all but `_PER_RANK_FIELDS`), the quant scheme, and `wire` (the selected dispatcher and the
+    formats it sends)."""
+    c = req.config
+    shared = {f.name: repr(getattr(c, f.name)) for f in fields(c) if f.name not in _PER_RANK_FIELDS}
+    return {**shared, "quant": req.quant.name, **wire}
+
+
+def check_ranks_agree(req: BuildRequest, wire: dict[str, str]) -> None:
+    """Raise `ConfigError` on every rank of `req.process_group` unless all ranks built this layer
+    with the same `what_ranks_must_share`. One `all_gather_object` at build, none per forward.
+
+    Why: a dispatch sizes its rows, routes ids and runs its experts from each rank's own
+    config. Ranks that disagree (another top_k, hidden size, dtype, quant scheme, expert count
+    or activation; or another dispatcher or wire format chosen) either abort the process inside
+    the collective (gloo: "Received data size doesn't match expected size", uncatchable) or
+    compute silently wrong rows (session 44's EP audit). Every rank sees every rank's answer,
+    so all of them raise."""
+    import torch.distributed as dist
+
+    mine = what_ranks_must_share(req, wire)
+    world = dist.get_world_size(req.process_group)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=req.process_group)
+    differ = []
+    for rank, theirs in enumerate(everyone):
+        keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        if keys:
+            differ.append(f"rank {rank}: " + ", ".join(f"{k}={theirs.get(k)} (here {mine.get(k)})" for k in keys))
+    if differ:
+        raise ConfigError(
+            f"the ranks of this expert-parallel layer disagree (rank {req.config.ep_rank} of {world}): "
+            + "; ".join(differ)
+            + ". Build every rank's layer from one config, changing only ep_rank (and max_tokens), "
+            "with the same quant scheme, backend and layout"
+        )
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -280,6 +324,7 @@ class TorchDistributedDispatcher(Dispatcher):
     description = "expert parallelism over torch.distributed all_to_all_single (NCCL, RCCL, HCCL, gloo)"
     graph_capturable = False  # the count exchange is read on the host
     drops_padding_ids = True  # a -1 slot is sent nowhere (`dispatch`)
+    same_wire_for_every_layout = True  # rows go out token-major; the layout is made on arrival
 
     def check_parallel(self, req: BuildRequest) -> Decision:
         c = req.config

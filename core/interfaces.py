@@ -218,6 +218,12 @@ class Dispatcher(Implementation):
     # expert and adds nothing to its token's row. Declared where the dispatcher's id mapping drops
     # it on every rank and the combine skips it; conformance's `padded_ids` check holds it to that.
     drops_padding_ids: ClassVar[bool] = False
+    # Under expert parallelism across processes, each rank picks an experts kernel's small-batch
+    # format from its own token count, so one dispatch may meet two formats on two ranks.
+    # Declared where the collectives and the bytes each row carries depend on the format's dtype
+    # and scales only, not on its layout: selection then keeps a small format of the main
+    # format's dtype and scales (and drops any other, with the reason).
+    same_wire_for_every_layout: ClassVar[bool] = False
 
     def check_quant(self, req: BuildRequest) -> Decision:
         return accept(predicate="quant")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from moehal import stream_order
 from moehal.config import MoEConfig
+from moehal.ep_dispatcher import check_ranks_agree
 from moehal.errors import (
     ConfigError,
     InputError,
@@ -50,6 +51,16 @@ def _accepted(pipeline: Pipeline, req: BuildRequest, registry: Registry, layout:
         f"pipeline {pipeline.name} is not accepted for {req.config.describe()} | quant {req.quant.name} | "
         f"{req.hardware.describe()}: " + "; ".join(why)
     )
+
+
+def _wire(p: Pipeline) -> dict[str, str]:
+    """What a pipeline sends between ranks: its dispatcher (or fused forward) and the format it
+    dispatches in (`ep_dispatcher.check_ranks_agree`). The experts kernel may differ, and so may
+    a small-batch format: selection keeps one under EP only where it sends the same rows."""
+    if p.kind == "fused":
+        return {"fused": p.main.qualname}
+    assert p.dispatcher is not None
+    return {"dispatcher": p.dispatcher.qualname, "dispatch format": str(p.dispatch_fmt)}
 
 
 class MoELayer(torch.nn.Module):
@@ -105,6 +116,8 @@ class MoELayer(torch.nn.Module):
             self.plan: Plan = Plan(self.request, _accepted(pipeline, self.request, reg, layout), (), ())
         else:
             self.plan = select(self.request, reg, chosen, layout)
+        if process_group is not None and config.ep_size > 1:  # before any runner's collective setup
+            check_ranks_agree(self.request, _wire(self.plan.pipeline))
         self.device = hw.device
         self._on_cuda = self.device.type == "cuda"
         self._device_index = self.device.index if self._on_cuda else -1  # (`Tensor.get_device()`)

@@ -281,10 +281,19 @@ def _input_formats(experts: Experts, req: BuildRequest) -> list[ActivationFormat
 
 
 def _small_batch(
-    experts: Experts, disp: Dispatcher, req: BuildRequest, decisions: list[CandidateDecision], layout: str | None
+    experts: Experts,
+    disp: Dispatcher,
+    req: BuildRequest,
+    decisions: list[CandidateDecision],
+    layout: str | None,
+    main: ActivationFormat,
 ) -> SmallBatchFormat | None:
     """The experts' small-batch format if this dispatcher produces it exactly (no adapter:
-    its point is fewer launches), recording a refusal. A requested layout rules out others."""
+    its point is fewer launches), recording a refusal. A requested layout rules out others.
+    Under expert parallelism across processes, each rank picks the format from its own token
+    count, so ranks with other batch sizes dispatch in two formats into one collective: the
+    small format is kept only where that sends the same rows (`same_wire_for_every_layout`,
+    and the main format's dtype and scales)."""
     small = _ask(
         experts,
         "small_batch_format",
@@ -295,9 +304,19 @@ def _small_batch(
     )
     if small is None or (layout is not None and small.fmt.layout_name != layout):
         return None
+    name = f"{experts.qualname} [{small}]"
+    if req.process_group is not None and req.config.ep_size > 1:
+        same = disp.same_wire_for_every_layout and (small.fmt.dtype, small.fmt.scales) == (main.dtype, main.scales)
+        if not same:
+            why = (
+                f"{disp.qualname}: under expert parallelism each rank picks the small-batch format from its own "
+                f"token count, and {small.fmt} would not send the rows {main} sends (ranks would meet two formats "
+                "in one collective)"
+            )
+            decisions.append(CandidateDecision(name, "pipeline", False, why, "parallel"))
+            return None
     cp = _decision(disp, "can_produce", disp.can_produce, small.fmt, req)
     if not cp.ok:
-        name = f"{experts.qualname} [{small}]"
         decisions.append(CandidateDecision(name, "pipeline", False, f"{disp.qualname}: {cp.reason}", "format"))
         return None
     return small
@@ -389,7 +408,7 @@ def enumerate_pipelines(
                         src, adapters, cp = alt, 1, Decision(True, "via quantize adapter", "format")
                 if cp.ok:
                     found = True
-                    small = _small_batch(experts, disp, req, decisions, layout) if not adapters else None
+                    small = _small_batch(experts, disp, req, decisions, layout, src) if not adapters else None
                     rank = (-experts.priority, -disp.priority, adapters, pref, experts.qualname)
                     pipe = Pipeline(
                         "modular",

@@ -128,6 +128,11 @@ def check_ranks_agree(req: BuildRequest, wire: dict[str, str]) -> None:
     so all of them raise."""
     import torch.distributed as dist
 
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            f"MoEConfig.ep_size is {req.config.ep_size} and a process group was given, but torch.distributed is "
+            "not initialized: call torch.distributed.init_process_group first"
+        )
     mine = what_ranks_must_share(req, wire)
     world = dist.get_world_size(req.process_group)
     everyone: list[Any] = [None] * world

@@ -103,3 +103,15 @@ def test_ep_oracle_is_the_reference_pipeline_whatever_outranks_it(outranked_refe
     ref = reference_layer(case.config(), quant, "cpu", layout=case.layout, registry=reg)
     assert ref.plan.pipeline.name.startswith("reference.local -> reference.experts")
     assert "vendorlike.fast_local" in {d.qualname for d in reg.dispatchers}, "the caller's registry is left as it was"
+
+
+def test_ranks_agreement_check_needs_an_initialized_group():
+    """A vendor dispatcher could accept a group without torch.distributed initialized; the
+    build-time agreement check then says so as a ConfigError, not a bare RuntimeError."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    from moehal import ConfigError
+    from moehal.ep_dispatcher import check_ranks_agree
+
+    with pytest.raises(ConfigError, match="torch.distributed is not initialized"):
+        check_ranks_agree(_req(group=object()), {"dispatcher": "x", "dispatch format": "y"})

@@ -27,6 +27,7 @@ math, (x_q . w_q) * a_scale * w_scale, with no kernel of their own.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -48,10 +49,10 @@ from moehal.formats import (
     StandardInput,
     StandardOutput,
 )
-from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
+from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, TunedShape, WeightProcessor
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
-from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser, layer_key
+from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser, entry_key, layer_key
 from moehal_cuda.support import (
     claim_deep_gemm_device,
     deep_gemm_decision,
@@ -318,6 +319,9 @@ FusedGemm1 = Callable[[torch.Tensor, Any, torch.Tensor, Any, Any, Any, Any, torc
 # per expert), but 464.0 vs 447.2 at 128 tokens (8 rows per expert: the tile tuned for the plain
 # GEMM runs worse with a second B tile); DeepSeek-V3 and Mixtral at 1-16 tokens within 1%.
 FUSE_MAX_ROWS_PER_EXPERT = 2
+# Conformance's `tuned` cases at the tables' shapes look for paths up to this batch size (the
+# benchmark's largest, and the max_tokens its layers are built for)
+TUNED_MAX_TOKENS = 4096
 # Prefill batches fuse with a prefill tile of their own where the device's table measured the
 # whole layer at least MIN_GAIN faster that way (`GemmChooser.prefill_fused`): on an H100,
 # Qwen3-30B-A3B at 2048-4096 tokens and Mixtral-8x7B at 1024 (3.6-5.9%); on an H200, Qwen3 at
@@ -469,6 +473,90 @@ def fp8_tensor_portable_band(req: BuildRequest, override: int | None = None) -> 
     return 1, FP8_TENSOR_PORTABLE_MAX_TOKENS, why
 
 
+def plan_masked(
+    config: MoEConfig,
+    fp8: bool,
+    chooser: GemmChooser | None,
+    e: int,
+    bound: int,
+    fuse_bf16: bool = True,
+    fuse_fp8: bool | None = None,
+) -> tuple[GemmChoice, GemmChoice, GemmChoice | None]:
+    """What the masked path runs for a batch of at most `bound` rows over `e` local experts:
+    (GEMM1, GEMM2, GEMM1 fused with the activation or None; when fused, it replaces GEMM1 and
+    the activation kernel). Pure: the runner builds its launches from it, and `tuned_shapes`
+    asks it which batch sizes reach which kernels.
+
+    bf16 layers whose GEMM1 runs on Triton at decode sizes fuse it with the activation where
+    the tile allows (`_fusable`); at prefill sizes, where the table measured the whole layer
+    faster fused (`GemmChooser.prefill_fused`). FP8 layers fuse (the kernel also quantizes
+    GEMM2's input) where `fuse_fp8` says so: None, where the table measured the whole layer
+    faster fused (`GemmChooser.decode_fused`); True, wherever GEMM1 runs on Triton at decode
+    sizes; False, never."""
+    c = config
+    tokens = max(1, -(-bound // c.top_k))
+    dtype = "fp8_block" if fp8 else "bf16"  # fp8_tensor: the same GEMMs on block scales
+    shapes = ((c.w13_rows, c.hidden_size), (c.hidden_size, c.intermediate_size))
+    g1, g2 = (chooser.choose(e, n, k, dtype, tokens) if chooser is not None else DEEPGEMM for n, k in shapes)
+    few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
+    if fp8:
+        if not few_rows or not g1.triton:
+            return g1, g2, None
+        fuse, tile = fuse_fp8, None
+        if fuse is None:  # the device's whole-layer measurements decide
+            measured = chooser.decode_fused(e, c.w13_rows, c.hidden_size, "fp8_block", tokens) if chooser else None
+            fuse, tile = measured or (False, None)
+        if not fuse:
+            return g1, g2, None
+        if tile is not None:
+            return g1, g2, replace(g1, fused_config=tile)
+        return g1, g2, (g1 if _fusable(g1, c, fp8=True) else None)
+    if not fuse_bf16:
+        return g1, g2, None
+    if g1.triton and few_rows:
+        return g1, g2, (g1 if _fusable(g1, c) else None)
+    if c.gated and chooser is not None:  # prefill: where the table measured the whole layer faster fused
+        tile = chooser.prefill_fused(e, c.w13_rows, c.hidden_size, tokens)
+        if tile is not None:
+            return g1, g2, GemmChoice("triton", tile, tokens, fused_config=tile)
+    return g1, g2, None
+
+
+def _in_table(chooser: GemmChooser, c: MoEConfig, quant: QuantScheme) -> bool:
+    """Whether the device's table holds anything for this layer shape and scheme: a GEMM's
+    entry or a whole-layer record."""
+    t = chooser.table
+    dtype = "fp8_block" if quant.kind in _FP8_KINDS else "bf16"
+    e, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
+    gemms = {entry_key(e, c.w13_rows, h, dtype), entry_key(e, h, i, dtype)}
+    layer = layer_key(e, h, i, c.top_k, c.gated, "fp8_tensor" if quant.kind is QuantKind.FP8_TENSOR else dtype)
+    return bool(gemms & set(t.get("entries", {}))) or any(
+        layer in t.get(rec, {}) or entry_key(e, c.w13_rows, h, dtype) in t.get(rec, {})
+        for rec in ("prefill_portable", "prefill_fused", "decode_fused")
+    )
+
+
+def _path_of(
+    req: BuildRequest,
+    small: SmallBatchFormat | None,
+    chooser: GemmChooser,
+    portable: Callable[[int], object],
+    tokens: int,
+) -> object:
+    """What a batch of `tokens` runs, as `DeepGemmExpertsRunner.apply` decides it on one GPU
+    (`tuned_shapes`): the token-major decode kernels (their split of the top-k sum changes
+    with the count), the portable fused MoE's tiles, or the masked plan (`plan_masked`)."""
+    c, r = req.config, DeepGemmExpertsRunner
+    static = req.quant.kind is QuantKind.FP8_TENSOR  # its small batches run the portable kernel
+    if small is not None and small.takes(tokens):
+        return ("token-major", tokens) if tokens <= small.max_tokens and not static else portable(tokens)
+    fp8 = req.quant.kind in _FP8_KINDS
+    fusion = (r.fuse_gemm1_activation, r.fuse_fp8_gemm1_activation)
+    plan = plan_masked(c, fp8, chooser, c.num_local_experts, tokens * c.top_k, *fusion)
+    # the kernels and tiles, not the measured count a choice came from
+    return tuple(None if g is None else (g.use, g.config, g.fused_config) for g in plan)
+
+
 # --- runner ---------------------------------------------------------------------------------------
 
 
@@ -516,52 +604,14 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         bound = inp.total_rows_bound
         gemms = self._masked.get(bound)
         if gemms is None:
-            c, e = self.config, inp.hidden.shape[0]
-            tokens = max(1, -(-bound // c.top_k))
-            dtype = "fp8_block" if self.fp8 else "bf16"  # fp8_tensor: the same GEMMs on block scales
-            shapes = ((c.w13_rows, c.hidden_size), (c.hidden_size, c.intermediate_size))
-            choices = tuple(
-                self.chooser.choose(e, n, k, dtype, tokens) if self.chooser is not None else DEEPGEMM for n, k in shapes
-            )
-            self.masked_choices[bound] = choices  # type: ignore[assignment]
-            g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in choices)
-            fused = None
-            few_rows = bound <= FUSE_MAX_ROWS_PER_EXPERT * e
-            if self.fp8:
-                fused = self._fp8_fused_gemm1(choices, bound, e, tokens) if few_rows else None
-            elif self.fuse_gemm1_activation:
-                if choices[0].triton and few_rows:
-                    fused = triton_masked_gemm_act(choices[0], bound, c) if _fusable(choices[0], c) else None
-                elif c.gated and self.chooser is not None:
-                    # prefill: where the table measured the whole layer faster fused
-                    tile = self.chooser.prefill_fused(e, c.w13_rows, c.hidden_size, tokens)
-                    if tile is not None:
-                        fused_choice = GemmChoice("triton", tile, tokens, fused_config=tile)
-                        fused = triton_masked_gemm_act(fused_choice, bound, c)
-                        self.masked_choices[bound] = (fused_choice, choices[1])
+            e = inp.hidden.shape[0]
+            fuse = (self.fuse_gemm1_activation, self.fuse_fp8_gemm1_activation)
+            g1c, g2c, fused_c = plan_masked(self.config, self.fp8, self.chooser, e, bound, *fuse)
+            self.masked_choices[bound] = (fused_c or g1c, g2c)
+            g1, g2 = (triton_masked_gemm(ch, bound) if ch.triton else self.ops.masked for ch in (g1c, g2c))
+            fused = triton_masked_gemm_act(fused_c, bound, self.config, self.ue8m0) if fused_c is not None else None
             gemms = self._masked[bound] = (g1, g2, fused)
         return gemms
-
-    def _fp8_fused_gemm1(
-        self, choices: tuple[GemmChoice, GemmChoice], bound: int, e: int, tokens: int
-    ) -> FusedGemm1 | None:
-        """FP8 GEMM1 fused with the activation and GEMM2's input quantization, for a decode
-        batch whose GEMM1 runs on Triton, where `fuse_fp8_gemm1_activation` says so; its tile
-        is then the recorded choice."""
-        c, g1 = self.config, choices[0]
-        fuse, tile = self.fuse_fp8_gemm1_activation, None
-        if fuse is None:  # the device's whole-layer measurements decide
-            chooser = self.chooser
-            fuse, tile = (False, None)
-            if chooser is not None:
-                fuse, tile = chooser.decode_fused(e, c.w13_rows, c.hidden_size, "fp8_block", tokens)
-        if not fuse or not g1.triton:
-            return None
-        choice = replace(g1, fused_config=tile) if tile is not None else g1
-        if tile is None and not _fusable(g1, c, fp8=True):
-            return None
-        self.masked_choices[bound] = (choice, choices[1])
-        return triton_masked_gemm_act(choice, bound, c, self.ue8m0)
 
     def _masked_activation(self, inp: MaskedInput, bufs: tuple[Any, Any, Any]) -> Any:
         """The activation's launch on the masked workspaces `bufs` for this batch's row bound,
@@ -883,6 +933,32 @@ class DeepGemmExperts(Experts):
             return SmallBatchFormat(fmt, n, why)
         prefill_why = "the portable Triton fused MoE, measured faster here for this layer shape"
         return SmallBatchFormat(fmt, n, why, band[0], prefill_why, band[1])
+
+    def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:
+        """The benchmark's model shapes (`moehal.bench.SHAPES`, those `moehal_cuda.tuning`
+        tunes) that this device's table holds, per scheme this device runs, each with the
+        smallest batch size of every distinct path from 1 to `TUNED_MAX_TOKENS` tokens: the
+        token-major decode kernels, the portable fused MoE's band, and each masked plan
+        (`plan_masked`: DeepGEMM or a tuned Triton GEMM per GEMM, and any fused GEMM1)."""
+        if req.hardware.kind != "cuda":
+            return ()
+        chooser = GemmChooser(req.hardware.name)
+        if not chooser.has_table:
+            return ()
+        from moehal.bench import SHAPES  # the shapes the tables are tuned for
+        from moehal.kernels.triton_experts import portable_tiles
+
+        out: list[TunedShape] = []
+        for name, dims in SHAPES.items():
+            for quant in sorted(self.quant_schemes, key=lambda q: q.name):
+                cfg = MoEConfig(**dims, max_tokens=TUNED_MAX_TOKENS)  # type: ignore[arg-type]
+                r = BuildRequest(cfg, quant, req.hardware, req.settings)
+                if not self.supports(r).ok or not _in_table(chooser, cfg, quant):
+                    continue  # not here, or DeepGEMM at every size as at conformance's small shapes
+                small = self.small_batch_format(r)
+                path_of = functools.partial(_path_of, r, small, chooser, portable_tiles(r))
+                out.append(TunedShape.covering(name, cfg, quant, path_of, f"the tables of {req.hardware.name}"))
+        return out
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
         fp8 = req.quant.kind in _FP8_KINDS

@@ -18,6 +18,9 @@ Families:
   per claimed quant scheme, at the base shape and at the 512-wide one for paths it did not reach.
 - padded_ids: -1 top-k ids (`MoEConfig.topk_padding`), per claimed quant scheme, paths as above;
   and at top-1 for the first claimed scheme, where a kernel may write output rows directly.
+- tuned: the configurations where the backend's own implementations declare that they run
+  other code than at the small shapes above (`Implementation.tuned_shapes`: tables of tuned
+  tiles keyed by real model shapes), at the batch sizes they declare for each path.
 - double_process, bad_input, honesty.
 """
 
@@ -206,6 +209,34 @@ class CaseBuilder:
                     found.append(c)
         return found or ([declined] if declined else [])
 
+    def tuned_cases(self) -> list[Case]:
+        """The `tuned` family: for each implementation of this backend that declares tuned
+        shapes on this hardware, every declared batch size through the pipeline a layer builds
+        for that implementation at that shape (its first, as selection ranks them: what a
+        benchmark of the shape times). A declared shape the implementation then declines is a
+        failure: it claimed to run there."""
+        cases: list[Case] = []
+        impls = [i for i in (*self.registry.experts, *self.registry.fused) if i.backend == self.backend]
+        req = BuildRequest(MoEConfig(**BASE), BF16, self.template.hardware, self.template.settings)  # type: ignore[arg-type]
+        for impl in impls:
+            try:
+                shapes = list(impl.tuned_shapes(req))
+            except Exception as exc:  # noqa: BLE001 - a plugin bug: a failing case that names it
+                why = f"{impl.qualname}.tuned_shapes raised {type(exc).__name__}: {exc}".splitlines()[0][:300]
+                cases.append(Case(f"tuned/{impl.name}/declaration", "tuned", "numeric", req.config, BF16, declined=why))
+                continue
+            for ts in shapes:
+                pipes = [p for p in self.pipelines(ts.config, ts.quant)[0] if p.main.qualname == impl.qualname]
+                p = pipes[0] if pipes else None
+                reason = None if p else f"{impl.qualname} declares {ts.name} ({ts.why}) but builds no pipeline for it"
+                for t in ts.tokens:
+                    suffix = f"/{_short(p)}" if p is not None else ""
+                    case_id = f"tuned/{ts.quant.name}/{ts.name}/{impl.name}_tokens_{t}{suffix}"
+                    cases.append(
+                        Case(case_id, "tuned", "numeric", ts.config, ts.quant, tokens=t, pipeline=p, declined=reason)
+                    )
+        return cases
+
     def all_cases(self) -> list[Case]:
         cases: list[Case] = []
         base = MoEConfig(**BASE)  # type: ignore[arg-type]
@@ -315,6 +346,7 @@ class CaseBuilder:
         cases.extend(
             self.cases_for("padded_ids", "padded_ids", "top1", base.with_(top_k=1, topk_padding=True), first, tokens=16)
         )
+        cases.extend(self.tuned_cases())
         for check in ("double_process", "bad_input"):
             cases.extend(self.cases_for(check, check, "base", base, first, tokens=16))
         cases.append(

@@ -104,6 +104,7 @@ class CaseRunner:
 
     def __init__(self, registry: Registry, device: torch.device) -> None:
         self.registry, self.device = registry, device
+        self._tuned: tuple[tuple[Any, ...], ExpertWeights, MoELayer] | None = None  # `_tuned_weights`
 
     def _oracle(self, case: Case, prob: Problem) -> torch.Tensor:
         # reference_layer, not MoELayer(backend="reference"): that forces the reference experts
@@ -136,6 +137,8 @@ class CaseRunner:
             res.status, res.detail = DECLINED, case.declined or "no reason given"
             if not case.declined:
                 res.status, res.detail = FAIL, "declined without a reason"
+            elif case.family == "tuned":  # the implementation declared it runs there
+                res.status = FAIL
             return res
         if case.check == "cuda_graph" and self.device.type != "cuda":
             res.status, res.detail = NOT_RUN, f"CUDA graphs need a CUDA device; this run is on {self.device.type}"
@@ -171,7 +174,9 @@ class CaseRunner:
             return layer(prob.x.to(d), router_logits=prob.logits.to(d, case.logits_dtype))
         return layer(prob.x.to(d), prob.ids.to(d), prob.wts.to(d))
 
-    def _numeric(self, case: Case, res: CaseResult, out: torch.Tensor, prob: Problem) -> None:
+    def _numeric(
+        self, case: Case, res: CaseResult, out: torch.Tensor, prob: Problem, oracle: MoELayer | None = None
+    ) -> None:
         # compare() looks at values only: an output in another dtype or on another device than
         # the layer's (an engine adds it to its residual) would pass on its numbers.
         d = self.device
@@ -179,7 +184,7 @@ class CaseRunner:
             res.status = FAIL
             res.detail = f"output is {out.dtype} on {out.device}; the layer's is {case.config.dtype} on {d}"
             return
-        ref = self._oracle(case, prob)
+        ref = self._oracle(case, prob) if oracle is None else oracle(prob.x, prob.ids, prob.wts)
         c = compare(out.cpu(), ref, tolerance_for(case.quant, case.config.dtype))
         res.metrics.update(rel_l2=c.rel_l2, rel_max=c.rel_max)
         res.status, res.detail = (PASS if c.ok else FAIL), c.detail
@@ -198,12 +203,55 @@ class CaseRunner:
         res.detail = f"{what}: {res.detail}" + (f", {exact}" if deterministic else "")
 
     def _check_numeric(self, case: Case, res: CaseResult) -> None:
+        if case.family == "tuned":
+            self._check_tuned(case, res)
+            return
         prob = make_problem(case)
         layer = self._layer(case)
         layer.load_weights(prob.weights.to(self.device))
         self._numeric(case, res, self._forward(case, layer, prob), prob)
 
     _check_logits = _check_numeric
+
+    def _tuned_weights(self, case: Case) -> tuple[ExpertWeights, MoELayer]:
+        """A tuned shape's weights on the device and the oracle loaded with them on the CPU,
+        kept for the shape's next case: model-sized weights (gigabytes) are drawn once per
+        (shape, scheme), on the device, where drawing and quantizing them takes milliseconds."""
+        key = (case.config, case.quant.name, case.seed)
+        if self._tuned is not None and self._tuned[0] == key:
+            return self._tuned[1], self._tuned[2]
+        self._tuned = None  # the previous shape's tensors go first
+        cfg, d = case.config, self.device
+        gen = torch.Generator(d).manual_seed(1000 + case.seed)
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        w13 = torch.randn(e, cfg.w13_rows, h, generator=gen, device=d) / h**0.5
+        w2 = torch.randn(e, h, i, generator=gen, device=d) / i**0.5
+        b13 = torch.randn(e, cfg.w13_rows, generator=gen, device=d) * 0.1 if cfg.has_w13_bias else None
+        b2 = torch.randn(e, h, generator=gen, device=d) * 0.1 if cfg.has_w2_bias else None
+        calib = torch.randn(64, h, generator=gen, device=d)  # static input scales (fp8_tensor) from it
+        weights = quantize_weights(cfg, case.quant, w13, w2, w13_bias=b13, w2_bias=b2, calibration_input=calib)
+        del w13, w2
+        oracle = reference_layer(cfg, case.quant, "cpu", layout="standard", registry=self.registry, validate=False)
+        oracle.load_weights(weights.to("cpu"))
+        self._tuned = (key, weights, oracle)
+        return weights, oracle
+
+    def _check_tuned(self, case: Case, res: CaseResult) -> None:
+        weights, oracle = self._tuned_weights(case)
+        cfg, t = case.config, case.tokens
+        gen = torch.Generator().manual_seed(2000 + case.seed + t)
+        x = torch.randn(t, cfg.hidden_size, generator=gen).to(cfg.dtype)
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(t)])
+        ids = ids.to(torch.int32)
+        wts = torch.rand(t, cfg.top_k, generator=gen) + 0.1
+        layer = self._layer(case)
+        # a copy: a weight processor may keep or transform what it is given
+        layer.load_weights(weights.replace(**{k: v.clone() for k, v in weights.tensors().items()}))
+        d = self.device
+        out = layer(x.to(d), ids.to(d), wts.to(d))
+        del layer
+        prob = Problem(weights, x, ids, wts)
+        self._numeric(case, res, out, prob, oracle=oracle)
 
     def _check_padding(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)

@@ -30,7 +30,15 @@ from moehal.errors import (
 from moehal.formats import ActivationFormat, Layout, ScaleKind, SmallBatchFormat
 from moehal.hardware import HardwareInfo, detect
 from moehal.hookspecs import hookimpl
-from moehal.interfaces import BackendInfo, BuildRequest, Dispatcher, Experts, FusedForward, WeightProcessor
+from moehal.interfaces import (
+    BackendInfo,
+    BuildRequest,
+    Dispatcher,
+    Experts,
+    FusedForward,
+    TunedShape,
+    WeightProcessor,
+)
 from moehal.layer import MoELayer
 from moehal.plugins import Registry, discover
 from moehal.quant import QuantKind, QuantScheme, ScaleFormat
@@ -71,6 +79,7 @@ __all__ = [
     "Settings",
     "SmallBatchFormat",
     "TopK",
+    "TunedShape",
     "UnknownBackendError",
     "WeightError",
     "WeightProcessor",

@@ -50,6 +50,38 @@ class BuildRequest:
 
 
 @dataclass(frozen=True)
+class TunedShape:
+    """A layer configuration at which an implementation runs other code than at conformance's
+    small shapes: a table of tuned tiles, kernels or bands keyed by the exact shape (the CUDA
+    backend's `tuned/masked_gemm.<device>.json`). `tokens` are batch sizes that reach each of
+    those paths (one per path is enough). Conformance proves these too (family `tuned`), so
+    that the kernels a benchmark times at real model shapes are the kernels it checked.
+
+    name: a short label for case ids (e.g. 'qwen3_30b_a3b'); why: which paths the sizes reach."""
+
+    name: str
+    config: MoEConfig
+    quant: QuantScheme
+    tokens: tuple[int, ...]
+    why: str = ""
+
+    @classmethod
+    def covering(
+        cls, name: str, config: MoEConfig, quant: QuantScheme, path_of: Callable[[int], object], why: str = ""
+    ) -> TunedShape:
+        """The smallest batch size of each distinct path from 1 to `config.max_tokens`
+        (`path_of(tokens)`: any hashable description of what runs, e.g. the tiles a table
+        picks), so that every path is checked once. `why` gains the number of paths."""
+        if config.max_tokens is None:
+            raise ValueError("TunedShape.covering needs config.max_tokens: the largest batch to look at")
+        first: dict[object, int] = {}
+        for t in range(1, config.max_tokens + 1):
+            first.setdefault(path_of(t), t)
+        paths = f"{len(first)} path{'s' if len(first) != 1 else ''}"
+        return cls(name, config, quant, tuple(sorted(first.values())), f"{paths}: {why}" if why else paths)
+
+
+@dataclass(frozen=True)
 class BackendInfo:
     """What `moehal doctor` shows for a plugin.
 
@@ -86,6 +118,12 @@ class Implementation(ABC):
     deterministic: ClassVar[bool] = True  # bitwise-equal results on the same inputs
     emulates: ClassVar[bool] = False  # True: runs torch stand-ins of vendor ops (reported `emulated`)
     fallback: ClassVar[bool] = False  # True: a slow catch-all; the plan says so when it is chosen
+
+    def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:
+        """Configurations on `req.hardware` (`req.config` is a placeholder) where this runs
+        other code than at small shapes, with batch sizes reaching each path (see
+        `TunedShape`). The default: none, the same code at every shape."""
+        return ()
 
     def execution_mode(self, req: BuildRequest) -> str:
         """How this runs for `req`: 'native', 'emulated' (torch stand-ins of vendor ops,

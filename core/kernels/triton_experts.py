@@ -13,7 +13,7 @@ imports triton.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -22,7 +22,7 @@ from moehal.config import Activation
 from moehal.errors import WeightError
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput, StandardOutput
 from moehal.hardware import HardwareInfo, module_available
-from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, WeightProcessor
+from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, TunedShape, WeightProcessor
 from moehal.kernels.host import interpreting, kernels_interpreted
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
@@ -36,6 +36,9 @@ _KERNEL_QUANT = {
 }
 _SCHEMES = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8})
 _FP8 = (QuantKind.FP8_BLOCK, QuantKind.FP8_TENSOR)
+# The `tuned` conformance cases look for the paths of batches up to this size (the benchmark's
+# largest, and the max_tokens its layers are built for)
+TUNED_MAX_TOKENS = 4096
 # Token counts up to this keep their bound launches (`bind_fused_moe`, one per count): at these
 # sizes an eager forward's host time is mostly argument preparation, and it can exceed the
 # GPU's time. Larger batches bind at every call, so a stream of prefill sizes keeps nothing.
@@ -129,6 +132,20 @@ class TritonWeightProcessor(WeightProcessor):
             a13_scale=a13 if kind is QuantKind.FP8_TENSOR else None,
             a2_scale=a2 if kind is QuantKind.FP8_TENSOR else None,
         )
+
+
+def portable_tiles(req: BuildRequest) -> Callable[[int], tuple[Any, Any]]:
+    """tokens -> the (GEMM1, GEMM2) tiles the portable fused MoE runs a batch of that size with
+    for `req` on its device (`triton_fused_moe.select_configs`: the device's tuned table, else
+    the heuristic)."""
+    from moehal.kernels import triton_fused_moe as kernel
+
+    c, hw = req.config, req.hardware
+    quant = _KERNEL_QUANT[req.quant.kind]
+    dname = kernel._DTYPE_NAMES.get(c.dtype, "bf16")
+    dev = hw.name if hw.kind in ("rocm", "cuda") else None
+    e, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
+    return lambda t: kernel.select_configs(t, e, h, i, c.top_k, quant, dname, dev, hw.kind == "rocm")
 
 
 class TritonExpertsRunner(ExpertsRunner):
@@ -268,6 +285,32 @@ class TritonExperts(Experts):
         elif q.kind is QuantKind.W8A8_INT8:
             formats.append(ActivationFormat(Layout.STANDARD, torch.int8, ScaleKind.PER_TOKEN))
         return formats
+
+    def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:
+        """The benchmark's model shapes (`moehal.bench.SHAPES`) for which this device has a
+        tuned table entry (`triton_fused_moe.has_tuned_entry`), per scheme this device runs,
+        each with the smallest batch size of every distinct pair of tiles up to
+        `TUNED_MAX_TOKENS` tokens."""
+        if req.hardware.kind not in ("cuda", "rocm"):
+            return ()
+        from moehal.bench import SHAPES  # the shapes the tables are tuned for
+        from moehal.config import MoEConfig
+        from moehal.kernels import triton_fused_moe as kernel
+
+        out: list[TunedShape] = []
+        for name, dims in SHAPES.items():
+            for quant in sorted(self.quant_schemes, key=lambda q: q.name):
+                cfg = MoEConfig(**dims, max_tokens=TUNED_MAX_TOKENS)  # type: ignore[arg-type]
+                r = BuildRequest(cfg, quant, req.hardware, req.settings)
+                kq = _KERNEL_QUANT[quant.kind]
+                key = kernel.table_key(
+                    cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, "bf16" if kq == "none" else kq
+                )
+                if not kernel.has_tuned_entry(req.hardware.name, key) or not self.supports(r).ok:
+                    continue
+                why = f"the tiles of the tuned table of {req.hardware.name}"
+                out.append(TunedShape.covering(name, cfg, quant, portable_tiles(r), why))
+        return out
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:
         return TritonExpertsRunner(req, fmt)

@@ -131,6 +131,12 @@ def _file_table(slug: str) -> dict[str, dict[str, Any]]:
     return table
 
 
+def has_tuned_entry(device_name: str, key: str) -> bool:
+    """Whether `device_name` has a tuned entry under `key` (`table_key`), from a file or
+    registered at run time."""
+    return bool(_file_table(device_slug(device_name)).get(key))
+
+
 def _fit(cfg: TileConfig, n: int, k: int, quant: str) -> TileConfig:
     """Clamp block sizes to the problem and to the kernel's constraints."""
     bn = max(16, min(cfg.block_n, next_power_of_2(n)))

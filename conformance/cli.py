@@ -23,7 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, help="write PATH.json and PATH.md")
     p.add_argument("--emulate", action="store_true", help="allow the backend's explicitly labelled emulated mode")
     p.add_argument("--quick", action="store_true", help="fewer shape cases (for slow interpreters)")
-    p.add_argument("-k", dest="select", default=None, help="only cases whose id contains this text")
+    p.add_argument(
+        "-k",
+        dest="select",
+        default=None,
+        help="only cases whose id contains this text ('not TEXT': only those whose id does not)",
+    )
     p.add_argument(
         "--ep",
         type=int,
@@ -46,6 +51,14 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def selected(select: str, case_id: str) -> bool:
+    """`-k`: the case ids that contain `select`, or with 'not TEXT' those that do not contain TEXT
+    (e.g. `-k tuned/` and `-k 'not tuned/'` split a long device run in two)."""
+    if select.startswith("not "):
+        return select[4:] not in case_id
+    return select in case_id
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _interrupt_on_sigterm()
@@ -61,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[red]FAIL[/red]: the suite could not compute its cases: {escape(str(exc))}", highlight=False)
         return 1
     if args.select:
-        cases = [c for c in cases if args.select in c.id]
+        cases = [c for c in cases if selected(args.select, c.id)]
         suite.select = args.select  # the reports say the verdict is a subset's
     console.print(f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

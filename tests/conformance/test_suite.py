@@ -723,6 +723,10 @@ def test_the_cli_and_its_reports_agree_on_a_k_subset(tmp_path, capsys):
     assert data["select"] == "matrix/bf16/silu/"
     assert verdict.startswith("**Verdict: PASS, subset (-k `matrix/bf16/silu/`)**")
     assert "PASS (subset: -k matrix/bf16/silu/)" in " ".join(capsys.readouterr().out.split())
+    code, data, _ = _cli_report(tmp_path, "notsilu", "-k", "not matrix/bf16/silu/")
+    ids = [c["id"] for c in data["cases"]]
+    assert code == 0 and ids and not any("matrix/bf16/silu/" in i for i in ids)
+    assert any("matrix/bf16/gelu/" in i for i in ids)
 
 
 def _fused_suite(name, fused):

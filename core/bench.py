@@ -117,6 +117,11 @@ class Row:
     # a peer's rows: which kernel config the peer ran, where it can say ("tuned", "default", ...;
     # `moehal.integrations.sglang.config_source`); "" for moehal's rows and older runs
     peer_config: str = ""
+    # the row's output, computed once untimed, against the reference pipeline on the same device
+    # with the same weights and routing, at conformance's tolerances (`check_output`): "pass",
+    # "fail", or "" (not checked: `--no-check`, the reference's own rows, older runs)
+    check: str = ""
+    check_rel_l2: float = float("nan")
 
 
 def _sync(dev: torch.device) -> None:
@@ -395,6 +400,41 @@ def _weights(
     return w13, w2, _QUANTIZED_WEIGHTS[qkey]
 
 
+# The reference pipeline's output per (shape, scheme, tokens) of the shape in progress: every
+# backend's row of a cell (and every round's) is checked against one computation
+_REFERENCE_OUT: dict[tuple[str, str, int, str], torch.Tensor] = {}
+
+
+def check_output(
+    shape: str,
+    cfg: moehal.MoEConfig,
+    quant: QuantScheme,
+    weights: moehal.ExpertWeights,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    got: torch.Tensor,
+    registry: moehal.Registry,
+) -> tuple[str, float]:
+    """("pass" or "fail", rel_l2) of a row's output `got` against the reference pipeline's on the
+    same device, weights and `inputs` (hidden, ids, weights), at conformance's tolerance for the
+    scheme (`moehal_conformance.tolerances`): a time is reported next to whether its numbers are
+    right. The reference runs on the row's device (a check, not conformance's CPU oracle)."""
+    from moehal.reference.oracle import reference_layer
+    from moehal_conformance.tolerances import compare, tolerance_for
+
+    x = inputs[0]
+    key = (shape, quant.name, int(x.shape[0]), str(x.device))
+    ref = _REFERENCE_OUT.get(key)
+    if ref is None:
+        if any(k[0] != shape for k in _REFERENCE_OUT):
+            _REFERENCE_OUT.clear()
+        oracle = reference_layer(cfg, quant, x.device, registry=registry, validate=False)
+        oracle.load_weights(weights)
+        ref = _REFERENCE_OUT[key] = oracle(*inputs).float().cpu()
+        del oracle
+    c = compare(got.float().cpu(), ref, tolerance_for(quant, cfg.dtype))
+    return ("pass" if c.ok else "fail"), c.rel_l2
+
+
 def release_layers(dev: torch.device) -> int:
     """Before rows of another shape or batch bound: forget the process-wide workspaces that
     the previous rows' layers bound (`release_workspaces`), collect the dead layers (reference
@@ -450,9 +490,11 @@ def bench_one(
     sampler: ClockSampler | None = None,
     settle_s: float = BENCH_SETTLE_S,
     host_columns: bool = True,
+    check_outputs: bool = True,
 ) -> Row:
     """One row: the layer of `backend` (or a peer's experts function) at `tokens`, timed as a
-    CUDA-graph replay where it captures; `host_columns`: also the host-time columns (NaN without)."""
+    CUDA-graph replay where it captures; `host_columns`: also the host-time columns (NaN without);
+    `check_outputs`: first check its output against the reference pipeline (`check_output`)."""
     if is_peer(backend) and quant.is_quantized:  # before the weights are made: they cost seconds
         raise moehal.NotSupportedError(f"the {backend} peer takes float (bf16) weights only")
     w13, w2, weights = _weights(shape, cfg, quant, dev)
@@ -490,6 +532,9 @@ def bench_one(
         layer.load_weights(weights)
         fn = lambda: layer(xd, ids, wts)
         pipeline, capturable = layer.plan.pipeline.name, layer.plan.pipeline.graph_capturable
+    check, check_rel = "", math.nan
+    if check_outputs and backend != "reference":  # once, untimed: is the output right?
+        check, check_rel = check_output(shape, cfg, quant, weights, (xd, ids, wts), fn(), registry)
     timing = "eager"
     nan = float("nan")
     host, host_b2b = (host_time(fn, dev), host_time_back_to_back(fn, dev)) if host_columns else (nan, nan)
@@ -545,6 +590,8 @@ def bench_one(
         roofline_matmul=rate_name,
         pct_roofline_read=100 * roof_read / t,
         peer_config=peer_config,
+        check=check,
+        check_rel_l2=check_rel,
     )
 
 
@@ -658,6 +705,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--no-host", action="store_true", help="skip the host-time columns (NaN): the device times alone, sooner"
     )
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip checking each row's output against the reference pipeline on the device (untimed, once a row)",
+    )
     args = p.parse_args(argv)
     console = make_console()
     dev = detect(args.device).device
@@ -744,9 +796,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         sampler,
                         args.settle_s,
                         host_columns=not args.no_host,
+                        check_outputs=not args.no_check,
                     )
                     row.round = rnd
                     rows.append(row)
+                    if row.check == "fail":  # loud: a wrong result's time means nothing
+                        console.print(
+                            f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} against "
+                            "the reference pipeline (its goals read 'not measured')",
+                            markup=False,
+                        )
                     save()
                 except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
                     why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -795,7 +854,7 @@ def results_table(rows: Sequence[Row]) -> Any:
     t = Table(title="moehal bench (whole layer)", title_justify="left")
     rounds = any(r.round for r in rows)  # a run of `--rounds` > 1
     cols = ("shape", "backend", "quant", "tokens", *(("round",) if rounds else ()), "time us", "timing",
-            "% roofline", "TB/s", "TFLOP/s")  # fmt: skip
+            "% roofline", "TB/s", "TFLOP/s", "output")  # fmt: skip
     clocks = any(r.sm_mhz == r.sm_mhz for r in rows)  # NaN != NaN: no sample
     for col in (*cols, *(("SM MHz", "W") if clocks else ()), "host us", "host us (graphs)",
                 "host us (graphs, new inputs)", "host us (graphs, out=)", "host us back to back",
@@ -814,6 +873,7 @@ def results_table(rows: Sequence[Row]) -> Any:
             f"{r.pct_roofline:.0f}",
             f"{r.tb_per_s:.2f}",
             f"{r.tflop_per_s:.1f}",
+            {"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-"),
             *sampled,
             _num(r.host_us, "{:.1f}"),  # NaN off CUDA
             _num(r.host_graph_us, "{:.1f}"),

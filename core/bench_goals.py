@@ -158,6 +158,17 @@ def _key(row: Mapping[str, Any]) -> tuple[str, str, str, int, int]:
 RUN = "_run"
 # A row `moehal bench` could not measure (`skipped`: why); its cell reads "not measured"
 SKIPPED = "skipped"
+# A row whose output failed the benchmark's check against the reference (`Row.check`): its time
+# is no measurement, so its cell, and a ratio taken against it, read "not measured"
+CHECK = "check"
+
+
+def _wrong(r: Mapping[str, Any]) -> bool:
+    return r.get(CHECK) == "fail"
+
+
+def _wrong_note(r: Mapping[str, Any]) -> str:
+    return f"{r['backend']} {r['quant']} output wrong (rel_l2 {float(r.get('check_rel_l2', math.nan)):.3g})"
 
 
 def _peer_note(peer_row: Mapping[str, Any]) -> str:
@@ -183,6 +194,8 @@ def _value(
         return None, ""
     if SKIPPED in other:
         return None, f"{other['backend']} {other['quant']} row skipped: {other[SKIPPED]}"
+    if _wrong(other):
+        return None, _wrong_note(other)
     if r.get("timing") and other.get("timing") and r["timing"] != other["timing"]:
         return None, f"timed {r['timing']} against {other['timing']}"
     if g.metric == VS_PEER:
@@ -205,7 +218,8 @@ def check_goals(
     each other; the cell's value is then the median over its rounds. `across_files`: pair rows
     of two files of one device where a file lacks the partner (each such cell says so).
     Dicts with `SKIPPED` (rows the benchmark could not measure, and why) make their cells
-    "not measured", with the reason."""
+    "not measured", with the reason, and so do rows whose output failed the benchmark's check
+    (`CHECK`), as a side of a ratio too."""
     plain = [_plain(r) for r in rows]
     by_key = {(*_key(r), r.get(RUN, 0)): r for r in plain}
     cells: dict[tuple[str, str, str, int], list[Mapping[str, Any]]] = {}
@@ -216,14 +230,15 @@ def check_goals(
         for (backend, quant, shape, tokens), rs in cells.items():
             if is_peer(backend) or not g.covers(quant, tokens):
                 continue
-            measured = [r for r in rs if SKIPPED not in r]
+            measured = [r for r in rs if SKIPPED not in r and not _wrong(r)]
             if not measured:
-                why = "; ".join(sorted({str(r[SKIPPED]) for r in rs}))
-                checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0, note=f"skipped: {why}"))
+                why = "; ".join(sorted({f"skipped: {r[SKIPPED]}" if SKIPPED in r else _wrong_note(r) for r in rs}))
+                checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0, note=why))
                 continue
             found = [_value(g, r, by_key, peer, across_files) for r in measured]
             values = [v for v, _ in found if v is not None]
-            note = "; ".join(dict.fromkeys(n for _, n in found if n))  # each once, in order
+            wrong = [_wrong_note(r) for r in rs if _wrong(r)]  # rounds left out: their output was wrong
+            note = "; ".join(dict.fromkeys([*(n for _, n in found if n), *wrong]))  # each once, in order
             if not values:
                 checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0, note=note))
                 continue

@@ -4,6 +4,7 @@ not in tests: this only checks that it measures, reports and plots)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -348,3 +349,56 @@ def test_read_ceiling_takes_the_fastest_reader(monkeypatch):
     monkeypatch.setattr(bench, "_stream_read_rates", lambda src, s: [(1.0, "slow")])
     ceil = bench.measure_ceilings(dev, settle_s=0)
     assert ceil.read_kernel == "torch.sum" and ceil.read_bytes_per_s > 1.0
+
+
+def test_each_row_says_whether_its_output_is_right(tmp_path, monkeypatch, capsys):
+    """Every timed row is first checked, untimed, against the reference pipeline on its device
+    (`check_output`): a backend wrong by 5% is timed, saved as wrong, and said so loudly."""
+    import dataclasses
+
+    import moehal
+    from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
+
+    class _OffRunner(ReferenceExpertsRunner):
+        def apply(self, inp):
+            out = super().apply(inp)
+            return dataclasses.replace(out, hidden=out.hidden * 1.05)
+
+    class _Off(ReferenceExperts):
+        name, priority = "experts", 40
+
+        def build(self, req, fmt):
+            return _OffRunner(req, fmt)
+
+    class Plugin:
+        @moehal.hookimpl
+        def moehal_backend_info(self):
+            return moehal.BackendInfo("offby5", "0", "test plugin")
+
+        @moehal.hookimpl
+        def moehal_experts(self):
+            return [_Off()]
+
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    assert reg.register(Plugin(), "offby5").status == "loaded"
+    monkeypatch.setattr(moehal, "discover", lambda *a, **k: reg)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "2", "--backends", "reference,offby5", "--reps", "1", "--no-host"]
+    assert main([*argv, "--settle-s", "0", "--out", str(out), *CPU]) == 0
+    rows = {r["backend"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows["reference"]["check"] == "", "the reference is not checked against itself"
+    assert rows["offby5"]["check"] == "fail" and 0.04 < rows["offby5"]["check_rel_l2"] < 0.06
+    printed = capsys.readouterr().out.replace("\n", " ")
+    assert "offby5 T=2: WRONG OUTPUT" in printed and "WRONG" in printed
+    assert main([*argv, "--settle-s", "0", "--out", str(out), "--no-check", *CPU]) == 0
+    assert {r["check"] for r in json.loads(out.with_suffix(".json").read_text())["rows"]} == {""}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the ROCm Triton path needs TRITON_INTERPRET=1")
+def test_a_right_backends_rows_pass_the_check(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,8", "--backends", "rocm", "--reps", "1", "--no-host", "--settle-s", "0"]
+    assert main([*argv, "--out", str(out), *CPU]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["check"] for r in rows] == ["pass", "pass"] and all(r["check_rel_l2"] < 0.016 for r in rows)

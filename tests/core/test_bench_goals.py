@@ -336,3 +336,24 @@ def test_the_docs_marker_can_pair_across_files(tmp_path):
     _run_file(tmp_path, "b.json", [row("sglang", 8, 150.0)])
     assert "| not measured | 0 of 0 (1 not measured) | - |" in hook._goals(tmp_path, "a.json b.json")
     assert "| met | 1 of 1; rows of two files in 1 of 1 |" in hook._goals(tmp_path, "--pair-across-files a.json b.json")
+
+
+def test_a_row_with_a_wrong_output_is_no_measurement_on_either_side_of_a_ratio():
+    """`moehal bench` checks each row's output against the reference (`Row.check`): a wrong
+    result's time meets no goal, and no ratio is taken against it."""
+    rows = [
+        row("cuda", 16, 10.0, check="fail", check_rel_l2=0.5, pct_roofline=99.0),
+        row("cuda", 32, 10.0, check="pass", pct_roofline=99.0),
+        row("cuda", 8, 10.0, check="pass"),
+        row("sglang", 8, 30.0, check="fail", check_rel_l2=0.2),
+        row("cuda", 2048, 100.0, check="pass", pct_roofline=80.0),
+        row("cuda", 2048, 100.0, check="fail", check_rel_l2=0.1, round=1, pct_roofline=80.0),
+    ]
+    c = by_cell(check_goals(rows))
+    wrong = c["small_roofline", "cuda", "s", 16]
+    assert wrong.status == "not measured" and wrong.note == "cuda bf16 output wrong (rel_l2 0.5)"
+    assert c["small_roofline", "cuda", "s", 32].met
+    peer = c["decode_vs_peer", "cuda", "s", 8]
+    assert peer.status == "not measured" and peer.note == "sglang bf16 output wrong (rel_l2 0.2)"
+    one_round = c["prefill_roofline", "cuda", "s", 2048]
+    assert one_round.met and one_round.rounds == 1 and "output wrong (rel_l2 0.1)" in one_round.note

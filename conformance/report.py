@@ -118,9 +118,18 @@ def to_markdown(suite: Suite) -> str:
     lines.append("|---" * (len(order) + 1) + "|")
     for quant in sorted(grid):
         lines.append(f"| {quant} | " + " | ".join(_cell(grid[quant][x]) for x in order) + " |")
+    tuned = [r for r in suite.results if r.family == "tuned"]
+    if tuned:  # model shapes the backend's tables tune, one batch size per path (`tuned_shapes`)
+        lines += ["", "## Tuned shapes (each declared batch size)", "", "| case | result | rel_l2 |", "|---|---|---|"]
+        lines += [
+            f"| {r.id} | {_escape(r.label)} | {r.metrics['rel_l2']:.1e} |"
+            if "rel_l2" in r.metrics
+            else f"| {r.id} | {_escape(r.label)} | |"
+            for r in tuned
+        ]
     lines += ["", "## Behaviour", "", "| case | result |", "|---|---|"]
     for r in suite.results:
-        if r.family not in NUMERIC_FAMILIES:
+        if r.family not in (*NUMERIC_FAMILIES, "tuned"):
             lines.append(f"| {r.id} | {_escape(r.label)} |")
     failures = [r for r in suite.results if r.status == FAIL]
     if failures:

@@ -85,11 +85,17 @@ def test_a_kernel_wrong_only_at_its_tuned_shape_fails_there():
     assert not suite.ok
 
 
-def test_a_right_kernel_passes_its_tuned_cases():
+def test_a_right_kernel_passes_its_tuned_cases(tmp_path):
+    from moehal_conformance import report
+
     suite = _suite("tunedok", _experts("tunedok"))
     tuned = [c for c in suite.cases() if c.family == "tuned"]
     suite.run(tuned)
     assert [r.status for r in suite.results] == ["pass", "pass"], [(r.id, r.detail) for r in suite.results]
+    md = report.to_markdown(suite)
+    section = md.split("## Tuned shapes (each declared batch size)")[1].split("## Behaviour")[0]
+    assert all(f"| {c.id} | pass |" in section for c in tuned), section
+    assert tuned[0].id not in md.split("## Behaviour")[1].split("<details>")[0], "listed once, in its section"
 
 
 def test_a_tuned_shape_the_kernel_declines_fails_with_the_reason():

@@ -9,13 +9,14 @@ compatibility path: on SM100 the FlashInfer CuteDSL NVFP4 experts (FP4 tensor co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from moehal.capability import Decision, accept, decline
 from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput
-from moehal.interfaces import BuildRequest, ExpertsRunner, WeightProcessor
+from moehal.interfaces import BuildRequest, ExpertsRunner, TunedShape, WeightProcessor
 from moehal.quant import NVFP4, nvfp4
 from moehal.weights import ExpertWeights
 from moehal_cuda.deepgemm_experts import (
@@ -142,6 +143,11 @@ class Nvfp4DequantExperts(DeepGemmExperts):
             if v % 64:
                 return decline(f"{name}={v} must be a multiple of 64 (BF16 DeepGEMM K)", "shape")
         return accept(predicate="shape")
+
+    def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:
+        """None: DeepGEMM's GEMMs on the dequantized weights at every size (no table, no small
+        batch format), the code conformance's small shapes run."""
+        return ()
 
     def input_formats(self, req: BuildRequest) -> list[Any]:
         from moehal.formats import ActivationFormat, Layout

@@ -76,6 +76,20 @@ def test_the_portable_kernel_declares_its_tuned_tiles(on_sm90):
     assert len(qwen) == 1 and len(qwen[0].tokens) >= 3
 
 
+def test_every_cuda_experts_kernel_declares_on_the_h200_without_raising(on_sm90):
+    """Session 45's first H200 run: the NVFP4-dequant experts inherited DeepGEMM's declaration
+    and raised on their scheme. They run DeepGEMM at every size: nothing to declare."""
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts
+
+    assert Nvfp4DequantExperts().tuned_shapes(_req(H200)) == ()
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    mine = [i for i in (*reg.experts, *reg.fused) if i.backend == "cuda"]
+    assert len(mine) >= 4, [i.qualname for i in mine]
+    for impl in mine:
+        impl.tuned_shapes(_req(H200))  # raises nothing, whichever checks pass here
+
+
 def test_no_table_or_no_gpu_declares_nothing(on_sm90):
     assert dge.DeepGemmExperts().tuned_shapes(_req("NVIDIA B200")) == ()
     assert dge.DeepGemmExperts().tuned_shapes(_req(H200, kind="cpu")) == ()

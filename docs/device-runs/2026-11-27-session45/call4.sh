@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 45, call 4 (a fresh machine; SGLang's wheels and the small ones, starlette now too,
+# Session 45, call 4 (call 3's machine, still warm; SGLang's wheels and the small ones, starlette now too,
 # carried; no DeepGEMM): call 3's benchmark for SGLang's rows alone, which call 3 skipped
 # (starlette was not carried), so that the output check also covers the peer moehal's speed
 # claims are measured against. Through tools/sglang_peer.py, as the records run it (plain

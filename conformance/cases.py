@@ -194,11 +194,26 @@ class CaseBuilder:
         """`check`'s cases for `quant` at the base shape, then at the 512-wide one for the
         (kernel, layout, small-batch) paths the base shape did not reach; one `declined` case
         when neither shape has a pipeline."""
+        return self.base_then_wide(check, check, ("base", "wide_512"), base, wide, quant, tokens=16)
+
+    def base_then_wide(
+        self,
+        family: str,
+        check: str,
+        names: tuple[str, str],
+        base: MoEConfig,
+        wide: MoEConfig,
+        quant: QuantScheme,
+        **kw: object,
+    ) -> list[Case]:
+        """Cases at `base`, then at `wide` for the (kernel, layout, small-batch) paths `base` did
+        not reach (kernels with minimum sizes, e.g. Ascend FuseEP, or DeepGEMM's FP8 GEMMs that
+        want K in multiples of 128); one `declined` case when neither has a pipeline."""
         found: list[Case] = []
         seen: set[object] = set()
         declined: Case | None = None
-        for name, cfg in (("base", base), ("wide_512", wide)):
-            for c in self.cases_for(check, check, name, cfg, quant, tokens=16):
+        for name, cfg in zip(names, (base, wide)):
+            for c in self.cases_for(family, check, name, cfg, quant, **kw):
                 p = c.pipeline
                 if p is None:
                     declined = declined or c
@@ -268,7 +283,15 @@ class CaseBuilder:
         }
         for quant in claimed:
             for name, change in features.items():
-                cases.extend(self.cases_for("features", "numeric", name, base.with_(**change), quant))
+                if name in ("wide_512", "hidden_not_128x"):  # shapes of their own
+                    cases.extend(self.cases_for("features", "numeric", name, base.with_(**change), quant))
+                    continue
+                # and at the wide shape for the paths the base shape does not reach: session 45's
+                # audit found FuseEP's routed scaling never run (both fuse modes decline the base)
+                names = (name, f"{name}_512")
+                cases.extend(
+                    self.base_then_wide("features", "numeric", names, base.with_(**change), wide.with_(**change), quant)
+                )
         for dtype_name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
             cases.extend(self.cases_for("features", "numeric", dtype_name, base.with_(dtype=dtype), BF16))
         # shapes ------------------------------------------------------------------------------

@@ -263,6 +263,20 @@ class CaseRunner:
         stages = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d), path="main")
         disp, y = stages["adapted"], stages["expert_out"]
         if isinstance(disp, MaskedInput) and isinstance(y, MaskedOutput):
+            # the dispatcher's half: masked_m counts each local expert's slots, and the host
+            # bound experts size their grids by covers them
+            cfg = case.config
+            local = torch.tensor(list(cfg.local_experts), dtype=torch.int64)
+            want = (prob.ids.long().reshape(-1, 1) == local[None, :]).sum(0)
+            got_m = disp.masked_m.long().cpu()
+            if not torch.equal(got_m, want):
+                res.status = FAIL
+                res.detail = f"masked_m is {got_m.tolist()}; the slots per local expert are {want.tolist()}"
+                return
+            if disp.max_total_rows is not None and disp.max_total_rows < int(want.sum()):
+                res.status = FAIL
+                res.detail = f"max_total_rows {disp.max_total_rows} is under the {int(want.sum())} rows dispatched"
+                return
             pad = torch.arange(y.hidden.shape[1], device=d)[None, :] >= disp.masked_m[:, None]
             if not bool(pad.any()):
                 raise AssertionError("the problem has no padding rows; the case is mis-built")
@@ -280,6 +294,10 @@ class CaseRunner:
             pad = ~live  # none where the format's alignment is 1 and the batch fills the rows
         else:
             raise TypeError(f"expected masked or contiguous input/output, got {type(disp).__name__}/{type(y).__name__}")
+        dirty = disp.hidden[pad].float().abs().max().item() if pad.any() else 0.0
+        if dirty != 0.0:  # the formats' contract: padding rows hold zeros in, too
+            res.status, res.detail = FAIL, f"the dispatched input's padding rows are not zero (max |value| {dirty:.3g})"
+            return
         leaked = y.hidden[pad].float().abs().max().item() if pad.any() else 0.0
         if leaked != 0.0:
             res.status, res.detail = FAIL, f"padding rows are not zero (max |value| {leaked:.3g}); with biases set"

@@ -120,6 +120,16 @@ class Suite:
                 CaseResult(f"ep/world{world}", "ep", "ep", "-", "-", disp, FAIL, detail="; ".join(errors)[:400])
             )
             return
+        if dispatcher is not None and all(r.declined for r in outcomes[0].result):
+            # a named dispatcher that took no case proved nothing: not a pass (session 45's audit
+            # found Ascend's HCCL dispatcher declining every case while the run said PASS)
+            why = outcomes[0].result[0].declined if outcomes[0].result else "no case"
+            self.results.append(
+                CaseResult(
+                    f"ep/world{world}/{disp}", "ep", "ep", "-", "-", disp, FAIL,
+                    detail=f"{disp} took none of the EP cases; the first decline: {why}"[:400],
+                )
+            )  # fmt: skip
         for rank0 in outcomes[0].result:
             if rank0.declined:
                 self.results.append(

@@ -121,7 +121,13 @@ _EP_CASES = [
     EPCase("fp32 contiguous (tight tolerance)", dtype=torch.float32, top_k=3, seed=5),
     EPCase("-1 ids: padded tokens and slots", top_k=3, padded=True, seed=7),
     EPCase("-1 ids, masked", layout="masked", padded=True, seed=8),
-]
+    # Any layout, and a static bound: what a dispatcher of its own layout (Ascend HCCL's flat
+    # one, which needs max_tokens) can take; every case above pins a core layout (session 45)
+    EPCase("any layout, max_tokens 16, top-k spanning ranks, scaling 2.5", layout=None, max_tokens=16, top_k=4,
+           routing="span_ranks", routed_scaling_factor=2.5),
+    EPCase("w8a8_int8 any layout, max_tokens 16, uneven", quant="w8a8_int8", layout=None, max_tokens=16,
+           routing="skewed", tokens_per_rank=(9, 2, 5)),
+]  # fmt: skip
 
 
 # --- inputs -----------------------------------------------------------------------------------

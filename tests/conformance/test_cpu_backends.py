@@ -55,3 +55,22 @@ def test_rocm_triton_interpreted(tmp_path):
     _assert_green(suite)
     modes = {r.mode for r in suite.results if r.status == "pass" and "triton" in r.pipeline}
     assert modes == {"interpreted"}, f"the Triton path must run (interpreted), saw {modes}"
+
+
+def test_npu_hccl_dispatcher_emulated_takes_the_any_layout_cases():
+    """Ascend's HCCL dispatcher produces its own flat layout and needs max_tokens: session 45's
+    audit found it declining every EP case (each pinned a core layout) while the run said PASS."""
+    suite = Suite.create("npu", "cpu", emulate=True, profile="quick")
+    suite.run_ep(2, "npu.hccl")
+    ran = [r for r in suite.results if r.status == "pass"]
+    assert len(ran) == 2 and all("npu.hccl" in r.pipeline and r.mode == "emulated" for r in ran), [
+        (r.id, r.status, r.pipeline) for r in suite.results
+    ]
+    assert not [r for r in suite.results if r.status == "fail"]
+
+
+def test_a_named_ep_dispatcher_that_takes_no_case_fails():
+    suite = Suite.create("reference", "cpu", profile="quick")
+    suite.run_ep(2, "reference.local")  # one device only: it declines process groups
+    (failed,) = [r for r in suite.results if r.status == "fail"]
+    assert failed.id == "ep/world2/reference.local" and "took none of the EP cases" in failed.detail

@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="WORLD",
         help="also run the expert-parallel cases on WORLD local processes (gloo, CPU)",
     )
-    p.add_argument("--ep-dispatcher", default=None, help="EP dispatcher qualname to prove (default: generic)")
+    p.add_argument(
+        "--ep-dispatcher",
+        default=None,
+        help="EP dispatcher qualname to prove (default: the generic one, then each of the backend's own)",
+    )
     p.add_argument("--show-passing", action="store_true", help="list every case, not only failures")
     return p
 
@@ -91,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"expert parallelism: {args.ep} processes")
             try:
                 suite.run_ep(args.ep, args.ep_dispatcher)
+                if args.ep_dispatcher is None:  # and each of the backend's own dispatchers
+                    for disp in suite.ep_dispatchers():
+                        console.print(f"expert parallelism behind {disp}", markup=False)
+                        suite.run_ep(args.ep, disp, required=False)
             except KeyboardInterrupt:  # Ctrl-C or SIGTERM, as Suite.run takes it: keep the report
                 suite.interrupted = True
                 why = "the run was interrupted during the expert-parallel cases"

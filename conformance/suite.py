@@ -89,10 +89,14 @@ class Suite:
         for c in cases:
             self.results.append(CaseResult(c.id, c.family, c.check, c.quant.name, c.layout, "-", NOT_RUN, detail=why))
 
-    def run_ep(self, world: int = 2, dispatcher: str | None = None, timeout_s: float = 240.0) -> None:
+    def run_ep(
+        self, world: int = 2, dispatcher: str | None = None, timeout_s: float = 240.0, required: bool = True
+    ) -> None:
         """The expert-parallel cases: `world` local processes (gloo), each running the backend's
         experts behind an EP dispatcher (the generic torch.distributed one unless `dispatcher`
-        names another), compared with the single-process reference on all tokens."""
+        names another), compared with the single-process reference on all tokens. A named
+        dispatcher that takes no case fails the run where `required` (the user named it), else
+        gives one declined result (one of the backend's own, tried as `ep_dispatchers` lists)."""
         import os
 
         from moehal.distributed_check import run_ep_cases, run_spawned
@@ -126,10 +130,12 @@ class Suite:
             why = outcomes[0].result[0].declined if outcomes[0].result else "no case"
             self.results.append(
                 CaseResult(
-                    f"ep/world{world}/{disp}", "ep", "ep", "-", "-", disp, FAIL,
+                    f"ep/world{world}/{disp}", "ep", "ep", "-", "-", disp, FAIL if required else DECLINED,
                     detail=f"{disp} took none of the EP cases; the first decline: {why}"[:400],
                 )
             )  # fmt: skip
+            if not required:
+                return
         for rank0 in outcomes[0].result:
             if rank0.declined:
                 self.results.append(
@@ -153,6 +159,11 @@ class Suite:
                     + (f"; {rank0.detail}" if rank0.detail else ""),
                 )
             )
+
+    def ep_dispatchers(self) -> list[str]:
+        """The backend's own dispatchers, which `moehal conformance --ep` tries beside the
+        generic one when none is named: conformance runs what the backend declares."""
+        return [d.qualname for d in self.registry.dispatchers if d.backend == self.backend]
 
     # Summary ------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

@@ -74,3 +74,19 @@ def test_a_named_ep_dispatcher_that_takes_no_case_fails():
     suite.run_ep(2, "reference.local")  # one device only: it declines process groups
     (failed,) = [r for r in suite.results if r.status == "fail"]
     assert failed.id == "ep/world2/reference.local" and "took none of the EP cases" in failed.detail
+
+
+def test_the_cli_tries_each_of_the_backends_own_dispatchers_under_ep(tmp_path, capsys):
+    """`--ep` without `--ep-dispatcher`: the generic dispatcher, then the backend's own. One that
+    takes no case gives one declined line, not a failure (the user did not name it)."""
+    from moehal_conformance.cli import main
+
+    code = main(["--backend", "npu", "--emulate", "--quick", "-k", "matrix/bf16/silu/", "--ep", "2",
+                 "--report", str(tmp_path / "npu")])  # fmt: skip
+    import json
+
+    cases = json.loads((tmp_path / "npu.json").read_text())["cases"]
+    hccl = [c for c in cases if c["family"] == "ep" and "npu.hccl" in c["pipeline"]]
+    assert code == 0 and {c["status"] for c in hccl} == {"pass"} and len(hccl) == 2
+    local = [c for c in cases if c["id"].startswith("ep/world2/npu.local")]
+    assert local and all(c["status"] == "declined" and "took none of the EP cases" in c["detail"] for c in local)

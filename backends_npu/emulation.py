@@ -28,6 +28,7 @@ its `Buffer.fused_deep_moe` docstring and the FusedDeepMoe tiling checks
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,6 +67,12 @@ def _per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.float().abs().amax(dim=-1).clamp_min(_TINY) / INT8_MAX
     q = torch.round(x.float() / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
+
+
+def _check_dtype(op: str, arg: str, t: torch.Tensor, want: torch.dtype, source: str) -> None:
+    """Refuse an operand of another dtype, as the vendor op's own argument check does."""
+    if t.dtype != want:
+        raise ValueError(f"{op}: {arg} must be {want} ({source}), got {t.dtype}")
 
 
 # --- torch_npu ops -----------------------------------------------------------------------------
@@ -158,7 +165,8 @@ def npu_dequant_swiglu_quant(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ptaoplist_002367. x int32 `[M, 2N]` (a grouped matmul's accumulator).
 
-    dequant: x * weight_scale[group(row)] (`[G, 2N]`) * activation_scale[row] (`[M]`);
+    dequant: x * weight_scale[group(row)] (`[G, 2N]`) * activation_scale[row] (`[M]`), both
+    float32 (the page's parameter list; another dtype is refused);
     swiglu: activate_left=True -> silu(left half) * right half, False -> silu(right) * left;
     quant_mode 1 (dynamic): per-row int8 with scale = rowmax / 127 (times quant_scale if given).
     group_index `[G]`: rows per group (count form). Returns (int8 `[M, N]`, float32 `[M]`).
@@ -174,6 +182,10 @@ def npu_dequant_swiglu_quant(
             f"npu_dequant_swiglu_quant with group_index: output width {n} must be <= {DEQUANT_SWIGLU_MAX} "
             f"and a multiple of {DEQUANT_SWIGLU_ALIGN}"
         )
+    # ptaoplist_002367, parameter list: weight_scale and activation_scale "数据类型支持float32"
+    for arg, t in (("weight_scale", weight_scale), ("activation_scale", activation_scale)):
+        if t is not None:
+            _check_dtype("npu_dequant_swiglu_quant", arg, t, torch.float32, "ptaoplist_002367")
     m = x.shape[0]
     y = x.double()
     if group_index is not None:
@@ -243,6 +255,7 @@ def npu_moe_init_routing_v2(
         raise ValueError(f"expert_tokens_num_type currently not support {expert_tokens_num_type}")
     if expert_tokens_num_type == 2:
         raise NotImplementedError("expert_tokens_num_type=2 (key-value pairs) is not emulated")
+    _check_dtype("npu_moe_init_routing_v2", "expert_idx", expert_idx, torch.int32, "ptaoplist_002366")
     n, k = expert_idx.shape
     start, end = active_expert_range if active_expert_range else (0, expert_num)
     ids = expert_idx.reshape(-1).to(torch.int64)
@@ -390,6 +403,23 @@ def npu_moe_distribute_combine(
         raise ValueError("npu_moe_distribute_combine: expand_scales is required (Atlas A2)")
     bs, k = expert_ids.shape
     local = moe_expert_num // ep_world_size
+    # ep_send_counts is dispatch's ep_recv_counts handed back (ptaoplist_002363: "对应
+    # npu_moe_distribute_dispatch的ep_recv_counts输出"): int32 `[W*L]` here, and the very
+    # counts the emulated dispatch returned for this routing (recomputed from every rank's ids).
+    _check_dtype("npu_moe_distribute_combine", "ep_send_counts", ep_send_counts, torch.int32, "ptaoplist_002363")
+    if tuple(ep_send_counts.shape) != (ep_world_size * local,):
+        raise ValueError(
+            f"npu_moe_distribute_combine: ep_send_counts must be 1-D with ep_world_size * local_expert_num = "
+            f"{ep_world_size * local} entries (dispatch's ep_recv_counts), got shape {tuple(ep_send_counts.shape)}"
+        )
+    all_ids = _gather(expert_ids.to(torch.int64), group_ep)
+    src, _, e = _received_order(all_ids, ep_rank_id, local)
+    sent = torch.bincount(e * ep_world_size + src, minlength=local * ep_world_size).to(torch.int32)
+    if not torch.equal(ep_send_counts.to(sent.device), sent):
+        raise ValueError(
+            "npu_moe_distribute_combine: ep_send_counts differs from the ep_recv_counts npu_moe_distribute_dispatch "
+            "returned for these expert_ids (combine returns tokens along dispatch's path)"
+        )
     all_y = _gather(expand_x, group_ep)  # [W, A, H]
     dst = expert_ids.to(torch.int64).reshape(-1) // local
     rows = all_y[dst, expand_idx.to(torch.int64)].float()
@@ -402,6 +432,45 @@ def npu_moe_distribute_combine(
 FUSED_DEEP_MOE = 1
 DISPATCH_FFN_COMBINE = 2
 W13_TILE = 128  # FUSED_DEEP_MOE's gmm1 weight: [gate; up] interleaved in tiles of 64 + 64 columns
+
+
+@dataclass(frozen=True)
+class LowLatencyBuffer:
+    """Stand-in for the DeepEP-Ascend low-latency `Buffer` fused_deep_moe runs on. The real one
+    is sized at creation for `num_max_dispatch_tokens_per_rank` tokens per rank
+    (`get_low_latency_rdma_size_hint`), the value fused_deep_moe is later told ("used for
+    buffer/memory allocation", FUSED_DEEP_MOE doc); the stand-in records it so fused_deep_moe
+    can refuse a value the buffer was not created for."""
+
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    num_local_experts: int
+    num_ranks: int = 1
+
+
+def low_latency_buffer(group: Any, max_tokens: int, hidden: int, num_experts: int, local: int) -> LowLatencyBuffer:
+    """The emulated counterpart of `VendorOps.low_latency_buffer` (same arguments); `group` may
+    be None (one rank)."""
+    if group is None:
+        ranks = 1
+    else:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size(group)
+    return LowLatencyBuffer(max_tokens, hidden, num_experts, local, ranks)
+
+
+def expected_max_dispatch_tokens(buffer: LowLatencyBuffer, fuse_mode: int, top_k: int) -> int:
+    """num_max_dispatch_tokens_per_rank as moehal_npu passes it for a buffer made for
+    `buffer.num_max_dispatch_tokens_per_rank` tokens per rank: that value for FUSED_DEEP_MOE
+    (tokens each rank dispatches); for DISPATCH_FFN_COMBINE the rows one rank may receive,
+    tokens * ranks * min(top_k, local experts) (moehal_npu's convention, `fuseep.py`; the
+    vendor notes do not say what this mode expects)."""
+    t = buffer.num_max_dispatch_tokens_per_rank
+    if fuse_mode == DISPATCH_FFN_COMBINE:
+        return t * buffer.num_ranks * min(top_k, buffer.num_local_experts)
+    return t
 
 
 def unpermute_w13_columns(t: torch.Tensor, tile: int = W13_TILE) -> torch.Tensor:
@@ -424,6 +493,7 @@ def fused_deep_moe(
     num_experts: int,
     quant_mode: int = 1,
     fuse_mode: int = FUSED_DEEP_MOE,
+    buffer: LowLatencyBuffer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepEP-Ascend `Buffer.fused_deep_moe` (doc/FUSED_DEEP_MOE.md), one rank (EP world 1).
 
@@ -438,8 +508,25 @@ def fused_deep_moe(
     Math: dynamic per-token int8 x -> gmm1 -> dequant -> SwiGLU (silu(gate) * up) -> dynamic
     per-token int8 -> gmm2 -> dequant -> bf16 per row -> weighted sum over k -> bf16.
     Returns (out `[bs, H]` bf16, ep_recv_count int32 `[E]` rows per local expert).
+
+    Operand checks (the documented argument list, `Buffer.fused_deep_moe` docstring and
+    FUSED_DEEP_MOE doc): topk_idx int64 (the Python wrapper then casts it to int32 for the
+    kernel), topk_weights float32. With `buffer` (the emulated low-latency buffer),
+    num_max_dispatch_tokens_per_rank must be what that buffer was created for
+    (`expected_max_dispatch_tokens`).
     """
+    op = "DeepEP-Ascend fused_deep_moe"
+    _check_dtype(op, "topk_idx", topk_idx, torch.int64, "Buffer.fused_deep_moe docstring")
+    _check_dtype(op, "topk_weights", topk_weights, torch.float32, "Buffer.fused_deep_moe docstring")
     bs, k = topk_idx.shape
+    if buffer is not None:
+        want = expected_max_dispatch_tokens(buffer, fuse_mode, k)
+        if num_max_dispatch_tokens_per_rank != want:
+            raise ValueError(
+                f"{op}: num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}, but the low-latency "
+                f"buffer was created for {buffer.num_max_dispatch_tokens_per_rank} tokens per rank, which "
+                f"fuse_mode {fuse_mode} takes as {want}"
+            )
     if bs > num_max_dispatch_tokens_per_rank:
         raise ValueError(f"{bs} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
     e_loc = gmm1_permuted_weight.shape[0]

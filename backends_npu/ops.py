@@ -270,7 +270,7 @@ class VendorOps:
         if self.emulate:
             from moehal_npu import emulation
 
-            return emulation.fused_deep_moe(*args, quant_mode=quant_mode, fuse_mode=fuse_mode)
+            return emulation.fused_deep_moe(*args, quant_mode=quant_mode, fuse_mode=fuse_mode, buffer=buffer)
         modes = fuse_mode_enum()
         if modes is None:  # a release before fuse modes: its fused_deep_moe is FUSED_DEEP_MOE
             if fuse_mode != 1:
@@ -279,9 +279,12 @@ class VendorOps:
         return buffer.fused_deep_moe(*args, quant_mode=quant_mode, fuse_mode=modes(fuse_mode))
 
     def low_latency_buffer(self, group: Any, max_tokens: int, hidden: int, num_experts: int, local: int) -> Any:
-        """A DeepEP-Ascend `Buffer` in low-latency mode for fused_deep_moe (None when emulated)."""
+        """A DeepEP-Ascend `Buffer` in low-latency mode for fused_deep_moe (emulated: a record of
+        what it was sized for, which the emulated fused_deep_moe checks its arguments against)."""
         if self.emulate:
-            return None
+            from moehal_npu import emulation
+
+            return emulation.low_latency_buffer(group, max_tokens, hidden, num_experts, local)
         from deep_ep import Buffer
 
         world = torch.distributed.get_world_size(group)

@@ -270,3 +270,120 @@ def test_fused_deep_moe(fuse_mode, quantized):
     assert torch.equal(recv, torch.bincount(ids[ids >= 0], minlength=e).to(torch.int32))
     err = float((out.double() - ref).abs().max() / ref.abs().max())
     assert err < (0.065 if quantized else 2e-2), err
+
+
+# --- operands the vendor ops refuse ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arg", ["weight_scale", "activation_scale"])
+def test_dequant_swiglu_quant_takes_float32_scales(arg):
+    """ptaoplist_002367: weight_scale and activation_scale are float32 (e.g. a bf16 weight scale
+    kept from the checkpoint is refused)."""
+    kw = dict(weight_scale=torch.ones(1, 128), activation_scale=torch.ones(4))
+    kw[arg] = kw[arg].to(torch.bfloat16)
+    with pytest.raises(ValueError, match=f"npu_dequant_swiglu_quant: {arg} must be torch.float32.*got torch.bfloat16"):
+        emulation.npu_dequant_swiglu_quant(
+            torch.zeros(4, 128, dtype=torch.int32), group_index=torch.tensor([4]), activate_left=True, quant_mode=1,
+            **kw,
+        )  # fmt: skip
+
+
+def test_moe_init_routing_v2_takes_int32_expert_idx():
+    """ptaoplist_002366: expert_idx is int32 (top-k ids handed over uncast, int64, are refused)."""
+    x = torch.zeros(2, 16, dtype=torch.bfloat16)
+    kw = dict(expert_num=4, expert_tokens_num_type=1, expert_tokens_num_flag=True)
+    emulation.npu_moe_init_routing_v2(x, torch.zeros(2, 1, dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match="npu_moe_init_routing_v2: expert_idx must be torch.int32.*got torch.int64"):
+        emulation.npu_moe_init_routing_v2(x, torch.zeros(2, 1, dtype=torch.int64), **kw)
+
+
+def _fdm_operands(fuse_mode: int, bs: int = 4, e: int = 2, k: int = 2, h: int = 64, i: int = 128):
+    x = torch.zeros(bs, h, dtype=torch.bfloat16)
+    ids = torch.arange(bs * k).view(bs, k) % e
+    w13 = torch.zeros(e, h, 2 * i, dtype=torch.int8)
+    if fuse_mode == emulation.FUSED_DEEP_MOE:
+        w2, s13, s2 = torch.zeros(e, h, i, dtype=torch.int8), torch.ones(e, 2 * i), torch.ones(e, h)
+    else:
+        w2 = torch.zeros(e, i, h, dtype=torch.int8)
+        s13, s2 = float_bits_as_int64(torch.ones(e, 2 * i)), float_bits_as_int64(torch.ones(e, h))
+    return x, ids, torch.ones(bs, k), w13, s13, w2, s2
+
+
+@pytest.mark.parametrize(
+    "arg,dtype,want",
+    [("topk_idx", torch.int32, "torch.int64"), ("topk_weights", torch.bfloat16, "torch.float32")],
+)
+def test_fused_deep_moe_operand_dtypes(arg, dtype, want):
+    """Buffer.fused_deep_moe's documented arguments: topk_idx int64, topk_weights float32."""
+    x, ids, wts, w13, s13, w2, s2 = _fdm_operands(emulation.FUSED_DEEP_MOE)
+    if arg == "topk_idx":
+        ids = ids.to(dtype)
+    else:
+        wts = wts.to(dtype)
+    with pytest.raises(ValueError, match=f"fused_deep_moe: {arg} must be {want}.*got {dtype}"):
+        emulation.fused_deep_moe(x, ids, wts, w13, s13, w2, s2, 4, 2, quant_mode=1)
+
+
+@pytest.mark.parametrize("fuse_mode", [emulation.FUSED_DEEP_MOE, emulation.DISPATCH_FFN_COMBINE])
+def test_fused_deep_moe_checks_max_tokens_against_its_buffer(fuse_mode):
+    """The low-latency buffer records the tokens per rank it was created for; fused_deep_moe
+    takes that value (FUSED_DEEP_MOE) or the receive bound tokens * ranks * min(top_k, local)
+    (DISPATCH_FFN_COMBINE, as moehal_npu passes it) and refuses the other mode's value."""
+    max_tokens, e, k = 4, 2, 2
+    buf = emulation.low_latency_buffer(None, max_tokens, 64, e, e)
+    assert buf.num_max_dispatch_tokens_per_rank == max_tokens
+    recv_bound = max_tokens * 1 * min(k, e)
+    right, wrong = (max_tokens, recv_bound) if fuse_mode == emulation.FUSED_DEEP_MOE else (recv_bound, max_tokens)
+    ops = _fdm_operands(fuse_mode, bs=max_tokens, e=e, k=k)
+    emulation.fused_deep_moe(*ops, right, e, quant_mode=1, fuse_mode=fuse_mode, buffer=buf)
+    with pytest.raises(ValueError, match=f"num_max_dispatch_tokens_per_rank={wrong}, but the low-latency buffer"):
+        emulation.fused_deep_moe(*ops, wrong, e, quant_mode=1, fuse_mode=fuse_mode, buffer=buf)
+
+
+@pytest.fixture
+def world_of_one():
+    import datetime
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    path = tempfile.mktemp(prefix="moehal-npu-emu-")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20)
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def test_moe_distribute_combine_checks_ep_send_counts(world_of_one):
+    """ptaoplist_002363: ep_send_counts is dispatch's ep_recv_counts handed back (int32, one
+    entry per (local expert, EP rank)); tp_recv_counts, an int64 copy or other counts are refused."""
+    gen = torch.Generator().manual_seed(9)
+    bs, k, e, h = 5, 2, 4, 32
+    x = torch.randn(bs, h, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(bs)]).to(torch.int32)
+    wts = torch.rand(bs, k, generator=gen)
+    expand_x, _, expand_idx, _, ep_recv, tp_recv, expand_scales = emulation.npu_moe_distribute_dispatch(
+        x, ids, world_of_one, 1, 0, e, expert_scales=wts
+    )
+    assert ep_recv.dtype == torch.int32 and ep_recv.shape == (e,)
+
+    def combine(counts):
+        return emulation.npu_moe_distribute_combine(
+            expand_x, ids, expand_idx, counts, wts, world_of_one, 1, 0, e, expand_scales=expand_scales
+        )
+
+    out = combine(ep_recv)
+    ref = (x.float()[:, None, :] * wts[:, :, None]).sum(1)  # every expert the identity
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="ep_send_counts must be 1-D with .* 4 entries.*got shape \\(1,\\)"):
+        combine(tp_recv)
+    with pytest.raises(ValueError, match="ep_send_counts must be torch.int32.*got torch.int64"):
+        combine(ep_recv.long())
+    with pytest.raises(ValueError, match="ep_send_counts differs from the ep_recv_counts"):
+        combine(ep_recv.flip(0) if not torch.equal(ep_recv.flip(0), ep_recv) else ep_recv + 1)

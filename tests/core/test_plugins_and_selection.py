@@ -469,3 +469,52 @@ def test_a_malformed_hook_answer_fails_the_plugin_and_adds_nothing(hook, answer,
     with pytest.raises(moehal.PluginLoadError, match=why):
         strict.register(plugin, "test")
     assert not strict.all_implementations() and "test" not in strict.loaded_backends()
+
+
+def test_a_format_the_dispatcher_produces_exactly_beats_an_earlier_one_that_needs_an_adapter():
+    """Ranking is priority, then fewer adapters, then the experts' format preference: experts
+    that list an fp8 format first (reachable only through the quantize adapter behind a
+    dispatcher that sends bf16) and bf16 second get the bf16 format, dispatched as is. The
+    adapter pipeline stays an alternative, ranked after it."""
+    from moehal.capability import decline
+    from moehal.interfaces import BuildRequest
+    from moehal.plugins import Registry
+    from moehal.selection import select
+
+    fp8 = ActivationFormat(Layout.STANDARD, torch.float8_e4m3fn, ScaleKind.GROUP_128)
+    bf16 = ActivationFormat(Layout.STANDARD, torch.bfloat16)
+
+    class Bf16Only(Dispatcher):
+        name, priority = "bf16_only", 5
+
+        def can_produce(self, fmt, req):
+            return decline("sends bf16 only", "format") if fmt.is_quantized else accept(predicate="format")
+
+        def build(self, req, fmt):
+            raise NotImplementedError
+
+    class Fp8FirstExperts(Experts):
+        name, priority = "fp8_first", 5
+        quant_schemes = frozenset({moehal.QuantScheme.parse("fp8_block")})
+
+        def input_formats(self, req):
+            return [fp8, bf16]  # fp8 preferred; bf16 quantized inside the kernel
+
+        def build(self, req, fmt):
+            raise NotImplementedError
+
+    plugin = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: BackendInfo("toyexact", "0", "toy")),
+        moehal_dispatchers=moehal.hookimpl(lambda: [Bf16Only()]),
+        moehal_experts=moehal.hookimpl(lambda: [Fp8FirstExperts()]),
+    )
+    reg = Registry(moehal.Settings())
+    reg.register(plugin, "toyexact")
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    req = BuildRequest(cfg, moehal.QuantScheme.parse("fp8_block"), moehal.detect("cpu"), moehal.Settings())
+    plan = select(req, reg, backend="toyexact")
+    p = plan.pipeline
+    assert p.experts.qualname == "toyexact.fp8_first" and p.dispatcher.qualname == "toyexact.bf16_only"
+    assert p.adapter is None and p.fmt == bf16 and p.dispatch_fmt == bf16, p.name
+    via_adapter = [a for a in plan.alternatives if a.adapter == "quantize"]
+    assert [(a.fmt, a.dispatch_fmt) for a in via_adapter] == [(fp8, bf16)], [a.name for a in plan.alternatives]

@@ -280,6 +280,9 @@ class CaseBuilder:
             "ep_local_range": dict(ep_size=2, ep_rank=1),
             "hidden_not_128x": dict(hidden_size=192, intermediate_size=96),
             "wide_512": wide_512,
+            # SwiGLU-OAI's clamps within reach of the data (at the default limit of 7, randn
+            # weights and inputs never reach them: session 45's audit dropped both, unseen)
+            "swiglu_clamp": dict(activation="swiglu_oai", swiglu_limit=1.0),
         }
         for quant in claimed:
             for name, change in features.items():
@@ -359,6 +362,9 @@ class CaseBuilder:
         for quant in claimed or [BF16]:
             for check in BEHAVIOUR_CHECKS:
                 cases.extend(self.behaviour_cases(check, base, wide, quant))
+            # rows whose width is no multiple of a K tile: a K tail read past the row shows
+            tail = base.with_(**features["hidden_not_128x"])
+            cases.extend(self.cases_for("strided_inputs", "strided_inputs", "hidden_not_128x", tail, quant, tokens=16))
         # -1 ids: only pipelines whose dispatcher (or fused forward) declares dropping them are
         # built for MoEConfig.topk_padding; a backend with none shows one declined case ----------
         for quant in claimed or [BF16]:

@@ -494,7 +494,9 @@ class CaseRunner:
         layer.load_weights(prob.weights.to(self.device))
         d, h = self.device, case.config.hidden_size
         x, ids, w = (t.to(d) for t in (prob.x, prob.ids, prob.wts))
-        wide = torch.zeros(x.shape[0], h + 64, dtype=x.dtype, device=d)
+        # NaN past each row: a kernel that reads past H (a K tail loaded unmasked, times masked
+        # zero weights) turns it into NaN here, where zeros would hide it (session 45's audit)
+        wide = torch.full((x.shape[0], h + 64), float("nan"), dtype=x.dtype, device=d)
         wide[:, :h] = x
         xs = wide[:, :h]  # row stride h + 64
         ids_s, w_s = ids.t().contiguous().t(), w.t().contiguous().t()  # strides (1, T)

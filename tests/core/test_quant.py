@@ -106,3 +106,32 @@ def test_static_activation_scales_cover_the_w13_bias(quant):
     full = 448.0 if quant == "fp8_tensor" else 448.0 * 6.0
     covered = full / float(w.a2_scale) if quant == "nvfp4" else float(w.a2_scale) * full
     assert covered >= float(a2.abs().amax())
+
+
+@pytest.mark.parametrize("scale_of_amax", [1.0, 0.25])  # 0.25: a static scale that clips the tails
+def test_fp8_tensor_qdq_divides_by_the_static_scale(scale_of_amax):
+    """Per-tensor fp8: q = e4m3(clamp(x / s, +-448)), x' = q * s. Within range, the error is at
+    most half an e4m3 step: 2^-4 relative for normals, 2^-10 * s absolute for subnormals."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    s = torch.tensor(float(x.abs().amax()) / fp8.FP8_MAX * scale_of_amax)
+    got = fp8.qdq_tensor(x, s)
+    want = (x / s).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float8_e4m3fn).float() * s
+    assert torch.equal(got, want)
+    inside = x.abs() <= fp8.FP8_MAX * s
+    assert ((got - x).abs()[inside] <= x.abs()[inside] * 2**-4 + s * 2**-10 + 1e-7).all()
+    assert torch.equal(got[~inside], x[~inside].sign() * fp8.FP8_MAX * s)
+
+
+def test_nvfp4_codes_use_the_e4m3_rounded_block_scale():
+    """NVFP4 quantizes each block with the block scale it stores: sf = e4m3(amax / 6 * gs), then
+    codes = e2m1(x * gs / float(sf)), as FlashInfer's fp4_quantize kernel does (TensorRT-LLM's
+    quantization_utils.cuh: `SFValue = static_cast<float>(tmp)` before the output scale) and
+    the Triton glue's nvfp4_qdq; not with the unrounded amax / 6 * gs."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 256, generator=g) * 3
+    gs = nvfp4.global_scale_for(x) / 4  # block scales well inside e4m3's range, most of them inexact
+    packed, sf = nvfp4.quantize(x, gs)
+    blocks = x.reshape(8, 16, 16)
+    assert torch.equal(sf, (blocks.abs().amax(-1) / 6 * gs).clamp(max=448).to(torch.float8_e4m3fn))
+    want = nvfp4.encode_e2m1(blocks * (gs / sf.float())[..., None]).reshape(8, 256)
+    assert torch.equal(nvfp4.unpack(packed), want)

@@ -24,7 +24,7 @@ from deep_ep_double import Group, World, module
 from moe_testing import random_topk, random_weights
 from moehal.config import MoEConfig
 from moehal.formats import ActivationFormat, ContiguousInput, Layout, MaskedInput, ScaleKind
-from moehal.hardware import detect
+from moehal.hardware import HardwareInfo, detect
 from moehal.interfaces import BuildRequest
 from moehal.kernels import triton_permute as tp
 from moehal.quant import QuantScheme
@@ -219,3 +219,31 @@ def test_layers_share_one_deep_ep_buffer_per_group_and_mode(monkeypatch):
     d = build(DeepEPLowLatencyDispatcher(), 64, num_experts=16, hidden_size=2048)
     assert not d.ok and "4 local experts" in d.reason and "has 8" in d.reason
     assert deepep.release_buffers() == 2
+
+
+@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+def test_router_weight_on_input_is_applied_once(monkeypatch, mode):
+    """`apply_router_weight_on_input` (top-1): the dispatcher scales the tokens before sending
+    them and combines with unit weights, so the router weight counts once, as in the oracle."""
+    monkeypatch.setitem(SHAPE, "top_k", 1)
+    monkeypatch.setitem(SHAPE, "apply_router_weight_on_input", True)
+    assert _run(monkeypatch, "bf16", mode, "reference", 64 if mode == "low_latency" else 8)
+
+
+def test_low_latency_max_tokens_is_bounded_by_the_qp_depth(monkeypatch):
+    """DeepEP's low-latency mode needs NVSHMEM_QP_DEPTH >= 2 * (max_tokens + 1): at the default
+    depth 1024, max_tokens 511 is the largest accepted and 512 is declined at build, with why."""
+    hw = HardwareInfo("cuda", torch.device("cuda", 0), "Test H100", (9, 0))
+
+    def check(max_tokens):
+        cfg = MoEConfig(
+            num_experts=64, top_k=8, hidden_size=7168, intermediate_size=2048, ep_size=8, max_tokens=max_tokens
+        )
+        return DeepEPLowLatencyDispatcher.check_limits(BuildRequest(cfg, QuantScheme.parse("bf16"), hw))
+
+    monkeypatch.delenv("NVSHMEM_QP_DEPTH", raising=False)
+    assert check(511).ok
+    d = check(512)
+    assert not d.ok and "NVSHMEM_QP_DEPTH >= 1026" in d.reason and "now 1024" in d.reason
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "1026")
+    assert check(512).ok

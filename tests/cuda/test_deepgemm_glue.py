@@ -811,16 +811,56 @@ def test_sm100_weights_get_their_scale_transform_whoever_loads_them(monkeypatch)
 
     calls = _fake_deep_gemm(monkeypatch)
     sm100 = HardwareInfo("cuda", torch.device("cuda", 0), "Test B200", (10, 0))
-    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    # W13 not square (2I = 512 rows, H = 256): transform_sf_into_required_layout(sf, mn, k, ...)
+    # takes mn = the weight's rows, k = its columns
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=256)
     quant = QuantScheme.parse("fp8_block:ue8m0")
     g = torch.Generator().manual_seed(0)
-    w = quantize_weights(cfg, quant, torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g))
+    w = quantize_weights(cfg, quant, torch.randn(4, 512, 256, generator=g), torch.randn(4, 256, 256, generator=g))
     req = BuildRequest(cfg, quant, sm100)
     runner = DeepGemmExpertsRunner(req, _fmt(quant, Layout.MASKED), TorchGemmOps(True))
     runner.load(w)
-    assert calls == [((4, 2, 2), 256, 256, (1, 128, 128), 4, False), ((4, 2, 1), 256, 128, (1, 128, 128), 4, False)]
+    assert calls == [((4, 4, 2), 512, 256, (1, 128, 128), 4, False), ((4, 2, 2), 256, 256, (1, 128, 128), 4, False)]
+    for sf, mn, k, *_ in calls:  # each scale tensor is [E, ceil(mn/128), ceil(k/128)]
+        assert sf[1:] == (-(-mn // 128), -(-k // 128))
     DeepGemmWeightProcessor().process(w, req)
     assert calls[2:] == calls[:2]  # the processor's call, the same
     bad = dataclasses.replace(w, w2_scale=w.w2_scale * 1.5)  # fp8_block scales, not UE8M0
     with pytest.raises(WeightError, match="w2_scale: .* not positive powers of two"):
         runner.load(bad)
+
+
+def test_sm100_weights_with_negative_power_of_two_scales_are_refused(monkeypatch):
+    """SM100's UE8M0 packing keeps the exponent only: a negative scale (sign bit set, mantissa
+    zero) is not a positive power of two and is refused on the host like any other."""
+    from moehal.errors import WeightError
+    from moehal.hardware import HardwareInfo
+
+    _fake_deep_gemm(monkeypatch)
+    sm100 = HardwareInfo("cuda", torch.device("cuda", 0), "Test B200", (10, 0))
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    quant = QuantScheme.parse("fp8_block:ue8m0")
+    g = torch.Generator().manual_seed(1)
+    w = quantize_weights(cfg, quant, torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g))
+    runner = DeepGemmExpertsRunner(BuildRequest(cfg, quant, sm100), _fmt(quant, Layout.MASKED), TorchGemmOps(True))
+    runner.load(w)  # the same weights with positive scales load
+    scale = w.w13_scale.clone()
+    scale[1, 0, 1] = -scale[1, 0, 1]  # -2^k: mantissa bits zero, sign bit set
+    with pytest.raises(WeightError, match="w13_scale: 1 of .* not positive powers of two"):
+        runner.load(dataclasses.replace(w, w13_scale=scale))
+
+
+def test_nvfp4_qdq_kernel_rounds_exact_ties_to_even():
+    """Values exactly halfway between two e2m1 neighbours (block scale exactly 1, global scale
+    1) round to the even neighbour, as cvt.rn and the reference do: 1.25 -> 1.0, 1.75 -> 2.0."""
+    from moehal.quant import nvfp4
+    from moehal_cuda.triton_glue import RowIndex, nvfp4_qdq_rows
+
+    row = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # block amax 6: scale 1.0
+    x = torch.stack([row, -row]).reshape(1, 2, 16).repeat(1, 1, 4).bfloat16().to(DEV)
+    out = torch.zeros_like(x)
+    mm = torch.tensor([2], dtype=torch.int32, device=DEV)
+    nvfp4_qdq_rows(x, out, torch.tensor(1.0, device=DEV), RowIndex(2, 2, masked_m=mm))
+    ref = nvfp4.qdq(x.float().cpu(), 1.0).bfloat16()
+    assert ref[0, 0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+    assert torch.equal(out.cpu(), ref)

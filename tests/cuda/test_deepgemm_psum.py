@@ -195,3 +195,31 @@ def test_releases_without_the_psum_layout_and_sm100_keep_m_indices(monkeypatch):
     monkeypatch.setattr(dge, "import_deep_gemm", lambda: _DeepGemm())
     assert dge.DeepGemmOps(False, False, replay_graphs=False).takes_psum
     assert not dge.DeepGemmOps(False, True, replay_graphs=False).takes_psum  # SM100: never run there
+
+
+class _RecordingFp8DeepGemm:
+    """deep_gemm's fp8 grouped GEMMs, recording each call's keyword arguments only."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[tuple[str, dict]] = []
+
+    def m_grouped_fp8_gemm_nt_masked(self, a, b, d, masked_m, expected_m, **kwargs) -> None:
+        self.kwargs.append(("masked", kwargs))
+
+    def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, grouped_layout, **kwargs) -> None:
+        self.kwargs.append(("contiguous", kwargs))
+
+
+@pytest.mark.parametrize("sm100", [True, False])
+def test_sm100_fp8_gemms_ask_for_the_packed_ue8m0_recipe(monkeypatch, sm100):
+    """On SM100 the weight scales are transformed into packed UE8M0 ints (INT32 SFB), for which
+    DeepGEMM's recipe is (1, 1, 128); (1, 128, 128) is its legacy one, for FP32 SFB. SM90 keeps
+    DeepGEMM's default recipe: no `recipe` is passed there."""
+    dg = _RecordingFp8DeepGemm()
+    monkeypatch.setattr(dge, "import_deep_gemm", lambda: dg)
+    ops = dge.DeepGemmOps(True, sm100, replay_graphs=False)
+    a, w = torch.zeros(2, 128, 128), torch.zeros(2, 256, 128)
+    ops.masked(a, None, w, None, torch.zeros(2, 128, 256), torch.tensor([1, 2], dtype=torch.int32), 2)
+    ops.contiguous(a[0], None, w, None, torch.zeros(128, 256), torch.zeros(128, dtype=torch.int32))
+    want = {"recipe": (1, 1, 128)} if sm100 else {}
+    assert dg.kwargs == [("masked", want), ("contiguous", want)]

@@ -358,3 +358,13 @@ def test_trtllm_logits_reach_the_kernel_contiguous_and_version_is_read_at_build(
         got = args[0]
         assert got.is_contiguous() and got.shape == (3, 4)
         torch.testing.assert_close(got.float(), logits.to(got.dtype).float())
+
+
+@pytest.mark.parametrize("version,ok", [("0.6.7", False), ("0.6.8", True), ("0.7.0", True)])
+def test_trtllm_bf16_deepseek_logits_start_at_flashinfer_0_6_8(monkeypatch, version, ok):
+    """trtllm-gen's DeepSeek-V3 routing takes bf16 logits from flashinfer 0.6.8
+    (`FLASHINFER_BF16_LOGITS`): older releases get them as fp32."""
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: version)
+    assert fm.bf16_logits_ok() is ok
+    sent = fm.logits_for_kernel(torch.zeros(2, 8, dtype=torch.bfloat16), fm.ROUTING_DEEPSEEK_V3, fm.bf16_logits_ok())
+    assert sent.dtype == (torch.bfloat16 if ok else torch.float32)

@@ -101,6 +101,9 @@ def test_trtllm_fp8_tensor_scales_fold_static_scales():
     perm = L.gated_act_row_indices(256)[L.shuffle_row_indices(256, 128)]
     swapped = L.swap_w13_halves(w.w13).view(torch.uint8)
     assert torch.equal(t.w13.view(torch.uint8), swapped[:, perm])
+    # W2 row-shuffled for the epilogue tile too (no swap, no interleave), as FlashInfer's trtllm
+    # tests shuffle gemm2's weights with shuffle_matrix_a
+    assert torch.equal(t.w2.view(torch.uint8), w.w2.view(torch.uint8)[:, L.shuffle_row_indices(256, 128)])
 
 
 @pytest.mark.parametrize("standard", [True, False])
@@ -120,4 +123,26 @@ def test_cutedsl_nvfp4_preparation_is_lossless(standard):
         rtol=0,
         atol=0,
     )
+    torch.testing.assert_close(p.w13_alpha, 1.0 / (w.a13_scale * w.w13_global_scale))
+
+
+@pytest.mark.parametrize("standard", [True, False])
+def test_cutedsl_nvfp4_w2_scales_are_swizzled_and_its_alpha_uses_the_gemm2_input_scale(standard):
+    """W2's block scales in the 128x4-swizzled layout (both paths), and
+    w2_alpha = 1 / (a2_global_scale * w2_global_scale): GEMM2's own input scale, calibrated
+    here so that a2 differs from a13."""
+    cfg = _cfg()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 256, generator=g)
+    w = quantize_weights(
+        cfg, NVFP4, torch.randn(4, 256, 256, generator=g), torch.randn(4, 256, 128, generator=g), calibration_input=x
+    )
+    assert not torch.allclose(w.a2_scale, w.a13_scale)
+    p = prepare_cutedsl_nvfp4(w, standard)
+    assert p.w2_sf.shape == (4, 256 * (128 // 16))
+    assert torch.equal(
+        L.unswizzle_block_scales_128x4(p.w2_sf.view(torch.uint8), 256, 128 // 16), w.w2_scale.view(torch.uint8)
+    )
+    assert torch.equal(p.w2.view(torch.uint8), w.w2.view(torch.uint8))
+    torch.testing.assert_close(p.w2_alpha, 1.0 / (w.a2_scale * w.w2_global_scale))
     torch.testing.assert_close(p.w13_alpha, 1.0 / (w.a13_scale * w.w13_global_scale))

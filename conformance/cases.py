@@ -65,8 +65,8 @@ class Case:
 
     id: str
     family: str
-    check: str  # numeric, padding, determinism, cuda_graph, side_stream, two_streams, inference_mode, out_buffer,
-    # strided_inputs, input_dtypes, padded_ids, double_process, bad_input, logits, honesty
+    check: str  # numeric, padding, dispatch, determinism, cuda_graph, side_stream, two_streams, inference_mode,
+    # out_buffer, strided_inputs, input_dtypes, padded_ids, double_process, bad_input, logits, honesty
     config: MoEConfig
     quant: QuantScheme
     tokens: int = 7
@@ -322,7 +322,7 @@ class CaseBuilder:
         # every dispatcher the experts can be paired with (a dispatcher that ignores a format's
         # row alignment, say, shows here and not with the best dispatcher alone) ------------
         for quant in claimed[:2]:
-            cases.extend(self.cases_for("pairs", "numeric", "silu", base, quant, per_layout=None, tokens=9))
+            cases.extend(self.cases_for("pairs", "dispatch", "silu", base, quant, per_layout=None, tokens=9))
         # padding rows ------------------------------------------------------------------------
         for quant in claimed:
             # With biases, computing a padding row would make it non-zero; backends without

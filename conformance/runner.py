@@ -253,6 +253,39 @@ class CaseRunner:
         prob = Problem(weights, x, ids, wts)
         self._numeric(case, res, out, prob, oracle=oracle)
 
+    @staticmethod
+    def _dispatch_problem(case: Case, prob: Problem, disp: Any) -> tuple[str | None, torch.Tensor | None]:
+        """The dispatcher's half of the grouped formats' contract, on a traced dispatch output:
+        (what is wrong or None, the padding rows as a bool mask, None for a token-major input).
+        Masked: masked_m counts each local expert's slots, and the host bound experts size their
+        grids by covers them. Contiguous: row_expert names the live rows only. Both: padding
+        rows hold zeros."""
+        if isinstance(disp, MaskedInput):
+            local = torch.tensor(list(case.config.local_experts), dtype=torch.int64)
+            want = (prob.ids.long().reshape(-1, 1) == local[None, :]).sum(0)
+            got_m = disp.masked_m.long().cpu()
+            if not torch.equal(got_m, want):
+                return f"masked_m is {got_m.tolist()}; the slots per local expert are {want.tolist()}", None
+            if disp.max_total_rows is not None and disp.max_total_rows < int(want.sum()):
+                return f"max_total_rows {disp.max_total_rows} is under the {int(want.sum())} rows dispatched", None
+            rows = torch.arange(disp.hidden.shape[1], device=disp.hidden.device)
+            pad = rows[None, :] >= disp.masked_m[:, None]
+        elif isinstance(disp, ContiguousInput):
+            live = disp.live_rows()
+            wrong = torch.nonzero((disp.row_expert >= 0) != live).flatten()
+            if wrong.numel():
+                return (
+                    f"row_expert marks {wrong.numel()} rows wrongly (first: row {int(wrong[0])}): "
+                    "a token's row carries its expert, padding rows and the tail -1"
+                ), None
+            pad = ~live  # none where the format's alignment is 1 and the batch fills the rows
+        else:
+            return None, None
+        dirty = disp.hidden[pad].float().abs().max().item() if pad.any() else 0.0
+        if dirty != 0.0:  # the formats' contract: padding rows hold zeros in, too
+            return f"the dispatched input's padding rows are not zero (max |value| {dirty:.3g})", pad
+        return None, pad
+
     def _check_padding(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)
         layer = self._layer(case)
@@ -262,48 +295,38 @@ class CaseRunner:
         # format (token-major, no padding rows) takes this many tokens is still checked here.
         stages = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d), path="main")
         disp, y = stages["adapted"], stages["expert_out"]
-        if isinstance(disp, MaskedInput) and isinstance(y, MaskedOutput):
-            # the dispatcher's half: masked_m counts each local expert's slots, and the host
-            # bound experts size their grids by covers them
-            cfg = case.config
-            local = torch.tensor(list(cfg.local_experts), dtype=torch.int64)
-            want = (prob.ids.long().reshape(-1, 1) == local[None, :]).sum(0)
-            got_m = disp.masked_m.long().cpu()
-            if not torch.equal(got_m, want):
-                res.status = FAIL
-                res.detail = f"masked_m is {got_m.tolist()}; the slots per local expert are {want.tolist()}"
-                return
-            if disp.max_total_rows is not None and disp.max_total_rows < int(want.sum()):
-                res.status = FAIL
-                res.detail = f"max_total_rows {disp.max_total_rows} is under the {int(want.sum())} rows dispatched"
-                return
-            pad = torch.arange(y.hidden.shape[1], device=d)[None, :] >= disp.masked_m[:, None]
-            if not bool(pad.any()):
-                raise AssertionError("the problem has no padding rows; the case is mis-built")
-        elif isinstance(disp, ContiguousInput) and isinstance(y, ContiguousOutput):
-            # the dispatcher's half of the contract: row_expert names the live rows only
-            live = disp.live_rows()
-            wrong = torch.nonzero((disp.row_expert >= 0) != live).flatten()
-            if wrong.numel():
-                res.status = FAIL
-                res.detail = (
-                    f"row_expert marks {wrong.numel()} rows wrongly (first: row {int(wrong[0])}): "
-                    "a token's row carries its expert, padding rows and the tail -1"
-                )
-                return
-            pad = ~live  # none where the format's alignment is 1 and the batch fills the rows
-        else:
+        grouped = (isinstance(disp, MaskedInput) and isinstance(y, MaskedOutput)) or (
+            isinstance(disp, ContiguousInput) and isinstance(y, ContiguousOutput)
+        )
+        if not grouped:
             raise TypeError(f"expected masked or contiguous input/output, got {type(disp).__name__}/{type(y).__name__}")
-        dirty = disp.hidden[pad].float().abs().max().item() if pad.any() else 0.0
-        if dirty != 0.0:  # the formats' contract: padding rows hold zeros in, too
-            res.status, res.detail = FAIL, f"the dispatched input's padding rows are not zero (max |value| {dirty:.3g})"
+        wrong, pad = self._dispatch_problem(case, prob, disp)
+        if wrong is not None:
+            res.status, res.detail = FAIL, wrong
             return
+        assert pad is not None
+        if isinstance(disp, MaskedInput) and not bool(pad.any()):
+            raise AssertionError("the problem has no padding rows; the case is mis-built")
         leaked = y.hidden[pad].float().abs().max().item() if pad.any() else 0.0
         if leaked != 0.0:
             res.status, res.detail = FAIL, f"padding rows are not zero (max |value| {leaked:.3g}); with biases set"
             return
         self._numeric(case, res, stages["out"], prob)
         res.detail = "padding rows zero; " + res.detail
+
+    def _check_dispatch(self, case: Case, res: CaseResult) -> None:
+        """A pairing of dispatcher and experts (`pairs`): the traced dispatch output keeps the
+        formats' contract (`_dispatch_problem`, at the pairing's top-k), and the result matches."""
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        d = self.device
+        stages = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d), path="main")
+        wrong, _ = self._dispatch_problem(case, prob, stages["adapted"])
+        if wrong is not None:
+            res.status, res.detail = FAIL, wrong
+            return
+        self._numeric(case, res, stages["out"], prob)
 
     def _check_determinism(self, case: Case, res: CaseResult) -> None:
         prob = make_problem(case)

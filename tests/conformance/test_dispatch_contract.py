@@ -98,3 +98,65 @@ def test_max_total_rows_must_bound_the_rows_dispatched():
 
     r = _padding_results("boundoff", _dispatcher(too_small))["masked"]
     assert r.status == "fail" and "max_total_rows 1 is under the" in r.detail, r.detail
+
+
+def test_experts_leaking_a_small_value_into_padding_rows_fail():
+    """Any non-zero value in a padding row of the experts' output fails, however small (the
+    audit's mutant let leaks up to 1.0 pass; the existing negative control leaked 7.0)."""
+    from moehal.formats import MaskedOutput
+    from moehal.reference.experts import ReferenceExpertsRunner
+
+    class _LeakyRunner(ReferenceExpertsRunner):
+        def apply(self, inp):
+            out = super().apply(inp)
+            if isinstance(out, MaskedOutput):
+                pad = torch.arange(out.hidden.shape[1])[None, :] >= inp.masked_m[:, None]
+                hidden = out.hidden.clone()
+                hidden[pad] = 0.5
+                return MaskedOutput(hidden)
+            return out
+
+    class _Leaky(_Aligned):
+        name = "leaky"
+
+        def build(self, req, fmt):
+            return _LeakyRunner(req, fmt)
+
+    plugin = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo("leaky", "9.9", "throwaway")),
+        moehal_experts=moehal.hookimpl(lambda: [_Leaky()]),
+    )
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    assert reg.register(plugin, "leaky").status == "loaded"
+    suite = Suite("leaky", reg, torch.device("cpu"), profile="quick")
+    suite.run([c for c in suite.cases() if c.check == "padding" and c.layout == "masked"])
+    assert suite.results and {r.status for r in suite.results} == {"fail"}
+    assert all("padding rows are not zero (max |value| 0.5)" in r.detail for r in suite.results)
+
+
+def test_the_pairs_family_checks_the_contract_at_top_k_above_one():
+    """The padding cases run top-1, where T and T * K agree: a dispatcher bounding a masked
+    batch by its tokens instead of its rows shows in the pairings, which run top-2."""
+
+    def tokens_only(inp):
+        if not isinstance(inp, MaskedInput) or inp.max_total_rows is None:
+            return inp
+        return dataclasses.replace(inp, max_total_rows=inp.max_total_rows // 2)
+
+    plugin = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo("rowsoff", "9.9", "throwaway")),
+        moehal_experts=moehal.hookimpl(lambda: [_Aligned()]),
+        moehal_dispatchers=moehal.hookimpl(lambda: [_dispatcher(tokens_only)]),
+    )
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    assert reg.register(plugin, "rowsoff").status == "loaded"
+    suite = Suite("rowsoff", reg, torch.device("cpu"), profile="quick")
+    pairs = [c for c in suite.cases() if c.family == "pairs" and c.pipeline is not None]
+    assert pairs and all(c.check == "dispatch" and c.config.top_k == 2 for c in pairs)
+    suite.run(pairs)
+    by = {(r.pipeline.split(" -> ")[0], r.layout): r for r in suite.results}
+    assert by["rowsoff.edited", "masked"].status == "fail", by
+    assert "max_total_rows 9 is under the 18 rows dispatched" in by["rowsoff.edited", "masked"].detail
+    assert by["reference.local", "masked"].status == "pass"

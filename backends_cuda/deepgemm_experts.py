@@ -945,19 +945,15 @@ class DeepGemmExperts(Experts):
         chooser = GemmChooser(req.hardware.name)
         if not chooser.has_table:
             return ()
-        from moehal.bench import SHAPES  # the shapes the tables are tuned for
+        from moehal.bench import model_requests  # the shapes the tables are tuned for
         from moehal.kernels.triton_experts import portable_tiles
 
         out: list[TunedShape] = []
-        for name, dims in SHAPES.items():
-            for quant in sorted(self.quant_schemes, key=lambda q: q.name):
-                cfg = MoEConfig(**dims, max_tokens=TUNED_MAX_TOKENS)  # type: ignore[arg-type]
-                r = BuildRequest(cfg, quant, req.hardware, req.settings)
-                if not self.supports(r).ok or not _in_table(chooser, cfg, quant):
-                    continue  # not here, or DeepGEMM at every size as at conformance's small shapes
-                small = self.small_batch_format(r)
-                path_of = functools.partial(_path_of, r, small, chooser, portable_tiles(r))
-                out.append(TunedShape.covering(name, cfg, quant, path_of, f"the tables of {req.hardware.name}"))
+        for name, r in model_requests(self, req, TUNED_MAX_TOKENS):
+            if not _in_table(chooser, r.config, r.quant):
+                continue  # DeepGEMM at every size, as at conformance's small shapes
+            path_of = functools.partial(_path_of, r, self.small_batch_format(r), chooser, portable_tiles(r))
+            out.append(TunedShape.covering(name, r.config, r.quant, path_of, f"the tables of {req.hardware.name}"))
         return out
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:

@@ -465,6 +465,22 @@ def _pipeline_named(
     raise moehal.NoBackendError(f"{qualname} declines this shape: {why[0] if why else 'not registered'}")
 
 
+def model_requests(
+    impl: moehal.interfaces.Implementation, req: moehal.BuildRequest, max_tokens: int
+) -> list[tuple[str, moehal.BuildRequest]]:
+    """(name, request) for each of the benchmark's model shapes (`SHAPES`, built for
+    `max_tokens`) with each quant scheme `impl` declares, on `req`'s hardware and settings, that
+    `impl` accepts there: the configurations a tuned table may cover (`tuned_shapes`)."""
+    out = []
+    for name, dims in SHAPES.items():
+        for quant in sorted(impl.quant_schemes, key=lambda q: q.name):
+            cfg = moehal.MoEConfig(**dims, max_tokens=max_tokens)  # type: ignore[arg-type]
+            r = moehal.BuildRequest(cfg, quant, req.hardware, req.settings)
+            if impl.supports(r).ok:
+                out.append((name, r))
+    return out
+
+
 def bench_inputs(cfg: moehal.MoEConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The benchmark's inputs for one row, on the CPU and seeded by the token count (so every run,
     and `tools/tile_padding_bound.py`, sees the same routing): hidden states `[T, H]` float32,

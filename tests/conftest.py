@@ -101,3 +101,23 @@ def outranked_reference_registry():
     reg.register(moehal.reference.plugin, "reference")
     reg.register(Plugin(), "vendorlike")
     return reg
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one rank in this process (torch.distributed's WORLD), for checks
+    of EP code that need a group but no peers: every collective hands the rows back."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=20),
+    )  # fmt: skip
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -293,23 +293,17 @@ class TritonExperts(Experts):
         `TUNED_MAX_TOKENS` tokens."""
         if req.hardware.kind not in ("cuda", "rocm"):
             return ()
-        from moehal.bench import SHAPES  # the shapes the tables are tuned for
-        from moehal.config import MoEConfig
+        from moehal.bench import model_requests  # the shapes the tables are tuned for
         from moehal.kernels import triton_fused_moe as kernel
 
         out: list[TunedShape] = []
-        for name, dims in SHAPES.items():
-            for quant in sorted(self.quant_schemes, key=lambda q: q.name):
-                cfg = MoEConfig(**dims, max_tokens=TUNED_MAX_TOKENS)  # type: ignore[arg-type]
-                r = BuildRequest(cfg, quant, req.hardware, req.settings)
-                kq = _KERNEL_QUANT[quant.kind]
-                key = kernel.table_key(
-                    cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, "bf16" if kq == "none" else kq
-                )
-                if not kernel.has_tuned_entry(req.hardware.name, key) or not self.supports(r).ok:
-                    continue
+        for name, r in model_requests(self, req, TUNED_MAX_TOKENS):
+            c, kq = r.config, _KERNEL_QUANT[r.quant.kind]
+            dtype = "bf16" if kq == "none" else kq
+            key = kernel.table_key(c.num_local_experts, c.hidden_size, c.intermediate_size, dtype)
+            if kernel.has_tuned_entry(req.hardware.name, key):
                 why = f"the tiles of the tuned table of {req.hardware.name}"
-                out.append(TunedShape.covering(name, cfg, quant, portable_tiles(r), why))
+                out.append(TunedShape.covering(name, c, r.quant, portable_tiles(r), why))
         return out
 
     def build(self, req: BuildRequest, fmt: ActivationFormat) -> ExpertsRunner:

@@ -432,6 +432,8 @@ def test_behaviour_checks_run_per_claimed_scheme_and_reach_experts_declining_the
         for quant in claimed:
             paths = {(c.pipeline.main.name, c.layout, c.config.intermediate_size) for c in mine if c.quant == quant}
             want = {("tokens", "standard", 64), ("k128", "masked", 512), ("k128", "contiguous", 512)}
+            if check == "strided_inputs":  # also at a hidden size with a K tail (session 45)
+                want.add(("tokens", "standard", 96))
             assert paths == want, (check, quant, paths)
     determinism = [c for c in cases if c.check == "determinism"]
     suite.run(determinism)

@@ -107,39 +107,24 @@ def test_the_suite_sizes_its_experts_for_a_world_of_three():
     assert len(rows) == len(CASES) and all(r.verdict == "PASS" for r in rows), [(r.case, r.detail) for r in rows]
 
 
-def test_combine_applies_routed_scaling_once(tmp_path):
+def test_combine_applies_routed_scaling_once(world_of_one):
     """Experts that scale their STANDARD output in their last kernel (`scaled=True`) must not
     get routed_scaling_factor again in combine; unscaled output gets it once. One process, a
     gloo group of one: the all-to-all hands every row back to this rank."""
-    import datetime
-
     import moehal
     import torch
-    import torch.distributed as dist
     from moehal.ep_dispatcher import TorchDistributedDispatcher
     from moehal.formats import ActivationFormat, Layout, StandardInput, StandardOutput
     from moehal.interfaces import BuildRequest
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=20),
-    )
-    try:
-        cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, routed_scaling_factor=2.5)
-        req = BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), moehal.detect("cpu"), process_group=dist.group.WORLD)
-        runner = TorchDistributedDispatcher().build(req, ActivationFormat(Layout.STANDARD, torch.bfloat16))
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(5, 16, generator=gen).bfloat16()
-        ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]], dtype=torch.int32)
-        inp, handle = runner.dispatch(x, moehal.TopK(ids, torch.rand(5, 2, generator=gen)))
-        assert isinstance(inp, StandardInput) and inp.hidden.shape == (5, 16)  # one row per token
-        y = torch.randn(5, 16, generator=gen).bfloat16()  # stands in for the experts' weighted sums
-        assert torch.equal(runner.combine(StandardOutput(y, scaled=True), handle), y)
-        torch.testing.assert_close(runner.combine(StandardOutput(y), handle), (y.float() * 2.5).bfloat16())
-    finally:
-        dist.destroy_process_group()
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, routed_scaling_factor=2.5)
+    req = BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), moehal.detect("cpu"), process_group=world_of_one)
+    runner = TorchDistributedDispatcher().build(req, ActivationFormat(Layout.STANDARD, torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]], dtype=torch.int32)
+    inp, handle = runner.dispatch(x, moehal.TopK(ids, torch.rand(5, 2, generator=gen)))
+    assert isinstance(inp, StandardInput) and inp.hidden.shape == (5, 16)  # one row per token
+    y = torch.randn(5, 16, generator=gen).bfloat16()  # stands in for the experts' weighted sums
+    assert torch.equal(runner.combine(StandardOutput(y, scaled=True), handle), y)
+    torch.testing.assert_close(runner.combine(StandardOutput(y), handle), (y.float() * 2.5).bfloat16())

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,20 +56,6 @@ def test_local_dispatcher_keeps_single_process_partial_sums_but_declines_real_ep
 )
 def test_can_produce(fmt, ok):
     assert TorchDistributedDispatcher().can_produce(fmt, _req()).ok is ok
-
-
-@pytest.fixture
-def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    path = tempfile.mktemp(prefix="moehal-ep-")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20)
-    )
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-    if os.path.exists(path):
-        os.remove(path)
 
 
 def test_group_size_must_match_ep_size(world_of_one):

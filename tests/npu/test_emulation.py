@@ -340,26 +340,6 @@ def test_fused_deep_moe_checks_max_tokens_against_its_buffer(fuse_mode):
         emulation.fused_deep_moe(*ops, wrong, e, quant_mode=1, fuse_mode=fuse_mode, buffer=buf)
 
 
-@pytest.fixture
-def world_of_one():
-    import datetime
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    path = tempfile.mktemp(prefix="moehal-npu-emu-")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20)
-    )
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-    if os.path.exists(path):
-        os.remove(path)
-
-
 def test_moe_distribute_combine_checks_ep_send_counts(world_of_one):
     """ptaoplist_002363: ep_send_counts is dispatch's ep_recv_counts handed back (int32, one
     entry per (local expert, EP rank)); tp_recv_counts, an int64 copy or other counts are refused."""

@@ -222,3 +222,34 @@ def test_fused_moe_on_quantized_input_needs_an_output_dtype():
     x = torch.zeros(2, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="needs out_dtype"):
         fused_moe(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), None, hidden_scales=torch.ones(2, 1))
+
+
+@pytest.mark.parametrize("block_k", [128, 64, 32])
+def test_fp8_block_tiles_narrower_than_a_scale_group_read_the_right_scales(block_k):
+    """`_fit` accepts fp8 K tiles of 32 and 64 (tuned tables, SGLang's configs use them): each K
+    tile must read the scale of the 128-wide group it lies in. Every shipped tile is 128 wide,
+    where a tile's index and its group's agree, so session 45's mutation audit found a kernel
+    reading the tile index in place of the group passing every other test."""
+    from moehal.kernels import triton_fused_moe as k
+    from moehal.kernels.tiles import TileConfig
+    from moehal.weights import quantize_weights
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(4, 256, 256, generator=gen) / 16
+    w2 = torch.randn(4, 256, 128, generator=gen) / 128**0.5
+    w = quantize_weights(cfg, "fp8_block", w13, w2)
+    # scales that differ along K, as checkpoints' do: a wrong group's scale shows
+    w = w.replace(w13_scale=w.w13_scale * torch.tensor([1.0, 4.0]).view(1, 1, 2))
+    x = torch.randn(5, 256, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(5)]).to(torch.int32)
+    wts = torch.rand(5, 2, generator=gen) + 0.1
+    ref = reference_layer(cfg, "fp8_block", "cpu", layout="standard", validate=False)
+    ref.load_weights(w)
+    want = ref(x, ids, wts)
+    d = DEVICE
+    s13, s2 = w.w13_scale.float().to(d).contiguous(), w.w2_scale.float().to(d).contiguous()
+    tw = k.TritonMoEWeights(w.w13.to(d).contiguous(), w.w2.to(d).contiguous(), "fp8_block", s13, s2)
+    tile = TileConfig(16, 64, block_k, 1, 4, 1)
+    got = k.fused_moe(x.to(d), ids.to(d), wts.to(d), tw, configs=(tile, tile), all_local=True).cpu()
+    assert rel_err(got, want) < TOL["fp8_block"], rel_err(got, want)

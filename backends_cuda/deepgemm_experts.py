@@ -319,9 +319,6 @@ FusedGemm1 = Callable[[torch.Tensor, Any, torch.Tensor, Any, Any, Any, Any, torc
 # per expert), but 464.0 vs 447.2 at 128 tokens (8 rows per expert: the tile tuned for the plain
 # GEMM runs worse with a second B tile); DeepSeek-V3 and Mixtral at 1-16 tokens within 1%.
 FUSE_MAX_ROWS_PER_EXPERT = 2
-# Conformance's `tuned` cases at the tables' shapes look for paths up to this batch size (the
-# benchmark's largest, and the max_tokens its layers are built for)
-TUNED_MAX_TOKENS = 4096
 # Prefill batches fuse with a prefill tile of their own where the device's table measured the
 # whole layer at least MIN_GAIN faster that way (`GemmChooser.prefill_fused`): on an H100,
 # Qwen3-30B-A3B at 2048-4096 tokens and Mixtral-8x7B at 1024 (3.6-5.9%); on an H200, Qwen3 at
@@ -528,11 +525,11 @@ def _in_table(chooser: GemmChooser, c: MoEConfig, quant: QuantScheme) -> bool:
     t = chooser.table
     dtype = "fp8_block" if quant.kind in _FP8_KINDS else "bf16"
     e, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
-    gemms = {entry_key(e, c.w13_rows, h, dtype), entry_key(e, h, i, dtype)}
+    gemm1, gemm2 = entry_key(e, c.w13_rows, h, dtype), entry_key(e, h, i, dtype)
     layer = layer_key(e, h, i, c.top_k, c.gated, "fp8_tensor" if quant.kind is QuantKind.FP8_TENSOR else dtype)
-    return bool(gemms & set(t.get("entries", {}))) or any(
-        layer in t.get(rec, {}) or entry_key(e, c.w13_rows, h, dtype) in t.get(rec, {})
-        for rec in ("prefill_portable", "prefill_fused", "decode_fused")
+    records = ("prefill_portable", "prefill_fused", "decode_fused")
+    return bool({gemm1, gemm2} & set(t.get("entries", {}))) or any(
+        layer in t.get(rec, {}) or gemm1 in t.get(rec, {}) for rec in records
     )
 
 
@@ -937,7 +934,7 @@ class DeepGemmExperts(Experts):
     def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:
         """The benchmark's model shapes (`moehal.bench.SHAPES`, those `moehal_cuda.tuning`
         tunes) that this device's table holds, per scheme this device runs, each with the
-        smallest batch size of every distinct path from 1 to `TUNED_MAX_TOKENS` tokens: the
+        smallest batch size of every distinct path from 1 to `moehal.bench.TUNED_MAX_TOKENS` tokens: the
         token-major decode kernels, the portable fused MoE's band, and each masked plan
         (`plan_masked`: DeepGEMM or a tuned Triton GEMM per GEMM, and any fused GEMM1)."""
         if req.hardware.kind != "cuda":
@@ -949,7 +946,7 @@ class DeepGemmExperts(Experts):
         from moehal.kernels.triton_experts import portable_tiles
 
         out: list[TunedShape] = []
-        for name, r in model_requests(self, req, TUNED_MAX_TOKENS):
+        for name, r in model_requests(self, req):
             if not _in_table(chooser, r.config, r.quant):
                 continue  # DeepGEMM at every size, as at conformance's small shapes
             path_of = functools.partial(_path_of, r, self.small_batch_format(r), chooser, portable_tiles(r))

@@ -42,6 +42,9 @@ SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(num_experts=8, hidden_size=128, intermediate_size=64, top_k=2),
 }
 DEFAULT_TOKENS = (1, 4, 16, 64, 128, 512, 1024, 4096)
+# Tuned-shape declarations (`Implementation.tuned_shapes`) look for paths up to the benchmark's
+# largest batch, the max_tokens its layers are built for
+TUNED_MAX_TOKENS = max(DEFAULT_TOKENS)
 
 
 @dataclass
@@ -466,7 +469,7 @@ def _pipeline_named(
 
 
 def model_requests(
-    impl: moehal.interfaces.Implementation, req: moehal.BuildRequest, max_tokens: int
+    impl: moehal.interfaces.Implementation, req: moehal.BuildRequest, max_tokens: int = TUNED_MAX_TOKENS
 ) -> list[tuple[str, moehal.BuildRequest]]:
     """(name, request) for each of the benchmark's model shapes (`SHAPES`, built for
     `max_tokens`) with each quant scheme `impl` declares, on `req`'s hardware and settings, that

@@ -36,9 +36,6 @@ _KERNEL_QUANT = {
 }
 _SCHEMES = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8})
 _FP8 = (QuantKind.FP8_BLOCK, QuantKind.FP8_TENSOR)
-# The `tuned` conformance cases look for the paths of batches up to this size (the benchmark's
-# largest, and the max_tokens its layers are built for)
-TUNED_MAX_TOKENS = 4096
 # Token counts up to this keep their bound launches (`bind_fused_moe`, one per count): at these
 # sizes an eager forward's host time is mostly argument preparation, and it can exceed the
 # GPU's time. Larger batches bind at every call, so a stream of prefill sizes keeps nothing.
@@ -290,14 +287,14 @@ class TritonExperts(Experts):
         """The benchmark's model shapes (`moehal.bench.SHAPES`) for which this device has a
         tuned table entry (`triton_fused_moe.has_tuned_entry`), per scheme this device runs,
         each with the smallest batch size of every distinct pair of tiles up to
-        `TUNED_MAX_TOKENS` tokens."""
+        `moehal.bench.TUNED_MAX_TOKENS` tokens."""
         if req.hardware.kind not in ("cuda", "rocm"):
             return ()
         from moehal.bench import model_requests  # the shapes the tables are tuned for
         from moehal.kernels import triton_fused_moe as kernel
 
         out: list[TunedShape] = []
-        for name, r in model_requests(self, req, TUNED_MAX_TOKENS):
+        for name, r in model_requests(self, req):
             c, kq = r.config, _KERNEL_QUANT[r.quant.kind]
             dtype = "bf16" if kq == "none" else kq
             key = kernel.table_key(c.num_local_experts, c.hidden_size, c.intermediate_size, dtype)

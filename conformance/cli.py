@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="EP dispatcher qualname to prove (default: the generic one, then each of the backend's own)",
     )
+    p.add_argument(
+        "--no-poison",
+        dest="poison",
+        action="store_false",
+        help="leave fresh allocations as the allocator hands them (by default they hold NaN, or 1 in integers)",
+    )
     p.add_argument("--show-passing", action="store_true", help="list every case, not only failures")
     return p
 
@@ -68,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _interrupt_on_sigterm()
     console = make_console()
     try:
-        suite = Suite.create(args.backend, args.device, args.emulate, "quick" if args.quick else "full")
+        profile = "quick" if args.quick else "full"
+        suite = Suite.create(args.backend, args.device, args.emulate, profile, poison=args.poison)
     except MoEHalError as exc:
         console.print(f"[red]{escape(str(exc))}[/red]", highlight=False)
         return 2

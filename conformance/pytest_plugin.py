@@ -24,6 +24,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--moehal-report", default=None, help="write PATH.json and PATH.md at the end")
     group.addoption("--moehal-emulate", action="store_true", help="allow the backend's emulated mode")
     group.addoption("--moehal-quick", action="store_true", help="fewer shape cases")
+    group.addoption(
+        "--moehal-no-poison", action="store_true", help="leave fresh allocations unpoisoned (see poison.py)"
+    )
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -39,7 +42,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from moehal_conformance.suite import Suite
 
     profile = "quick" if config.getoption("moehal_quick") else "full"
-    suite = Suite.create(backend, config.getoption("moehal_device"), config.getoption("moehal_emulate"), profile)
+    poison = not config.getoption("moehal_no_poison")
+    device, emulate = config.getoption("moehal_device"), config.getoption("moehal_emulate")
+    suite = Suite.create(backend, device, emulate, profile, poison=poison)
     suite.select = config.getoption("keyword") or None  # a -k subset's report says so
     config._moehal_suite = suite  # type: ignore[attr-defined]
 

@@ -98,6 +98,7 @@ def to_markdown(suite: Suite) -> str:
         f"| emulated backends | {', '.join(meta['emulate']) or 'none'} |",
         f"| date | {meta['date']} |",
         f"| profile | {meta['profile']} |",
+        f"| fresh allocations | {_poison_line(meta)} |",
         "",
         "`pass (emulated)`: vendor ops ran as documented torch stand-ins; `pass (interpreted)`: the real kernel "
         "code ran under an interpreter (TRITON_INTERPRET=1). Neither is a hardware result.",
@@ -151,6 +152,12 @@ def to_markdown(suite: Suite) -> str:
         lines.append(f"| {r.id} | {_escape(r.pipeline)} | {_escape(r.label)} | {err} |")
     lines += ["", "</details>", ""]
     return "\n".join(lines)
+
+
+def _poison_line(meta: dict[str, Any]) -> str:
+    if not meta["poison"]:
+        return "not poisoned"
+    return f"poisoned: NaN in floats, 1 in integers ({meta['poisoned_allocations']} allocations)"
 
 
 def _components_section(suite: Suite) -> list[str]:

@@ -18,6 +18,7 @@ from moehal.plugins import Registry
 from moehal.reference.oracle import reference_layer
 from moehal.weights import ExpertWeights, quantize_weights
 from moehal_conformance.cases import Case
+from moehal_conformance.poison import poisoned
 from moehal_conformance.tolerances import Tolerance, compare, tolerance_for
 
 PASS, FAIL, DECLINED, NOT_RUN = "pass", "fail", "declined", "not run"
@@ -100,10 +101,13 @@ def make_problem(case: Case) -> Problem:
 
 
 class CaseRunner:
-    """Runs cases on `device`; the oracle is the reference backend on the CPU."""
+    """Runs cases on `device`; the oracle is the reference backend on the CPU. With `poison`,
+    every check runs inside `poison.poisoned()`: fresh allocations hold NaN (or 1), not
+    whatever the allocator last freed."""
 
-    def __init__(self, registry: Registry, device: torch.device) -> None:
-        self.registry, self.device = registry, device
+    def __init__(self, registry: Registry, device: torch.device, poison: bool = True) -> None:
+        self.registry, self.device, self.poison = registry, device, poison
+        self.poisoned = 0  # allocations poisoned so far (the report's evidence that it happened)
         self._tuned: tuple[tuple[Any, ...], ExpertWeights, MoELayer] | None = None  # `_tuned_weights`
 
     def _oracle(self, case: Case, prob: Problem) -> torch.Tensor:
@@ -156,7 +160,11 @@ class CaseRunner:
             res.mode = p.execution_mode(
                 BuildRequest(case.config, case.quant, detect(self.device), self.registry.settings)
             )
-            getattr(self, f"_check_{case.check}")(case, res)
+            with poisoned(self.poison) as mode:
+                try:
+                    getattr(self, f"_check_{case.check}")(case, res)
+                finally:
+                    self.poisoned += mode.poisoned if mode is not None else 0
             if self.device.type == "cuda":
                 # Kernels fault asynchronously: a fault shows at the next synchronizing call, which
                 # may be a later case's. Waiting here pins it on the case that launched it.

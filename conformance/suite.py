@@ -46,6 +46,8 @@ class Suite:
     device: torch.device
     profile: str = "full"
     select: str | None = None  # the `-k` text a subset of the cases was chosen by, if any
+    poison: bool = True  # fill fresh allocations with NaN / 1 while cases run (`poison.py`)
+    poisoned_allocations: int = 0  # how many were filled
     results: list[CaseResult] = field(default_factory=list)
     interrupted: bool = False
     lost_in: str = ""  # the case whose fault left the device unusable ...
@@ -53,13 +55,15 @@ class Suite:
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     @classmethod
-    def create(cls, backend: str, device: str | None = None, emulate: bool = False, profile: str = "full") -> Suite:
+    def create(
+        cls, backend: str, device: str | None = None, emulate: bool = False, profile: str = "full", poison: bool = True
+    ) -> Suite:
         reg = make_registry(frozenset({backend}) if emulate else frozenset())
         hw = detect(device)
         if backend in ("best", "auto"):
             backend = best_backend(reg, hw)
         reg.check_backend(backend)
-        return cls(backend, reg, hw.device, profile)
+        return cls(backend, reg, hw.device, profile, poison=poison)
 
     def cases(self) -> list[Case]:
         hw = detect(self.device)
@@ -67,7 +71,7 @@ class Suite:
         return CaseBuilder(self.backend, self.registry, template, self.profile).all_cases()
 
     def run(self, cases: list[Case] | None = None, on_result: Callable[[CaseResult], None] | None = None) -> None:
-        runner = CaseRunner(self.registry, self.device)
+        runner = CaseRunner(self.registry, self.device, self.poison)
         todo = cases if cases is not None else self.cases()
         for n, case in enumerate(todo):
             try:
@@ -76,6 +80,9 @@ class Suite:
                 self.interrupted = True
                 self._not_run(todo[n:], "the run was interrupted before this case")
                 return
+            finally:
+                self.poisoned_allocations += runner.poisoned
+                runner.poisoned = 0
             self.results.append(r)
             if on_result is not None:
                 on_result(r)
@@ -204,6 +211,8 @@ class Suite:
             "date": self.started,
             "profile": self.profile,
             "select": self.select,
+            "poison": self.poison,
+            "poisoned_allocations": self.poisoned_allocations,
             "interrupted": self.interrupted,
             "lost_context": {"case": self.lost_in, "error": self.lost_error} if self.lost_in else None,
             "hardware": {

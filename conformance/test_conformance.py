@@ -7,8 +7,10 @@ from moehal_conformance.runner import DECLINED, NOT_RUN, PASS, CaseRunner
 
 
 def test_case(moehal_case, moehal_suite):
-    result = CaseRunner(moehal_suite.registry, moehal_suite.device).run(moehal_case)
+    runner = CaseRunner(moehal_suite.registry, moehal_suite.device, moehal_suite.poison)
+    result = runner.run(moehal_case)
     moehal_suite.results.append(result)
+    moehal_suite.poisoned_allocations += runner.poisoned
     if result.status in (DECLINED, NOT_RUN):
         pytest.skip(f"{result.status}: {result.detail}")
     assert result.status == PASS, f"{moehal_case.id}: {result.detail}"

@@ -1,6 +1,6 @@
 """mkdocs hook: list the committed reports on the Reports page at build time.
 
-`<!-- reports:DIR -->` in a page becomes a table of the files under docs/DIR (newest first),
+Each marker must stand alone on its line. `<!-- reports:DIR -->` in a page becomes a table of the files under docs/DIR (newest first),
 so a report committed by a device run appears without editing the page.
 `<!-- goals:FILE.json FILE.json ... -->` (paths under docs/) becomes the performance goals'
 summary computed from those `moehal bench` runs (`moehal.bench_goals`), never typed by hand.
@@ -16,9 +16,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-_MARK = re.compile(r"<!-- reports:([\w\-/]+) -->")
-_GOALS = re.compile(r"<!-- goals:([^>]+?) -->")
-_COMPONENTS = re.compile(r"<!-- components:([^>]+?) -->")
+# A marker counts only alone on its line: one quoted in a sentence or a code span
+# (`<!-- goals:... -->`, as the docs that explain markers write them) stays text.
+_MARK = re.compile(r"^<!-- reports:([\w\-/]+) -->[ \t]*$", re.MULTILINE)
+_GOALS = re.compile(r"^<!-- goals:([^>\n]+?) -->[ \t]*$", re.MULTILINE)
+_COMPONENTS = re.compile(r"^<!-- components:([^>\n]+?) -->[ \t]*$", re.MULTILINE)
 _KINDS = {".md": "report", ".json": "machine-readable", ".log": "log", ".png": "plot", ".txt": "text"}
 
 

@@ -338,6 +338,26 @@ def test_the_docs_marker_can_pair_across_files(tmp_path):
     assert "| met | 1 of 1; rows of two files in 1 of 1 |" in hook._goals(tmp_path, "--pair-across-files a.json b.json")
 
 
+def test_the_docs_hook_expands_markers_alone_on_their_line_only(tmp_path):
+    """A marker quoted in a code span or a sentence stays text (it was expanded mid-line)."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("reports_hook", REPO / "docs" / "_hooks" / "reports.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "x.md").write_text("report")
+    _run_file(tmp_path, "a.json", [row("cuda", 8, 100.0)])
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="page.md"))
+    quoted = "Write `<!-- goals:a.json -->` or `<!-- reports:runs -->` on a line of its own."
+    markdown = f"{quoted}\n\n<!-- reports:runs -->\n\n<!-- goals:a.json -->  \n"
+    out = hook.on_page_markdown(markdown, page, {"docs_dir": str(tmp_path)}, None)
+    assert out.startswith(quoted + "\n")
+    assert "| [x.md](runs/x.md) | report |" in out and "<!-- reports:runs -->\n" not in out
+    assert "| goal |" in out and "<!-- goals:a.json -->  " not in out
+
+
 def test_a_row_with_a_wrong_output_is_no_measurement_on_either_side_of_a_ratio():
     """`moehal bench` checks each row's output against the reference (`Row.check`): a wrong
     result's time meets no goal, and no ratio is taken against it."""

@@ -15,10 +15,10 @@ from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
 from moehal.layer import MoELayer
 from moehal.plugins import Registry
+from moehal.poison import poisoned
 from moehal.reference.oracle import reference_layer
 from moehal.weights import ExpertWeights, quantize_weights
 from moehal_conformance.cases import Case
-from moehal_conformance.poison import poisoned
 from moehal_conformance.tolerances import Tolerance, compare, tolerance_for
 
 PASS, FAIL, DECLINED, NOT_RUN = "pass", "fail", "declined", "not run"

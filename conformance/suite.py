@@ -115,7 +115,8 @@ class Suite:
         if self.registry.settings.emulate:
             os.environ["MOEHAL_EMULATE"] = ",".join(sorted(self.registry.settings.emulate))
         try:
-            outcomes = run_spawned(world, run_ep_cases, (None, "cpu", self.backend, disp), timeout_s=timeout_s)
+            args = (None, "cpu", self.backend, disp, (), self.poison)
+            outcomes = run_spawned(world, run_ep_cases, args, timeout_s=timeout_s)
         finally:
             if saved is None:
                 os.environ.pop("MOEHAL_EMULATE", None)

@@ -359,18 +359,23 @@ def run_ep_cases(
     backend: str = "reference",
     dispatcher: str | None = "reference.torch_distributed",
     plugins: Sequence[tuple[str, str]] = (),
+    poison: bool = False,
 ) -> list[EPResult]:
     """Run every case in order on this rank (the `run_spawned` worker for suites).
 
     plugins: extra (backend name, module) pairs to register besides the installed entry
     points, e.g. a plugin under test that is not installed.
+    poison: run each case with fresh allocations poisoned (`moehal.poison`), as conformance does.
     """
+    from moehal.poison import poisoned
+
     todo = list(cases) if cases is not None else ep_cases(world)
     reg = default_registry(plugins)
     results = []
     for c in todo:
         try:
-            results.append(run_ep_case(c, device=device, backend=backend, dispatcher=dispatcher, registry=reg))
+            with poisoned(poison):
+                results.append(run_ep_case(c, device=device, backend=backend, dispatcher=dispatcher, registry=reg))
         except NoBackendError as exc:  # deterministic on every rank: raised before any collective
             results.append(
                 EPResult(

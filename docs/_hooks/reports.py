@@ -1,7 +1,8 @@
 """mkdocs hook: list the committed reports on the Reports page at build time.
 
-Each marker must stand alone on its line. `<!-- reports:DIR -->` in a page becomes a table of the files under docs/DIR (newest first),
-so a report committed by a device run appears without editing the page.
+Each marker must stand alone on its line. `<!-- reports:DIR -->` in a page becomes a table
+of the files under docs/DIR (newest first), so a report committed by a device run appears
+without editing the page.
 `<!-- goals:FILE.json FILE.json ... -->` (paths under docs/) becomes the performance goals'
 summary computed from those `moehal bench` runs (`moehal.bench_goals`), never typed by hand.
 `<!-- goals:--pair-across-files FILE.json ... -->` pairs a ratio's rows across the files, as

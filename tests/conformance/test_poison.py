@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moehal.formats import StandardOutput
+from moehal.poison import INT_POISON, poison_, poisoned
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
-from moehal_conformance.poison import INT_POISON, poison_, poisoned
 from moehal_conformance.suite import Suite
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -86,11 +86,12 @@ def test_disabled_poisoning_is_a_no_op():
 
 # The suite catches an experts kernel that reads memory it never wrote --------------------------
 class _UnclearedRunner(ReferenceExpertsRunner):
-    """Adds the reference's result into a buffer it never cleared (`+=` on `torch.empty`)."""
+    """Writes the reference's result into a fresh buffer "cleared" by multiplying it by zero:
+    right for any finite leftovers, wrong for the NaN or Inf that `torch.empty` may hold."""
 
     def apply(self, inp):
         ref = super().apply(inp)
-        return StandardOutput(torch.empty_like(ref.hidden).add_(ref.hidden))
+        return StandardOutput(torch.empty_like(ref.hidden).mul_(0).add_(ref.hidden))
 
 
 class _Uncleared(ReferenceExperts):
@@ -161,3 +162,20 @@ def test_the_cli_poisons_unless_told_not_to():
 
     assert build_parser().parse_args(["--backend", "reference"]).poison is True
     assert build_parser().parse_args(["--backend", "reference", "--no-poison"]).poison is False
+
+
+def test_the_suite_hands_its_poison_switch_to_the_ranks(monkeypatch):
+    from moehal import distributed_check as dc
+
+    seen = []
+
+    def fake_spawned(world, fn, args, timeout_s):
+        seen.append(args)
+        return [dc.RankOutcome(0, "ok", [])]
+
+    monkeypatch.setattr(dc, "run_spawned", fake_spawned)
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    for poison in (True, False):
+        Suite("reference", reg, torch.device("cpu"), poison=poison).run_ep(2, required=False)
+    assert [a[-1] for a in seen] == [True, False]  # run_ep_cases' `poison` (tests/distributed: it bites)

@@ -88,6 +88,7 @@ def count_rows(rank: int, world: int, case: EPCase) -> dict:
 
 WIRE_CASE = EPCase("wire", top_k=4, num_experts=8, tokens_per_rank=(7, 3, 0, 5), routing="random", seed=11)
 BROKEN_CASE = EPCase("broken weights", top_k=3, tokens_per_rank=(8, 5))
+UNCLEARED_CASE = EPCase("uncleared experts' buffer", layout="standard", tokens_per_rank=(6, 4))
 ALIGNED_CASES = [
     EPCase("contiguous aligned to 8, bf16", top_k=3, tokens_per_rank=(9, 0, 4, 6)),
     EPCase("contiguous aligned to 8, fp8", quant="fp8_block", routing="skewed", tokens_per_rank=(5, 12)),
@@ -113,5 +114,13 @@ def suite_worker(rank: int, world: int) -> dict:
         ),
         "broken": dc.run_ep_cases(
             rank, world, [BROKEN_CASE], dispatcher="broken.broken_ep", plugins=[("broken", "ep_test_workers")]
+        ),
+        "uncleared": dc.run_ep_cases(
+            rank,
+            world,
+            [UNCLEARED_CASE],
+            backend="uncleared",
+            plugins=[("uncleared", "ep_uncleared_plugin")],
+            poison=True,
         ),
     }

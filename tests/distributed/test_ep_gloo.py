@@ -51,6 +51,16 @@ def test_contiguous_alignment(spawned):
         assert "aligned.experts_aligned8" in row.pipeline and "align 8" in row.pipeline, row.pipeline
 
 
+def test_ranks_poison_their_allocations(spawned):
+    """Experts reading a buffer they never cleared fail on every rank when the ranks poison
+    (`run_ep_cases(poison=True)`, what `moehal conformance --ep` runs)."""
+    _, per_rank = spawned
+    rows = dc.summarize([r["uncleared"] for r in per_rank])
+    assert len(rows) == 1 and rows[0].verdict != "PASS", rows
+    assert "uncleared.experts_uncleared" in rows[0].pipeline, rows[0].pipeline
+    assert all(not r["uncleared"][0].ok for r in per_rank)
+
+
 def test_ranks_agree_on_the_verdict(spawned):
     _, per_rank = spawned
     for per_case in zip(*[r["suite"] for r in per_rank]):

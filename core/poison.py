@@ -4,7 +4,8 @@
 to be harmless, so a kernel that reads rows it never wrote (a sentinel left unwritten, padding
 rows a combine weighs by zero, a counter never cleared) passes most runs. The mutation audit of
 session 45 found one such bug that conformance caught only by chance. Inside `poisoned()` every
-tensor made by torch's empty-family ops is filled before the caller sees it:
+tensor made by torch's empty-family ops is filled before the caller sees it (conformance runs
+every case so, the expert-parallel ranks included; see docs/conformance.md):
 
 - floating types with NaN (all bits set for the 1-byte formats: NaN in e4m3fn, e5m2 and e8m0,
   the largest magnitude in the packed FP4 pair), so any use of an unwritten value reaches the

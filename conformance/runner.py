@@ -573,6 +573,46 @@ class CaseRunner:
         rounded = replace(prob, wts=prob.wts.to(dt).float())  # the weights the layer was given
         self._agreeing(case, res, problems, got, rounded, what, "bitwise equal to int32 ids and fp32 weights")
 
+    def _check_row_isolation(self, case: Case, res: CaseResult) -> None:
+        """Tokens whose hidden states hold NaN or Inf (the stale rows of a padded CUDA-graph
+        batch, an activation that overflowed) change no other token's output: every other row
+        must equal the forward without them (bitwise where the pipeline claims determinism) and
+        match the oracle, at 3 tokens (where a small-batch format takes a decode batch) and at
+        the case's size. A kernel that reduces across tokens (an activation scale taken from the
+        batch's max, a sum that weighs other tokens' rows by zero) spreads them to every row."""
+        prob = make_problem(case)
+        layer = self._layer(case)
+        layer.load_weights(prob.weights.to(self.device))
+        d = self.device
+        x, ids, w = (t.to(d) for t in (prob.x, prob.ids, prob.wts))
+        bad = torch.zeros(x.shape[0], dtype=torch.bool)
+        bad[1::3] = True  # tokens 1, 4, 7, ... hold NaN; token 2 holds +-Inf
+        dirty = x.clone()
+        dirty[bad.to(d)] = float("nan")
+        if x.shape[0] > 2:
+            bad[2] = True
+            dirty[2, ::2], dirty[2, 1::2] = float("inf"), float("-inf")
+        tol = tolerance_for(case.quant, case.config.dtype)
+        exact = case.pipeline is not None and case.pipeline.deterministic
+        problems = []
+        for t in sorted({min(3, x.shape[0]), x.shape[0]}):
+            keep = ~bad[:t]
+            want = layer(x[:t], ids[:t], w[:t])[keep.to(d)]
+            got = layer(dirty[:t], ids[:t], w[:t])[keep.to(d)]
+            why = self._differs(got, want, tol, exact)
+            if why:
+                problems.append(f"{t} tokens, {int((~keep).sum())} of them NaN or Inf: the others changed ({why})")
+        if problems:
+            res.status, res.detail = FAIL, "; ".join(problems)
+            return
+        # the oracle is row-independent: its rows of the clean batch are the other tokens' answer
+        c = compare(got.cpu(), self._oracle(case, prob)[~bad], tol)
+        res.metrics.update(rel_l2=c.rel_l2, rel_max=c.rel_max)
+        res.status = PASS if c.ok else FAIL
+        res.detail = f"{int(bad.sum())} of {x.shape[0]} tokens NaN or Inf, the others: {c.detail}"
+        if exact and c.ok:
+            res.detail += ", bitwise equal to the clean batch's rows"
+
     def _check_padded_ids(self, case: Case, res: CaseResult) -> None:
         """-1 top-k ids (`MoEConfig.topk_padding`, declared by the pipeline's dispatcher or fused
         forward): every third token is padding (all its slots -1) and tokens 1, 5, ... lose their

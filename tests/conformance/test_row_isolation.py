@@ -1,0 +1,69 @@
+"""The row_isolation check: tokens whose hidden states hold NaN or Inf (a padded CUDA-graph batch's
+stale rows, an overflowed activation) must change no other token's output."""
+
+from __future__ import annotations
+
+import types
+
+import moehal
+import torch
+from moehal.formats import StandardInput
+from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
+from moehal_conformance.cases import BEHAVIOUR_CHECKS
+from moehal_conformance.suite import Suite
+
+
+class _BatchScaleRunner(ReferenceExpertsRunner):
+    """Scales the activations by the batch's largest magnitude and back: the same numbers for
+    finite inputs, but one NaN or Inf token makes every token's scale NaN or Inf."""
+
+    def apply(self, inp):
+        s = inp.hidden.float().abs().amax().clamp(min=1e-6)
+        hidden = (inp.hidden.float() / s * s).to(inp.hidden.dtype)
+        return super().apply(StandardInput(hidden, inp.scales, inp.topk_ids, inp.topk_weights))
+
+
+class _Experts(ReferenceExperts):
+    name, priority = "rows", 40
+
+    def __init__(self, batch_scale: bool) -> None:
+        self.batch_scale = batch_scale
+
+    def input_formats(self, req):
+        return [f for f in super().input_formats(req) if f.layout_name == "standard" and not f.is_quantized]
+
+    def build(self, req, fmt):
+        return _BatchScaleRunner(req, fmt) if self.batch_scale else super().build(req, fmt)
+
+
+def _results(batch_scale: bool) -> list:
+    name = "batchscale" if batch_scale else "rowwise"
+    plugin = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo(name, "9.9", "throwaway")),
+        moehal_experts=moehal.hookimpl(lambda: [_Experts(batch_scale)]),
+    )
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    assert reg.register(plugin, name).status == "loaded"
+    suite = Suite(name, reg, torch.device("cpu"), profile="quick")
+    cases = [c for c in suite.cases() if c.check == "row_isolation" and c.quant.name == "bf16"]
+    assert cases and all(c.pipeline is not None and c.pipeline.main.name == "rows" for c in cases)
+    suite.run(cases)
+    return suite.results
+
+
+def test_the_check_runs_per_claimed_scheme():
+    assert "row_isolation" in BEHAVIOUR_CHECKS
+
+
+def test_row_wise_experts_pass():
+    results = _results(batch_scale=False)
+    assert {r.status for r in results} == {"pass"}, [r.detail for r in results]
+    assert all("6 of 16 tokens NaN or Inf, the others: rel_l2" in r.detail for r in results), results[0].detail
+
+
+def test_a_scale_taken_over_the_batch_fails():
+    results = _results(batch_scale=True)
+    assert {r.status for r in results} == {"fail"}
+    for r in results:  # the decode size already shows it: 2 of 3 tokens bad, the third changed
+        assert "3 tokens, 2 of them NaN or Inf: the others changed" in r.detail, r.detail

@@ -579,7 +579,9 @@ class CaseRunner:
         must equal the forward without them (bitwise where the pipeline claims determinism) and
         match the oracle, at 3 tokens (where a small-batch format takes a decode batch) and at
         the case's size. A kernel that reduces across tokens (an activation scale taken from the
-        batch's max, a sum that weighs other tokens' rows by zero) spreads them to every row."""
+        batch's max, a sum that weighs other tokens' rows by zero) spreads them to every row.
+        Then a clean batch of 3 tokens must equal its forward before the dirty ones: NaN left in
+        a buffer the layer keeps across calls, read by a later, smaller batch, shows there."""
         prob = make_problem(case)
         layer = self._layer(case)
         layer.load_weights(prob.weights.to(self.device))
@@ -595,13 +597,18 @@ class CaseRunner:
         tol = tolerance_for(case.quant, case.config.dtype)
         exact = case.pipeline is not None and case.pipeline.deterministic
         problems = []
-        for t in sorted({min(3, x.shape[0]), x.shape[0]}):
+        small = min(3, x.shape[0])
+        before = layer(x[:small], ids[:small], w[:small]).clone()
+        for t in sorted({small, x.shape[0]}):
             keep = ~bad[:t]
             want = layer(x[:t], ids[:t], w[:t])[keep.to(d)]
             got = layer(dirty[:t], ids[:t], w[:t])[keep.to(d)]
             why = self._differs(got, want, tol, exact)
             if why:
                 problems.append(f"{t} tokens, {int((~keep).sum())} of them NaN or Inf: the others changed ({why})")
+        why = self._differs(layer(x[:small], ids[:small], w[:small]), before, tol, exact)
+        if why:
+            problems.append(f"a clean batch of {small} after the NaN ones differs from before them ({why})")
         if problems:
             res.status, res.detail = FAIL, "; ".join(problems)
             return

@@ -7,7 +7,7 @@ import types
 
 import moehal
 import torch
-from moehal.formats import StandardInput
+from moehal.formats import StandardInput, StandardOutput
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
 from moehal_conformance.cases import BEHAVIOUR_CHECKS
 from moehal_conformance.suite import Suite
@@ -23,24 +23,41 @@ class _BatchScaleRunner(ReferenceExpertsRunner):
         return super().apply(StandardInput(hidden, inp.scales, inp.topk_ids, inp.topk_weights))
 
 
+class _StaleRunner(ReferenceExpertsRunner):
+    """Keeps the previous call's activations (as a workspace kept across calls holds them) and
+    folds them into the output weighed by zero: row-wise within a call, but after a batch with
+    NaN the next one turns NaN (0 x NaN)."""
+
+    prev: torch.Tensor | None = None
+
+    def apply(self, inp):
+        out = super().apply(inp)
+        if self.prev is not None:
+            out = StandardOutput(out.hidden + 0 * self.prev.float().sum().to(out.hidden.dtype))
+        self.prev = inp.hidden.clone()
+        return out
+
+
+RUNNERS = {"rowwise": None, "batchscale": _BatchScaleRunner, "stale": _StaleRunner}
+
+
 class _Experts(ReferenceExperts):
     name, priority = "rows", 40
 
-    def __init__(self, batch_scale: bool) -> None:
-        self.batch_scale = batch_scale
+    def __init__(self, runner: type | None) -> None:
+        self.runner = runner
 
     def input_formats(self, req):
         return [f for f in super().input_formats(req) if f.layout_name == "standard" and not f.is_quantized]
 
     def build(self, req, fmt):
-        return _BatchScaleRunner(req, fmt) if self.batch_scale else super().build(req, fmt)
+        return self.runner(req, fmt) if self.runner is not None else super().build(req, fmt)
 
 
-def _results(batch_scale: bool) -> list:
-    name = "batchscale" if batch_scale else "rowwise"
+def _results(name: str) -> list:
     plugin = types.SimpleNamespace(
         moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo(name, "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_Experts(batch_scale)]),
+        moehal_experts=moehal.hookimpl(lambda: [_Experts(RUNNERS[name])]),
     )
     reg = moehal.Registry(moehal.Settings())
     reg.load_entry_points()
@@ -57,13 +74,20 @@ def test_the_check_runs_per_claimed_scheme():
 
 
 def test_row_wise_experts_pass():
-    results = _results(batch_scale=False)
+    results = _results("rowwise")
     assert {r.status for r in results} == {"pass"}, [r.detail for r in results]
     assert all("6 of 16 tokens NaN or Inf, the others: rel_l2" in r.detail for r in results), results[0].detail
 
 
 def test_a_scale_taken_over_the_batch_fails():
-    results = _results(batch_scale=True)
+    results = _results("batchscale")
     assert {r.status for r in results} == {"fail"}
     for r in results:  # the decode size already shows it: 2 of 3 tokens bad, the third changed
         assert "3 tokens, 2 of them NaN or Inf: the others changed" in r.detail, r.detail
+
+
+def test_nan_kept_across_calls_fails_the_next_clean_batch():
+    results = _results("stale")
+    assert {r.status for r in results} == {"fail"}
+    for r in results:  # (its clean 16-token forward, after the dirty 3-token one, is NaN too)
+        assert "a clean batch of 3 after the NaN ones differs from before them" in r.detail, r.detail

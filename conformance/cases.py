@@ -14,7 +14,7 @@ Families:
 - padding: masked and contiguous layouts keep padding rows zero; contiguous ones mark them -1.
 - routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
 - determinism, cuda_graph, side_stream, two_streams, inference_mode, out_buffer, strided_inputs,
-  input_dtypes, row_isolation:
+  input_dtypes, row_isolation, kept_outputs:
   per claimed quant scheme, at the base shape and at the 512-wide one for paths it did not reach.
 - padded_ids: -1 top-k ids (`MoEConfig.topk_padding`), per claimed quant scheme, paths as above;
   and at top-1 for the first claimed scheme, where a kernel may write output rows directly.
@@ -57,6 +57,7 @@ BEHAVIOUR_CHECKS = (
     "strided_inputs",
     "input_dtypes",
     "row_isolation",
+    "kept_outputs",
 )
 
 
@@ -67,8 +68,8 @@ class Case:
     id: str
     family: str
     check: str  # numeric, padding, dispatch, determinism, cuda_graph, side_stream, two_streams, inference_mode,
-    # out_buffer, strided_inputs, input_dtypes, row_isolation, padded_ids, double_process, bad_input, logits,
-    # honesty
+    # out_buffer, strided_inputs, input_dtypes, row_isolation, kept_outputs, padded_ids, double_process,
+    # bad_input, logits, honesty
     config: MoEConfig
     quant: QuantScheme
     tokens: int = 7

@@ -623,6 +623,43 @@ class CaseRunner:
         if exact and c.ok:
             res.detail += ", bitwise equal to the clean batch's rows"
 
+    def _check_kept_outputs(self, case: Case, res: CaseResult) -> None:
+        """A forward's output is the caller's to keep, as any eager result is: engines hold one
+        while the same layer runs again (two-batch overlap runs a layer on the second micro-batch
+        before the first one's output is consumed) and while other layers of its shape run. Each
+        output must keep its values through later forwards: the same layer on other inputs of
+        the same size, on 1 token (where a small-batch format takes it), and a second layer of
+        this shape. A backend that returns a view of a buffer it keeps across calls (its own, or
+        one shared by the layers of a shape) fails here, naming the call that overwrote it."""
+        prob = make_problem(case)
+        d = self.device
+        layer, other = self._layer(case), self._layer(case)
+        weights = prob.weights.to(d)
+        layer.load_weights(weights)
+        other.load_weights(weights)
+        x, ids, w = (t.to(d) for t in (prob.x, prob.ids, prob.wts))
+        x2, ids2, w2 = -x.flip(0), ids.flip(0), w.flip(0)  # other values, the same size
+        first = layer(x, ids, w)
+        held = [("the first output", first, first.clone())]
+        later = (
+            ("the same layer on other inputs", lambda: layer(x2, ids2, w2)),
+            ("the same layer on 1 token", lambda: layer(x[:1], ids[:1], w[:1])),
+            ("a second layer of this shape", lambda: other(x2, ids2, w2)),
+        )
+        problems = []
+        for n, (what, call) in enumerate(later):
+            y = call()
+            for name, kept, snapshot in held:
+                if not torch.equal(kept.contiguous().view(torch.uint8), snapshot.view(torch.uint8)):  # bits: NaN too
+                    problems.append(f"{name} changed when {what} ran")
+            held = [(name, kept, kept.clone()) for name, kept, _ in held]  # a change is named once
+            held.append((f"output {n + 2} ({what})", y, y.clone()))
+        if problems:
+            res.status, res.detail = FAIL, "; ".join(problems)
+            return
+        self._numeric(case, res, first, prob)
+        res.detail = f"every output kept its bits through {len(later)} later forwards; the first: {res.detail}"
+
     def _check_padded_ids(self, case: Case, res: CaseResult) -> None:
         """-1 top-k ids (`MoEConfig.topk_padding`, declared by the pipeline's dispatcher or fused
         forward): every third token is padding (all its slots -1) and tokens 1, 5, ... lose their

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Session 46, call 5 (DeepGEMM's wheels carried): the new kept_outputs check on the CUDA backend
 # (an output keeps its bits through later forwards of its layer and of a second layer of its
-# shape: the CUDA backend shares scratch between layers of a shape), then row_isolation and
-# kept_outputs together as the final code runs them.
+# shape: the CUDA backend shares scratch between layers of a shape).
 #   usage (repo root, .whl present): bash <this file>
 set -u
 ls .whl

@@ -38,6 +38,7 @@ ALLOCATORS = frozenset(
     }
 )
 INT_POISON = 1
+_FP4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8; moehal supports torch >= 2.4
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
         return t
     if t.dtype == torch.bool:
         t.fill_(True)
-    elif (t.element_size() == 1 and t.dtype.is_floating_point) or t.dtype == torch.float4_e2m1fn_x2:
+    elif (t.element_size() == 1 and t.dtype.is_floating_point) or (_FP4 is not None and t.dtype == _FP4):
         t.view(torch.uint8).fill_(0xFF)  # 1-byte floats: fill_ cannot write NaN to all of them
     elif t.dtype.is_floating_point:
         t.fill_(float("nan"))

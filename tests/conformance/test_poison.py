@@ -179,3 +179,14 @@ def test_the_suite_hands_its_poison_switch_to_the_ranks(monkeypatch):
     for poison in (True, False):
         Suite("reference", reg, torch.device("cpu"), poison=poison).run_ep(2, required=False)
     assert [a[-1] for a in seen] == [True, False]  # run_ep_cases' `poison` (tests/distributed: it bites)
+
+
+def test_poisoning_needs_no_fp4_dtype(monkeypatch):
+    """torch < 2.8 has no `float4_e2m1fn_x2` (moehal supports torch >= 2.4): every other dtype
+    is poisoned as before."""
+    import moehal.poison
+
+    monkeypatch.setattr(moehal.poison, "_FP4", None)
+    assert _is_poisoned(poison_(torch.zeros(4, dtype=torch.bfloat16)))
+    assert _is_poisoned(poison_(torch.zeros(4, dtype=torch.uint8)))
+    assert _is_poisoned(poison_(torch.zeros(4, dtype=torch.uint8).view(torch.float8_e4m3fn)))

@@ -637,7 +637,7 @@ class CaseRunner:
         layer.load_weights(prob.weights.to(d))
         # weights of its own: a layer's weights are its to keep (and, for some kernels, to
         # transform), never shared with another layer
-        other.load_weights(make_problem(Case(**{**case.__dict__, "seed": case.seed + 1})).weights.to(d))
+        other.load_weights(make_problem(replace(case, seed=case.seed + 1)).weights.to(d))
         x, ids, w = (t.to(d) for t in (prob.x, prob.ids, prob.wts))
         x2, ids2, w2 = -x.flip(0), ids.flip(0), w.flip(0)  # other values, the same size
         first = layer(x, ids, w)

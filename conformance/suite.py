@@ -73,24 +73,24 @@ class Suite:
     def run(self, cases: list[Case] | None = None, on_result: Callable[[CaseResult], None] | None = None) -> None:
         runner = CaseRunner(self.registry, self.device, self.poison)
         todo = cases if cases is not None else self.cases()
-        for n, case in enumerate(todo):
-            try:
-                r = runner.run(case)
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit): keep what ran, say what did not
-                self.interrupted = True
-                self._not_run(todo[n:], "the run was interrupted before this case")
-                return
-            finally:
-                self.poisoned_allocations += runner.poisoned
-                runner.poisoned = 0
-            self.results.append(r)
-            if on_result is not None:
-                on_result(r)
-            if r.status == FAIL and (why := context_lost(self.device)):
-                # Every later case would fail with this error, not its own: stop, and say so.
-                self.lost_in, self.lost_error = r.id, why
-                self._not_run(todo[n + 1 :], f"the device's context was lost in {r.id}")
-                return
+        try:
+            for n, case in enumerate(todo):
+                try:
+                    r = runner.run(case)
+                except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit): keep what ran, say what did not
+                    self.interrupted = True
+                    self._not_run(todo[n:], "the run was interrupted before this case")
+                    return
+                self.results.append(r)
+                if on_result is not None:
+                    on_result(r)
+                if r.status == FAIL and (why := context_lost(self.device)):
+                    # Every later case would fail with this error, not its own: stop, and say so.
+                    self.lost_in, self.lost_error = r.id, why
+                    self._not_run(todo[n + 1 :], f"the device's context was lost in {r.id}")
+                    return
+        finally:
+            self.poisoned_allocations += runner.poisoned
 
     def _not_run(self, cases: list[Case], why: str) -> None:
         for c in cases:

@@ -5,14 +5,12 @@ layout's `masked_m` counts each local expert's slots, and `max_total_rows` bound
 from __future__ import annotations
 
 import dataclasses
-import types
 
-import moehal
 import torch
 from moehal.formats import ContiguousInput, MaskedInput
 from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts
-from moehal_conformance.suite import Suite
+from throwaway_plugin import throwaway_suite
 
 
 class _Aligned(ReferenceExperts):
@@ -43,16 +41,7 @@ def _dispatcher(change):
 
 
 def _padding_results(name, dispatcher=None):
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo(name, "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_Aligned()]),
-    )
-    if dispatcher is not None:
-        plugin.moehal_dispatchers = moehal.hookimpl(lambda: [dispatcher])
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, name).status == "loaded"
-    suite = Suite(name, reg, torch.device("cpu"), profile="quick")
+    suite = throwaway_suite(name, [_Aligned()], [dispatcher] if dispatcher is not None else [])
     suite.run([c for c in suite.cases() if c.check == "padding"])
     assert {r.layout for r in suite.results} == {"masked", "contiguous"}
     return {r.layout: r for r in suite.results}
@@ -122,14 +111,7 @@ def test_experts_leaking_a_small_value_into_padding_rows_fail():
         def build(self, req, fmt):
             return _LeakyRunner(req, fmt)
 
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo("leaky", "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_Leaky()]),
-    )
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, "leaky").status == "loaded"
-    suite = Suite("leaky", reg, torch.device("cpu"), profile="quick")
+    suite = throwaway_suite("leaky", [_Leaky()])
     suite.run([c for c in suite.cases() if c.check == "padding" and c.layout == "masked"])
     assert suite.results and {r.status for r in suite.results} == {"fail"}
     assert all("padding rows are not zero (max |value| 0.5)" in r.detail for r in suite.results)
@@ -144,15 +126,7 @@ def test_the_pairs_family_checks_the_contract_at_top_k_above_one():
             return inp
         return dataclasses.replace(inp, max_total_rows=inp.max_total_rows // 2)
 
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo("rowsoff", "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_Aligned()]),
-        moehal_dispatchers=moehal.hookimpl(lambda: [_dispatcher(tokens_only)]),
-    )
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, "rowsoff").status == "loaded"
-    suite = Suite("rowsoff", reg, torch.device("cpu"), profile="quick")
+    suite = throwaway_suite("rowsoff", [_Aligned()], [_dispatcher(tokens_only)])
     pairs = [c for c in suite.cases() if c.family == "pairs" and c.pipeline is not None]
     assert pairs and all(c.check == "dispatch" and c.config.top_k == 2 for c in pairs)
     suite.run(pairs)

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import types
-
 import moehal
-import torch
 from moehal.reference.experts import ReferenceExperts
 from moehal_conformance.suite import Suite
+from throwaway_plugin import throwaway_suite
 
 
 class _WideOnly(ReferenceExperts):
@@ -35,14 +33,7 @@ class _AnyShape(ReferenceExperts):
 
 
 def _suite() -> Suite:
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo("wideonly", "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_WideOnly(), _AnyShape()]),
-    )
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, "wideonly").status == "loaded"
-    return Suite("wideonly", reg, torch.device("cpu"), profile="quick")
+    return throwaway_suite("wideonly", [_WideOnly(), _AnyShape()])
 
 
 def test_features_run_at_the_wide_shape_for_kernels_declining_the_base():

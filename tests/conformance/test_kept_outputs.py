@@ -3,14 +3,11 @@ layer and of other layers of its shape (engines hold one while the next micro-ba
 
 from __future__ import annotations
 
-import types
-
-import moehal
 import torch
 from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts
 from moehal_conformance.cases import BEHAVIOUR_CHECKS
-from moehal_conformance.suite import Suite
+from throwaway_plugin import throwaway_suite
 
 _SHARED: dict[tuple, torch.Tensor] = {}  # one buffer per layer shape, as process-wide scratch is
 
@@ -47,15 +44,7 @@ def _results(runner: type | None) -> list:
 
     _Dispatcher.name, _Dispatcher.priority = "keeper", 40
     _Experts.name, _Experts.priority = "experts", 40
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo(name, "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_Experts()]),
-        moehal_dispatchers=moehal.hookimpl(lambda: [_Dispatcher()]),
-    )
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, name).status == "loaded"
-    suite = Suite(name, reg, torch.device("cpu"), profile="quick")
+    suite = throwaway_suite(name, [_Experts()], [_Dispatcher()])
     cases = [c for c in suite.cases() if c.check == "kept_outputs" and c.quant.name == "bf16"]
     assert cases and all(c.pipeline is not None and c.pipeline.dispatcher.name == "keeper" for c in cases)
     suite.run(cases)

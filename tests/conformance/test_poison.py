@@ -5,8 +5,6 @@ a harmless value)."""
 
 from __future__ import annotations
 
-import types
-
 import moehal
 import pytest
 import torch
@@ -16,6 +14,7 @@ from moehal.formats import StandardOutput
 from moehal.poison import INT_POISON, poison_, poisoned
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
 from moehal_conformance.suite import Suite
+from throwaway_plugin import throwaway_suite
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 ONE_BYTE_FLOATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu]
@@ -111,14 +110,7 @@ class _Uncleared(ReferenceExperts):
 
 def _numeric_results(buggy: bool, poison: bool) -> list:
     name = "uncleared" if buggy else "cleared"
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo(name, "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_Uncleared(buggy)]),
-    )
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, name).status == "loaded"
-    suite = Suite(name, reg, torch.device("cpu"), profile="quick", poison=poison)
+    suite = throwaway_suite(name, [_Uncleared(buggy)], poison=poison)
     cases = [c for c in suite.cases() if c.family == "matrix" and c.quant.name == "bf16" and c.pipeline is not None]
     assert cases and all(c.pipeline.main.name == "uncleared" for c in cases)
     suite.run(cases)

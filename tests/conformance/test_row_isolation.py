@@ -3,14 +3,11 @@ stale rows, an overflowed activation) must change no other token's output."""
 
 from __future__ import annotations
 
-import types
-
-import moehal
 import torch
 from moehal.formats import StandardInput, StandardOutput
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
 from moehal_conformance.cases import BEHAVIOUR_CHECKS
-from moehal_conformance.suite import Suite
+from throwaway_plugin import throwaway_suite
 
 
 class _BatchScaleRunner(ReferenceExpertsRunner):
@@ -55,14 +52,7 @@ class _Experts(ReferenceExperts):
 
 
 def _results(name: str) -> list:
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo(name, "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [_Experts(RUNNERS[name])]),
-    )
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, name).status == "loaded"
-    suite = Suite(name, reg, torch.device("cpu"), profile="quick")
+    suite = throwaway_suite(name, [_Experts(RUNNERS[name])])
     cases = [c for c in suite.cases() if c.check == "row_isolation" and c.quant.name == "bf16"]
     assert cases and all(c.pipeline is not None and c.pipeline.main.name == "rows" for c in cases)
     suite.run(cases)

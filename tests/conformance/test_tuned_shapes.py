@@ -5,14 +5,13 @@ fails; a declaration the kernel then declines, or one that raises, fails too."""
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import moehal
 import pytest
-import torch
 from moehal.interfaces import TunedShape
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
 from moehal_conformance.suite import Suite
+from throwaway_plugin import throwaway_suite
 
 TUNED = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, max_tokens=64)
 BF16 = moehal.QuantScheme.parse("bf16")
@@ -56,14 +55,7 @@ def _experts(name: str, runner=ReferenceExpertsRunner, raises: bool = False, dec
 
 
 def _suite(name: str, experts) -> Suite:
-    plugin = types.SimpleNamespace(
-        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo(name, "9.9", "throwaway")),
-        moehal_experts=moehal.hookimpl(lambda: [experts]),
-    )
-    reg = moehal.Registry(moehal.Settings())
-    reg.load_entry_points()
-    assert reg.register(plugin, name).status == "loaded"
-    return Suite(name, reg, torch.device("cpu"), profile="quick")
+    return throwaway_suite(name, [experts])
 
 
 def test_covering_takes_the_smallest_batch_of_each_path():

@@ -5,7 +5,9 @@ edges of its bands and tiles), every pipeline it accepts in turn, eager calls or
 each output compared with the reference oracle on the GPU (and, for small layers and batches,
 with the float64 loop). Examples: `MOEHAL_GPU_FUZZ_EXAMPLES` (default 40); hypothesis runs them
 derandomized, so a run is repeatable. `MOEHAL_GPU_FUZZ_SHRINK=0` reports a failing example as
-drawn, without shrinking it (on a time-boxed device call, shrinking may outlast the box)."""
+drawn, without shrinking it (on a time-boxed device call, shrinking may outlast the box).
+`MOEHAL_GPU_FUZZ_SEED=N` draws another repeatable series (hypothesis's `seed`), for runs
+that add examples to the default one instead of repeating its first ones."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, given, seed, settings
 from layer_fuzz import FUZZ, check, layer_cases
 
 pytestmark = [
@@ -23,11 +25,13 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible)"),
 ]
 EXAMPLES = int(os.environ.get("MOEHAL_GPU_FUZZ_EXAMPLES", "40"))
+SEED = os.environ.get("MOEHAL_GPU_FUZZ_SEED")
 PHASES = [p for p in Phase if p is not Phase.shrink or os.environ.get("MOEHAL_GPU_FUZZ_SHRINK", "1") != "0"]
 
 
 @given(layer_cases("cuda"))
-@settings(FUZZ, max_examples=EXAMPLES, phases=PHASES)
+@settings(FUZZ, max_examples=EXAMPLES, phases=PHASES, derandomize=SEED is None)
+@seed(int(SEED or 0))
 def test_cuda_backend_on_the_gpu(case):
     from moehal.kernels.triton_permute import release_workspaces
 

@@ -58,8 +58,10 @@ SCHEMES = {
 FLOAT64_LOOP_SLOTS = 256
 FLOAT64_LOOP_WEIGHTS = 2**25
 # Batch sizes of the GPU profile: the edges of the decode kernels' bands, of 64- and 128-row
-# tiles and of the tables' prefill bands (1024-4096).
-GPU_TOKENS = [0, 1, 2, 3, 5, 8, 9, 16, 17, 31, 33, 64, 65, 127, 129, 255, 257, 511, 513, 1024, 1025, 2048, 4096]
+# tiles and of the tables' prefill bands (1024-4096). Hypothesis favours a list's first entries
+# (its simplest), so a mid-sized batch leads and the empty one comes last (session 47's first
+# 280 examples drew 0 tokens for 114 of their calls).
+GPU_TOKENS = [17, 1, 2, 3, 5, 8, 9, 16, 31, 33, 64, 65, 127, 129, 255, 257, 511, 513, 1024, 1025, 2048, 4096, 0]
 FUZZ = settings(
     deadline=None,
     derandomize=True,
@@ -161,8 +163,8 @@ def layer_cases(draw, backend: str) -> dict:
         sizes = [64, 128] if c["quant"] == "bf16" else [128]
         e, h, i = draw(st.integers(1, 6)), draw(st.sampled_from(sizes)), draw(st.sampled_from(sizes))
     elif backend == "cuda":  # DeepGEMM compiles per (experts, N, K): a few sizes, reused
-        e = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256]))
-        h, i = draw(st.sampled_from([128, 192, 256, 512, 2048])), draw(st.sampled_from([64, 96, 128, 256, 768]))
+        e = draw(st.sampled_from([8, 1, 2, 4, 16, 32, 64, 128, 256]))
+        h, i = draw(st.sampled_from([512, 128, 192, 256, 2048])), draw(st.sampled_from([256, 64, 96, 128, 768]))
     else:
         e = draw(st.integers(1, 8))
         h = draw(st.sampled_from([16, 40, 64, 128, 200]))
@@ -208,7 +210,7 @@ def layer_cases(draw, backend: str) -> dict:
     c["seed"] = draw(st.integers(0, 2**16))
     c["device"] = "cuda" if backend == "cuda" else "cpu"
     # eager calls of up to this many tokens replay CUDA graphs (`moehal.graphs`)
-    c["cuda_graph_tokens"] = draw(st.sampled_from([0, 0, 64, 4096])) if backend == "cuda" else 0
+    c["cuda_graph_tokens"] = draw(st.sampled_from([64, 0, 4096, 0])) if backend == "cuda" else 0
     return c
 
 

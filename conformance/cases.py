@@ -316,9 +316,12 @@ class CaseBuilder:
             ("top_k_10", dict(num_experts=16, top_k=10), {}),
             ("experts_2", dict(num_experts=2, top_k=1), {}),
             ("experts_64", dict(num_experts=64, top_k=6), dict(tokens=5)),
+            # not a power of two (Qwen1.5-MoE's 60 experts, top-4): kernels that pad expert
+            # tables to a power of two, or assume one, show here and at no other count above
+            ("experts_60", dict(num_experts=60, top_k=4), dict(tokens=7)),
         ]
         if self.profile == "quick":
-            quick = {"tokens_0", "tokens_1", "one_expert", "no_local_slots", "top_k_10", "experts_64"}
+            quick = {"tokens_0", "tokens_1", "one_expert", "no_local_slots", "top_k_10", "experts_64", "experts_60"}
             shapes = [s for s in shapes if s[0] in quick]
         for name, change, kw in shapes:
             cases.extend(self.cases_for("shapes", "numeric", name, base.with_(**change), first, **kw))

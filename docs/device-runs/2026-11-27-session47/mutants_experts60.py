@@ -1,0 +1,30 @@
+"""Session 47: edits that matter only where the expert count is not a power of two (the
+expert table padded to E_P > E), each run against conformance's experts_64 case and its new
+experts_60 case on the ROCm backend (its Triton align step interpreted on the CPU).
+
+    TRITON_INTERPRET=1 python tools/conformance_mutants.py docs/device-runs/2026-11-27-session47/mutants_experts60.py
+"""
+
+from conformance_mutants import Mutant
+
+F = "core/kernels/triton_fused_moe.py"
+ROCM = ["moehal", "conformance", "--backend", "rocm", "-k"]
+EDITS = [
+    (
+        "align-owner-unmasked",
+        "owner = tl.sum(((ends[None, :] <= p[:, None]) & (ce[None, :] < E)).to(tl.int32), axis=1)",
+        "owner = tl.sum((ends[None, :] <= p[:, None]).to(tl.int32), axis=1)",
+        "the align step counts the padded table entries past E as segments ending before p",
+    ),
+    (
+        "align-counts-past-e",
+        "cnt = tl.load(counts_ptr + ce, mask=ce < E, other=0)",
+        "cnt = tl.load(counts_ptr + ce, mask=ce < E_P, other=0)",
+        "the align step reads E_P expert counts where E are written",
+    ),
+]
+MUTANTS = [
+    Mutant(f"{name}@{case}", F, old, new, why, ROCM + [case])
+    for name, old, new, why in EDITS
+    for case in ("experts_64", "experts_60")
+]

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from moe_testing import float64_oracle
 from moehal.errors import ConfigError, NoBackendError, NotSupportedError, WeightError
 from moehal.interfaces import BuildRequest
+from moehal.poison import poisoned
 from moehal.quant import ALL_SCHEMES, QuantScheme
 from moehal.reference.oracle import reference_layer
 from moehal.routing import RoutingConfig
@@ -332,7 +333,14 @@ def _forward(layer, c, x, args, kwargs):
 
 def check(c: dict) -> str:
     """Build the case's layer(s) and oracle, run its calls, compare every output; the name of
-    the pipeline it ran."""
+    the pipeline it ran. Fresh allocations hold NaN (integers 1) throughout, as in conformance
+    (`moehal.poison`): a read of memory nobody wrote fails every time, not when the allocator
+    hands back what an earlier example left."""
+    with poisoned():
+        return _check(c)
+
+
+def _check(c: dict) -> str:
     note(repr(c))
     cfg, quant = _config(c), QuantScheme.parse(c["quant"])
     registry = _cuda_cpu_registry() if c["backend"] == "cudacpu" else _registry()

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from hypothesis import Phase, given, seed, settings
+from hypothesis import strategies as st
 from layer_fuzz import FUZZ, check, layer_cases
 
 pytestmark = [
@@ -44,3 +45,29 @@ def test_cuda_backend_on_the_gpu(case):
     name = check(case)
     keys = ("quant", "num_experts", "top_k", "hidden_size", "intermediate_size", "tokens", "cuda_graph_tokens")
     print(f"passed {time.perf_counter() - t0:6.1f} s {name}", *(f"{k}={case[k]}" for k in keys))  # the log of a run
+
+
+# The one failure of session 47's 680+ GPU examples (an H100, `MOEHAL_GPU_FUZZ_SEED=8`, its
+# 40th example, on 6e21e49's strategy): fp8_block through `cuda.triton`, one token, hidden 2048,
+# intermediate 64 (a single 1x128 group, half empty), top-6 of 8 experts. rel_l2 3.81e-2
+# against the oracle's 0.035, rel_max 4.09e-2. The same kernel, interpreted on the CPU at this
+# config, stays within 3e-3 of the oracle over 40 seeds, and rounding-order effects alone
+# (GEMM1's output kept in fp32, or no activation quantization at all) stayed under 3.2e-2 in a
+# float emulation. Not diagnosed: the session had no device time left. Not yet run on its own
+# (without the 39 examples before it) nor under poisoning: strict=False until it has.
+SESSION47_FAILURE = dict(
+    backend="cuda", quant="fp8_block", dtype="bfloat16", activation="silu", gated=True,
+    has_w13_bias=False, has_w2_bias=False, num_experts=8, hidden_size=2048, intermediate_size=64,
+    top_k=6, ep_size=1, ep_rank=0, routed_scaling_factor=2.5, apply_router_weight_on_input=False,
+    topk_padding=False, routing=None, logits=False, logits_dtype="float32", tokens=[1],
+    max_tokens=None, pad_fraction=0.0, ids_dtype="int64", out="none", strided_x="no",
+    calls="one_layer", inference_mode=False, pipeline=6, seed=0, device="cuda", cuda_graph_tokens=0,
+)  # fmt: skip
+
+
+@pytest.mark.xfail(strict=False, reason="open since session 47: docs/device-runs/2026-11-27-session47/README.md")
+@given(st.just(SESSION47_FAILURE))
+@settings(FUZZ, max_examples=1)
+def test_session47_fp8_block_one_token(case):
+    """The example above, on its own: the pipeline it drew must still be `cuda.triton`."""
+    assert "cuda.triton" in check(case)

@@ -17,6 +17,12 @@ EDITS = [
         "the align step counts the padded table entries past E as segments ending before p",
     ),
     (
+        "align-table-unpadded",
+        "e_p = next_power_of_2(e)",
+        "e_p = e",
+        "the align step's expert table is E wide, not padded to a power of two",
+    ),
+    (
         "align-counts-past-e",
         "cnt = tl.load(counts_ptr + ce, mask=ce < E, other=0)",
         "cnt = tl.load(counts_ptr + ce, mask=ce < E_P, other=0)",
@@ -27,4 +33,12 @@ MUTANTS = [
     Mutant(f"{name}@{case}", F, old, new, why, ROCM + [case])
     for name, old, new, why in EDITS
     for case in ("experts_64", "experts_60")
+]
+# The same edit's out-of-bounds read, run again: lanes past E read memory beyond the counts
+# tensor, so whether the case fails depends on what that memory holds in the run.
+MUTANTS += [
+    Mutant(f"align-counts-past-e@experts_60#{n}", F, old, new, why, ROCM + ["experts_60"])
+    for name, old, new, why in EDITS
+    if name == "align-counts-past-e"
+    for n in (2, 3, 4)
 ]

@@ -11,7 +11,6 @@ that add examples to the default one instead of repeating its first ones."""
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 
@@ -34,13 +33,11 @@ PHASES = [p for p in Phase if p is not Phase.shrink or os.environ.get("MOEHAL_GP
 @settings(FUZZ, max_examples=EXAMPLES, phases=PHASES, derandomize=SEED is None)
 @seed(int(SEED or 0))
 def test_cuda_backend_on_the_gpu(case):
-    from moehal.kernels.triton_permute import release_workspaces
+    from moehal.bench import release_layers
 
     # each example's layers allocate worst-case masked buffers for their shape (gigabytes at
-    # 256 experts and 4096 tokens): give the last example's back first
-    release_workspaces()
-    gc.collect()
-    torch.cuda.empty_cache()
+    # 256 experts and 4096 tokens): give the last example's back first, as the benchmark does
+    release_layers(torch.device("cuda"))
     t0 = time.perf_counter()
     name = check(case)
     keys = ("quant", "num_experts", "top_k", "hidden_size", "intermediate_size", "tokens", "cuda_graph_tokens")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from moehal.quant.ieee import div
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -14,7 +15,7 @@ _TINY = 1e-12
 
 
 def _scale_from_amax(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    scale = amax.float().clamp_min(_TINY) / FP8_MAX
+    scale = div(amax.float().clamp_min(_TINY), FP8_MAX)
     if ue8m0:
         # Round the scale *up* to a power of two so that q never overflows.
         scale = torch.exp2(torch.ceil(torch.log2(scale)))

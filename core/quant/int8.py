@@ -4,6 +4,7 @@ per token for activations (the scheme of SGLang's W8A8Int8 and Ascend's W8A8 dyn
 from __future__ import annotations
 
 import torch
+from moehal.quant.ieee import div
 
 INT8_MAX = 127.0
 _TINY = 1e-12
@@ -11,14 +12,14 @@ _TINY = 1e-12
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[..., N, K]` -> int8 `[..., N, K]`, fp32 scales `[..., N]` (one per output row)."""
-    scale = w.float().abs().amax(dim=-1).clamp_min(_TINY) / INT8_MAX
+    scale = div(w.float().abs().amax(dim=-1).clamp_min(_TINY), INT8_MAX)
     q = torch.round(w.float() / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[..., K]` -> int8 `[..., K]`, fp32 scales `[...]` (one per row)."""
-    scale = x.float().abs().amax(dim=-1).clamp_min(_TINY) / INT8_MAX
+    scale = div(x.float().abs().amax(dim=-1).clamp_min(_TINY), INT8_MAX)
     q = torch.round(x.float() / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 

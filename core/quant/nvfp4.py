@@ -12,6 +12,7 @@ store its inverse as `weight_scale_2` / `input_scale`).
 from __future__ import annotations
 
 import torch
+from moehal.quant.ieee import div
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -74,7 +75,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple[torch
         gs = gs.unsqueeze(-1)
     gs_blk = gs.unsqueeze(-1) if gs.dim() else gs  # broadcasts against [..., K/16]
     blocks = x.float().reshape(*x.shape[:-1], k // SF_VEC, SF_VEC)
-    sf = (blocks.abs().amax(dim=-1) / E2M1_MAX * gs_blk).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = (div(blocks.abs().amax(dim=-1), E2M1_MAX) * gs_blk).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf_f = sf.float()
     inv = torch.where(sf_f > 0, gs_blk / sf_f.clamp_min(1e-30), torch.zeros_like(sf_f))
     codes = encode_e2m1(blocks * inv.unsqueeze(-1)).reshape(x.shape)

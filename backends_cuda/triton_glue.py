@@ -86,12 +86,13 @@ def nvfp4_qdq(v, gs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_ROUND: 
     (e2m1 values, one e4m3 scale per 16 elements), exactly as `moehal.quant.nvfp4.qdq`."""
     b = tl.reshape(v, (BLOCK_R, BLOCK_C // 16, 16))
     amax = tl.max(tl.abs(b), axis=2)
-    sf = tl.minimum(amax / 6.0 * gs, 448.0)
+    # div_rn: IEEE division, as the reference divides (Triton's `/` is approximate on GPUs)
+    sf = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0)
     if EXACT_ROUND:
         sf = round_to_e4m3_grid(sf)
     else:
         sf = sf.to(tl.float8e4nv).to(tl.float32)
-    inv = tl.where(sf > 0, gs / tl.maximum(sf, 1e-30), 0.0)
+    inv = tl.where(sf > 0, tl.div_rn(gs, tl.maximum(sf, 1e-30)), 0.0)
     x = b * inv[:, :, None]
     mag = tl.minimum(tl.abs(x), 6.0)
     q = tl.where(mag > 0.25, 0.5, 0.0)
@@ -102,7 +103,7 @@ def nvfp4_qdq(v, gs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_ROUND: 
     q = tl.where(mag >= 3.5, 4.0, q)
     q = tl.where(mag > 5.0, 6.0, q)
     q = tl.where(x < 0, -q, q)
-    return tl.reshape(q * sf[:, :, None] / gs, (BLOCK_R, BLOCK_C))
+    return tl.reshape(tl.div_rn(q * sf[:, :, None], gs), (BLOCK_R, BLOCK_C))
 
 
 @fast_launch

@@ -698,11 +698,13 @@ def _group_quant_fp8_kernel(
         q = _static_fp8(x, tl.load(s_ptr), QMAX, MIN_NORMAL, ROUND_IN_FP32)
     else:
         amax = tl.max(tl.abs(x), axis=0)
-        # div_rn: Triton's `/` is approximate on GPUs; the scale is the reference's, bit for bit.
+        # div_rn: Triton's `/` is approximate on GPUs; the scale and the quotients are the
+        # reference's, bit for bit (a quotient one ulp off breaks the fp8 grid's ties the other
+        # way, and bf16 inputs put many values on ties: docs/device-runs/2026-11-28-session48)
         scale = tl.div_rn(tl.maximum(amax, 1e-12), QMAX)
         if UE8M0:
             scale = tl.exp2(tl.ceil(tl.log2(scale)))
-        q = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
         if ROUND_IN_FP32:
             q = _e4m3_grid(q, MIN_NORMAL)
         tl.store(s_ptr + row * stride_sm + grp, scale)
@@ -724,8 +726,8 @@ def _token_quant_int8_kernel(
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.maximum(amax, 1e-12) / 127.0
-    y = x / scale
+    scale = tl.div_rn(tl.maximum(amax, 1e-12), 127.0)  # IEEE, as the reference (see the fp8 quantizer)
+    y = tl.div_rn(x, scale)
     # Round half to even without libdevice (portable to HIP and the interpreter): adding and
     # subtracting 1.5 * 2**23 rounds an fp32 |y| < 2**22 to the nearest integer, ties to even.
     y = (y + 12582912.0) - 12582912.0

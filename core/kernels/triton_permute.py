@@ -87,11 +87,21 @@ def e4m3_scale(amax, UE8M0: tl.constexpr):
 
 @triton.jit
 def e4m3_scaled(v, sc, EXACT_ROUND: tl.constexpr):
-    """`v / sc` for a cast to e4m3 (`sc` broadcast against `v`): see `e4m3_group_quant`."""
+    """`v / sc` for a cast to e4m3 (`sc` broadcast against `v`): see `e4m3_group_quant`.
+
+    On the GPU: the quotient by the group's correctly rounded reciprocal, then one
+    remainder step (Markstein's): r = v - q*sc is exact in fp32 (one FMA), and q + r/sc
+    rounds to v/sc. Where v/sc is representable (every tie of the e4m3 grid is) the result is
+    exactly v/sc; elsewhere it is IEEE's quotient unless v/sc lies within about 2^-40 of a
+    midpoint between two fp32 values, too close for a cast to e4m3 to tell. Two FMAs per
+    element: `tl.div_rn` per element is exact too, but made the activation glue 1.5-2.4x
+    slower on an H200 (docs/device-runs/2026-11-28-session48)."""
     if EXACT_ROUND:
         return round_to_e4m3_grid(tl.minimum(tl.maximum(v / sc, -448.0), 448.0))
     else:
-        return v * (1.0 / sc)
+        inv = tl.div_rn(1.0, sc)  # once per group (sc is broadcast)
+        q = v * inv
+        return tl.fma(tl.fma(-q, sc, v), inv, q)
 
 
 @triton.jit
@@ -100,13 +110,15 @@ def e4m3_group_quant(v, UE8M0: tl.constexpr, EXACT_ROUND: tl.constexpr):
     amax / 448 (UE8M0: rounded up to a power of two) and q = v / scale saturated to +-448;
     q is meant for a cast to e4m3.
 
-    On the GPU q is v times the group's reciprocal scale, unclamped: one division per group
-    instead of one per element, and no min/max per element (the quantizing scatter kept the
-    ALU pipe busier than it kept memory: docs/device-runs/2026-11-23-session8). |v| <= amax,
-    so q exceeds 448 by rounding only, and the cast to e4m3 rounds that back to 448.
-    The scale is exact (div_rn); q is not bitwise torch's on the GPU, and the GPU tests bound
-    the difference to rare one-step flips. Interpreted
-    (EXACT_ROUND): the reference's division and clamp, bit for bit."""
+    On the GPU q is v / scale (`e4m3_scaled`: a reciprocal and one remainder step, exact
+    where it matters), unclamped: |v| <= amax, so q exceeds 448 by rounding only, and the cast
+    to e4m3 rounds that back to 448 (no min/max per element: the quantizing scatter kept the
+    ALU pipe busier than it kept memory, docs/device-runs/2026-11-23-session8). Until session
+    48 q was v times the group's reciprocal scale alone, one ulp off at times; bf16 inputs put
+    many quotients exactly on the e4m3 grid's ties, and that ulp broke them the other way
+    (docs/device-runs/2026-11-28-session48). Scale and q are the reference's bit for bit.
+    Interpreted (EXACT_ROUND): the reference's division and clamp, with the grid's rounding
+    written out."""
     sc = e4m3_scale(tl.max(tl.abs(v), axis=1), UE8M0)
     return e4m3_scaled(v, sc[:, None], EXACT_ROUND), sc
 

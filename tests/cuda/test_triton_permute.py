@@ -19,17 +19,11 @@ def _routing(t: int, e_global: int, k: int, seed: int) -> tuple[torch.Tensor, to
 
 
 def _assert_fp8_matches(got_q, got_s, ref_q, ref_s):
-    """Interpreted: bitwise. On the GPU, Triton's fp32 division is not IEEE round-to-nearest, so
-    a rare element may land one e4m3 step away from torch's quantization (the layer-level GPU
-    tests bound the effect); everything else must be identical."""
-    if DEV == "cpu":
-        assert torch.equal(got_q.float(), ref_q.float()) and torch.equal(got_s, ref_s)
-        return
-    torch.testing.assert_close(got_s, ref_s, rtol=1e-6, atol=0)
-    diff = got_q.float() != ref_q.float()
-    assert diff.float().mean() < 0.01
-    step = ref_q.float().abs().clamp_min(2**-6) / 8
-    assert ((got_q.float() - ref_q.float()).abs() <= step + 1e-12).all()
+    """Bitwise, interpreted and on the GPU: the scatter divides by IEEE division (`div_rn`), as
+    the reference does on every device (session 48; before, a multiply by the reciprocal put
+    values on the other side of the e4m3 grid's ties, docs/device-runs/2026-11-28-session48)."""
+    assert torch.equal(got_s.cpu(), ref_s.cpu())
+    assert torch.equal(got_q.cpu().view(torch.uint8), ref_q.cpu().view(torch.uint8))
 
 
 def _x(t: int, seed: int) -> torch.Tensor:

@@ -48,6 +48,17 @@ def test_planted_ties_move_with_one_ulp_of_scale():
     assert int(moved.sum()) > 100, int(moved.sum())
 
 
+@pytest.mark.parametrize("divisor", [448.0, 127.0, 6.0, 7.0])
+def test_ieee_div_is_the_correctly_rounded_quotient(divisor):
+    """`moehal.quant.ieee.div` on this device: the float64 quotient rounded once to float32
+    (a float64 quotient of two float32 values rounds to float32 as the exact one would)."""
+    from moehal.quant.ieee import div
+
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(5)) * 1000
+    want = (x.double() / divisor).float()
+    assert torch.equal(div(x.to(DEV), divisor).cpu(), want)
+
+
 @on_gpu
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reference_fp8_groups_are_the_cpu_bits(seed):

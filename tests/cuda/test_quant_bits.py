@@ -35,6 +35,19 @@ def tied_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
     return x
 
 
+try:  # a kernel of `e4m3_scaled` alone (Triton resolves a kernel's callees among its globals)
+    import triton
+    import triton.language as tl
+    from moehal.kernels.triton_permute import e4m3_scaled
+
+    @triton.jit
+    def _scaled(v_ptr, s_ptr, q_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(q_ptr + offs, e4m3_scaled(tl.load(v_ptr + offs), tl.load(s_ptr + offs), False))
+
+except ImportError:
+    _scaled = None
+
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares a GPU's bits with the CPU's")
 
 
@@ -139,3 +152,25 @@ def test_activation_glue_quantizes_to_the_reference_bits(ue8m0):
     assert torch.equal(out.scales.reshape(e * m, -1).cpu(), s_ref)
     q = out.hidden.reshape(e * m, i).cpu().view(torch.uint8)
     assert torch.equal(q, q_ref.view(torch.uint8)), f"{int((q != q_ref.view(torch.uint8)).sum())} values differ"
+
+
+def test_reciprocal_and_remainder_step_is_the_ieee_quotient():
+    """`e4m3_scaled`'s GPU form (the scale's correctly rounded reciprocal, then one remainder
+    step in two FMAs), run as a kernel of its own: the IEEE quotient for random values and
+    scales, and for the planted ties' exact ones. On a GPU a plain multiply by the reciprocal
+    differs in about a quarter of these. The interpreter computes such float32 arithmetic in
+    float64 and rounds once, so on a CPU this checks the formula, not the rounding."""
+    if _scaled is None:
+        pytest.skip("needs triton")
+    from moehal.kernels.host import interpreting
+
+    if DEV.type == "cpu" and not interpreting():
+        pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 on a CPU")
+    g = torch.Generator().manual_seed(6)
+    n = 1 << 14
+    v = torch.cat([torch.randn(n, generator=g) * 100, tied_rows(n // 2048, 2048, 7).float().reshape(-1)])
+    tied_scales = fp8.quantize_group(v[n:].view(-1, 128))[1].repeat_interleave(128)
+    sc = torch.cat([torch.rand(n, generator=g) + 1e-3, tied_scales])
+    q = torch.empty_like(v, device=DEV)
+    _scaled[(v.numel() // 1024,)](v.to(DEV), sc.to(DEV), q, BLOCK=1024)
+    assert torch.equal(q.cpu(), v / sc), f"{int((q.cpu() != v / sc).sum())} quotients differ"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moehal.kernels.host import interpreting
 from moehal.quant import fp8, int8, nvfp4
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,6 +50,10 @@ except ImportError:
     _scaled = None
 
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares a GPU's bits with the CPU's")
+runs_triton = pytest.mark.skipif(
+    _scaled is None or (DEV.type == "cpu" and not interpreting()),
+    reason="Triton needs a GPU, or TRITON_INTERPRET=1 on a CPU",
+)
 
 
 def test_planted_ties_move_with_one_ulp_of_scale():
@@ -105,15 +110,11 @@ def test_reference_int8_and_nvfp4_are_the_cpu_bits():
     assert torch.equal(p_dev.cpu(), p_cpu) and torch.equal(sf_dev.cpu().view(torch.uint8), sf_cpu.view(torch.uint8))
 
 
+@runs_triton
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_portable_quantizers_give_the_reference_bits(ue8m0):
     """`per_token_group_quant_fp8` (the portable fused MoE's input and intermediate quantizer)
     and `per_token_quant_int8`, against the reference's CPU bits."""
-    pytest.importorskip("triton")
-    from moehal.kernels.host import interpreting
-
-    if DEV.type == "cpu" and not interpreting():
-        pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 on a CPU")
     from moehal.kernels.triton_fused_moe import per_token_group_quant_fp8, per_token_quant_int8
 
     x = tied_rows(16, 512, 3)
@@ -126,20 +127,17 @@ def test_portable_quantizers_give_the_reference_bits(ue8m0):
     assert torch.equal(si.cpu(), si_ref) and torch.equal(qi.cpu(), qi_ref)
 
 
+@runs_triton
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_activation_glue_quantizes_to_the_reference_bits(ue8m0):
     """The DeepGEMM experts' activation glue (SiLU-and-mul, then GEMM2's input in 1x128 groups:
     `e4m3_scaled`'s reciprocal and remainder step on the GPU) gives the reference's bits on an
     activation with planted ties: gate 32 (SiLU(32) is 32 in fp32), up = the tied rows / 32, so
     the activation is the tied rows exactly."""
-    pytest.importorskip("triton")
     import moehal
     import moehal_cuda.triton_glue as glue
     from moehal.kernels import triton_permute as TP
-    from moehal.kernels.host import interpreting
 
-    if DEV.type == "cpu" and not interpreting():
-        pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 on a CPU")
     e, m, i = 2, 16, 512
     act = tied_rows(e * m, i, 4)
     h = torch.cat([torch.full_like(act, 32.0), (act.float() / 32).bfloat16()], dim=-1).view(e, m, 2 * i).to(DEV)
@@ -154,18 +152,13 @@ def test_activation_glue_quantizes_to_the_reference_bits(ue8m0):
     assert torch.equal(q, q_ref.view(torch.uint8)), f"{int((q != q_ref.view(torch.uint8)).sum())} values differ"
 
 
+@runs_triton
 def test_reciprocal_and_remainder_step_is_the_ieee_quotient():
     """`e4m3_scaled`'s GPU form (the scale's correctly rounded reciprocal, then one remainder
     step in two FMAs), run as a kernel of its own: the IEEE quotient for random values and
     scales, and for the planted ties' exact ones. On a GPU a plain multiply by the reciprocal
     differs in about a quarter of these. The interpreter computes such float32 arithmetic in
     float64 and rounds once, so on a CPU this checks the formula, not the rounding."""
-    if _scaled is None:
-        pytest.skip("needs triton")
-    from moehal.kernels.host import interpreting
-
-    if DEV.type == "cpu" and not interpreting():
-        pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 on a CPU")
     g = torch.Generator().manual_seed(6)
     n = 1 << 14
     v = torch.cat([torch.randn(n, generator=g) * 100, tied_rows(n // 2048, 2048, 7).float().reshape(-1)])

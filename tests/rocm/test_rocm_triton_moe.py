@@ -65,14 +65,20 @@ def test_expert_parallel_local_slice(quant):
 
 @pytest.mark.parametrize("act", ACTS, ids=["silu", "gelu_nongated_bias", "swiglu_oai_bias"])
 def test_fp8_tensor_quantizes_as_the_reference_does(act):
-    """In an fp32 layer only the fp32 sums' order separates the kernel from the oracle, so any
+    """In an fp32 layer only the fp32 sums' order separates the kernel from the oracle, so an
     fp8 value quantized differently (GEMM1's input, or the activation that GEMM1's epilogue
-    quantizes for GEMM2 with the static scale) would show as an error of about 1e-2. On a GPU
-    the fp8 tensor-core dot accumulates with fewer bits than fp32 (about 14 on Hopper), so the
-    bound there is looser but still below one flipped value."""
+    quantizes for GEMM2 with the static scale) shows as an error of about 1e-3 to 1e-2 of the
+    output's largest value. The sums' order itself can move a value that lies within an fp32 ulp
+    of an fp8 rounding boundary; for a value near zero that step is tiny. On one AMD EPYC host
+    (session 48, also at the session's first commit) a single such step of token 1's activation
+    moved its row by 6.5e-5 (1.7e-5 of the largest output), where numpy's BLAS in the interpreter
+    and torch's CPU matmul add in different orders: the bound is 1e-4, above that and below any
+    value of consequence quantized differently. On a GPU the fp8 tensor-core dot accumulates with
+    fewer bits than fp32 (about 14 on Hopper), so the bound there is looser but still below one
+    flipped value."""
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=96, dtype=torch.float32, **act)
     out, ref, layer = run_pair(cfg, "fp8_tensor", t=7)
-    assert rel_err(out, ref) < (1e-5 if INTERPRET else 2e-3)
+    assert rel_err(out, ref) < (1e-4 if INTERPRET else 2e-3)
 
 
 def test_token_with_no_local_expert_is_zero():

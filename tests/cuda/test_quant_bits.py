@@ -81,12 +81,14 @@ def test_ieee_div_is_the_correctly_rounded_quotient(divisor):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reference_fp8_groups_are_the_cpu_bits(seed):
     x = tied_rows(64, 2048, seed)
-    _same_fp8(fp8.quantize_group(x.to(DEV).float()), fp8.quantize_group(x.float()), "1x128 groups")
+    _assert_same_fp8(fp8.quantize_group(x.to(DEV).float()), fp8.quantize_group(x.float()), "1x128 groups")
     w = x.float().view(2, 256, 256)  # two experts' weights, 2x2 blocks of 128x128 each
-    _same_fp8(fp8.quantize_block(w.to(DEV)), fp8.quantize_block(w), "128x128 blocks")
+    _assert_same_fp8(fp8.quantize_block(w.to(DEV)), fp8.quantize_block(w), "128x128 blocks")
 
 
-def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
+def _assert_same_fp8(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str
+) -> None:
     (q, s), (q_ref, s_ref) = got, want
     s, q = s.cpu(), q.cpu().view(torch.uint8)
     assert torch.equal(s, s_ref), f"{what}: {int((s != s_ref).sum())} of {s.numel()} scales differ"

@@ -50,16 +50,20 @@ from moehal.kernels.triton_permute import (
 
 
 def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> TileConfig:
-    """A reasonable tile when no tuned entry exists (interpreter: few, wide tiles)."""
+    """A reasonable tile when no tuned entry exists (interpreter: few, wide tiles), never wider
+    than N (session 49: the NVFP4 experts' GEMMs, which run untuned tiles, met N = 64)."""
     if interpreting():
         bk = 32 if k % 64 else 64
-        return TileConfig(16, 64, bk, 1, 4, 1)
-    bk = 128 if fp8 or k % 128 == 0 else 64
-    if rows_per_expert <= 16:
-        return TileConfig(16, 64, bk, 1, 4, 4)
-    if rows_per_expert <= 64:
-        return TileConfig(64, 64, 64 if not fp8 else 128, 8, 4, 4)
-    return TileConfig(128, 128, 64 if not fp8 else 128, 8, 8, 3)
+        cfg = TileConfig(16, 64, bk, 1, 4, 1)
+    else:
+        bk = 128 if fp8 or k % 128 == 0 else 64
+        if rows_per_expert <= 16:
+            cfg = TileConfig(16, 64, bk, 1, 4, 4)
+        elif rows_per_expert <= 64:
+            cfg = TileConfig(64, 64, 64 if not fp8 else 128, 8, 4, 4)
+        else:
+            cfg = TileConfig(128, 128, 64 if not fp8 else 128, 8, 8, 3)
+    return replace(cfg, block_n=min(cfg.block_n, max(16, next_power_of_2(n))))
 
 
 @triton.jit
@@ -214,7 +218,7 @@ def _gemm1_act(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["num_m_tiles"])
+@triton.jit(do_not_specialize=["num_m_tiles", "num_rows"])
 def _masked_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -238,6 +242,8 @@ def _masked_gemm_kernel(
     stride_ce,
     stride_cm,
     stride_cn,
+    scale_ptr,
+    num_rows,
     E: tl.constexpr,
     E_P: tl.constexpr,
     N: tl.constexpr,
@@ -248,12 +254,25 @@ def _masked_gemm_kernel(
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    CONTIG: tl.constexpr,
 ):
-    e, offs_m, m_mask, _, pid_n = _expert_tile(
-        tl.program_id(0), masked_m_ptr, num_m_tiles, N, E, E_P, BLOCK_M, BLOCK_N, GROUP_M
-    )
-    if e >= E:
-        return
+    # CONTIG: one [M, K] buffer of expert segments aligned to BLOCK_M rows, `masked_m_ptr` is
+    # each row's expert (-1: padding), tile t holds rows [t * BLOCK_M, +BLOCK_M) of one segment
+    if CONTIG:
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_e = tl.load(masked_m_ptr + offs_m, mask=offs_m < num_rows, other=-1)
+        e = tl.max(tl.where(offs_m == pid_m * BLOCK_M, row_e, -1), axis=0)  # the tile's first row's
+        m_mask = row_e == e
+        if e < 0:
+            return
+    else:
+        e, offs_m, m_mask, _, pid_n = _expert_tile(
+            tl.program_id(0), masked_m_ptr, num_m_tiles, N, E, E_P, BLOCK_M, BLOCK_N, GROUP_M
+        )
+        if e >= E:
+            return
     e64 = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -263,8 +282,10 @@ def _masked_gemm_kernel(
         stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
         K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, False,
     )  # fmt: skip
+    if HAS_SCALE:  # one fp32 factor per expert, applied before the output's single rounding
+        acc = acc * tl.load(scale_ptr + e64)
     c_ptrs = c_ptr + e64 * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -440,10 +461,11 @@ def masked_grouped_gemm(
     masked_m: torch.Tensor,
     total_rows: int,
     config: TileConfig | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[e, :masked_m[e]] = a[e, :masked_m[e]] @ w[e]^T; other rows of `out` untouched.
-    (Arguments: `bind_masked_grouped_gemm`, which this binds and calls in one go.)"""
-    launch = bind_masked_grouped_gemm(a, a_scale, w, w_scale, out, total_rows, config)
+    """out[e, :masked_m[e]] = a[e, :masked_m[e]] @ w[e]^T (x out_scale[e]); other rows of `out`
+    untouched. (Arguments: `bind_masked_grouped_gemm`, which this binds and calls in one go.)"""
+    launch = bind_masked_grouped_gemm(a, a_scale, w, w_scale, out, total_rows, config, out_scale)
     return out if launch is None else launch(a, a_scale, out, masked_m)
 
 
@@ -475,6 +497,7 @@ def bind_masked_grouped_gemm(
     out: torch.Tensor,
     total_rows: int,
     config: TileConfig | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> MaskedGemmLaunch | None:
     """Check `masked_grouped_gemm`'s arguments and choose its tile: its launch for these shapes,
     this total-rows bound and these weights (None: nothing to compute), to call as
@@ -484,6 +507,8 @@ def bind_masked_grouped_gemm(
     strides; MN-major as DeepGEMM takes them is fine); w `[E, N, K]` (K-major) in a's dtype,
     fp8 with `w_scale` fp32 `[E, N/128, K/128]`; out `[E, max_m, N]`; masked_m int32 `[E]`.
     total_rows: host int >= sum(masked_m) (sizes the grid; never read from the device).
+    out_scale: fp32 `[E]`, each expert's output multiplied by its factor before the output's
+    one rounding (NVFP4's global scales, `moehal_cuda.nvfp4_dequant`).
     No host synchronization: CUDA-graph capturable.
     """
     e, max_m, k = a.shape
@@ -500,16 +525,71 @@ def bind_masked_grouped_gemm(
     tiles_m = num_m_tiles(min(total_rows, e * max_m), e, cfg.block_m)
     if tiles_m == 0 or n == 0:
         return None
+    _check_out_scale(out_scale, e)
     sw = w_scale if fp8 else None
     return MaskedGemmLaunch(
         a.shape, out.shape, (tiles_m * cdiv(n, cfg.block_n),), tiles_m, w, sw,
         (*w.stride(), *(sw.stride() if sw is not None else (0, 0, 0))),
         dict(
             E=e, E_P=max(16, next_power_of_2(e)), N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8, UPCAST=INTERPRETED, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8, UPCAST=INTERPRETED,
+            HAS_SCALE=out_scale is not None, CONTIG=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
+        out_scale,
     )  # fmt: skip
+
+
+def _check_out_scale(out_scale: torch.Tensor | None, e: int) -> None:
+    if out_scale is not None and (out_scale.dtype != torch.float32 or tuple(out_scale.shape) != (e,)):
+        raise ValueError(
+            f"out_scale must be fp32 [{e}] (one factor per expert), got {out_scale.dtype} {tuple(out_scale.shape)}"
+        )
+
+
+def contiguous_grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    row_expert: torch.Tensor,
+    alignment: int,
+    out_scale: torch.Tensor | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """out[r] = a[r] @ w[row_expert[r]]^T (x out_scale[row_expert[r]]) for every row r whose
+    expert is >= 0; padding rows (-1) of `out` untouched. The contiguous layout's counterpart of
+    `masked_grouped_gemm` (DeepGEMM's `m_grouped_*_gemm_nt_contiguous`), bf16/fp16 only.
+
+    a `[M, K]`, w `[E, N, K]` (K-major) in a's dtype, out `[M, N]`, row_expert int32 `[M]`;
+    each expert's segment starts at a multiple of `alignment` rows (DeepGEMM's: 128), which
+    bounds the tile's rows: a tile holds rows of one segment. No host synchronization:
+    CUDA-graph capturable.
+    """
+    m, k = a.shape
+    e, n = w.shape[0], w.shape[1]
+    if w.shape[2] != k or tuple(out.shape) != (m, n) or tuple(row_expert.shape) != (m,):
+        raise ValueError(
+            f"shapes do not match: a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}, "
+            f"row_expert {tuple(row_expert.shape)}"
+        )
+    _check_out_scale(out_scale, e)
+    cfg = config or default_config(max(1, m // max(e, 1)), n, k, False)
+    if alignment < 16 or alignment & (alignment - 1):
+        raise ValueError(f"contiguous segments aligned to {alignment} rows: tiles need a power of two >= 16")
+    if cfg.block_m > alignment:
+        cfg = replace(cfg, block_m=alignment)
+    if not cfg.fits(n, k, False):
+        raise ValueError(f"tile {cfg} does not fit N={n}, K={k} (K tiles must divide K)")
+    tiles_m = cdiv(m, cfg.block_m)
+    if tiles_m == 0 or n == 0:
+        return out
+    _masked_gemm_kernel[(tiles_m * cdiv(n, cfg.block_n),)](
+        a, out, w, out, out, row_expert, tiles_m, 0, *a.stride(), 0, 0, 0, *w.stride(), 0, 0, 0,
+        0, *out.stride(), out_scale if out_scale is not None else out, m,
+        E=e, E_P=max(16, next_power_of_2(e)), N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=False, UPCAST=INTERPRETED,
+        HAS_SCALE=out_scale is not None, CONTIG=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)
@@ -527,6 +607,7 @@ class MaskedGemmLaunch:
     w_scale: torch.Tensor | None  # fp8 weights' scales; None: bf16/fp16
     w_strides: tuple[int, ...]  # w's and w_scale's (zeros without scales)
     kw: dict
+    out_scale: torch.Tensor | None = None  # fp32 [E]: each expert's output factor
 
     def takes(self, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether this launch computes `a @ w^T` into `out` (else bind again: the checks run)."""
@@ -543,8 +624,10 @@ class MaskedGemmLaunch:
             sa, sw, sa_strides = a_scale, self.w_scale, a_scale.stride()
         else:
             sa, sw, sa_strides = out, out, (0, 0, 0)
+        scale = self.out_scale if self.out_scale is not None else out
         self._site(
-            a, sa, self.w, sw, out, masked_m, self.tiles_m, *a.stride(), *sa_strides, *self.w_strides, *out.stride()
+            a, sa, self.w, sw, out, masked_m, self.tiles_m, *a.stride(), *sa_strides, *self.w_strides, *out.stride(),
+            scale, 0,
         )  # fmt: skip
         return out
 

@@ -11,7 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moehal.kernels.tiles import TileConfig
-from moehal.kernels.triton_grouped_gemm import default_config, masked_grouped_gemm, num_m_tiles
+from moehal.kernels.triton_grouped_gemm import (
+    contiguous_grouped_gemm,
+    default_config,
+    masked_grouped_gemm,
+    num_m_tiles,
+)
 from moehal.quant import fp8
 from moehal_cuda.gemm_choice import MIN_GAIN, TUNED_DIR, GemmChooser, entry_key, nearest, table_path
 from moehal_cuda.tuning import candidate_configs, routing_counts
@@ -48,6 +53,68 @@ def test_bf16_rows_match_torch_and_padding_is_untouched(counts, cfg):
         assert (out[i, c:] == 7).all(), f"expert {i}: rows past masked_m were written"
 
 
+def _exact_operands(shape, seed):
+    """bf16 values with few significant bits (e2m1 codes times powers of two, as NVFP4's codes
+    times e4m3 block scales are): products and fp32 sums over K = 128 are exact, so the kernels'
+    output rounding is the only one and a test can ask for bits."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    v = codes[torch.randint(0, 8, shape, generator=g)] * 2.0 ** torch.randint(-3, 3, shape, generator=g)
+    return torch.where(torch.rand(shape, generator=g) < 0.5, -v, v).bfloat16()
+
+
+def test_out_scale_is_applied_before_the_one_rounding():
+    """Each expert's output times its fp32 factor, rounded once: round(acc * s), which a bf16
+    GEMM rounded before scaling (round(round(acc) * s)) misses in about a quarter of values
+    (NVFP4's global scales, moehal_cuda.nvfp4_dequant)."""
+    e, max_m, n, k, counts = 4, 32, 64, 128, [5, 0, 32, 17]
+    a, w = _exact_operands((e, max_m, k), 1).to(DEV), _exact_operands((e, n, k), 2).to(DEV)
+    scale = (torch.rand(e, generator=torch.Generator().manual_seed(3)) * 1e-3 + 1e-4).to(DEV)
+    out = torch.full((e, max_m, n), 7.0, dtype=torch.bfloat16, device=DEV)
+    mm = torch.tensor(counts, dtype=torch.int32, device=DEV)
+    masked_grouped_gemm(a, None, w, None, out, mm, sum(counts), TileConfig(16, 32, 64, 1, 4, 1), out_scale=scale)
+    exact = torch.einsum("emk,enk->emn", a.double(), w.double()) * scale.double()[:, None, None]
+    twice = torch.einsum("emk,enk->emn", a.double(), w.double()).bfloat16().double() * scale.double()[:, None, None]
+    for i, c in enumerate(counts):
+        assert torch.equal(out[i, :c], exact[i, :c].float().bfloat16()), f"expert {i}"
+        assert (out[i, c:] == 7).all(), f"expert {i}: rows past masked_m were written"
+    live = torch.cat([exact[i, :c].float().bfloat16().float().flatten() for i, c in enumerate(counts)])
+    rounded_twice = torch.cat([twice[i, :c].float().bfloat16().float().flatten() for i, c in enumerate(counts)])
+    assert (live != rounded_twice).any(), "the inputs should tell one rounding from two"
+    with pytest.raises(ValueError, match="out_scale must be fp32"):
+        masked_grouped_gemm(a, None, w, None, out, mm, 1, out_scale=scale.double())
+
+
+@pytest.mark.parametrize("tile", [TileConfig(16, 32, 64, 1, 4, 1), TileConfig(32, 64, 128, 2, 4, 1)])
+def test_contiguous_rows_match_their_experts_and_padding_is_untouched(tile):
+    """Segments aligned to 32 rows (a multiple of both tiles' rows), padding rows read -1; the
+    tail past the last segment is padding too."""
+    e, n, k, align = 4, 64, 128, 32
+    counts = [5, 0, 40, 17]
+    starts, row_expert = [], []
+    for i, c in enumerate(counts):
+        starts.append(len(row_expert))
+        seg = -(-c // align) * align
+        row_expert += [i] * c + [-1] * (seg - c)
+    row_expert += [-1] * 24
+    m = len(row_expert)
+    a, w = _exact_operands((m, k), 4).to(DEV), _exact_operands((e, n, k), 5).to(DEV)
+    re = torch.tensor(row_expert, dtype=torch.int32, device=DEV)
+    scale = torch.tensor([0.5, 2.0, 1e-3, 3.0], device=DEV)
+    out = torch.full((m, n), 7.0, dtype=torch.bfloat16, device=DEV)
+    contiguous_grouped_gemm(a, w, out, re, align, out_scale=scale, config=tile)
+    for r, ex in enumerate(row_expert):
+        if ex < 0:
+            assert (out[r] == 7).all(), f"padding row {r} was written"
+        else:
+            want = ((a[r].double() @ w[ex].double().t()) * scale[ex].double()).float().bfloat16()
+            assert torch.equal(out[r], want), f"row {r} (expert {ex})"
+    with pytest.raises(ValueError, match="shapes do not match"):
+        contiguous_grouped_gemm(a, w, out[:-1], re, align)
+    with pytest.raises(ValueError, match="aligned to 8 rows"):  # tl.dot's 16 rows would span segments
+        contiguous_grouped_gemm(a, w, out, re, 8)
+
+
 def test_fp8_block_matches_dequantized_torch():
     e, max_m, n, k = 3, 64, 256, 256
     counts = [9, 0, 30]
@@ -71,6 +138,20 @@ def test_fp8_block_matches_dequantized_torch():
 def test_tile_bound_covers_every_live_tile(counts, bm):
     live = sum(-(-c // bm) for c in counts)
     assert num_m_tiles(sum(counts), len(counts), bm) >= live
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 65, 4096])
+@pytest.mark.parametrize("n", [16, 64, 96, 1536])
+def test_default_tiles_fit_every_width(rows, n, monkeypatch):
+    """The untuned tile of each batch size fits narrow GEMMs too, compiled or interpreted
+    (session 49: 128 columns refused N = 64 on a GPU)."""
+    import moehal.kernels.triton_grouped_gemm as gg
+
+    for interp in (False, True):
+        monkeypatch.setattr(gg, "interpreting", lambda i=interp: i)
+        for is_fp8, k in ((False, 128), (False, 192), (True, 256)):
+            cfg = default_config(rows, n, k, is_fp8)
+            assert cfg.fits(n, k, is_fp8), (rows, n, k, is_fp8, interp, cfg)
 
 
 def test_shape_errors_are_reported():

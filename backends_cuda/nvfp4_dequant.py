@@ -1,10 +1,23 @@
-"""NVFP4 checkpoints on Hopper: weights dequantized to BF16 once at load, BF16 DeepGEMM grouped
-GEMMs, and the scheme's NVFP4 activation quantization reproduced in the Triton glue
-(quantize-dequantize of the GEMM1 input and of the activation with the checkpoint's static
-global scales), so results match the nvfp4 reference, not a bf16 one.
+"""NVFP4 checkpoints on Hopper: weights unpacked to BF16 once at load, grouped BF16 GEMMs, and
+the scheme's NVFP4 activation quantization reproduced in the Triton glue (the GEMM1 input and
+the activation, with the checkpoint's static global scales), so results match the nvfp4
+reference, not a bf16 one.
 
-Costs: weights take 4x the memory of FP4 (BF16), and the GEMMs run at BF16 rate. It is a
-compatibility path: on SM100 the FlashInfer CuteDSL NVFP4 experts (FP4 tensor cores) win.
+Every GEMM operand is NVFP4 codes times their e4m3 block scales (`nvfp4.block_values`), which
+bf16 holds exactly; the global scales (per expert for weights, static for activations) are
+applied to each GEMM's fp32 accumulator before its one rounding (`out_scale` of the Triton
+grouped GEMMs). Dividing by them first, as this path did until session 49, rounded every
+dequantized value to bf16 on its own: those roundings are shared by every value of one code,
+so they did not average out, and flipped codes of the activation's quantization. NVFP4 layers
+came out 2.5-3% from the reference on average, and up to 11% on a one-token layer, where the
+reference itself is 0.25% from the float64 loop (docs/device-runs/2026-11-28-session49).
+DeepGEMM's grouped GEMMs write bf16 only, so its output would be rounded before the scale: that
+double rounding moved a quarter of GEMM1's outputs by one step, as far off. Hence the Triton
+GEMMs here (`moehal.kernels.triton_grouped_gemm`), masked and contiguous, on DeepGEMM's layouts.
+
+Costs: weights take 4x the memory of FP4 (BF16), and the GEMMs run at the BF16 rate of untuned
+Triton tiles. It is a compatibility path: on SM100 the FlashInfer CuteDSL NVFP4 experts (FP4
+tensor cores) win.
 """
 
 from __future__ import annotations
@@ -34,33 +47,40 @@ LAYOUT = "deepgemm_nvfp4_dequant"
 
 @dataclass
 class DequantNvfp4Weights(DeepGemmWeights):
+    """w13 / w2: `nvfp4.block_values` in bf16 (exact). The activations' static global scales,
+    and each GEMM's output factor per expert: 1 / (activation global scale x the expert's
+    weight global scale), fp32 `[E]`."""
+
     a13_global_scale: torch.Tensor | None = None  # fp32 [] on device
     a2_global_scale: torch.Tensor | None = None
+    w13_out_scale: torch.Tensor | None = None  # fp32 [E]
+    w2_out_scale: torch.Tensor | None = None
+
+
+def out_scale(activation_scale: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tensor:
+    """fp32 `[E]` factors 1 / (a x w[e]), computed in float64 and rounded once."""
+    return (1.0 / (activation_scale.double().reshape(()) * weight_scales.double())).float().contiguous()
 
 
 def dequantize_nvfp4_weights(weights: ExpertWeights, dtype: torch.dtype) -> DequantNvfp4Weights:
     assert weights.w13_scale is not None and weights.w2_scale is not None
     assert weights.w13_global_scale is not None and weights.w2_global_scale is not None
-    w13 = torch.stack(
-        [
-            nvfp4.dequantize(q, s, g).to(dtype)
-            for q, s, g in zip(weights.w13, weights.w13_scale, weights.w13_global_scale)
-        ]
-    )
-    w2 = torch.stack(
-        [nvfp4.dequantize(q, s, g).to(dtype) for q, s, g in zip(weights.w2, weights.w2_scale, weights.w2_global_scale)]
-    )
+    assert weights.a13_scale is not None and weights.a2_scale is not None
+    w13 = torch.stack([nvfp4.block_values(q, s).to(dtype) for q, s in zip(weights.w13, weights.w13_scale)])
+    w2 = torch.stack([nvfp4.block_values(q, s).to(dtype) for q, s in zip(weights.w2, weights.w2_scale)])
     b13 = weights.w13_bias.float().contiguous() if weights.w13_bias is not None else None
     b2 = weights.w2_bias.float().contiguous() if weights.w2_bias is not None else None
-    a13 = weights.a13_scale.float().reshape(()) if weights.a13_scale is not None else None
-    a2 = weights.a2_scale.float().reshape(()) if weights.a2_scale is not None else None
+    a13 = weights.a13_scale.float().reshape(())
+    a2 = weights.a2_scale.float().reshape(())
     return DequantNvfp4Weights(
-        w13.contiguous(), w2.contiguous(), None, None, b13, b2, a13_global_scale=a13, a2_global_scale=a2
-    )
+        w13.contiguous(), w2.contiguous(), None, None, b13, b2, a13_global_scale=a13, a2_global_scale=a2,
+        w13_out_scale=out_scale(a13, weights.w13_global_scale), w2_out_scale=out_scale(a2, weights.w2_global_scale),
+    )  # fmt: skip
 
 
 class Nvfp4DequantProcessor(WeightProcessor):
-    """NVFP4 (packed e2m1 + e4m3 block scales + global scales) -> BF16 weights, once."""
+    """NVFP4 (packed e2m1 + e4m3 block scales + global scales) -> BF16 codes x block scales and
+    per-expert output factors, once."""
 
     name = "nvfp4_dequant_weights"
     layout = LAYOUT
@@ -106,27 +126,35 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
             xq = contiguous_workspace(f"dgq.x:{tag}", lead[0], cap, h, c.dtype, inp.hidden.device, False).hidden
         nvfp4_qdq_rows(inp.hidden, xq, w.a13_global_scale, rows)
         hb, ab, yb = self._buffers(lead, inp.hidden.device)
-        if isinstance(inp, MaskedInput):
-            self.ops.masked(xq, None, w.w13, None, hb.hidden, inp.masked_m, inp.expected_m)
-        else:
-            self.ops.contiguous(xq, None, w.w13, None, hb.hidden, inp.row_expert)
+        self._gemm(inp, xq, w.w13, hb.hidden, w.w13_out_scale)
         activation(hb.hidden, ab, yb.hidden, rows, c, w.w13_bias, False, w.a2_global_scale)
-        if isinstance(inp, MaskedInput):
-            self.ops.masked(ab.hidden, None, w.w2, None, yb.hidden, inp.masked_m, inp.expected_m)
-        else:
-            self.ops.contiguous(ab.hidden, None, w.w2, None, yb.hidden, inp.row_expert)
+        self._gemm(inp, ab.hidden, w.w2, yb.hidden, w.w2_out_scale)
         if w.w2_bias is not None:
             add_bias(yb.hidden, w.w2_bias, rows)
         return MaskedOutput(yb.hidden) if isinstance(inp, MaskedInput) else ContiguousOutput(yb.hidden)
 
+    def _gemm(self, inp: Any, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """out = (a @ w[e]^T) x scale[e] per live row, rounded once (see the module's docstring)."""
+        from moehal.kernels.triton_grouped_gemm import contiguous_grouped_gemm, masked_grouped_gemm
+
+        if isinstance(inp, MaskedInput):
+            masked_grouped_gemm(a, None, w, None, out, inp.masked_m, inp.total_rows_bound, out_scale=scale)
+        else:
+            contiguous_grouped_gemm(a, w, out, inp.row_expert, self.fmt.row_alignment, out_scale=scale)
+
 
 class Nvfp4DequantExperts(DeepGemmExperts):
-    """NVFP4 on SM90: BF16 DeepGEMM on weights dequantized at load; activations quantize-
-    dequantized to NVFP4 in the glue so the numerics follow the scheme."""
+    """NVFP4 on SM90: BF16 grouped GEMMs on weights unpacked at load, the global scales in the
+    GEMMs' fp32 epilogues; activations quantized to NVFP4 in the glue so the numerics follow the
+    scheme. The name is the component's id since session 13: it takes DeepGEMM's layouts and
+    buffers, and since session 49 Triton's GEMMs (module docstring)."""
 
     name = "deepgemm_nvfp4_dequant"
     priority = 15  # below native FP4 kernels (CuteDSL on SM100)
-    description = "NVFP4 weights dequantized to BF16 once + BF16 DeepGEMM; NVFP4 activation qdq in the glue"
+    description = (
+        "NVFP4 weights unpacked to BF16 once + BF16 Triton grouped GEMMs with the global scales in their "
+        "epilogues; NVFP4 activation quantization in the glue"
+    )
     quant_schemes = frozenset({NVFP4})
     weight_layout: ClassVar[str] = LAYOUT
 
@@ -145,8 +173,8 @@ class Nvfp4DequantExperts(DeepGemmExperts):
         return accept(predicate="shape")
 
     def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:
-        """None: DeepGEMM's GEMMs on the dequantized weights at every size (no table, no small
-        batch format), the code conformance's small shapes run."""
+        """None: the same GEMMs at every size (no table, no small batch format), the code
+        conformance's small shapes run."""
         return ()
 
     def input_formats(self, req: BuildRequest) -> list[Any]:

@@ -52,7 +52,7 @@ SCHEMES = {
     "reference": [q.name for q in ALL_SCHEMES],
     "rocm": [q.name for q in ALL_SCHEMES],
     "npu": ["bf16", "w8a8_int8"],
-    "cudacpu": ["bf16", "fp8_block", "fp8_block:ue8m0", "fp8_tensor"],
+    "cudacpu": ["bf16", "fp8_block", "fp8_block:ue8m0", "fp8_tensor", "nvfp4"],
     "cuda": ["bf16", "bf16", "fp8_block", "fp8_block", "fp8_block:ue8m0", "fp8_tensor", "nvfp4", "w8a8_int8"],
 }
 # The GPU profile checks batches of up to this many slots, on layers of up to this many weight
@@ -91,9 +91,9 @@ def _cuda_cpu_registry() -> moehal.Registry:
         TorchGemmOps,
     )
     from moehal_cuda.dispatch import CudaPermuteDispatcher
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts, Nvfp4DequantProcessor, Nvfp4DequantRunner
 
-    class Experts(DeepGemmExperts):
-        name = "deepgemm_torch_gemms"
+    class OnCpu:
         devices = frozenset({"cpu"})
 
         def check_hardware(self, req):
@@ -108,11 +108,25 @@ def _cuda_cpu_registry() -> moehal.Registry:
         def execution_mode(self, req) -> str:
             return "interpreted"
 
+    class Experts(OnCpu, DeepGemmExperts):
+        name = "deepgemm_torch_gemms"
+
         def build(self, req, fmt):
             gemms = TorchGemmOps(fmt.is_quantized)
             return DeepGemmExpertsRunner(req, fmt, gemms, None, self.small_batch_format(req))
 
+    class Nvfp4Experts(OnCpu, Nvfp4DequantExperts):
+        """The NVFP4-on-Hopper experts as they are: their GEMMs are Triton's (interpreted)."""
+
+        name = "deepgemm_nvfp4_dequant_cpu"
+
+        def build(self, req, fmt):
+            return Nvfp4DequantRunner(req, fmt, TorchGemmOps(False))
+
     class Weights(DeepGemmWeightProcessor):
+        devices = frozenset({"cpu"})
+
+    class Nvfp4Weights(Nvfp4DequantProcessor):
         devices = frozenset({"cpu"})
 
     class Plugin:
@@ -126,11 +140,11 @@ def _cuda_cpu_registry() -> moehal.Registry:
 
         @moehal.hookimpl
         def moehal_experts(self):
-            return [Experts()]
+            return [Experts(), Nvfp4Experts()]
 
         @moehal.hookimpl
         def moehal_weight_processors(self):
-            return [Weights()]
+            return [Weights(), Nvfp4Weights()]
 
     reg = moehal.Registry(moehal.Settings())
     reg.load_entry_points()

@@ -82,15 +82,23 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple[torch
     return pack(codes), sf
 
 
+def block_values(packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """The e2m1 values times their e4m3 block scales, in float32: `dequantize` before its
+    division by the global scale. Each is exact in bf16 (at most 2 x 4 significant bits), so a
+    bf16 GEMM on these operands, its output scaled by 1 / (global scales) in fp32 before its one
+    rounding, computes what the dequantized operands would (`moehal_cuda.nvfp4_dequant`)."""
+    vals = decode_e2m1(unpack(packed))
+    sf = block_scale.float().repeat_interleave(SF_VEC, dim=-1)[..., : vals.shape[-1]]
+    return vals * sf
+
+
 def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
     """Inverse of `quantize`, in float32."""
-    vals = decode_e2m1(unpack(packed))
-    k = vals.shape[-1]
+    vals = block_values(packed, block_scale)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
     while gs.dim() and gs.dim() < vals.dim():
         gs = gs.unsqueeze(-1)
-    sf = block_scale.float().repeat_interleave(SF_VEC, dim=-1)[..., :k]
-    return vals * sf / gs
+    return vals / gs
 
 
 def qdq(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:

@@ -69,6 +69,44 @@ def drive() -> None:
             ids = torch.rand(2, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].int()
             inp, handle = small.dispatch(x, TopK(ids, torch.rand(2, cfg.top_k, generator=g)))
             small.combine(ex.apply(inp), handle)
+    drive_nvfp4(g)
+
+
+def drive_nvfp4(g: torch.Generator) -> None:
+    """The NVFP4-on-Hopper experts: the glue's NVFP4 quantizers, and the Triton grouped GEMMs
+    with per-expert output scales, masked and contiguous."""
+    import dataclasses
+
+    from moehal.config import MoEConfig
+    from moehal.formats import Layout
+    from moehal.hardware import detect
+    from moehal.interfaces import BuildRequest
+    from moehal.quant import QuantScheme
+    from moehal.routing import TopK
+    from moehal.weights import quantize_weights
+    from moehal_cuda.deepgemm_experts import TorchGemmOps
+    from moehal_cuda.dispatch import CudaPermuteDispatcher
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantRunner
+    from test_deepgemm_glue import _fmt
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=512, intermediate_size=256, max_tokens=256, has_w2_bias=True)
+    quant = QuantScheme.parse("nvfp4")
+    w13, w2 = torch.randn(8, cfg.w13_rows, 512, generator=g) / 16, torch.randn(8, 512, 256, generator=g) / 11
+    b2, calib = torch.randn(8, 512, generator=g), torch.randn(8, 512, generator=g)
+    weights = quantize_weights(cfg, quant, w13, w2, w2_bias=b2, calibration_input=calib)
+    req = BuildRequest(cfg, quant, detect("cpu"))
+    for layout in (Layout.MASKED, Layout.CONTIGUOUS):
+        fmt = _fmt(QuantScheme.parse("bf16"), layout)
+        if layout is Layout.CONTIGUOUS:
+            fmt = dataclasses.replace(fmt, row_alignment=128)
+        disp = CudaPermuteDispatcher().build(req, fmt)
+        ex = Nvfp4DequantRunner(req, fmt, TorchGemmOps(False))
+        ex.load(weights)
+        for t in (3, 256):
+            x = torch.randn(t, 512, generator=g).bfloat16()
+            ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].int()
+            inp, handle = disp.dispatch(x, TopK(ids, torch.rand(t, cfg.top_k, generator=g)))
+            disp.combine(ex.apply(inp), handle)
 
 
 @pytest.mark.timeout(1200)
@@ -80,5 +118,6 @@ def test_cuda_kernels_compile_for_sm90(tmp_path):
     assert line[0] == "sm90", report
     compiled = set(line[2:])
     want = {"_scatter_rows", "_combine_rows", "_act_rows", "_masked_gemm_kernel", "_masked_gemm_act_kernel"}
+    want |= {"_qdq_rows"}  # the NVFP4-on-Hopper experts' GEMM1 input
     assert want <= compiled, f"missing {want - compiled}: {report}"
     assert {"_token_gemm_act_kernel", "_token_gemm_combine_kernel"} <= compiled, report

@@ -21,6 +21,12 @@ experts launches a few hundred programs, not E * max_m / BLOCK_M.
 Quantization: bf16/fp16 (fp32 accumulate) and FP8 block scale (1x128 activation groups with
 MN-major scales as DeepGEMM takes them, 128x128 weight blocks, fp32 scales).
 
+Two more uses, for the NVFP4 experts on Hopper (`moehal_cuda.nvfp4_dequant`): a per-expert fp32
+factor applied to the accumulator before the output's one rounding (`out_scale`: NVFP4's global
+scales, which DeepGEMM's bf16-only outputs would round first), and the contiguous layout
+(`contiguous_grouped_gemm`: expert segments aligned to the tile's rows, as DeepGEMM's
+`m_grouped_*_gemm_nt_contiguous` takes them).
+
 Interpreter (TRITON_INTERPRET=1): bf16 `tl.dot` is wrong there, so dot operands are upcast to
 fp32 (UPCAST); compiled kernels never upcast.
 """

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Session 49, call 6 (H200): call 5 again after its one fault (the untuned tile's 128 columns
 # refused a 64-column GEMM): conformance's nvfp4 cases, call 4's probe, and the GPU fuzz's seed
-# 10 up to and past its example 31 (40 examples). The session's last device time.
+# 10 up to and past its example 31 (40 examples); first, the pinned failing case
+# (tests/cuda/test_gpu_fuzz.py::test_session49_nvfp4_one_token). Not run in session 49.
 #   usage (repo root, .whl present): bash <this file>
 set -u
 source tools/device_setup.sh
 record_env
+step pinned 60 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_gpu_fuzz.py -k session49
+tail -n 1 "$OUT/pinned.log"
 step conformance 60 python3 -m moehal.cli.main conformance --backend cuda -k nvfp4 --report "$OUT/conformance-nvfp4"
 tail -n 1 "$OUT/conformance.log"
 step probe 35 python3 tools/fuzz_case_probe.py --case docs/device-runs/2026-11-28-session49/seed10-case.json \

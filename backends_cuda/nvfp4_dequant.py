@@ -166,10 +166,10 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     def check_shape(self, req: BuildRequest) -> Decision:
         c = req.config
         if c.dtype != torch.bfloat16:
-            return decline(f"DeepGEMM writes bf16 outputs; the layer dtype is {c.dtype}", "shape")
+            return decline(f"these experts compute in bf16; the layer dtype is {c.dtype}", "shape")
         for name, v in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size)):
             if v % 64:
-                return decline(f"{name}={v} must be a multiple of 64 (BF16 DeepGEMM K)", "shape")
+                return decline(f"{name}={v} must be a multiple of 64 (the grouped GEMMs' 64-wide K tiles)", "shape")
         return accept(predicate="shape")
 
     def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:

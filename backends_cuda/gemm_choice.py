@@ -149,6 +149,20 @@ class GemmChooser:
                 return GemmChoice("triton", cfg, at, _fused_tile(row.get("fused"), n, k))
         return GemmChoice("deepgemm", None, at)
 
+    def triton_tile(self, e: int, n: int, k: int, dtype: str, tokens: int) -> TileConfig | None:
+        """The fastest Triton tile the table measured for this GEMM shape at the nearest measured
+        count (log scale), whichever kernel won there: for experts that always run the Triton
+        GEMM (`moehal_cuda.nvfp4_dequant` takes the bf16 rows, its operands being bf16). None
+        without a table, an entry or a tile that fits."""
+        entry = self.table.get("entries", {}).get(entry_key(e, n, k, dtype)) if self.table else None
+        if not entry:
+            return None
+        row = entry[str(nearest([int(t) for t in entry], tokens))]
+        if not row.get("config"):
+            return None
+        cfg = TileConfig.from_dict(row["config"])
+        return cfg if cfg.fits(n, k, dtype == "fp8_block") else None
+
     def prefill_fused(self, e: int, n13: int, k: int, tokens: int) -> TileConfig | None:
         """The fused GEMM1 + activation tile for a bf16 batch of `tokens` with GEMM1 shape
         (e, n13, k), where the table's whole-layer measurement at the nearest measured count

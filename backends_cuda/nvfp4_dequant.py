@@ -30,6 +30,7 @@ import torch
 from moehal.capability import Decision, accept, decline
 from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput
 from moehal.interfaces import BuildRequest, ExpertsRunner, TunedShape, WeightProcessor
+from moehal.kernels.tiles import TileConfig
 from moehal.quant import NVFP4, nvfp4
 from moehal.weights import ExpertWeights
 from moehal_cuda.deepgemm_experts import (
@@ -40,6 +41,7 @@ from moehal_cuda.deepgemm_experts import (
     DeepGemmWeights,
     check_masked_rows,
 )
+from moehal_cuda.gemm_choice import GemmChooser
 from moehal_cuda.support import claim_deep_gemm_device
 
 LAYOUT = "deepgemm_nvfp4_dequant"
@@ -93,14 +95,42 @@ class Nvfp4DequantProcessor(WeightProcessor):
 
 
 class Nvfp4DequantRunner(DeepGemmExpertsRunner):
+    """tiles: the device's tuned table (`moehal_cuda.gemm_choice`), whose bf16 rows measured
+    Triton tiles for these GEMM shapes (the operands are bf16); None, or a shape or device it
+    has no row for: `default_config`'s untuned tiles."""
+
+    # class-level so a benchmark can compare both (tools/bench_ab.py --variants nvfp4-untuned)
+    tuned_tiles: ClassVar[bool] = True
+
+    def __init__(self, req: BuildRequest, fmt: Any, ops: Any, tiles: GemmChooser | None = None) -> None:
+        super().__init__(req, fmt, ops)
+        self.tiles = tiles
+        # masked batches: total-rows bound -> the two GEMMs' bound launches (host time of an
+        # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
+        self._launches: dict[int, tuple[Any, Any]] = {}
+
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
             weights = dequantize_nvfp4_weights(weights, self.config.dtype)
         self.w = weights
+        self._launches.clear()
+
+    def tile_configs(self, rows: int) -> tuple[TileConfig | None, TileConfig | None]:
+        """GEMM1's and GEMM2's tiles for a batch of at most `rows` routed rows: the table's
+        measured Triton tiles at the nearest token count, else None (untuned)."""
+        c = self.config
+        if self.tiles is None or not self.tuned_tiles:
+            return None, None
+        tokens = max(1, -(-rows // c.top_k))
+        e = c.num_local_experts
+        return (
+            self.tiles.triton_tile(e, c.w13_rows, c.hidden_size, "bf16", tokens),
+            self.tiles.triton_tile(e, c.hidden_size, c.intermediate_size, "bf16", tokens),
+        )
 
     def apply(self, inp: Any) -> Any:
         from moehal.kernels.triton_permute import contiguous_workspace, workspace
-        from moehal_cuda.triton_glue import RowIndex, activation, add_bias, nvfp4_qdq_rows
+        from moehal_cuda.triton_glue import RowIndex, activation, nvfp4_qdq_rows
 
         w = self.w
         assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
@@ -126,21 +156,44 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
             xq = contiguous_workspace(f"dgq.x:{tag}", lead[0], cap, h, c.dtype, inp.hidden.device, False).hidden
         nvfp4_qdq_rows(inp.hidden, xq, w.a13_global_scale, rows)
         hb, ab, yb = self._buffers(lead, inp.hidden.device)
-        self._gemm(inp, xq, w.w13, hb.hidden, w.w13_out_scale)
-        activation(hb.hidden, ab, yb.hidden, rows, c, w.w13_bias, False, w.a2_global_scale)
-        self._gemm(inp, ab.hidden, w.w2, yb.hidden, w.w2_out_scale)
-        if w.w2_bias is not None:
-            add_bias(yb.hidden, w.w2_bias, rows)
-        return MaskedOutput(yb.hidden) if isinstance(inp, MaskedInput) else ContiguousOutput(yb.hidden)
-
-    def _gemm(self, inp: Any, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """out = (a @ w[e]^T) x scale[e] per live row, rounded once (see the module's docstring)."""
-        from moehal.kernels.triton_grouped_gemm import contiguous_grouped_gemm, masked_grouped_gemm
-
+        # biases go into the GEMMs' epilogues: x @ w^T x scale + b, rounded once, as the reference
         if isinstance(inp, MaskedInput):
-            masked_grouped_gemm(a, None, w, None, out, inp.masked_m, inp.total_rows_bound, out_scale=scale)
-        else:
-            contiguous_grouped_gemm(a, w, out, inp.row_expert, self.fmt.row_alignment, out_scale=scale)
+            g1, g2 = self._masked_launches(inp, xq, ab.hidden, hb.hidden, yb.hidden)
+            if g1 is not None:
+                g1(xq, None, hb.hidden, inp.masked_m)
+            activation(hb.hidden, ab, yb.hidden, rows, c, None, False, w.a2_global_scale)
+            if g2 is not None:
+                g2(ab.hidden, None, yb.hidden, inp.masked_m)
+            return MaskedOutput(yb.hidden)
+        from moehal.kernels.triton_grouped_gemm import contiguous_grouped_gemm
+
+        t1, t2 = self.tile_configs(lead[0])
+        align = self.fmt.row_alignment
+        contiguous_grouped_gemm(xq, w.w13, hb.hidden, inp.row_expert, align, w.w13_out_scale, t1, w.w13_bias)
+        activation(hb.hidden, ab, yb.hidden, rows, c, None, False, w.a2_global_scale)
+        contiguous_grouped_gemm(ab.hidden, w.w2, yb.hidden, inp.row_expert, align, w.w2_out_scale, t2, w.w2_bias)
+        return ContiguousOutput(yb.hidden)
+
+    def _masked_launches(
+        self, inp: MaskedInput, x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, y: torch.Tensor
+    ) -> tuple[Any, Any]:
+        """GEMM1's and GEMM2's launches for this batch's row bound (None: nothing to compute),
+        bound on first sight and kept while they take these buffers and weights."""
+        from moehal.kernels.triton_grouped_gemm import bind_masked_grouped_gemm
+
+        w = self.w
+        assert isinstance(w, DequantNvfp4Weights)
+        bound = inp.total_rows_bound
+        kept = self._launches.get(bound)
+        if kept is not None and all(
+            g is None or g.takes(*args) for g, args in zip(kept, ((x, None, w.w13, h), (a, None, w.w2, y)))
+        ):
+            return kept
+        t1, t2 = self.tile_configs(bound)
+        g1 = bind_masked_grouped_gemm(x, None, w.w13, None, h, bound, t1, w.w13_out_scale, w.w13_bias)
+        g2 = bind_masked_grouped_gemm(a, None, w.w2, None, y, bound, t2, w.w2_out_scale, w.w2_bias)
+        self._launches[bound] = (g1, g2)
+        return g1, g2
 
 
 class Nvfp4DequantExperts(DeepGemmExperts):
@@ -187,4 +240,5 @@ class Nvfp4DequantExperts(DeepGemmExperts):
 
     def build(self, req: BuildRequest, fmt: Any) -> ExpertsRunner:
         claim_deep_gemm_device(req)
-        return Nvfp4DequantRunner(req, fmt, DeepGemmOps(False, (req.hardware.sm or 0) >= 100))
+        tiles = GemmChooser(req.hardware.name) if req.hardware.kind == "cuda" else None
+        return Nvfp4DequantRunner(req, fmt, DeepGemmOps(False, (req.hardware.sm or 0) >= 100), tiles)

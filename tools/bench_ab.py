@@ -27,6 +27,9 @@ Variants:
                       (`deepgemm_experts.MASKED_ROW_ALIGNMENT`; 128 since session 40, 64 before)
   m-indices           DeepGEMM's contiguous GEMMs get the row-to-expert map only, not the segments'
                       ends (`DeepGemmOps.psum_layout` False)
+  nvfp4-untuned       the NVFP4 experts for Hopper run `default_config`'s tiles, not the tuned
+                      table's bf16 Triton tiles of the same GEMM shapes
+                      (`Nvfp4DequantRunner.tuned_tiles` False)
 """
 
 from __future__ import annotations
@@ -132,6 +135,14 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             tp.MARK_PADDING_ROWS = True
+    elif name == "nvfp4-untuned":
+        from moehal_cuda.nvfp4_dequant import Nvfp4DequantRunner
+
+        Nvfp4DequantRunner.tuned_tiles = False
+        try:
+            yield
+        finally:
+            Nvfp4DequantRunner.tuned_tiles = True
     else:
         raise SystemExit(f"unknown variant {name!r}")
 

@@ -250,6 +250,8 @@ def _masked_gemm_kernel(
     stride_cn,
     scale_ptr,
     num_rows,
+    bias_ptr,
+    stride_bias_e,
     E: tl.constexpr,
     E_P: tl.constexpr,
     N: tl.constexpr,
@@ -261,6 +263,7 @@ def _masked_gemm_kernel(
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     CONTIG: tl.constexpr,
 ):
     # CONTIG: one [M, K] buffer of expert segments aligned to BLOCK_M rows, `masked_m_ptr` is
@@ -290,6 +293,8 @@ def _masked_gemm_kernel(
     )  # fmt: skip
     if HAS_SCALE:  # one fp32 factor per expert, applied before the output's single rounding
         acc = acc * tl.load(scale_ptr + e64)
+    if HAS_BIAS:  # fp32 [E, N], added before it too (the reference's h = x @ w^T + b, then rounded)
+        acc = acc + tl.load(bias_ptr + e64 * stride_bias_e + offs_n, mask=n_mask, other=0.0)[None, :]
     c_ptrs = c_ptr + e64 * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -468,10 +473,12 @@ def masked_grouped_gemm(
     total_rows: int,
     config: TileConfig | None = None,
     out_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[e, :masked_m[e]] = a[e, :masked_m[e]] @ w[e]^T (x out_scale[e]); other rows of `out`
-    untouched. (Arguments: `bind_masked_grouped_gemm`, which this binds and calls in one go.)"""
-    launch = bind_masked_grouped_gemm(a, a_scale, w, w_scale, out, total_rows, config, out_scale)
+    """out[e, :masked_m[e]] = a[e, :masked_m[e]] @ w[e]^T (x out_scale[e]) (+ bias[e]); other
+    rows of `out` untouched. (Arguments: `bind_masked_grouped_gemm`, which this binds and calls
+    in one go.)"""
+    launch = bind_masked_grouped_gemm(a, a_scale, w, w_scale, out, total_rows, config, out_scale, bias)
     return out if launch is None else launch(a, a_scale, out, masked_m)
 
 
@@ -504,6 +511,7 @@ def bind_masked_grouped_gemm(
     total_rows: int,
     config: TileConfig | None = None,
     out_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> MaskedGemmLaunch | None:
     """Check `masked_grouped_gemm`'s arguments and choose its tile: its launch for these shapes,
     this total-rows bound and these weights (None: nothing to compute), to call as
@@ -515,6 +523,7 @@ def bind_masked_grouped_gemm(
     total_rows: host int >= sum(masked_m) (sizes the grid; never read from the device).
     out_scale: fp32 `[E]`, each expert's output multiplied by its factor before the output's
     one rounding (NVFP4's global scales, `moehal_cuda.nvfp4_dequant`).
+    bias: fp32 `[E, N]`, added to each expert's rows after the factor, before that rounding.
     No host synchronization: CUDA-graph capturable.
     """
     e, max_m, k = a.shape
@@ -532,6 +541,7 @@ def bind_masked_grouped_gemm(
     if tiles_m == 0 or n == 0:
         return None
     _check_out_scale(out_scale, e)
+    _check_bias(bias, e, n)
     sw = w_scale if fp8 else None
     return MaskedGemmLaunch(
         a.shape, out.shape, (tiles_m * cdiv(n, cfg.block_n),), tiles_m, w, sw,
@@ -539,9 +549,11 @@ def bind_masked_grouped_gemm(
         dict(
             E=e, E_P=max(16, next_power_of_2(e)), N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8, UPCAST=INTERPRETED,
-            HAS_SCALE=out_scale is not None, CONTIG=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HAS_SCALE=out_scale is not None, HAS_BIAS=bias is not None, CONTIG=False, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         ),
         out_scale,
+        bias,
     )  # fmt: skip
 
 
@@ -549,6 +561,14 @@ def _check_out_scale(out_scale: torch.Tensor | None, e: int) -> None:
     if out_scale is not None and (out_scale.dtype != torch.float32 or tuple(out_scale.shape) != (e,)):
         raise ValueError(
             f"out_scale must be fp32 [{e}] (one factor per expert), got {out_scale.dtype} {tuple(out_scale.shape)}"
+        )
+
+
+def _check_bias(bias: torch.Tensor | None, e: int, n: int) -> None:
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (e, n) or bias.stride(1) != 1):
+        raise ValueError(
+            f"bias must be fp32 [{e}, {n}] with contiguous rows, got {bias.dtype} {tuple(bias.shape)} "
+            f"strides {bias.stride()}"
         )
 
 
@@ -560,10 +580,12 @@ def contiguous_grouped_gemm(
     alignment: int,
     out_scale: torch.Tensor | None = None,
     config: TileConfig | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[r] = a[r] @ w[row_expert[r]]^T (x out_scale[row_expert[r]]) for every row r whose
-    expert is >= 0; padding rows (-1) of `out` untouched. The contiguous layout's counterpart of
-    `masked_grouped_gemm` (DeepGEMM's `m_grouped_*_gemm_nt_contiguous`), bf16/fp16 only.
+    """out[r] = a[r] @ w[row_expert[r]]^T (x out_scale[row_expert[r]]) (+ bias[row_expert[r]])
+    for every row r whose expert is >= 0, rounded once; padding rows (-1) of `out` untouched.
+    The contiguous layout's counterpart of `masked_grouped_gemm` (DeepGEMM's
+    `m_grouped_*_gemm_nt_contiguous`), bf16/fp16 only.
 
     a `[M, K]`, w `[E, N, K]` (K-major) in a's dtype, out `[M, N]`, row_expert int32 `[M]`;
     each expert's segment starts at a multiple of `alignment` rows (DeepGEMM's: 128), which
@@ -578,6 +600,7 @@ def contiguous_grouped_gemm(
             f"row_expert {tuple(row_expert.shape)}"
         )
     _check_out_scale(out_scale, e)
+    _check_bias(bias, e, n)
     cfg = config or default_config(max(1, m // max(e, 1)), n, k, False)
     if alignment < 16 or alignment & (alignment - 1):
         raise ValueError(f"contiguous segments aligned to {alignment} rows: tiles need a power of two >= 16")
@@ -591,9 +614,11 @@ def contiguous_grouped_gemm(
     _masked_gemm_kernel[(tiles_m * cdiv(n, cfg.block_n),)](
         a, out, w, out, out, row_expert, tiles_m, 0, *a.stride(), 0, 0, 0, *w.stride(), 0, 0, 0,
         0, *out.stride(), out_scale if out_scale is not None else out, m,
+        bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
         E=e, E_P=max(16, next_power_of_2(e)), N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=False, UPCAST=INTERPRETED,
-        HAS_SCALE=out_scale is not None, CONTIG=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_SCALE=out_scale is not None, HAS_BIAS=bias is not None, CONTIG=True, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -614,6 +639,7 @@ class MaskedGemmLaunch:
     w_strides: tuple[int, ...]  # w's and w_scale's (zeros without scales)
     kw: dict
     out_scale: torch.Tensor | None = None  # fp32 [E]: each expert's output factor
+    bias: torch.Tensor | None = None  # fp32 [E, N], added after the factor
 
     def takes(self, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether this launch computes `a @ w^T` into `out` (else bind again: the checks run)."""
@@ -631,9 +657,10 @@ class MaskedGemmLaunch:
         else:
             sa, sw, sa_strides = out, out, (0, 0, 0)
         scale = self.out_scale if self.out_scale is not None else out
+        bias, bias_stride = (self.bias, self.bias.stride(0)) if self.bias is not None else (out, 0)
         self._site(
             a, sa, self.w, sw, out, masked_m, self.tiles_m, *a.stride(), *sa_strides, *self.w_strides, *out.stride(),
-            scale, 0,
+            scale, 0, bias, bias_stride,
         )  # fmt: skip
         return out
 

@@ -85,6 +85,45 @@ def test_out_scale_is_applied_before_the_one_rounding():
         masked_grouped_gemm(a, None, w, None, out, mm, 1, out_scale=scale.double())
 
 
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_bias_is_added_after_the_scale_before_the_one_rounding(contiguous):
+    """round(acc x s + b), as the reference computes h = x @ w^T + b in fp32 and rounds once.
+    Powers-of-two factors and few-bit operands over K = 64 keep every fp32 step exact (with or
+    without a fused multiply-add), so the test can ask for bits; adding the bias to a rounded
+    output (the NVFP4 experts' add after GEMM1 until session 50) misses some of them."""
+    e, n, k, counts = 4, 48, 64, [5, 0, 16, 9]
+    w = _exact_operands((e, n, k), 8).to(DEV)
+    scale = torch.tensor([0.5, 2.0, 0.25, 1.0], device=DEV)
+    bias = (_exact_operands((e, n), 9).float() * 4).to(DEV)
+    if contiguous:
+        row_expert = sum(([i] * c + [-1] * (-(-c // 16) * 16 - c) for i, c in enumerate(counts)), [])
+        a = _exact_operands((len(row_expert), k), 10).to(DEV)
+        out = torch.full((len(row_expert), n), 7.0, dtype=torch.bfloat16, device=DEV)
+        re = torch.tensor(row_expert, dtype=torch.int32, device=DEV)
+        contiguous_grouped_gemm(a, w, out, re, 16, out_scale=scale, config=TileConfig(16, 32, 64, 1, 4, 1), bias=bias)
+        rows = [(r, ex, a[r], out[r]) for r, ex in enumerate(row_expert)]
+    else:
+        a = _exact_operands((e, 16, k), 10).to(DEV)
+        out = torch.full((e, 16, n), 7.0, dtype=torch.bfloat16, device=DEV)
+        mm = torch.tensor(counts, dtype=torch.int32, device=DEV)
+        masked_grouped_gemm(a, None, w, None, out, mm, sum(counts), TileConfig(16, 32, 64, 1, 4, 1), scale, bias)
+        rows = [(i * 16 + m, i if m < c else -1, a[i, m], out[i, m]) for i, c in enumerate(counts) for m in range(16)]
+    missed = 0
+    for r, ex, x, got in rows:
+        if ex < 0:
+            assert (got == 7).all(), f"row {r}: a padding row was written"
+            continue
+        acc = (x.double() @ w[ex].double().t()) * scale[ex].double()
+        assert torch.equal(got, (acc + bias[ex].double()).float().bfloat16()), f"row {r} (expert {ex})"
+        missed += int((got != (acc.float().bfloat16().double() + bias[ex].double()).float().bfloat16()).sum())
+    assert missed, "the inputs should tell one rounding from two"
+    with pytest.raises(ValueError, match="bias must be fp32"):
+        if contiguous:
+            contiguous_grouped_gemm(a, w, out, re, 16, bias=bias.bfloat16())
+        else:
+            masked_grouped_gemm(a, None, w, None, out, mm, 1, bias=bias[:, :-1])
+
+
 @pytest.mark.parametrize("tile", [TileConfig(16, 32, 64, 1, 4, 1), TileConfig(32, 64, 128, 2, 4, 1)])
 def test_contiguous_rows_match_their_experts_and_padding_is_untouched(tile):
     """Segments aligned to 32 rows (a multiple of both tiles' rows), padding rows read -1; the
@@ -271,6 +310,30 @@ def test_chooser_reads_nearest_measured_token_count(tmp_path):
     assert ch.choose(128, 2048, 768, "bf16", 4).use == "deepgemm"  # no entry for this GEMM
     assert not GemmChooser("Other GPU", tmp_path).has_table
     assert nearest([1, 16, 128], 3) == 1 and nearest([1, 16, 128], 5) == 16 and nearest([1, 16], 4) == 1
+
+
+def test_chooser_gives_the_measured_triton_tile_whichever_kernel_won(tmp_path):
+    """`GemmChooser.triton_tile`, for experts that always run the Triton GEMM: the nearest
+    measured row's tile, also where DeepGEMM won there; None where nothing fits or is measured."""
+    key = entry_key(128, 1536, 2048, "bf16")
+    small, big = TileConfig(16, 64, 128, 1, 4, 4), TileConfig(128, 256, 64, 8, 8, 4)
+    table = {
+        "meta": {"device": "Test GPU"},
+        "entries": {
+            key: {
+                "1": {"use": "triton", "config": small.as_dict(), "us": {"deepgemm": 30.0, "triton": 20.0}},
+                "4096": {"use": "deepgemm", "config": big.as_dict(), "us": {"deepgemm": 30.0, "triton": 40.0}},
+            },
+            entry_key(8, 64, 2048, "bf16"): {"1": {"use": "triton", "config": big.as_dict()}},  # 256 > N
+        },
+    }
+    table_path("Test GPU", tmp_path).write_text(json.dumps(table))
+    ch = GemmChooser("Test GPU", tmp_path)
+    assert ch.triton_tile(128, 1536, 2048, "bf16", 2) == small
+    assert ch.triton_tile(128, 1536, 2048, "bf16", 3000) == big
+    assert ch.triton_tile(128, 2048, 768, "bf16", 4) is None  # no entry for this GEMM
+    assert ch.triton_tile(8, 64, 2048, "bf16", 1) is None  # the measured tile does not fit
+    assert GemmChooser(None).triton_tile(128, 1536, 2048, "bf16", 1) is None
 
 
 def test_chooser_reads_the_fused_tile_only_where_it_measured_faster(tmp_path):

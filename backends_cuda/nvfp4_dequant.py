@@ -13,7 +13,11 @@ came out 2.5-3% from the reference on average, and up to 11% on a one-token laye
 reference itself is 0.25% from the float64 loop (docs/device-runs/2026-11-28-session49).
 DeepGEMM's grouped GEMMs write bf16 only, so its output would be rounded before the scale: that
 double rounding moved a quarter of GEMM1's outputs by one step, as far off. Hence the Triton
-GEMMs here (`moehal.kernels.triton_grouped_gemm`), masked and contiguous, on DeepGEMM's layouts.
+GEMMs here (`moehal.kernels.triton_grouped_gemm`), masked and contiguous, on DeepGEMM's layouts;
+the biases go into their epilogues too (x @ w^T x scale + b, rounded once, as the reference).
+Since session 50 these experts need Triton only, not DeepGEMM: an install without
+sgl-deep-gemm (whose wheels are tied to one torch release) still runs NVFP4 checkpoints on
+Hopper. The component keeps its name (`deepgemm_nvfp4_dequant`): engines may pin it.
 
 Costs: weights take 4x the memory of FP4 (BF16), and the GEMMs run at the BF16 rate of untuned
 Triton tiles. It is a compatibility path: on SM100 the FlashInfer CuteDSL NVFP4 experts (FP4
@@ -28,23 +32,26 @@ from typing import Any, ClassVar
 
 import torch
 from moehal.capability import Decision, accept, decline
-from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput
+from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput, SmallBatchFormat
 from moehal.interfaces import BuildRequest, ExpertsRunner, TunedShape, WeightProcessor
 from moehal.kernels.tiles import TileConfig
 from moehal.quant import NVFP4, nvfp4
 from moehal.weights import ExpertWeights
 from moehal_cuda.deepgemm_experts import (
     MASKED_ROW_ALIGNMENT,
+    SUPPORTED_SM,
     DeepGemmExperts,
     DeepGemmExpertsRunner,
-    DeepGemmOps,
     DeepGemmWeights,
     check_masked_rows,
 )
 from moehal_cuda.gemm_choice import GemmChooser
-from moehal_cuda.support import claim_deep_gemm_device
+from moehal_cuda.support import sm_decision, triton_decision
 
 LAYOUT = "deepgemm_nvfp4_dequant"
+# Contiguous segments start at multiples of this many rows: DeepGEMM's SM90 alignment, which the
+# layouts these experts share with DeepGEMM's keep, and the Triton GEMM's largest row tile.
+CONTIGUOUS_ROW_ALIGNMENT = 128
 
 
 @dataclass
@@ -102,8 +109,8 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
     # class-level so a benchmark can compare both (tools/bench_ab.py --variants nvfp4-untuned)
     tuned_tiles: ClassVar[bool] = True
 
-    def __init__(self, req: BuildRequest, fmt: Any, ops: Any, tiles: GemmChooser | None = None) -> None:
-        super().__init__(req, fmt, ops)
+    def __init__(self, req: BuildRequest, fmt: Any, ops: Any = None, tiles: GemmChooser | None = None) -> None:
+        super().__init__(req, fmt, ops)  # ops: unused (no DeepGEMM call); tests pass a stand-in
         self.tiles = tiles
         # masked batches: total-rows bound -> the two GEMMs' bound launches (host time of an
         # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
@@ -200,7 +207,8 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     """NVFP4 on SM90: BF16 grouped GEMMs on weights unpacked at load, the global scales in the
     GEMMs' fp32 epilogues; activations quantized to NVFP4 in the glue so the numerics follow the
     scheme. The name is the component's id since session 13: it takes DeepGEMM's layouts and
-    buffers, and since session 49 Triton's GEMMs (module docstring)."""
+    buffers, since session 49 Triton's GEMMs, and since session 50 needs no DeepGEMM (module
+    docstring)."""
 
     name = "deepgemm_nvfp4_dequant"
     priority = 15  # below native FP4 kernels (CuteDSL on SM100)
@@ -210,6 +218,21 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     )
     quant_schemes = frozenset({NVFP4})
     weight_layout: ClassVar[str] = LAYOUT
+
+    def check_hardware(self, req: BuildRequest) -> Decision:
+        # SM90 is where these run (SM100 has FP4 tensor cores and CuteDSL); no DeepGEMM device pin
+        return sm_decision(req, SUPPORTED_SM, "NVFP4-on-Hopper dequant")
+
+    def check_libraries(self, req: BuildRequest) -> Decision:
+        return triton_decision()
+
+    def _alignment(self) -> int:
+        return CONTIGUOUS_ROW_ALIGNMENT
+
+    def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
+        """None: every batch takes the grouped layouts (the token-major kernels read bf16 or fp8
+        weights, not these)."""
+        return None
 
     def check_quant(self, req: BuildRequest) -> Decision:
         if req.quant != NVFP4:
@@ -239,6 +262,5 @@ class Nvfp4DequantExperts(DeepGemmExperts):
         return [masked, contig] if mt is not None and mt <= 512 else [contig, masked]
 
     def build(self, req: BuildRequest, fmt: Any) -> ExpertsRunner:
-        claim_deep_gemm_device(req)
         tiles = GemmChooser(req.hardware.name) if req.hardware.kind == "cuda" else None
-        return Nvfp4DequantRunner(req, fmt, DeepGemmOps(False, (req.hardware.sm or 0) >= 100), tiles)
+        return Nvfp4DequantRunner(req, fmt, None, tiles)

@@ -7,7 +7,10 @@ with the float64 loop). Examples: `MOEHAL_GPU_FUZZ_EXAMPLES` (default 40); hypot
 derandomized, so a run is repeatable. `MOEHAL_GPU_FUZZ_SHRINK=0` reports a failing example as
 drawn, without shrinking it (on a time-boxed device call, shrinking may outlast the box).
 `MOEHAL_GPU_FUZZ_SEED=N` draws another repeatable series (hypothesis's `seed`), for runs
-that add examples to the default one instead of repeating its first ones."""
+that add examples to the default one instead of repeating its first ones.
+`MOEHAL_GPU_FUZZ_SCHEMES=nvfp4,fp8_tensor` draws layers of these schemes only (a device call
+that checks one path's fix). The series depends on the strategy and on which pipelines the
+components accept, so a seed's Nth example is the same case only on the same code."""
 
 from __future__ import annotations
 
@@ -26,10 +29,11 @@ pytestmark = [
 ]
 EXAMPLES = int(os.environ.get("MOEHAL_GPU_FUZZ_EXAMPLES", "40"))
 SEED = os.environ.get("MOEHAL_GPU_FUZZ_SEED")
+SCHEMES = tuple(q for q in os.environ.get("MOEHAL_GPU_FUZZ_SCHEMES", "").split(",") if q)
 PHASES = [p for p in Phase if p is not Phase.shrink or os.environ.get("MOEHAL_GPU_FUZZ_SHRINK", "1") != "0"]
 
 
-@given(layer_cases("cuda"))
+@given(layer_cases("cuda", SCHEMES))
 @settings(FUZZ, max_examples=EXAMPLES, phases=PHASES, derandomize=SEED is None)
 @seed(int(SEED or 0))
 def test_cuda_backend_on_the_gpu(case):
@@ -40,7 +44,16 @@ def test_cuda_backend_on_the_gpu(case):
     release_layers(torch.device("cuda"))
     t0 = time.perf_counter()
     name = check(case)
-    keys = ("quant", "num_experts", "top_k", "hidden_size", "intermediate_size", "tokens", "cuda_graph_tokens")
+    keys = (
+        "quant",
+        "num_experts",
+        "top_k",
+        "hidden_size",
+        "intermediate_size",
+        "has_w13_bias",
+        "tokens",
+        "cuda_graph_tokens",
+    )
     print(f"passed {time.perf_counter() - t0:6.1f} s {name}", *(f"{k}={case[k]}" for k in keys))  # the log of a run
 
 

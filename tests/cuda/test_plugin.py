@@ -320,3 +320,31 @@ def test_a_conformance_report_on_an_sm90_gpu_says_which_paths_need_sm100():
         d = machine_decision(impl, hopper, reg.settings)
         assert not d.ok and d.predicate == "hardware" and "needs SM100" in d.reason, d
     assert rows["cuda.deepep"].kind == rows["cuda.deepep_ll"].kind == "dispatcher"
+
+
+def test_nvfp4_dequant_experts_need_no_deep_gemm(monkeypatch):
+    """Since session 50 the NVFP4 experts for Hopper run Triton's GEMMs only: without deep_gemm
+    (its wheels are tied to one torch release) they are still accepted, take DeepGEMM's layouts
+    at its SM90 alignment without importing it, and ignore DeepGEMM's one-GPU-per-process pin,
+    while the DeepGEMM experts decline with the reason."""
+    from moehal_cuda import deepgemm_experts, support
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts
+
+    def no_deep_gemm():
+        raise ImportError("deep_gemm is not installed")
+
+    real = support.module_available
+    monkeypatch.setattr(support, "module_available", lambda name: name != "deep_gemm" and real(name))
+    monkeypatch.setattr(deepgemm_experts, "import_deep_gemm", no_deep_gemm)
+    monkeypatch.setattr(support, "_DG_DEVICE", {"index": 1})  # a DeepGEMM layer was built on cuda:1
+    req = _req((9, 0), "nvfp4", CFG.with_(max_tokens=4096))
+    d = DeepGemmExperts().check_libraries(_req((9, 0), "bf16"))
+    assert not d.ok and "deep_gemm is not installed" in d.reason
+    ex = Nvfp4DequantExperts()
+    if real("triton"):
+        assert ex.check_libraries(req).ok
+    assert ex.check_hardware(req).ok, "cuda:0 is free for Triton's kernels"
+    assert not ex.check_hardware(_req((8, 0), "nvfp4")).ok
+    formats = {f.layout: f for f in ex.input_formats(req)}
+    assert formats[Layout.CONTIGUOUS].row_alignment == 128 and formats[Layout.MASKED].row_alignment == 128
+    assert ex.small_batch_format(req) is None

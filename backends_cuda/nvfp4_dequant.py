@@ -32,7 +32,17 @@ from typing import Any, ClassVar
 
 import torch
 from moehal.capability import Decision, accept, decline
-from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput, SmallBatchFormat
+from moehal.formats import (
+    ActivationFormat,
+    ContiguousInput,
+    ContiguousOutput,
+    Layout,
+    MaskedInput,
+    MaskedOutput,
+    SmallBatchFormat,
+    StandardInput,
+    StandardOutput,
+)
 from moehal.interfaces import BuildRequest, ExpertsRunner, TunedShape, WeightProcessor
 from moehal.kernels.tiles import TileConfig
 from moehal.quant import NVFP4, nvfp4
@@ -44,6 +54,7 @@ from moehal_cuda.deepgemm_experts import (
     DeepGemmExpertsRunner,
     DeepGemmWeights,
     check_masked_rows,
+    small_batch_tokens,
 )
 from moehal_cuda.gemm_choice import GemmChooser
 from moehal_cuda.support import sm_decision, triton_decision
@@ -115,12 +126,78 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         # masked batches: total-rows bound -> the two GEMMs' bound launches (host time of an
         # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
         self._launches: dict[int, tuple[Any, Any]] = {}
+        # token-major rows' index tensors for the activation quantizer, per device
+        self._row_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
             weights = dequantize_nvfp4_weights(weights, self.config.dtype)
         self.w = weights
         self._launches.clear()
+        self._tokens = None  # the token-major launches hold the previous weights
+
+    # --- token-major decode batches (`Nvfp4DequantExperts.small_batch_format`) -----------------
+
+    def _apply_tokens(self, inp: StandardInput, out: torch.Tensor | None = None) -> StandardOutput:
+        """The decode kernels of `moehal.kernels.triton_token_moe` on the block values, with
+        the scheme's activation quantizations around them: the input's rows before GEMM1, the
+        activation rows between the kernels (`TokenMoE.act_quant`), each GEMM's global scales
+        in its epilogue. Four launches, no permute and no gather."""
+        from moehal.kernels.triton_permute import scratch
+        from moehal_cuda.triton_glue import nvfp4_qdq_rows
+
+        w, c = self.w, self.config
+        assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        x = inp.hidden
+        t = x.shape[0]
+        if out is None:
+            out = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
+        if t == 0:
+            return StandardOutput(out, scaled=True)
+        tokens = self._tokens if self._tokens is not None else self._bind_tokens()
+        xq = scratch("nvfp4.token.x", (t, c.hidden_size), c.dtype, x.device)
+        nvfp4_qdq_rows(x, xq, w.a13_global_scale, self._token_rows(t, None, x.device))
+        wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
+        return StandardOutput(tokens(xq, inp.topk_ids, wts, out), scaled=True)
+
+    def _bind_tokens(self) -> Any:
+        from moehal.kernels.triton_fused_moe import _ACTS
+        from moehal.kernels.triton_token_moe import TokenMoE
+
+        w, c = self.w, self.config
+        assert isinstance(w, DequantNvfp4Weights)
+        self._tokens = TokenMoE(
+            w.w13, w.w13_bias, w.w2, w.w2_bias, activation=_ACTS[c.activation.value], gated=c.gated,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit, scaling=c.routed_scaling_factor,
+            w13_out_scale=w.w13_out_scale, w2_out_scale=w.w2_out_scale, act_quant=self._quantize_activation,
+        )  # fmt: skip
+        return self._tokens
+
+    def _quantize_activation(self, act: torch.Tensor, ids: torch.Tensor) -> None:
+        """GEMM2's input, in place: the activation rows of the local slots quantized to NVFP4
+        with the static global scale, as codes times block scales (the masked path's glue)."""
+        from moehal_cuda.triton_glue import nvfp4_qdq_rows
+
+        w = self.w
+        assert isinstance(w, DequantNvfp4Weights) and w.a2_global_scale is not None
+        nvfp4_qdq_rows(act, act, w.a2_global_scale, self._token_rows(act.shape[0], ids, act.device))
+
+    def _token_rows(self, rows: int, ids: torch.Tensor | None, device: torch.device) -> Any:
+        """Token-major rows in `nvfp4_qdq_rows`'s contiguous mode: every row live (the input's),
+        or the slots whose id names a local expert (`ids` `[T, K]`; -1: skipped)."""
+        from moehal_cuda.triton_glue import RowIndex
+
+        e = self.config.num_local_experts
+        idx = self._row_index.get(device)
+        if idx is None or idx[0].shape[0] < rows:
+            n = max(rows, 64)
+            idx = self._row_index[device] = (
+                torch.zeros(n, dtype=torch.int32, device=device),  # every input row: "expert 0"
+                torch.zeros(max(e, 1), dtype=torch.int32, device=device),  # segment starts
+                torch.full((max(e, 1),), 2**30, dtype=torch.int32, device=device),  # counts: no bound
+            )
+        experts = idx[0][:rows] if ids is None else ids.reshape(-1)
+        return RowIndex(rows, 0, row_expert=experts, segment_start=idx[1], counts=idx[2])
 
     def tile_configs(self, rows: int) -> tuple[TileConfig | None, TileConfig | None]:
         """GEMM1's and GEMM2's tiles for a batch of at most `rows` routed rows: the table's
@@ -141,6 +218,8 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
 
         w = self.w
         assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        if isinstance(inp, StandardInput):
+            return self._apply_tokens(inp)
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         c = self.config
@@ -230,9 +309,18 @@ class Nvfp4DequantExperts(DeepGemmExperts):
         return CONTIGUOUS_ROW_ALIGNMENT
 
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
-        """None: every batch takes the grouped layouts (the token-major kernels read bf16 or fp8
-        weights, not these)."""
-        return None
+        """Decode batches take token-major input, as bf16 layers do: the decode kernels on the
+        bf16 block values (`Nvfp4DequantRunner._apply_tokens`), up to `small_batch_tokens` of
+        the bf16 weights' size per token (`small_batch_max_tokens` overrides it; 0: never)."""
+        c = req.config
+        per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * 2  # bf16 block values
+        n = self.small_batch_max_tokens
+        if n is None:
+            n = small_batch_tokens(c.num_local_experts, c.top_k, per_token)
+        if n == 0:
+            return None
+        fmt = ActivationFormat(Layout.STANDARD, c.dtype)
+        return SmallBatchFormat(fmt, n, "token-major decode kernels on the block values: no permute, no gather")
 
     def check_quant(self, req: BuildRequest) -> Decision:
         if req.quant != NVFP4:
@@ -249,13 +337,12 @@ class Nvfp4DequantExperts(DeepGemmExperts):
         return accept(predicate="shape")
 
     def tuned_shapes(self, req: BuildRequest) -> Sequence[TunedShape]:
-        """None: the same GEMMs at every size (no table, no small batch format), the code
-        conformance's small shapes run."""
+        """None: conformance's small shapes run the same code as any size (the GEMMs' tiles come
+        from a table, but every tile computes the same; decode batches take the token-major
+        kernels at conformance's sizes too)."""
         return ()
 
     def input_formats(self, req: BuildRequest) -> list[Any]:
-        from moehal.formats import ActivationFormat, Layout
-
         masked = ActivationFormat(Layout.MASKED, req.config.dtype, row_alignment=MASKED_ROW_ALIGNMENT)
         contig = ActivationFormat(Layout.CONTIGUOUS, req.config.dtype, row_alignment=self._alignment())
         mt = req.config.max_tokens

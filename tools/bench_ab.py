@@ -30,6 +30,8 @@ Variants:
   nvfp4-untuned       the NVFP4 experts for Hopper run `default_config`'s tiles, not the tuned
                       table's bf16 Triton tiles of the same GEMM shapes
                       (`Nvfp4DequantRunner.tuned_tiles` False)
+  nvfp4-masked-decode the NVFP4 experts for Hopper run decode batches on the masked path, not the
+                      token-major decode kernels (`Nvfp4DequantExperts.small_batch_max_tokens` 0)
 """
 
 from __future__ import annotations
@@ -143,6 +145,14 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             Nvfp4DequantRunner.tuned_tiles = True
+    elif name == "nvfp4-masked-decode":
+        from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts
+
+        Nvfp4DequantExperts.small_batch_max_tokens = 0
+        try:
+            yield
+        finally:
+            del Nvfp4DequantExperts.small_batch_max_tokens  # back to DeepGemmExperts' (the rule)
     else:
         raise SystemExit(f"unknown variant {name!r}")
 

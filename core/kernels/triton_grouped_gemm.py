@@ -189,6 +189,7 @@ def _gemm1_act(
     stride_bias_e,
     alpha,
     limit,
+    out_scale_ptr,
     mid_ty: tl.constexpr,
     I_SIZE: tl.constexpr,
     K: tl.constexpr,
@@ -201,18 +202,24 @@ def _gemm1_act(
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
+    HAS_OUT_SCALE: tl.constexpr,
 ):
     """GEMM1 of expert e64 on the A rows offs_m (gate and up halves in one K loop when gated),
     plus the bias, then the activation: fp32 [BLOCK_M, BLOCK_N]. As the unfused path: the GEMM1
-    output (+ bias) rounded to `mid_ty` (the layer dtype), the activation in fp32. FP8: fp8
-    operands with their block scales (the scale arguments are unused otherwise). Shared by
-    the fused masked kernel and the token-major one (`moehal.kernels.triton_token_moe`)."""
+    output (x the expert's fp32 factor `out_scale_ptr[e]` with HAS_OUT_SCALE, + bias) rounded to
+    `mid_ty` (the layer dtype), the activation in fp32. FP8: fp8 operands with their block
+    scales (the scale arguments are unused otherwise). Shared by the fused masked kernel and the
+    token-major one (`moehal.kernels.triton_token_moe`)."""
     g, u = _dot_k(
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
         stride_ae, stride_am, stride_ak, stride_ase, stride_asm, stride_ask,
         stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
         K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, GATED,
     )  # fmt: skip
+    if HAS_OUT_SCALE:  # NVFP4's global scales (`moehal_cuda.nvfp4_dequant`), before the rounding
+        factor = tl.load(out_scale_ptr + e64)
+        g = g * factor
+        u = u * factor
     if HAS_BIAS:
         brow = bias_ptr + e64 * stride_bias_e
         g += tl.load(brow + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -417,7 +424,8 @@ def _masked_gemm_act_kernel(
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
         stride_ae, stride_am, stride_ak, stride_ase, stride_asm, stride_ask,
         stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bias_e, alpha, limit,
-        mid_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, FP8, UPCAST, EXACT_ROUND,
+        bias_ptr, mid_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, FP8, UPCAST, EXACT_ROUND,
+        False,
     )  # fmt: skip
     live = m_mask[:, None] & n_mask[None, :]
     o_rows = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om

@@ -22,6 +22,7 @@ the weighted fp32 sum, as the reference oracle does.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,6 +57,7 @@ def _token_gemm_act_kernel(
     alpha,
     limit,
     num_slots,
+    scale_ptr,
     E: tl.constexpr,
     TOP_K: tl.constexpr,
     I_SIZE: tl.constexpr,
@@ -68,6 +70,7 @@ def _token_gemm_act_kernel(
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     # N-tile-major order: the programs running together read one N tile of every slot's
     # expert, so slots that share an expert share that tile in L2
@@ -84,9 +87,9 @@ def _token_gemm_act_kernel(
     n_mask = offs_n < I_SIZE
     a = _gemm1_act(
         x_ptr + t * stride_xt, x_ptr, b_ptr, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
-        0, 0, 1, 0, 0, 0, stride_be, stride_bn, stride_bk, 0, 0, 0, stride_bias_e, alpha, limit,
+        0, 0, 1, 0, 0, 0, stride_be, stride_bn, stride_bk, 0, 0, 0, stride_bias_e, alpha, limit, scale_ptr,
         out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, False, UPCAST,
-        EXACT_ROUND,
+        EXACT_ROUND, HAS_SCALE,
     )  # fmt: skip
     o_ptrs = out_ptr + s.to(tl.int64) * stride_os + offs_m[:, None] * 0 + offs_n[None, :]
     tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
@@ -111,6 +114,7 @@ def _token_gemm_combine_kernel(
     stride_bk,
     scaling,
     num_tokens,
+    scale_ptr,
     E: tl.constexpr,
     TOP_K: tl.constexpr,
     K_P: tl.constexpr,
@@ -124,6 +128,7 @@ def _token_gemm_combine_kernel(
     USE_WEIGHTS: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     # N-tile-major, as in _token_gemm_act_kernel; SPLIT programs share a (token, N tile), each
     # summing TOP_K / SPLIT of its experts (more weight bytes in flight per SM)
@@ -177,6 +182,8 @@ def _token_gemm_combine_kernel(
         # it, add it (selects, not a branch, so the loop body stays one straight pipeline)
         last = kb == NK - 1
         y = acc
+        if HAS_SCALE:  # the expert's fp32 factor (NVFP4's global scales), before bias and rounding
+            y = y * tl.load(scale_ptr + e64)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + e64 * stride_bias_e + offs_n, mask=offs_n < N * on, other=0.0)
             y += bias.to(tl.float32)[None, :]
@@ -265,12 +272,14 @@ def token_gemm_act(
     gated: bool,
     alpha: float = 0.0,
     limit: float = 0.0,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[s] = act(x[s // K] @ w13[ids[s]]^T + bias[ids[s]]) for every slot s = t * K + k.
-    (Arguments: `bind_token_gemm_act`.)"""
+    """out[s] = act(x[s // K] @ w13[ids[s]]^T (x out_scale[ids[s]]) + bias[ids[s]]) for every
+    slot s = t * K + k. (Arguments: `bind_token_gemm_act`.)"""
     launch = bind_token_gemm_act(
-        x, ids, w13, bias, out, config, activation=activation, gated=gated, alpha=alpha, limit=limit
-    )
+        x, ids, w13, bias, out, config, activation=activation, gated=gated, alpha=alpha, limit=limit,
+        out_scale=out_scale,
+    )  # fmt: skip
     return out if launch is None else launch(x, ids, out)
 
 
@@ -286,6 +295,7 @@ def bind_token_gemm_act(
     gated: bool,
     alpha: float = 0.0,
     limit: float = 0.0,
+    out_scale: torch.Tensor | None = None,
 ) -> _ActLaunch | None:
     """Check `token_gemm_act`'s arguments and choose its tile: its launch for this token count
     and these weights (None for no tokens), to call as `launch(x, ids, out)`.
@@ -294,6 +304,8 @@ def bind_token_gemm_act(
     not local (that slot's row of `out` is left as it is: `token_gemm_combine` skips it);
     w13 `[E, N13, H]` with N13 = 2 * I ([gate; up]) when gated, else I; bias `[E, N13]` or
     None; out `[T * K, I]` in x's dtype. `activation`: `moehal.kernels.triton_fused_moe` ids.
+    out_scale: fp32 `[E]`, each expert's GEMM1 output multiplied by its factor before the bias
+    and the rounding (NVFP4's global scales, `moehal_cuda.nvfp4_dequant`).
     No host synchronization: CUDA-graph capturable.
     """
     t, h = x.shape
@@ -309,9 +321,15 @@ def bind_token_gemm_act(
         raise ValueError("x and out rows and the ids must be contiguous")
     cfg = _tile(config or token_config(i, h), h, "token_gemm_act")
     cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
+    _check_out_scale(out_scale, e)
     if t == 0:
         return None
-    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit)
+    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit, out_scale)
+
+
+def _check_out_scale(out_scale: torch.Tensor | None, e: int) -> None:
+    if out_scale is not None and (out_scale.dtype != torch.float32 or tuple(out_scale.shape) != (e,)):
+        raise ValueError(f"out_scale must be fp32 [{e}], got {out_scale.dtype} {tuple(out_scale.shape)}")
 
 
 def combine_split(top_k: int, tokens: int, n: int, block_n: int) -> int:
@@ -335,11 +353,14 @@ def token_gemm_combine(
     *,
     scaling: float = 1.0,
     split: int | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[t] = scaling * sum_k weights[t, k] * (act[t*K + k] @ w2[ids[t, k]]^T + bias[ids[t, k]]),
-    over the local slots (id >= 0) in k order; weights None: an unweighted sum. (Arguments:
-    `bind_token_gemm_combine`.)"""
-    launch = bind_token_gemm_combine(act, ids, weights, w2, bias, out, config, scaling=scaling, split=split)
+    """out[t] = scaling * sum_k weights[t, k] * (act[t*K + k] @ w2[ids[t, k]]^T (x out_scale[ids[t,
+    k]]) + bias[ids[t, k]]), over the local slots (id >= 0) in k order; weights None: an
+    unweighted sum. (Arguments: `bind_token_gemm_combine`.)"""
+    launch = bind_token_gemm_combine(
+        act, ids, weights, w2, bias, out, config, scaling=scaling, split=split, out_scale=out_scale
+    )
     return out if launch is None else launch(act, ids, weights, out)
 
 
@@ -354,6 +375,7 @@ def bind_token_gemm_combine(
     *,
     scaling: float = 1.0,
     split: int | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> _CombineLaunch | None:
     """Check `token_gemm_combine`'s arguments and choose its tile and split: its launch for
     this token count and these weights (None for no tokens), to call as
@@ -362,7 +384,8 @@ def bind_token_gemm_combine(
     act `[T * K, I]` (from `token_gemm_act`); ids `[T, K]`; weights fp32 `[T, K]`; w2
     `[E, H, I]` in act's dtype; bias `[E, H]` or None; out `[T, H]`. split: programs per
     (token, N tile), each summing top_k / split experts, a divisor of top_k (None:
-    `combine_split`); the parts are added in a fixed order. No host synchronization.
+    `combine_split`); the parts are added in a fixed order. out_scale: fp32 `[E]`, each
+    expert's row multiplied by its factor before its bias and rounding. No host synchronization.
     """
     t, top_k = ids.shape
     e, h, i = w2.shape
@@ -374,12 +397,13 @@ def bind_token_gemm_combine(
     if act.stride(-1) != 1 or out.stride(-1) != 1 or not ids.is_contiguous():
         raise ValueError("act and out rows and the ids must be contiguous")
     cfg = _tile(config or combine_config(h, i), i, "token_gemm_combine")
+    _check_out_scale(out_scale, e)
     if t == 0:
         return None
     split = split or combine_split(top_k, t, h, cfg.block_n)
     if top_k % split:
         raise ValueError(f"split={split} does not divide top_k={top_k}")
-    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out)
+    return _CombineLaunch.bind(t, top_k, w2, bias, cfg, split, scaling, weights is not None, out, out_scale)
 
 
 # --- launches bound once per token count ---------------------------------------------------------
@@ -398,7 +422,7 @@ class _ActLaunch:
     @staticmethod
     def bind(
         t: int, top_k: int, w13: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
-        activation: int, gated: bool, alpha: float, limit: float,
+        activation: int, gated: bool, alpha: float, limit: float, out_scale: torch.Tensor | None = None,
     ) -> _ActLaunch:  # fmt: skip
         e, _, h = w13.shape
         i = w13.shape[1] // 2 if gated else w13.shape[1]
@@ -406,11 +430,15 @@ class _ActLaunch:
         return _ActLaunch(
             (t * top_k * cdiv(i, cfg.block_n),),
             (w13, b, b.stride(0) if bias is not None else 0),
-            (w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k),
+            (
+                w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k,
+                out_scale if out_scale is not None else w13,
+            ),
             dict(
                 E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED,
-                EXACT_ROUND=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                EXACT_ROUND=INTERPRETED, HAS_SCALE=out_scale is not None, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             ),
         )  # fmt: skip
 
@@ -440,7 +468,7 @@ class _CombineLaunch:
     @staticmethod
     def bind(
         t: int, top_k: int, w2: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig, split: int,
-        scaling: float, use_weights: bool, out: torch.Tensor,
+        scaling: float, use_weights: bool, out: torch.Tensor, out_scale: torch.Tensor | None = None,
     ) -> _CombineLaunch:  # fmt: skip
         e, h, i = w2.shape
         b = bias if bias is not None else w2
@@ -451,12 +479,12 @@ class _CombineLaunch:
             cells,
             cells * split * cfg.block_n if split > 1 else 0,
             (w2, b, b.stride(0) if bias is not None else 0),
-            (w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t),
+            (w2.stride(0), w2.stride(1), w2.stride(2), float(scaling), t, out_scale if out_scale is not None else w2),
             dict(
                 E=e, TOP_K=top_k, K_P=max(2, next_power_of_2(top_k)), SPLIT=split, N=h, I_SIZE=i,
                 BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
                 USE_WEIGHTS=use_weights, UPCAST=INTERPRETED,
-                EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16,
+                EXACT_ROUND=INTERPRETED and out_dtype == torch.bfloat16, HAS_SCALE=out_scale is not None,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
             out.device,
@@ -508,9 +536,16 @@ class TokenMoE:
         alpha: float,
         limit: float,
         scaling: float,
+        w13_out_scale: torch.Tensor | None = None,
+        w2_out_scale: torch.Tensor | None = None,
+        act_quant: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
+        """w13_out_scale, w2_out_scale: each GEMM's per-expert fp32 factors (`token_gemm_act`,
+        `token_gemm_combine`); act_quant(act, ids): rewrites the activation rows `[T * K, I]` in
+        place between the two kernels (NVFP4's quantization of GEMM2's input)."""
         self.w13, self.w13_bias, self.w2, self.w2_bias = w13, w13_bias, w2, w2_bias
         self.activation, self.gated, self.alpha, self.limit, self.scaling = activation, gated, alpha, limit, scaling
+        self.w13_out_scale, self.w2_out_scale, self.act_quant = w13_out_scale, w2_out_scale, act_quant
         # (token count, weighted) -> the two launches and the activation rows between them
         self._plans: dict[tuple[int, bool], tuple[_ActLaunch, _CombineLaunch, torch.Tensor]] = {}
 
@@ -530,6 +565,8 @@ class TokenMoE:
             return self._checked(x, ids, weights, out)
         first, second, act = plan
         first(x, ids, act)
+        if self.act_quant is not None:
+            self.act_quant(act, ids)
         return second(act, ids, weights, out)
 
     def _checked(
@@ -542,11 +579,15 @@ class TokenMoE:
         act = scratch("token.act", shape, x.dtype, x.device) if t else x.new_empty(shape)
         first = bind_token_gemm_act(
             x, ids, self.w13, self.w13_bias, act, activation=self.activation, gated=self.gated,
-            alpha=self.alpha, limit=self.limit,
+            alpha=self.alpha, limit=self.limit, out_scale=self.w13_out_scale,
         )  # fmt: skip
-        second = bind_token_gemm_combine(act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling)
+        second = bind_token_gemm_combine(
+            act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling, out_scale=self.w2_out_scale
+        )
         if first is None or second is None:  # no tokens
             return out
         self._plans[(t, weights is not None)] = (first, second, act)
         first(x, ids, act)
+        if self.act_quant is not None:
+            self.act_quant(act, ids)
         return second(act, ids, weights, out)

@@ -73,8 +73,9 @@ def drive() -> None:
 
 
 def drive_nvfp4(g: torch.Generator) -> None:
-    """The NVFP4-on-Hopper experts: the glue's NVFP4 quantizers, and the Triton grouped GEMMs
-    with per-expert output scales, masked and contiguous."""
+    """The NVFP4-on-Hopper experts: the glue's NVFP4 quantizers, the Triton grouped GEMMs with
+    per-expert output scales and biases, masked and contiguous, and the token-major decode
+    kernels with output scales."""
     import dataclasses
 
     from moehal.config import MoEConfig
@@ -86,14 +87,18 @@ def drive_nvfp4(g: torch.Generator) -> None:
     from moehal.weights import quantize_weights
     from moehal_cuda.deepgemm_experts import TorchGemmOps
     from moehal_cuda.dispatch import CudaPermuteDispatcher
-    from moehal_cuda.nvfp4_dequant import Nvfp4DequantRunner
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts, Nvfp4DequantRunner
     from test_deepgemm_glue import _fmt
 
-    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=512, intermediate_size=256, max_tokens=256, has_w2_bias=True)
+    cfg = MoEConfig(
+        num_experts=8, top_k=2, hidden_size=512, intermediate_size=256, max_tokens=256, has_w13_bias=True,
+        has_w2_bias=True,
+    )  # fmt: skip
     quant = QuantScheme.parse("nvfp4")
     w13, w2 = torch.randn(8, cfg.w13_rows, 512, generator=g) / 16, torch.randn(8, 512, 256, generator=g) / 11
-    b2, calib = torch.randn(8, 512, generator=g), torch.randn(8, 512, generator=g)
-    weights = quantize_weights(cfg, quant, w13, w2, w2_bias=b2, calibration_input=calib)
+    b13, b2 = torch.randn(8, cfg.w13_rows, generator=g), torch.randn(8, 512, generator=g)
+    calib = torch.randn(8, 512, generator=g)
+    weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2, calibration_input=calib)
     req = BuildRequest(cfg, quant, detect("cpu"))
     for layout in (Layout.MASKED, Layout.CONTIGUOUS):
         fmt = _fmt(QuantScheme.parse("bf16"), layout)
@@ -107,6 +112,14 @@ def drive_nvfp4(g: torch.Generator) -> None:
             ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].int()
             inp, handle = disp.dispatch(x, TopK(ids, torch.rand(t, cfg.top_k, generator=g)))
             disp.combine(ex.apply(inp), handle)
+    small = Nvfp4DequantExperts().small_batch_format(req)  # decode batches: token-major, scaled epilogues
+    assert small is not None
+    disp = CudaPermuteDispatcher().build(req, small.fmt)
+    ex = Nvfp4DequantRunner(req, small.fmt, TorchGemmOps(False))
+    ex.load(weights)
+    x = torch.randn(1, 512, generator=g).bfloat16()
+    inp, handle = disp.dispatch(x, TopK(torch.tensor([[3, 5]], dtype=torch.int32), torch.rand(1, 2, generator=g)))
+    disp.combine(ex.apply(inp), handle)
 
 
 @pytest.mark.timeout(1200)

@@ -921,3 +921,60 @@ def test_nvfp4_qdq_kernel_rounds_exact_ties_to_even():
     ref = nvfp4.qdq(x.float().cpu(), 1.0).bfloat16()
     assert ref[0, 0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
     assert torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(has_w13_bias=True, has_w2_bias=True, routed_scaling_factor=2.5),
+        dict(activation="gelu", gated=False, ep_rank=1, ep_size=2, has_w2_bias=True),
+        dict(activation="swiglu_oai", top_k=4),
+    ],
+    ids=["silu-bias-scaled", "gelu-ep-slice", "swiglu-top4"],
+)
+def test_nvfp4_decode_batches_run_token_major_as_the_masked_path(extra):
+    """The NVFP4 experts' token-major decode path (`Nvfp4DequantRunner._apply_tokens`: the input
+    and the activation quantized around the decode kernels, the global scales in their
+    epilogues) computes what their masked path computes, and both what the reference layer
+    does; its kernels write the caller's buffer and apply the routed scaling."""
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts, Nvfp4DequantRunner
+
+    cfg = MoEConfig(**{**dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64, max_tokens=4), **extra})
+    quant = QuantScheme.parse("nvfp4")
+    g = torch.Generator().manual_seed(5)
+    e = cfg.num_local_experts
+    w13 = torch.randn(e, cfg.w13_rows, 128, generator=g) / 11
+    w2 = torch.randn(e, 128, 64, generator=g) / 8
+    b13 = torch.randn(e, cfg.w13_rows, generator=g) * 0.3 if cfg.has_w13_bias else None
+    b2 = torch.randn(e, 128, generator=g) * 0.1 if cfg.has_w2_bias else None
+    calib = torch.randn(8, 128, generator=g)
+    weights = quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2, calibration_input=calib).to(DEV)
+    req = BuildRequest(cfg, quant, detect(DEV))
+    small = Nvfp4DequantExperts().small_batch_format(req)
+    assert small is not None and small.fmt.layout is Layout.STANDARD
+    masked_fmt = dataclasses.replace(_fmt(QuantScheme.parse("bf16"), Layout.MASKED), row_alignment=MASKED_ROW_ALIGNMENT)
+    ex = Nvfp4DequantRunner(req, masked_fmt, TorchGemmOps(False))
+    ex.load(weights)
+    token_disp = CudaPermuteDispatcher().build(req, small.fmt)
+    masked_disp = CudaPermuteDispatcher().build(req, masked_fmt)
+    rdisp = ReferenceDispatcher().build(req, small.fmt)
+    rex = ReferenceExperts().build(req, small.fmt)
+    rex.load(weights)
+    for t in (1, 3, 2):
+        x = torch.randn(t, 128, generator=g).bfloat16().to(DEV)
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(t)]).int()
+        topk = TopK(ids.to(DEV), (torch.rand(t, cfg.top_k, generator=g) + 0.1).to(DEV))
+        inp, handle = token_disp.dispatch(x, topk)
+        buf = torch.full((t, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+        out = ex.apply_into(inp, buf)
+        assert out.hidden is buf and out.scaled, "the decode kernels write the caller's buffer, scaled"
+        y = token_disp.combine(out, handle)
+        minp, mhandle = masked_disp.dispatch(x, topk)
+        ym = masked_disp.combine(ex.apply(minp), mhandle)
+        rinp, rhandle = rdisp.dispatch(x, topk)
+        ry = rdisp.combine(rex.apply(rinp), rhandle)
+        # the masked path sums the same rounded rows in the same order
+        assert _rel_max(y, ym) < (1e-6 if DEV == "cpu" else 4e-3), f"{t} tokens: token-major vs masked"
+        # the reference layer's combine rounds its own way: a bf16 step of the output (5.3e-3 seen)
+        assert _rel_max(y, ry) < 1e-2, f"{t} tokens: token-major vs the reference"
+    assert ex._tokens is not None and len(ex._tokens._plans) == 3  # bound once per token count

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 50, call 6 (H200): NVFP4 decode batches token-major (the decode kernels with output
+# scales, the input and the activation quantized around them). The token-major, NVFP4 and kernel
+# tests; conformance's nvfp4 cases; 20 fuzzed nvfp4 layers; an A/B of the token-major path
+# against the masked path at decode sizes, timed as `moehal bench` times.
+#   usage (repo root, .whl present): bash <this file>
+set -u
+source tools/device_setup.sh
+record_env
+step tests 70 python3 -m pytest -q -p no:cacheprovider tests/core/test_token_moe.py tests/cuda/test_deepgemm_glue.py \
+  -k "token or small or nvfp4"
+tail -n 1 "$OUT/tests.log"
+step conformance 50 python3 -m moehal.cli.main conformance --backend cuda -k nvfp4 --report "$OUT/conformance-nvfp4"
+tail -n 1 "$OUT/conformance.log"
+export MOEHAL_GPU_FUZZ_EXAMPLES=20 MOEHAL_GPU_FUZZ_SHRINK=0 MOEHAL_GPU_FUZZ_SEED=51 MOEHAL_GPU_FUZZ_SCHEMES=nvfp4
+step gpu-fuzz-nvfp4 70 python3 -m pytest -s -q -p no:cacheprovider tests/cuda/test_gpu_fuzz.py \
+  -k test_cuda_backend_on_the_gpu
+grep -c "^passed" "$OUT/gpu-fuzz-nvfp4.log"; grep -c "standard" "$OUT/gpu-fuzz-nvfp4.log"; tail -n 2 "$OUT/gpu-fuzz-nvfp4.log"
+step ab-decode 90 python3 tools/bench_ab.py --variants shipped,nvfp4-masked-decode --rounds 2 \
+  --cases "qwen3_30b_a3b:nvfp4:1,2,4"
+cat "$OUT/ab-decode.log"
+rm -f "$OUT/conformance.log"
+cat "$OUT/steps.txt"

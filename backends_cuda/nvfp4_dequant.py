@@ -297,6 +297,13 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     )
     quant_schemes = frozenset({NVFP4})
     weight_layout: ClassVar[str] = LAYOUT
+    # Decode batches on the token-major kernels: off (0). On an H200 (session 50, call 6) that path
+    # passed the GPU tests, conformance and the fuzz, but took 54.7 us at one token of Qwen3-30B-A3B
+    # against the masked path's 53.3 (69.5 / 70.1 at 2, 92.0 / 91.4 at 4), where bf16's takes 25.9:
+    # both NVFP4 paths spend ~25 us outside their GEMMs, most likely in the NVFP4 quantizer
+    # (`triton_glue._qdq_rows`: one program walks a row's 128-column chunks in series). None: the
+    # bf16 layers' rule (`small_batch_tokens`), for A/Bs (tools/bench_ab.py --variants nvfp4-token-decode).
+    small_batch_max_tokens: ClassVar[int | None] = 0
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         # SM90 is where these run (SM100 has FP4 tensor cores and CuteDSL); no DeepGEMM device pin
@@ -309,9 +316,10 @@ class Nvfp4DequantExperts(DeepGemmExperts):
         return CONTIGUOUS_ROW_ALIGNMENT
 
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
-        """Decode batches take token-major input, as bf16 layers do: the decode kernels on the
-        bf16 block values (`Nvfp4DequantRunner._apply_tokens`), up to `small_batch_tokens` of
-        the bf16 weights' size per token (`small_batch_max_tokens` overrides it; 0: never)."""
+        """Decode batches may take token-major input, as bf16 layers do: the decode kernels on
+        the bf16 block values (`Nvfp4DequantRunner._apply_tokens`), up to `small_batch_max_tokens`
+        tokens (None: `small_batch_tokens` of the bf16 weights' size per token; 0, the default:
+        never, see there)."""
         c = req.config
         per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * 2  # bf16 block values
         n = self.small_batch_max_tokens

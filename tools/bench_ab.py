@@ -30,8 +30,9 @@ Variants:
   nvfp4-untuned       the NVFP4 experts for Hopper run `default_config`'s tiles, not the tuned
                       table's bf16 Triton tiles of the same GEMM shapes
                       (`Nvfp4DequantRunner.tuned_tiles` False)
-  nvfp4-masked-decode the NVFP4 experts for Hopper run decode batches on the masked path, not the
-                      token-major decode kernels (`Nvfp4DequantExperts.small_batch_max_tokens` 0)
+  nvfp4-token-decode  the NVFP4 experts for Hopper run decode batches on the token-major decode
+                      kernels, by the bf16 layers' rule (`Nvfp4DequantExperts.small_batch_max_tokens`
+                      None; shipped: 0, the masked path)
 """
 
 from __future__ import annotations
@@ -145,14 +146,15 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             Nvfp4DequantRunner.tuned_tiles = True
-    elif name == "nvfp4-masked-decode":
+    elif name == "nvfp4-token-decode":
         from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts
 
-        Nvfp4DequantExperts.small_batch_max_tokens = 0
+        was = Nvfp4DequantExperts.small_batch_max_tokens
+        Nvfp4DequantExperts.small_batch_max_tokens = None
         try:
             yield
         finally:
-            del Nvfp4DequantExperts.small_batch_max_tokens  # back to DeepGemmExperts' (the rule)
+            Nvfp4DequantExperts.small_batch_max_tokens = was
     else:
         raise SystemExit(f"unknown variant {name!r}")
 

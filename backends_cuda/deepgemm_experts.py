@@ -641,9 +641,10 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
         return StandardOutput(tokens(x, inp.topk_ids, wts, out), scaled=True)
 
-    def _bind_tokens(self) -> Any:
+    def _bind_tokens(self, **extra: Any) -> Any:
         """The decode kernels on these weights, tiles and checks decided once per token count
-        (`TokenMoE`; host time of an eager decode step)."""
+        (`TokenMoE`; host time of an eager decode step). extra: `TokenMoE`'s optional arguments
+        (the NVFP4 experts' output scales and activation quantizer)."""
         from moehal.kernels.triton_fused_moe import _ACTS
         from moehal.kernels.triton_token_moe import TokenMoE
 
@@ -651,7 +652,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         assert w is not None
         self._tokens = TokenMoE(
             w.w13, w.w13_bias, w.w2, w.w2_bias, activation=_ACTS[c.activation.value], gated=c.gated,
-            alpha=c.swiglu_alpha, limit=c.swiglu_limit, scaling=c.routed_scaling_factor,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit, scaling=c.routed_scaling_factor, **extra,
         )  # fmt: skip
         return self._tokens
 

@@ -19,9 +19,9 @@ Since session 50 these experts need Triton only, not DeepGEMM: an install withou
 sgl-deep-gemm (whose wheels are tied to one torch release) still runs NVFP4 checkpoints on
 Hopper. The component keeps its name (`deepgemm_nvfp4_dequant`): engines may pin it.
 
-Costs: weights take 4x the memory of FP4 (BF16), and the GEMMs run at the BF16 rate of untuned
-Triton tiles. It is a compatibility path: on SM100 the FlashInfer CuteDSL NVFP4 experts (FP4
-tensor cores) win.
+Costs: weights take 4x the memory of FP4 (BF16), and the GEMMs run at the BF16 rate of Triton
+tiles (the device's tuned table's, for the shapes it holds). It is a compatibility path: on
+SM100 the FlashInfer CuteDSL NVFP4 experts (FP4 tensor cores) win.
 """
 
 from __future__ import annotations
@@ -160,18 +160,12 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
         return StandardOutput(tokens(xq, inp.topk_ids, wts, out), scaled=True)
 
-    def _bind_tokens(self) -> Any:
-        from moehal.kernels.triton_fused_moe import _ACTS
-        from moehal.kernels.triton_token_moe import TokenMoE
-
-        w, c = self.w, self.config
+    def _bind_tokens(self, **extra: Any) -> Any:
+        w = self.w
         assert isinstance(w, DequantNvfp4Weights)
-        self._tokens = TokenMoE(
-            w.w13, w.w13_bias, w.w2, w.w2_bias, activation=_ACTS[c.activation.value], gated=c.gated,
-            alpha=c.swiglu_alpha, limit=c.swiglu_limit, scaling=c.routed_scaling_factor,
-            w13_out_scale=w.w13_out_scale, w2_out_scale=w.w2_out_scale, act_quant=self._quantize_activation,
-        )  # fmt: skip
-        return self._tokens
+        return super()._bind_tokens(
+            w13_out_scale=w.w13_out_scale, w2_out_scale=w.w2_out_scale, act_quant=self._quantize_activation, **extra
+        )
 
     def _quantize_activation(self, act: torch.Tensor, ids: torch.Tensor) -> None:
         """GEMM2's input, in place: the activation rows of the local slots quantized to NVFP4

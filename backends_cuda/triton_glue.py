@@ -48,6 +48,11 @@ from moehal.kernels.triton_permute import (
 
 ACT_IDS = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
 
+# The NVFP4 quantizer (`nvfp4_qdq_rows`) gives each 128-column chunk of a row tile a program of
+# its own. False: one program walks the row's chunks in series (the code before session 51,
+# kept for tools/bench_ab.py's `serial-qdq` A/B).
+QDQ_SPLIT_COLUMNS = True
+
 
 @triton.jit
 def _program_rows(
@@ -130,6 +135,7 @@ def _qdq_rows(
     E: tl.constexpr,
     E_P: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
+    SPLIT_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -140,7 +146,11 @@ def _qdq_rows(
         gs = tl.load(gs_ptr).to(tl.float32)
         e64 = e_addr[:, None].to(tl.int64)
         m64 = m[:, None].to(tl.int64)
-        for c0 in range(0, H, BLOCK_H):
+        # SPLIT_H: one BLOCK_H-column chunk per program (grid axis 1); else one program walks
+        # the row's chunks in series, one memory round trip per chunk (`QDQ_SPLIT_COLUMNS`)
+        lo = tl.program_id(1) * BLOCK_H if SPLIT_H else 0
+        hi = lo + BLOCK_H if SPLIT_H else H
+        for c0 in range(lo, hi, BLOCK_H):
             cols = c0 + tl.arange(0, BLOCK_H)
             mk = live[:, None] & (cols[None, :] < H)
             v = tl.load(x_ptr + e64 * s_xe + m64 * s_xm + cols[None, :], mask=mk, other=0.0).to(tl.float32)
@@ -586,8 +596,9 @@ def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tenso
     m = rows.masked
     s_xe, s_xm = _strides2(x, m)
     s_oe, s_om = _strides2(out, m)
-    block_r = 16
-    _qdq_rows[(rows.tiles(block_r),)](
+    block_r, block_h = 16, min(128, next_power_of_2(x.shape[-1]))
+    split = QDQ_SPLIT_COLUMNS
+    _qdq_rows[(rows.tiles(block_r), cdiv(x.shape[-1], block_h) if split else 1)](
         x,
         s_xe,
         s_xm,
@@ -604,6 +615,7 @@ def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tenso
         MASKED=m,
         **rows.expert_consts(),
         EXACT_ROUND=INTERPRETED,
+        SPLIT_H=split,
         BLOCK_R=block_r,
-        BLOCK_H=min(128, next_power_of_2(x.shape[-1])),
+        BLOCK_H=block_h,
     )

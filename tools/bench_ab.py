@@ -33,6 +33,8 @@ Variants:
   nvfp4-token-decode  the NVFP4 experts for Hopper run decode batches on the token-major decode
                       kernels, by the bf16 layers' rule (`Nvfp4DequantExperts.small_batch_max_tokens`
                       None; shipped: 0, the masked path)
+  serial-qdq          the NVFP4 quantizer walks a row's 128-column chunks in one program, in series
+                      (`triton_glue.QDQ_SPLIT_COLUMNS` False; the code before session 51)
 """
 
 from __future__ import annotations
@@ -155,6 +157,14 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             Nvfp4DequantExperts.small_batch_max_tokens = was
+    elif name == "serial-qdq":
+        import moehal_cuda.triton_glue as tg
+
+        tg.QDQ_SPLIT_COLUMNS = False
+        try:
+            yield
+        finally:
+            tg.QDQ_SPLIT_COLUMNS = True
     else:
         raise SystemExit(f"unknown variant {name!r}")
 

@@ -3,7 +3,8 @@ and the gap before it, for moehal's layer and (when importable) SGLang's fused M
 weights and routing. A diagnostic for #4's 1-token Qwen3-30B-A3B row, whose kernels sum to less
 than the graph measures.
 
-    python3 tools/graph_trace.py [--shape qwen3_30b_a3b] [--tokens 1,4] [--replays 20]
+    python3 tools/graph_trace.py [--shape qwen3_30b_a3b] [--tokens 1,4] [--replays 20] \
+        [--quant nvfp4] [--variant serial-qdq]
 
 (it loads the SGLang peer itself, as tools/sglang_peer.py does for the benchmark)
 
@@ -96,11 +97,19 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--quant", default="bf16", help="the layer's scheme (the SGLang peer runs bf16 only)")
     p.add_argument("--max-tokens", type=int, default=4096, help="the layer's max_tokens, as an engine builds it")
+    p.add_argument("--variant", default="shipped", help="a code path of tools/bench_ab.py (`variant`)")
     a = p.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_ab import variant
+
+    with variant(a.variant):
+        run(a)
+
+
+def run(a: argparse.Namespace) -> None:
     import moehal
     from moehal.bench import SHAPES
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     peer = None
     try:
         import sglang_peer
@@ -120,7 +129,8 @@ def main() -> None:
     layer = moehal.MoELayer(cfg, a.quant, device=dev, validate=False)
     layer.load_weights(moehal.quantize_weights(cfg, layer.quant, w13.to(dev), w2.to(dev)))
     call = peer(cfg, w13, w2, dev) if peer is not None and a.quant == "bf16" else None
-    print(f"{torch.cuda.get_device_name()}: {a.shape} {a.quant}, max_tokens {a.max_tokens}, {layer.plan.pipeline.name}")
+    name = layer.plan.pipeline.name
+    print(f"{torch.cuda.get_device_name()}: {a.shape} {a.quant} ({a.variant}), max_tokens {a.max_tokens}, {name}")
     for t in (int(x) for x in a.tokens.split(",")):
         x = torch.randn(t, cfg.hidden_size, generator=g).to(dev, cfg.dtype)
         ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].to(dev, torch.int32)

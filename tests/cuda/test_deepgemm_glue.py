@@ -640,12 +640,18 @@ def test_masked_batches_of_one_size_reuse_the_bound_activation(monkeypatch, quan
     assert bound_for == [18, 12], "one bind per batch size, kept across its calls"
 
 
-def test_nvfp4_qdq_kernel_matches_reference_exactly():
+@pytest.mark.parametrize("hidden", [64, 320])
+@pytest.mark.parametrize("split", [True, False], ids=["chunk-per-program", "serial-chunks"])
+def test_nvfp4_qdq_kernel_matches_reference_exactly(monkeypatch, hidden, split):
+    """Both of the quantizer's column walks (`QDQ_SPLIT_COLUMNS`), over one chunk and over
+    three (320 columns: 128 + 128 + a masked 64)."""
+    import moehal_cuda.triton_glue as tg
     from moehal.quant import nvfp4
     from moehal_cuda.triton_glue import RowIndex, nvfp4_qdq_rows
 
+    monkeypatch.setattr(tg, "QDQ_SPLIT_COLUMNS", split)
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(2, 8, 64, generator=g) * 3).bfloat16().to(DEV)
+    x = (torch.randn(2, 8, hidden, generator=g) * 3).bfloat16().to(DEV)
     gs = torch.tensor(37.5, device=DEV)
     mm = torch.tensor([5, 8], dtype=torch.int32, device=DEV)
     out = torch.zeros_like(x)

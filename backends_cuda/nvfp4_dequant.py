@@ -126,8 +126,6 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         # masked batches: total-rows bound -> the two GEMMs' bound launches (host time of an
         # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
         self._launches: dict[int, tuple[Any, Any]] = {}
-        # token-major rows' index tensors for the activation quantizer, per device
-        self._row_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
@@ -139,13 +137,10 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
     # --- token-major decode batches (`Nvfp4DequantExperts.small_batch_format`) -----------------
 
     def _apply_tokens(self, inp: StandardInput, out: torch.Tensor | None = None) -> StandardOutput:
-        """The decode kernels of `moehal.kernels.triton_token_moe` on the block values, with
-        the scheme's activation quantizations around them: the input's rows before GEMM1, the
-        activation rows between the kernels (`TokenMoE.act_quant`), each GEMM's global scales
-        in its epilogue. Four launches, no permute and no gather."""
-        from moehal.kernels.triton_permute import scratch
-        from moehal_cuda.triton_glue import nvfp4_qdq_rows
-
+        """The decode kernels of `moehal.kernels.triton_token_moe` on the block values: the
+        input's rows quantized to NVFP4 as GEMM1 loads them, the activation rows as GEMM1's
+        kernel writes them, each GEMM's global scales in its epilogue. Two launches, no permute,
+        no gather and no quantizing launch."""
         w, c = self.w, self.config
         assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
         x = inp.hidden
@@ -155,43 +150,19 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         if t == 0:
             return StandardOutput(out, scaled=True)
         tokens = self._tokens if self._tokens is not None else self._bind_tokens()
-        xq = scratch("nvfp4.token.x", (t, c.hidden_size), c.dtype, x.device)
-        nvfp4_qdq_rows(x, xq, w.a13_global_scale, self._token_rows(t, None, x.device))
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
-        return StandardOutput(tokens(xq, inp.topk_ids, wts, out), scaled=True)
+        return StandardOutput(tokens(x, inp.topk_ids, wts, out), scaled=True)
 
     def _bind_tokens(self, **extra: Any) -> Any:
         w = self.w
-        assert isinstance(w, DequantNvfp4Weights)
+        assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        assert w.a2_global_scale is not None
         return super()._bind_tokens(
-            w13_out_scale=w.w13_out_scale, w2_out_scale=w.w2_out_scale, act_quant=self._quantize_activation, **extra
+            w13_out_scale=w.w13_out_scale,
+            w2_out_scale=w.w2_out_scale,
+            nvfp4_scales=(w.a13_global_scale, w.a2_global_scale),
+            **extra,
         )
-
-    def _quantize_activation(self, act: torch.Tensor, ids: torch.Tensor) -> None:
-        """GEMM2's input, in place: the activation rows of the local slots quantized to NVFP4
-        with the static global scale, as codes times block scales (the masked path's glue)."""
-        from moehal_cuda.triton_glue import nvfp4_qdq_rows
-
-        w = self.w
-        assert isinstance(w, DequantNvfp4Weights) and w.a2_global_scale is not None
-        nvfp4_qdq_rows(act, act, w.a2_global_scale, self._token_rows(act.shape[0], ids, act.device))
-
-    def _token_rows(self, rows: int, ids: torch.Tensor | None, device: torch.device) -> Any:
-        """Token-major rows in `nvfp4_qdq_rows`'s contiguous mode: every row live (the input's),
-        or the slots whose id names a local expert (`ids` `[T, K]`; -1: skipped)."""
-        from moehal_cuda.triton_glue import RowIndex
-
-        e = self.config.num_local_experts
-        idx = self._row_index.get(device)
-        if idx is None or idx[0].shape[0] < rows:
-            n = max(rows, 64)
-            idx = self._row_index[device] = (
-                torch.zeros(n, dtype=torch.int32, device=device),  # every input row: "expert 0"
-                torch.zeros(max(e, 1), dtype=torch.int32, device=device),  # segment starts
-                torch.full((max(e, 1),), 2**30, dtype=torch.int32, device=device),  # counts: no bound
-            )
-        experts = idx[0][:rows] if ids is None else ids.reshape(-1)
-        return RowIndex(rows, 0, row_expert=experts, segment_start=idx[1], counts=idx[2])
 
     def tile_configs(self, rows: int) -> tuple[TileConfig | None, TileConfig | None]:
         """GEMM1's and GEMM2's tiles for a batch of at most `rows` routed rows: the table's
@@ -291,13 +262,13 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     )
     quant_schemes = frozenset({NVFP4})
     weight_layout: ClassVar[str] = LAYOUT
-    # Decode batches on the token-major kernels: off (0). On an H200 (session 50, call 6) that path
-    # passed the GPU tests, conformance and the fuzz, but took 54.7 us at one token of Qwen3-30B-A3B
-    # against the masked path's 53.3 (69.5 / 70.1 at 2, 92.0 / 91.4 at 4), where bf16's takes 25.9:
-    # both NVFP4 paths spend ~25 us outside their GEMMs, most likely in the NVFP4 quantizer
-    # (`triton_glue._qdq_rows`: one program walks a row's 128-column chunks in series). None: the
-    # bf16 layers' rule (`small_batch_tokens`), for A/Bs (tools/bench_ab.py --variants nvfp4-token-decode).
-    small_batch_max_tokens: ClassVar[int | None] = 0
+    # Decode batches on the token-major kernels, by the bf16 layers' rule (None: `small_batch_tokens`;
+    # 0: never, the masked path). Session 50 (H200) measured that path no faster (54.7 us at one
+    # token of Qwen3-30B-A3B, masked 53.3, bf16 25.9): both NVFP4 paths spent ~13 us in the NVFP4
+    # quantizer, whose programs walked a row's 128-column chunks in series. Session 51 split the
+    # chunks (16.5 -> 3.7 us per launch) and moved both quantizations into the decode kernels
+    # (`token_gemm_act`'s `nvfp4_scales`): two launches, as bf16's (docs/backends/cuda.md).
+    small_batch_max_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         # SM90 is where these run (SM100 has FP4 tensor cores and CuteDSL); no DeepGEMM device pin
@@ -312,8 +283,8 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
         """Decode batches may take token-major input, as bf16 layers do: the decode kernels on
         the bf16 block values (`Nvfp4DequantRunner._apply_tokens`), up to `small_batch_max_tokens`
-        tokens (None: `small_batch_tokens` of the bf16 weights' size per token; 0, the default:
-        never, see there)."""
+        tokens (None, the default: `small_batch_tokens` of the bf16 weights' size per token; 0:
+        never)."""
         c = req.config
         per_token = c.top_k * (c.w13_rows + c.intermediate_size) * c.hidden_size * 2  # bf16 block values
         n = self.small_batch_max_tokens

@@ -32,6 +32,7 @@ from moehal.config import Activation, MoEConfig
 from moehal.kernels.host import cdiv, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_grouped_gemm import num_m_tiles
+from moehal.kernels.triton_nvfp4 import nvfp4_qdq
 from moehal.kernels.triton_permute import (
     INTERPRETED,
     QUANT_GROUP,
@@ -41,7 +42,6 @@ from moehal.kernels.triton_permute import (
     masked_row_tile,
     publish_rows,
     round_to_bf16_grid,
-    round_to_e4m3_grid,
     stale_splits,
     zero_stale_rows,
 )
@@ -83,36 +83,6 @@ def _program_rows(
         cnt = tl.load(counts_ptr + ec, mask=has, other=0)
         live = has & (r - start < cnt)
         return ec, tl.zeros_like(r), r, live, rin
-
-
-@triton.jit
-def nvfp4_qdq(v, gs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """Quantize float32 `[BLOCK_R, BLOCK_C]` as NVFP4 with global scale `gs` (e2m1 values, one
-    e4m3 scale per 16 elements), exactly as `moehal.quant.nvfp4.quantize`, and return the codes
-    times their block scales (`moehal.quant.nvfp4.block_values`): `qdq` times `gs`, exact in
-    bf16. The GEMM that reads them divides by the global scales in its fp32 epilogue; divided
-    here, each value would be rounded to bf16 on its own, and those roundings, shared by every
-    value of one code, moved NVFP4 layers by up to 11% from the reference (session 49)."""
-    b = tl.reshape(v, (BLOCK_R, BLOCK_C // 16, 16))
-    amax = tl.max(tl.abs(b), axis=2)
-    # div_rn: IEEE division, as the reference divides (Triton's `/` is approximate on GPUs)
-    sf = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0)
-    if EXACT_ROUND:
-        sf = round_to_e4m3_grid(sf)
-    else:
-        sf = sf.to(tl.float8e4nv).to(tl.float32)
-    inv = tl.where(sf > 0, tl.div_rn(gs, tl.maximum(sf, 1e-30)), 0.0)
-    x = b * inv[:, :, None]
-    mag = tl.minimum(tl.abs(x), 6.0)
-    q = tl.where(mag > 0.25, 0.5, 0.0)
-    q = tl.where(mag >= 0.75, 1.0, q)
-    q = tl.where(mag > 1.25, 1.5, q)
-    q = tl.where(mag >= 1.75, 2.0, q)
-    q = tl.where(mag > 2.5, 3.0, q)
-    q = tl.where(mag >= 3.5, 4.0, q)
-    q = tl.where(mag > 5.0, 6.0, q)
-    q = tl.where(x < 0, -q, q)
-    return tl.reshape(q * sf[:, :, None], (BLOCK_R, BLOCK_C))
 
 
 @fast_launch

@@ -32,7 +32,8 @@ Variants:
                       (`Nvfp4DequantRunner.tuned_tiles` False)
   nvfp4-token-decode  the NVFP4 experts for Hopper run decode batches on the token-major decode
                       kernels, by the bf16 layers' rule (`Nvfp4DequantExperts.small_batch_max_tokens`
-                      None; shipped: 0, the masked path)
+                      None; shipped since session 51, 0 before)
+  nvfp4-masked-decode the same 0: decode batches on the masked path
   serial-qdq          the NVFP4 quantizer walks a row's 128-column chunks in one program, in series
                       (`triton_glue.QDQ_SPLIT_COLUMNS` False; the code before session 51)
 """
@@ -148,11 +149,11 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             Nvfp4DequantRunner.tuned_tiles = True
-    elif name == "nvfp4-token-decode":
+    elif name in ("nvfp4-token-decode", "nvfp4-masked-decode"):
         from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts
 
         was = Nvfp4DequantExperts.small_batch_max_tokens
-        Nvfp4DequantExperts.small_batch_max_tokens = None
+        Nvfp4DequantExperts.small_batch_max_tokens = None if name == "nvfp4-token-decode" else 0
         try:
             yield
         finally:

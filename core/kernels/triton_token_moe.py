@@ -22,7 +22,6 @@ the weighted fp32 sum, as the reference oracle does.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +32,7 @@ from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
+from moehal.kernels.triton_nvfp4 import nvfp4_qdq
 from moehal.kernels.triton_permute import arrivals, scratch
 
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
@@ -58,6 +58,8 @@ def _token_gemm_act_kernel(
     limit,
     num_slots,
     scale_ptr,
+    x_gs_ptr,
+    act_gs_ptr,
     E: tl.constexpr,
     TOP_K: tl.constexpr,
     I_SIZE: tl.constexpr,
@@ -71,6 +73,7 @@ def _token_gemm_act_kernel(
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    NVFP4: tl.constexpr,
 ):
     # N-tile-major order: the programs running together read one N tile of every slot's
     # expert, so slots that share an expert share that tile in L2
@@ -89,10 +92,14 @@ def _token_gemm_act_kernel(
         x_ptr + t * stride_xt, x_ptr, b_ptr, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
         0, 0, 1, 0, 0, 0, stride_be, stride_bn, stride_bk, 0, 0, 0, stride_bias_e, alpha, limit, scale_ptr,
         out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, False, UPCAST,
-        EXACT_ROUND, HAS_SCALE,
+        EXACT_ROUND, HAS_SCALE, x_gs_ptr, NVFP4,
     )  # fmt: skip
+    a = _to(a, out_ptr.dtype.element_ty, EXACT_ROUND)
+    if NVFP4:  # GEMM2's input as NVFP4 block values: the tile's 16-column groups are whole
+        a = nvfp4_qdq(a.to(tl.float32), tl.load(act_gs_ptr).to(tl.float32), BLOCK_M, BLOCK_N, EXACT_ROUND)
+        a = a.to(out_ptr.dtype.element_ty)  # exact in bf16
     o_ptrs = out_ptr + s.to(tl.int64) * stride_os + offs_m[:, None] * 0 + offs_n[None, :]
-    tl.store(o_ptrs, _to(a, out_ptr.dtype.element_ty, EXACT_ROUND), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(o_ptrs, a, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @fast_launch
@@ -273,12 +280,13 @@ def token_gemm_act(
     alpha: float = 0.0,
     limit: float = 0.0,
     out_scale: torch.Tensor | None = None,
+    nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out[s] = act(x[s // K] @ w13[ids[s]]^T (x out_scale[ids[s]]) + bias[ids[s]]) for every
     slot s = t * K + k. (Arguments: `bind_token_gemm_act`.)"""
     launch = bind_token_gemm_act(
         x, ids, w13, bias, out, config, activation=activation, gated=gated, alpha=alpha, limit=limit,
-        out_scale=out_scale,
+        out_scale=out_scale, nvfp4_scales=nvfp4_scales,
     )  # fmt: skip
     return out if launch is None else launch(x, ids, out)
 
@@ -296,6 +304,7 @@ def bind_token_gemm_act(
     alpha: float = 0.0,
     limit: float = 0.0,
     out_scale: torch.Tensor | None = None,
+    nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> _ActLaunch | None:
     """Check `token_gemm_act`'s arguments and choose its tile: its launch for this token count
     and these weights (None for no tokens), to call as `launch(x, ids, out)`.
@@ -306,6 +315,10 @@ def bind_token_gemm_act(
     None; out `[T * K, I]` in x's dtype. `activation`: `moehal.kernels.triton_fused_moe` ids.
     out_scale: fp32 `[E]`, each expert's GEMM1 output multiplied by its factor before the bias
     and the rounding (NVFP4's global scales, `moehal_cuda.nvfp4_dequant`).
+    nvfp4_scales: fp32 `[]` global scales (x's, out's): x's rows quantized to NVFP4 block
+    values as they are loaded, and out's rows written as NVFP4 block values of the activation
+    (`moehal.kernels.triton_nvfp4.nvfp4_qdq`; H and I multiples of 16), each quantization a
+    launch of its own before (session 50: ~3 us each at one token on an H200).
     No host synchronization: CUDA-graph capturable.
     """
     t, h = x.shape
@@ -322,9 +335,20 @@ def bind_token_gemm_act(
     cfg = _tile(config or token_config(i, h), h, "token_gemm_act")
     cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
     _check_out_scale(out_scale, e)
+    if nvfp4_scales is not None:
+        _check_nvfp4(nvfp4_scales, h, i, cfg)
     if t == 0:
         return None
-    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit, out_scale)
+    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit, out_scale, nvfp4_scales)
+
+
+def _check_nvfp4(scales: tuple[torch.Tensor, torch.Tensor], h: int, i: int, cfg: TileConfig) -> None:
+    """NVFP4's 16-element groups must be whole in every tile: along K (H) for x, along N (I)
+    for the activation."""
+    if len(scales) != 2 or any(s.dtype != torch.float32 or s.numel() != 1 for s in scales):
+        raise ValueError("nvfp4_scales must be two fp32 one-element global scales (x's, the activation's)")
+    if h % 16 or i % 16 or cfg.block_k % 16 or cfg.block_n % 16:
+        raise ValueError(f"NVFP4 quantization takes H={h} and I={i} in 16-element groups; tile {cfg}")
 
 
 def _check_out_scale(out_scale: torch.Tensor | None, e: int) -> None:
@@ -416,15 +440,17 @@ class _ActLaunch:
 
     grid: tuple[int]
     weights: tuple  # w13, bias (or w13), the bias' expert stride
-    tail: tuple  # w13's strides, alpha, limit, slots
+    tail: tuple  # w13's strides, alpha, limit, slots, the out_scale and NVFP4 pointers
     kw: dict
 
     @staticmethod
     def bind(
         t: int, top_k: int, w13: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
         activation: int, gated: bool, alpha: float, limit: float, out_scale: torch.Tensor | None = None,
+        nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> _ActLaunch:  # fmt: skip
         e, _, h = w13.shape
+        x_gs, act_gs = nvfp4_scales if nvfp4_scales is not None else (w13, w13)  # (unused without)
         i = w13.shape[1] // 2 if gated else w13.shape[1]
         b = bias if bias is not None else w13
         return _ActLaunch(
@@ -432,13 +458,13 @@ class _ActLaunch:
             (w13, b, b.stride(0) if bias is not None else 0),
             (
                 w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k,
-                out_scale if out_scale is not None else w13,
+                out_scale if out_scale is not None else w13, x_gs, act_gs,
             ),
             dict(
                 E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED,
-                EXACT_ROUND=INTERPRETED, HAS_SCALE=out_scale is not None, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
+                EXACT_ROUND=INTERPRETED, HAS_SCALE=out_scale is not None, NVFP4=nvfp4_scales is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
         )  # fmt: skip
 
@@ -538,14 +564,14 @@ class TokenMoE:
         scaling: float,
         w13_out_scale: torch.Tensor | None = None,
         w2_out_scale: torch.Tensor | None = None,
-        act_quant: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """w13_out_scale, w2_out_scale: each GEMM's per-expert fp32 factors (`token_gemm_act`,
-        `token_gemm_combine`); act_quant(act, ids): rewrites the activation rows `[T * K, I]` in
-        place between the two kernels (NVFP4's quantization of GEMM2's input)."""
+        `token_gemm_combine`); nvfp4_scales: the global scales of GEMM1's and GEMM2's inputs,
+        both quantized to NVFP4 inside the first kernel (`token_gemm_act`)."""
         self.w13, self.w13_bias, self.w2, self.w2_bias = w13, w13_bias, w2, w2_bias
         self.activation, self.gated, self.alpha, self.limit, self.scaling = activation, gated, alpha, limit, scaling
-        self.w13_out_scale, self.w2_out_scale, self.act_quant = w13_out_scale, w2_out_scale, act_quant
+        self.w13_out_scale, self.w2_out_scale, self.nvfp4_scales = w13_out_scale, w2_out_scale, nvfp4_scales
         # (token count, weighted) -> the two launches and the activation rows between them
         self._plans: dict[tuple[int, bool], tuple[_ActLaunch, _CombineLaunch, torch.Tensor]] = {}
 
@@ -565,8 +591,6 @@ class TokenMoE:
             return self._checked(x, ids, weights, out)
         first, second, act = plan
         first(x, ids, act)
-        if self.act_quant is not None:
-            self.act_quant(act, ids)
         return second(act, ids, weights, out)
 
     def _checked(
@@ -579,7 +603,7 @@ class TokenMoE:
         act = scratch("token.act", shape, x.dtype, x.device) if t else x.new_empty(shape)
         first = bind_token_gemm_act(
             x, ids, self.w13, self.w13_bias, act, activation=self.activation, gated=self.gated,
-            alpha=self.alpha, limit=self.limit, out_scale=self.w13_out_scale,
+            alpha=self.alpha, limit=self.limit, out_scale=self.w13_out_scale, nvfp4_scales=self.nvfp4_scales,
         )  # fmt: skip
         second = bind_token_gemm_combine(
             act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling, out_scale=self.w2_out_scale
@@ -588,6 +612,4 @@ class TokenMoE:
             return out
         self._plans[(t, weights is not None)] = (first, second, act)
         first(x, ids, act)
-        if self.act_quant is not None:
-            self.act_quant(act, ids)
         return second(act, ids, weights, out)

@@ -71,6 +71,48 @@ def test_kernels_match_the_oracle(extra, tokens, split):
         assert (out.cpu()[dead] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [dict(), dict(activation="gelu", gated=False, has_w13_bias=True), dict(ep_size=2, ep_rank=1, top_k=3)],
+    ids=["silu", "gelu-bias", "ep-slice"],
+)
+def test_nvfp4_quantization_inside_gemm1_equals_quantizing_around_it(extra):
+    """`token_gemm_act(..., nvfp4_scales=)` quantizes x's rows as it loads them and writes the
+    activation as NVFP4 block values: bitwise what the plain kernel computes between the
+    reference's quantizations (`moehal.quant.nvfp4`: codes times block scales, exact in bf16),
+    with x's rows spanning several K tiles (hidden 256) and the activation several N tiles."""
+    from moehal.kernels.triton_fused_moe import _ACTS
+    from moehal.kernels.triton_token_moe import token_gemm_act
+    from moehal.quant import nvfp4
+
+    def block_values(v, gs):  # the reference quantization, as the NVFP4 glue writes it
+        return nvfp4.block_values(*nvfp4.quantize(v.float().cpu(), gs)).bfloat16().to(DEV)
+
+    base = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=96, dtype=torch.bfloat16)
+    cfg = moehal.MoEConfig(**{**base, **extra})
+    weights, x, ids, wts = build_problem(cfg, moehal.QuantScheme.parse("bf16"), 3, seed=7)
+    _, inp = _reference(cfg, weights, x, ids, wts)
+    lids = inp.topk_ids.to(DEV)
+    w13 = weights.w13.to(DEV)
+    b13 = weights.w13_bias.float().to(DEV) if cfg.has_w13_bias else None
+    out_scale = (torch.rand(cfg.num_local_experts, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEV)
+    gx, ga = 37.5, 211.0
+    scales = (torch.tensor(gx, device=DEV), torch.tensor(ga, device=DEV))
+    kw = dict(activation=_ACTS[cfg.activation.value], gated=cfg.gated, out_scale=out_scale)
+    shape = (3 * cfg.top_k, cfg.intermediate_size)
+    fused = torch.full(shape, float("nan"), dtype=cfg.dtype, device=DEV)
+    token_gemm_act(x.to(DEV), lids, w13, b13, fused, nvfp4_scales=scales, **kw)
+    plain = torch.full(shape, float("nan"), dtype=cfg.dtype, device=DEV)
+    token_gemm_act(block_values(x, gx), lids, w13, b13, plain, **kw)
+    live = (lids.reshape(-1) >= 0).cpu()
+    assert live.any() and torch.equal(fused.cpu()[live], block_values(plain[live.to(DEV)], ga).cpu())
+    assert fused.cpu()[~live].isnan().all(), "slots of other ranks' experts are left as they are"
+    with pytest.raises(ValueError, match="16-element groups"):
+        bad = torch.empty(3 * cfg.top_k, 24, dtype=cfg.dtype, device=DEV)
+        token_gemm_act(x.to(DEV), lids, w13[:, :48] if cfg.gated else w13[:, :24], None, bad, nvfp4_scales=scales,
+                       activation=kw["activation"], gated=cfg.gated)  # fmt: skip
+
+
 def test_tiles_wider_than_the_problem_and_tuned_masked_tiles_are_adapted():
     """A tuned masked-GEMM tile (BLOCK_M 64) runs with the kernels' 16-row tile; N tiles wider
     than N are masked; a K tile that does not divide K is refused, not computed."""

@@ -112,8 +112,7 @@ def drive_nvfp4(g: torch.Generator) -> None:
             ids = torch.rand(t, cfg.num_experts, generator=g).argsort(dim=1)[:, : cfg.top_k].int()
             inp, handle = disp.dispatch(x, TopK(ids, torch.rand(t, cfg.top_k, generator=g)))
             disp.combine(ex.apply(inp), handle)
-    Nvfp4DequantExperts.small_batch_max_tokens = None  # decode batches token-major (off by default), in this child
-    small = Nvfp4DequantExperts().small_batch_format(req)  # the decode kernels' scaled epilogues
+    small = Nvfp4DequantExperts().small_batch_format(req)  # the decode kernels' scaled, quantizing epilogues
     assert small is not None
     disp = CudaPermuteDispatcher().build(req, small.fmt)
     ex = Nvfp4DequantRunner(req, small.fmt, TorchGemmOps(False))

@@ -940,12 +940,12 @@ def test_nvfp4_qdq_kernel_rounds_exact_ties_to_even():
 )
 def test_nvfp4_decode_batches_run_token_major_as_the_masked_path(extra, monkeypatch):
     """The NVFP4 experts' token-major decode path (`Nvfp4DequantRunner._apply_tokens`: the input
-    and the activation quantized around the decode kernels, the global scales in their
+    and the activation quantized inside the decode kernels, the global scales in their
     epilogues) computes what their masked path computes, and both what the reference layer
     does; its kernels write the caller's buffer and apply the routed scaling."""
     from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts, Nvfp4DequantRunner
 
-    monkeypatch.setattr(Nvfp4DequantExperts, "small_batch_max_tokens", None)  # off by default (see there)
+    monkeypatch.setattr(Nvfp4DequantExperts, "small_batch_max_tokens", None)  # the default, whatever it becomes
     cfg = MoEConfig(**{**dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64, max_tokens=4), **extra})
     quant = QuantScheme.parse("nvfp4")
     g = torch.Generator().manual_seed(5)

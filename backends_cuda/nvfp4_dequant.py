@@ -126,6 +126,8 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         # masked batches: total-rows bound -> the two GEMMs' bound launches (host time of an
         # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
         self._launches: dict[int, tuple[Any, Any]] = {}
+        # the token-major input's row index tensors for the quantizer, per device (`_input_rows`)
+        self._row_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
@@ -138,9 +140,13 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
 
     def _apply_tokens(self, inp: StandardInput, out: torch.Tensor | None = None) -> StandardOutput:
         """The decode kernels of `moehal.kernels.triton_token_moe` on the block values: the
-        input's rows quantized to NVFP4 as GEMM1 loads them, the activation rows as GEMM1's
-        kernel writes them, each GEMM's global scales in its epilogue. Two launches, no permute,
-        no gather and no quantizing launch."""
+        input's rows quantized to NVFP4 by a launch before them, the activation rows as GEMM1's
+        kernel writes them (`act_nvfp4_scale`), each GEMM's global scales in its epilogue.
+        Three launches, no permute and no gather. (Quantized inside GEMM1's K loop instead, the
+        input cost GEMM1 11 us more than the launch costs: session 51, call 2.)"""
+        from moehal.kernels.triton_permute import scratch
+        from moehal_cuda.triton_glue import nvfp4_qdq_rows
+
         w, c = self.w, self.config
         assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
         x = inp.hidden
@@ -150,19 +156,32 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         if t == 0:
             return StandardOutput(out, scaled=True)
         tokens = self._tokens if self._tokens is not None else self._bind_tokens()
+        xq = scratch("nvfp4.token.x", (t, c.hidden_size), c.dtype, x.device)
+        nvfp4_qdq_rows(x, xq, w.a13_global_scale, self._input_rows(t, x.device))
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
-        return StandardOutput(tokens(x, inp.topk_ids, wts, out), scaled=True)
+        return StandardOutput(tokens(xq, inp.topk_ids, wts, out), scaled=True)
 
     def _bind_tokens(self, **extra: Any) -> Any:
         w = self.w
-        assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
-        assert w.a2_global_scale is not None
+        assert isinstance(w, DequantNvfp4Weights) and w.a2_global_scale is not None
         return super()._bind_tokens(
-            w13_out_scale=w.w13_out_scale,
-            w2_out_scale=w.w2_out_scale,
-            nvfp4_scales=(w.a13_global_scale, w.a2_global_scale),
-            **extra,
+            w13_out_scale=w.w13_out_scale, w2_out_scale=w.w2_out_scale, act_nvfp4_scale=w.a2_global_scale, **extra
         )
+
+    def _input_rows(self, rows: int, device: torch.device) -> Any:
+        """The input's token-major rows in `nvfp4_qdq_rows`'s contiguous mode, every row live:
+        one segment of "expert 0" without a row bound (index tensors kept per device)."""
+        from moehal_cuda.triton_glue import RowIndex
+
+        e = max(self.config.num_local_experts, 1)
+        idx = self._row_index.get(device)
+        if idx is None or idx[0].shape[0] < rows:
+            idx = self._row_index[device] = (
+                torch.zeros(max(rows, 64), dtype=torch.int32, device=device),  # every row: "expert 0"
+                torch.zeros(e, dtype=torch.int32, device=device),  # segment starts
+                torch.full((e,), 2**30, dtype=torch.int32, device=device),  # counts: no bound
+            )
+        return RowIndex(rows, 0, row_expert=idx[0][:rows], segment_start=idx[1], counts=idx[2])
 
     def tile_configs(self, rows: int) -> tuple[TileConfig | None, TileConfig | None]:
         """GEMM1's and GEMM2's tiles for a batch of at most `rows` routed rows: the table's
@@ -266,8 +285,8 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     # 0: never, the masked path). Session 50 (H200) measured that path no faster (54.7 us at one
     # token of Qwen3-30B-A3B, masked 53.3, bf16 25.9): both NVFP4 paths spent ~13 us in the NVFP4
     # quantizer, whose programs walked a row's 128-column chunks in series. Session 51 split the
-    # chunks (16.5 -> 3.7 us per launch) and moved both quantizations into the decode kernels
-    # (`token_gemm_act`'s `nvfp4_scales`): two launches, as bf16's (docs/backends/cuda.md).
+    # chunks (16.5 -> 3.7 us per launch) and has GEMM1's decode kernel write the activation
+    # quantized (`token_gemm_act`'s `act_nvfp4_scale`): three launches (docs/backends/cuda.md).
     small_batch_max_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:

@@ -43,7 +43,6 @@ from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import FP8_GROUP, TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
-from moehal.kernels.triton_nvfp4 import nvfp4_qdq
 from moehal.kernels.triton_permute import (
     arrivals,
     e4m3_groups_quant,
@@ -123,19 +122,11 @@ def _dot_k(
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
     DUAL: tl.constexpr,
-    a_gs_ptr=None,
-    A_NVFP4: tl.constexpr = False,
-    EXACT_ROUND: tl.constexpr = False,
 ):
     """fp32 a[e, offs_m, :] @ w[e, offs_n, :]^T, and with DUAL the same for weight rows
     offs_n + n_second (a gated layer's up half) in the same K loop, sharing the A tile. FP8:
-    each K tile's product scaled by its activation group's and weight block's scales.
-    A_NVFP4 (token-major kernel only: row 0 is the one live row): each A tile quantized to
-    NVFP4 block values with the global scale at `a_gs_ptr` as it is loaded, instead of a
-    quantizing launch before the GEMM (`moehal.kernels.triton_nvfp4`)."""
+    each K tile's product scaled by its activation group's and weight block's scales."""
     offs_k = tl.arange(0, BLOCK_K)
-    if A_NVFP4:
-        a_gs = tl.load(a_gs_ptr).to(tl.float32)
     a_ptrs = a_ptr + e64 * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -146,11 +137,6 @@ def _dot_k(
         bs2_ptrs = b_scale_ptr + e64 * stride_bse + ((offs_n + n_second) // 128) * stride_bsn
     for kb in range(0, K // BLOCK_K):
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        if A_NVFP4:
-            # the live row alone (the masked rows load zeros): 1/BLOCK_M of the tile's work
-            row = tl.sum(a.to(tl.float32), axis=0)
-            q = tl.reshape(nvfp4_qdq(tl.reshape(row, (1, BLOCK_K)), a_gs, 1, BLOCK_K, EXACT_ROUND), (BLOCK_K,))
-            a = tl.where(m_mask[:, None], q[None, :], 0.0).to(a_ptr.dtype.element_ty)  # exact in bf16
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         if DUAL:
             b2 = tl.load(b_ptrs + n_second * stride_bn, mask=n_mask[None, :], other=0.0)
@@ -217,21 +203,18 @@ def _gemm1_act(
     UPCAST: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     HAS_OUT_SCALE: tl.constexpr,
-    a_gs_ptr=None,
-    A_NVFP4: tl.constexpr = False,
 ):
     """GEMM1 of expert e64 on the A rows offs_m (gate and up halves in one K loop when gated),
     plus the bias, then the activation: fp32 [BLOCK_M, BLOCK_N]. As the unfused path: the GEMM1
     output (x the expert's fp32 factor `out_scale_ptr[e]` with HAS_OUT_SCALE, + bias) rounded to
     `mid_ty` (the layer dtype), the activation in fp32. FP8: fp8 operands with their block
-    scales (the scale arguments are unused otherwise). A_NVFP4: A quantized as it is loaded
-    (`_dot_k`). Shared by the fused masked kernel and the token-major one
-    (`moehal.kernels.triton_token_moe`)."""
+    scales (the scale arguments are unused otherwise). Shared by the fused masked kernel and the
+    token-major one (`moehal.kernels.triton_token_moe`)."""
     g, u = _dot_k(
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, e64, offs_m, m_mask, offs_n, n_mask, I_SIZE,
         stride_ae, stride_am, stride_ak, stride_ase, stride_asm, stride_ask,
         stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, GATED, a_gs_ptr, A_NVFP4, EXACT_ROUND,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, UPCAST, GATED,
     )  # fmt: skip
     if HAS_OUT_SCALE:  # NVFP4's global scales (`moehal_cuda.nvfp4_dequant`), before the rounding
         factor = tl.load(out_scale_ptr + e64)

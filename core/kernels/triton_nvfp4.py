@@ -1,8 +1,8 @@
 # ruff: noqa: ANN001, ANN201  (Triton JIT functions: arguments are untyped by design)
 """NVFP4 activation quantization on Triton tiles, shared by the glue between the grouped GEMMs
 (`moehal_cuda.triton_glue`) and the token-major decode kernels
-(`moehal.kernels.triton_token_moe`), which quantize GEMM1's input and GEMM2's input in place
-of two launches of their own.
+(`moehal.kernels.triton_token_moe`), whose GEMM1 writes GEMM2's input quantized (a launch
+saved per decode step).
 
 Only the activations are quantized here: the weights are NVFP4 codes unpacked at load
 (`moehal_cuda.nvfp4_dequant`), and the global scales are applied in the GEMMs' fp32 epilogues.

@@ -58,7 +58,6 @@ def _token_gemm_act_kernel(
     limit,
     num_slots,
     scale_ptr,
-    x_gs_ptr,
     act_gs_ptr,
     E: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -92,7 +91,7 @@ def _token_gemm_act_kernel(
         x_ptr + t * stride_xt, x_ptr, b_ptr, b_ptr, bias_ptr, e64, offs_m, m_mask, offs_n, n_mask,
         0, 0, 1, 0, 0, 0, stride_be, stride_bn, stride_bk, 0, 0, 0, stride_bias_e, alpha, limit, scale_ptr,
         out_ptr.dtype.element_ty, I_SIZE, K, BLOCK_M, BLOCK_N, BLOCK_K, ACT, GATED, HAS_BIAS, False, UPCAST,
-        EXACT_ROUND, HAS_SCALE, x_gs_ptr, NVFP4,
+        EXACT_ROUND, HAS_SCALE,
     )  # fmt: skip
     a = _to(a, out_ptr.dtype.element_ty, EXACT_ROUND)
     if NVFP4:  # GEMM2's input as NVFP4 block values: the tile's 16-column groups are whole
@@ -280,13 +279,13 @@ def token_gemm_act(
     alpha: float = 0.0,
     limit: float = 0.0,
     out_scale: torch.Tensor | None = None,
-    nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act_nvfp4_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[s] = act(x[s // K] @ w13[ids[s]]^T (x out_scale[ids[s]]) + bias[ids[s]]) for every
     slot s = t * K + k. (Arguments: `bind_token_gemm_act`.)"""
     launch = bind_token_gemm_act(
         x, ids, w13, bias, out, config, activation=activation, gated=gated, alpha=alpha, limit=limit,
-        out_scale=out_scale, nvfp4_scales=nvfp4_scales,
+        out_scale=out_scale, act_nvfp4_scale=act_nvfp4_scale,
     )  # fmt: skip
     return out if launch is None else launch(x, ids, out)
 
@@ -304,7 +303,7 @@ def bind_token_gemm_act(
     alpha: float = 0.0,
     limit: float = 0.0,
     out_scale: torch.Tensor | None = None,
-    nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act_nvfp4_scale: torch.Tensor | None = None,
 ) -> _ActLaunch | None:
     """Check `token_gemm_act`'s arguments and choose its tile: its launch for this token count
     and these weights (None for no tokens), to call as `launch(x, ids, out)`.
@@ -315,10 +314,11 @@ def bind_token_gemm_act(
     None; out `[T * K, I]` in x's dtype. `activation`: `moehal.kernels.triton_fused_moe` ids.
     out_scale: fp32 `[E]`, each expert's GEMM1 output multiplied by its factor before the bias
     and the rounding (NVFP4's global scales, `moehal_cuda.nvfp4_dequant`).
-    nvfp4_scales: fp32 `[]` global scales (x's, out's): x's rows quantized to NVFP4 block
-    values as they are loaded, and out's rows written as NVFP4 block values of the activation
-    (`moehal.kernels.triton_nvfp4.nvfp4_qdq`; H and I multiples of 16), each quantization a
-    launch of its own before (session 50: ~3 us each at one token on an H200).
+    act_nvfp4_scale: fp32 `[]` global scale: out's rows written as NVFP4 block values of the
+    activation (`moehal.kernels.triton_nvfp4.nvfp4_qdq`; I a multiple of 16), GEMM2's input of
+    an NVFP4 layer, in place of a quantizing launch. (x's rows are quantized by a launch before:
+    quantized in the K loop as they were loaded, GEMM1 took 25.7 us at one token of
+    Qwen3-30B-A3B on an H200 against 14.3 plus 2.7 for the launch; session 51.)
     No host synchronization: CUDA-graph capturable.
     """
     t, h = x.shape
@@ -335,20 +335,19 @@ def bind_token_gemm_act(
     cfg = _tile(config or token_config(i, h), h, "token_gemm_act")
     cfg = fused_act_config(cfg, h, x.element_size()) if gated else cfg
     _check_out_scale(out_scale, e)
-    if nvfp4_scales is not None:
-        _check_nvfp4(nvfp4_scales, h, i, cfg)
+    if act_nvfp4_scale is not None:
+        _check_nvfp4(act_nvfp4_scale, i, cfg)
     if t == 0:
         return None
-    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit, out_scale, nvfp4_scales)
+    return _ActLaunch.bind(t, top_k, w13, bias, cfg, activation, gated, alpha, limit, out_scale, act_nvfp4_scale)
 
 
-def _check_nvfp4(scales: tuple[torch.Tensor, torch.Tensor], h: int, i: int, cfg: TileConfig) -> None:
-    """NVFP4's 16-element groups must be whole in every tile: along K (H) for x, along N (I)
-    for the activation."""
-    if len(scales) != 2 or any(s.dtype != torch.float32 or s.numel() != 1 for s in scales):
-        raise ValueError("nvfp4_scales must be two fp32 one-element global scales (x's, the activation's)")
-    if h % 16 or i % 16 or cfg.block_k % 16 or cfg.block_n % 16:
-        raise ValueError(f"NVFP4 quantization takes H={h} and I={i} in 16-element groups; tile {cfg}")
+def _check_nvfp4(scale: torch.Tensor, i: int, cfg: TileConfig) -> None:
+    """NVFP4's 16-element groups of the activation must be whole in every N tile."""
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(f"act_nvfp4_scale must be an fp32 one-element global scale, got {scale.dtype} {scale.shape}")
+    if i % 16 or cfg.block_n % 16:
+        raise ValueError(f"NVFP4 quantization takes I={i} in 16-element groups; tile {cfg}")
 
 
 def _check_out_scale(out_scale: torch.Tensor | None, e: int) -> None:
@@ -447,10 +446,9 @@ class _ActLaunch:
     def bind(
         t: int, top_k: int, w13: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
         activation: int, gated: bool, alpha: float, limit: float, out_scale: torch.Tensor | None = None,
-        nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        act_nvfp4_scale: torch.Tensor | None = None,
     ) -> _ActLaunch:  # fmt: skip
         e, _, h = w13.shape
-        x_gs, act_gs = nvfp4_scales if nvfp4_scales is not None else (w13, w13)  # (unused without)
         i = w13.shape[1] // 2 if gated else w13.shape[1]
         b = bias if bias is not None else w13
         return _ActLaunch(
@@ -458,12 +456,13 @@ class _ActLaunch:
             (w13, b, b.stride(0) if bias is not None else 0),
             (
                 w13.stride(0), w13.stride(1), w13.stride(2), float(alpha), float(limit), t * top_k,
-                out_scale if out_scale is not None else w13, x_gs, act_gs,
+                out_scale if out_scale is not None else w13,
+                act_nvfp4_scale if act_nvfp4_scale is not None else w13,
             ),
             dict(
                 E=e, TOP_K=top_k, I_SIZE=i, K=h, BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 ACT=activation, GATED=gated, HAS_BIAS=bias is not None, UPCAST=INTERPRETED,
-                EXACT_ROUND=INTERPRETED, HAS_SCALE=out_scale is not None, NVFP4=nvfp4_scales is not None,
+                EXACT_ROUND=INTERPRETED, HAS_SCALE=out_scale is not None, NVFP4=act_nvfp4_scale is not None,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
         )  # fmt: skip
@@ -564,14 +563,14 @@ class TokenMoE:
         scaling: float,
         w13_out_scale: torch.Tensor | None = None,
         w2_out_scale: torch.Tensor | None = None,
-        nvfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        act_nvfp4_scale: torch.Tensor | None = None,
     ) -> None:
         """w13_out_scale, w2_out_scale: each GEMM's per-expert fp32 factors (`token_gemm_act`,
-        `token_gemm_combine`); nvfp4_scales: the global scales of GEMM1's and GEMM2's inputs,
-        both quantized to NVFP4 inside the first kernel (`token_gemm_act`)."""
+        `token_gemm_combine`); act_nvfp4_scale: the global scale of GEMM2's input, quantized to
+        NVFP4 as the first kernel writes it (`token_gemm_act`)."""
         self.w13, self.w13_bias, self.w2, self.w2_bias = w13, w13_bias, w2, w2_bias
         self.activation, self.gated, self.alpha, self.limit, self.scaling = activation, gated, alpha, limit, scaling
-        self.w13_out_scale, self.w2_out_scale, self.nvfp4_scales = w13_out_scale, w2_out_scale, nvfp4_scales
+        self.w13_out_scale, self.w2_out_scale, self.act_nvfp4_scale = w13_out_scale, w2_out_scale, act_nvfp4_scale
         # (token count, weighted) -> the two launches and the activation rows between them
         self._plans: dict[tuple[int, bool], tuple[_ActLaunch, _CombineLaunch, torch.Tensor]] = {}
 
@@ -603,7 +602,7 @@ class TokenMoE:
         act = scratch("token.act", shape, x.dtype, x.device) if t else x.new_empty(shape)
         first = bind_token_gemm_act(
             x, ids, self.w13, self.w13_bias, act, activation=self.activation, gated=self.gated,
-            alpha=self.alpha, limit=self.limit, out_scale=self.w13_out_scale, nvfp4_scales=self.nvfp4_scales,
+            alpha=self.alpha, limit=self.limit, out_scale=self.w13_out_scale, act_nvfp4_scale=self.act_nvfp4_scale,
         )  # fmt: skip
         second = bind_token_gemm_combine(
             act, ids, weights, self.w2, self.w2_bias, out, scaling=self.scaling, out_scale=self.w2_out_scale

@@ -76,11 +76,10 @@ def test_kernels_match_the_oracle(extra, tokens, split):
     [dict(), dict(activation="gelu", gated=False, has_w13_bias=True), dict(ep_size=2, ep_rank=1, top_k=3)],
     ids=["silu", "gelu-bias", "ep-slice"],
 )
-def test_nvfp4_quantization_inside_gemm1_equals_quantizing_around_it(extra):
-    """`token_gemm_act(..., nvfp4_scales=)` quantizes x's rows as it loads them and writes the
-    activation as NVFP4 block values: bitwise what the plain kernel computes between the
-    reference's quantizations (`moehal.quant.nvfp4`: codes times block scales, exact in bf16),
-    with x's rows spanning several K tiles (hidden 256) and the activation several N tiles."""
+def test_nvfp4_activation_written_by_gemm1_equals_quantizing_after_it(extra):
+    """`token_gemm_act(..., act_nvfp4_scale=)` writes the activation as NVFP4 block values:
+    bitwise the plain kernel's output quantized by the reference (`moehal.quant.nvfp4`: codes
+    times block scales, exact in bf16), over several N tiles of the activation."""
     from moehal.kernels.triton_fused_moe import _ACTS
     from moehal.kernels.triton_token_moe import token_gemm_act
     from moehal.quant import nvfp4
@@ -96,20 +95,20 @@ def test_nvfp4_quantization_inside_gemm1_equals_quantizing_around_it(extra):
     w13 = weights.w13.to(DEV)
     b13 = weights.w13_bias.float().to(DEV) if cfg.has_w13_bias else None
     out_scale = (torch.rand(cfg.num_local_experts, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEV)
-    gx, ga = 37.5, 211.0
-    scales = (torch.tensor(gx, device=DEV), torch.tensor(ga, device=DEV))
+    xq, ga = block_values(x, 37.5), 211.0  # GEMM1's input as the NVFP4 experts quantize it
+    scale = torch.tensor(ga, device=DEV)
     kw = dict(activation=_ACTS[cfg.activation.value], gated=cfg.gated, out_scale=out_scale)
     shape = (3 * cfg.top_k, cfg.intermediate_size)
     fused = torch.full(shape, float("nan"), dtype=cfg.dtype, device=DEV)
-    token_gemm_act(x.to(DEV), lids, w13, b13, fused, nvfp4_scales=scales, **kw)
+    token_gemm_act(xq, lids, w13, b13, fused, act_nvfp4_scale=scale, **kw)
     plain = torch.full(shape, float("nan"), dtype=cfg.dtype, device=DEV)
-    token_gemm_act(block_values(x, gx), lids, w13, b13, plain, **kw)
+    token_gemm_act(xq, lids, w13, b13, plain, **kw)
     live = (lids.reshape(-1) >= 0).cpu()
     assert live.any() and torch.equal(fused.cpu()[live], block_values(plain[live.to(DEV)], ga).cpu())
     assert fused.cpu()[~live].isnan().all(), "slots of other ranks' experts are left as they are"
     with pytest.raises(ValueError, match="16-element groups"):
         bad = torch.empty(3 * cfg.top_k, 24, dtype=cfg.dtype, device=DEV)
-        token_gemm_act(x.to(DEV), lids, w13[:, :48] if cfg.gated else w13[:, :24], None, bad, nvfp4_scales=scales,
+        token_gemm_act(xq, lids, w13[:, :48] if cfg.gated else w13[:, :24], None, bad, act_nvfp4_scale=scale,
                        activation=kw["activation"], gated=cfg.gated)  # fmt: skip
 
 

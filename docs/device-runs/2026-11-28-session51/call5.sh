@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 51, call 5 (H200): the NVFP4 layer's times on this session's code (tuned tiles, biases
-# in the epilogues), beside bf16, Qwen3-30B-A3B and DeepSeek-V3's EP8 slice, 1-4096 tokens.
+# Session 51, call 5 (H200): the NVFP4 layer's times on this session's code (decode batches token-major,
+# the quantizer split), beside bf16, Qwen3-30B-A3B and DeepSeek-V3's EP8 slice, 1-4096 tokens.
 #   usage (repo root, .whl present): bash <this file>
 set -u
 source tools/device_setup.sh

@@ -326,8 +326,8 @@ def test_nvfp4_dequant_experts_need_no_deep_gemm(monkeypatch):
     """Since session 50 the NVFP4 experts for Hopper run Triton's GEMMs only: without deep_gemm
     (its wheels are tied to one torch release) they are still accepted, take DeepGEMM's layouts
     at its SM90 alignment without importing it, and ignore DeepGEMM's one-GPU-per-process pin,
-    while the DeepGEMM experts decline with the reason. Decode batches stay on the masked path
-    unless `small_batch_max_tokens` asks for the token-major kernels (None: the bf16 rule)."""
+    while the DeepGEMM experts decline with the reason. Decode batches take the token-major
+    kernels by the bf16 layers' rule (since session 51), or never with `small_batch_max_tokens` 0."""
     from moehal_cuda import deepgemm_experts, support
     from moehal_cuda.nvfp4_dequant import Nvfp4DequantExperts
 
@@ -348,9 +348,10 @@ def test_nvfp4_dequant_experts_need_no_deep_gemm(monkeypatch):
     assert not ex.check_hardware(_req((8, 0), "nvfp4")).ok
     formats = {f.layout: f for f in ex.input_formats(req)}
     assert formats[Layout.CONTIGUOUS].row_alignment == 128 and formats[Layout.MASKED].row_alignment == 128
-    assert ex.small_batch_format(req) is None  # decode batches masked: token-major measured no faster
-    monkeypatch.setattr(Nvfp4DequantExperts, "small_batch_max_tokens", None)  # the bf16 layers' rule
-    small = ex.small_batch_format(req)  # one token here
+    small = ex.small_batch_format(req)  # the bf16 layers' rule: one token here
     assert small is not None and small.fmt.layout is Layout.STANDARD and small.max_tokens == 1
+    monkeypatch.setattr(Nvfp4DequantExperts, "small_batch_max_tokens", 0)
+    assert ex.small_batch_format(req) is None  # decode batches masked
+    monkeypatch.setattr(Nvfp4DequantExperts, "small_batch_max_tokens", None)
     big = CFG.with_(num_experts=32, hidden_size=7168, intermediate_size=2048, top_k=8)  # DeepSeek-V3's EP8 slice
     assert ex.small_batch_format(_req((9, 0), "nvfp4", big)) is None  # 704 MB a token: masked at every size

@@ -63,6 +63,9 @@ LAYOUT = "deepgemm_nvfp4_dequant"
 # Contiguous segments start at multiples of this many rows: DeepGEMM's SM90 alignment, which the
 # layouts these experts share with DeepGEMM's keep, and the Triton GEMM's largest row tile.
 CONTIGUOUS_ROW_ALIGNMENT = 128
+# Row counts whose GEMM tiles a runner keeps (`Nvfp4DequantRunner.tile_configs`): a stream of
+# prefill sizes keeps this many (two table lookups, ~25 us of host time per contiguous call).
+TILE_MEMO = 64
 
 
 @dataclass
@@ -126,6 +129,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         # masked batches: total-rows bound -> the two GEMMs' bound launches (host time of an
         # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
         self._launches: dict[int, tuple[Any, Any]] = {}
+        self._tile_memo: dict[int, tuple[TileConfig | None, TileConfig | None]] = {}  # `tile_configs`
         # the token-major input's row index tensors for the quantizer, per device (`_input_rows`)
         self._row_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -185,10 +189,21 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
 
     def tile_configs(self, rows: int) -> tuple[TileConfig | None, TileConfig | None]:
         """GEMM1's and GEMM2's tiles for a batch of at most `rows` routed rows: the table's
-        measured Triton tiles at the nearest token count, else None (untuned)."""
-        c = self.config
+        measured Triton tiles at the nearest token count, else None (untuned). Kept per row
+        count (the last `TILE_MEMO` counts): contiguous batches look them up on every call."""
         if self.tiles is None or not self.tuned_tiles:
             return None, None
+        kept = self._tile_memo.pop(rows, None)
+        if kept is None:
+            kept = self._lookup_tiles(rows)
+            if len(self._tile_memo) >= TILE_MEMO:
+                del self._tile_memo[next(iter(self._tile_memo))]  # the least recently used
+        self._tile_memo[rows] = kept
+        return kept
+
+    def _lookup_tiles(self, rows: int) -> tuple[TileConfig | None, TileConfig | None]:
+        c = self.config
+        assert self.tiles is not None
         tokens = max(1, -(-rows // c.top_k))
         e = c.num_local_experts
         return (
@@ -283,10 +298,10 @@ class Nvfp4DequantExperts(DeepGemmExperts):
     weight_layout: ClassVar[str] = LAYOUT
     # Decode batches on the token-major kernels, by the bf16 layers' rule (None: `small_batch_tokens`;
     # 0: never, the masked path). Session 50 (H200) measured that path no faster (54.7 us at one
-    # token of Qwen3-30B-A3B, masked 53.3, bf16 25.9): both NVFP4 paths spent ~13 us in the NVFP4
-    # quantizer, whose programs walked a row's 128-column chunks in series. Session 51 split the
-    # chunks (16.5 -> 3.7 us per launch) and has GEMM1's decode kernel write the activation
-    # quantized (`token_gemm_act`'s `act_nvfp4_scale`): three launches (docs/backends/cuda.md).
+    # token of Qwen3-30B-A3B, masked 53.3, bf16 25.9): the NVFP4 quantizer's programs walked a
+    # row's 128-column chunks in series. Session 51 split the chunks (16.5 -> 3.7 us per launch)
+    # and has GEMM1's decode kernel write the activation quantized (`token_gemm_act`'s
+    # `act_nvfp4_scale`): three launches, 32.8 us against the masked path's 39.7 (docs/backends/cuda.md).
     small_batch_max_tokens: ClassVar[int | None] = None
 
     def check_hardware(self, req: BuildRequest) -> Decision:

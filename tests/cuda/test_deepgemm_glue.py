@@ -748,6 +748,26 @@ def test_nvfp4_dequant_experts_take_the_tables_triton_tiles(layout, tmp_path):
     assert ex.tile_configs(16) == (None, None)
 
 
+def test_nvfp4_tile_lookups_are_kept_per_row_count(monkeypatch):
+    """Contiguous batches ask for their tiles on every call: a row count's lookup is kept (the
+    last `TILE_MEMO` counts, least recently used out), and gives what a fresh lookup gives."""
+    import moehal_cuda.nvfp4_dequant as nd
+    from moehal_cuda.gemm_choice import GemmChooser
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+    req = BuildRequest(cfg, QuantScheme.parse("nvfp4"), detect(DEV))
+    fmt = _fmt(QuantScheme.parse("bf16"), Layout.CONTIGUOUS)
+    ex = nd.Nvfp4DequantRunner(req, fmt, None, GemmChooser("NVIDIA H200"))
+    looked: list[int] = []
+    real = ex._lookup_tiles
+    monkeypatch.setattr(ex, "_lookup_tiles", lambda rows: looked.append(rows) or real(rows))
+    monkeypatch.setattr(nd, "TILE_MEMO", 3)
+    for rows in (256, 512, 256, 1024, 2048, 256, 512):
+        assert ex.tile_configs(rows) == real(rows)
+    # 256 stays (used again before it was the oldest); 512 had left when 2048 came in
+    assert looked == [256, 512, 1024, 2048, 512] and list(ex._tile_memo) == [2048, 256, 512]
+
+
 class _NoGemm(TorchGemmOps):
     """Fails the test if a GEMM is launched: empty inputs must not reach DeepGEMM, which
     rejects empty operands (seen on 2 x H200, 2026-11-22: an EP rank that received no rows)."""

@@ -132,6 +132,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         self._tile_memo: dict[int, tuple[TileConfig | None, TileConfig | None]] = {}  # `tile_configs`
         # the token-major input's row index tensors for the quantizer, per device (`_input_rows`)
         self._row_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._input_quant: dict[tuple[int, torch.device], Any] = {}  # (tokens, device) -> its bound quantizer
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
@@ -139,6 +140,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         self.w = weights
         self._launches.clear()
         self._tokens = None  # the token-major launches hold the previous weights
+        self._input_quant.clear()  # and the input quantizers the previous global scale
 
     # --- token-major decode batches (`Nvfp4DequantExperts.small_batch_format`) -----------------
 
@@ -149,11 +151,11 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         Three launches, no permute and no gather. (Quantized inside GEMM1's K loop instead, the
         input cost GEMM1 11 us more than the launch costs: session 51, call 2.)"""
         from moehal.kernels.triton_permute import scratch
-        from moehal_cuda.triton_glue import nvfp4_qdq_rows
+        from moehal_cuda.triton_glue import bind_nvfp4_qdq_rows
 
         w, c = self.w, self.config
         assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
-        x = inp.hidden
+        x = inp.hidden if inp.hidden.stride(-1) == 1 else inp.hidden.contiguous()  # the quantizer's rows
         t = x.shape[0]
         if out is None:
             out = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
@@ -161,7 +163,11 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
             return StandardOutput(out, scaled=True)
         tokens = self._tokens if self._tokens is not None else self._bind_tokens()
         xq = scratch("nvfp4.token.x", (t, c.hidden_size), c.dtype, x.device)
-        nvfp4_qdq_rows(x, xq, w.a13_global_scale, self._input_rows(t, x.device))
+        quantize = self._input_quant.get((t, x.device))
+        if quantize is None:  # bound once per token count (host time of an eager step)
+            quantize = bind_nvfp4_qdq_rows(x, w.a13_global_scale, self._input_rows(t, x.device))
+            self._input_quant[(t, x.device)] = quantize
+        quantize(x, xq)
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
         return StandardOutput(tokens(xq, inp.topk_ids, wts, out), scaled=True)
 

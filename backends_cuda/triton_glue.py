@@ -562,30 +562,40 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, rows: RowIndex) -> None:
 def nvfp4_qdq_rows(x: torch.Tensor, out: torch.Tensor, global_scale: torch.Tensor, rows: RowIndex) -> None:
     """out[live rows] = x[live rows] quantized to NVFP4 with `global_scale` (fp32 `[]`, read on
     the device), as its codes times their block scales: the quantize-dequantize times the global
-    scale, exact in bf16 (`nvfp4_qdq`)."""
+    scale, exact in bf16 (`nvfp4_qdq`). (`bind_nvfp4_qdq_rows` binds it once for repeated calls.)"""
+    bind_nvfp4_qdq_rows(x, global_scale, rows)(x, out)
+
+
+def bind_nvfp4_qdq_rows(x: torch.Tensor, global_scale: torch.Tensor, rows: RowIndex) -> QdqLaunch:
+    """`nvfp4_qdq_rows`'s launch for inputs of x's shape and strides, this scale and these rows,
+    to call as `launch(x, out)`: the decode steps' input quantization, a pinned launch (host
+    time of an eager step, `moehal.kernels.launch.Site`)."""
     m = rows.masked
-    s_xe, s_xm = _strides2(x, m)
-    s_oe, s_om = _strides2(out, m)
     block_r, block_h = 16, min(128, next_power_of_2(x.shape[-1]))
     split = QDQ_SPLIT_COLUMNS
-    _qdq_rows[(rows.tiles(block_r), cdiv(x.shape[-1], block_h) if split else 1)](
-        x,
-        s_xe,
-        s_xm,
-        out,
-        s_oe,
-        s_om,
-        global_scale,
-        rows.masked_m,
-        rows.row_expert,
-        rows.segment_start,
-        rows.counts,
-        rows.num_rows,
-        x.shape[-1],
-        MASKED=m,
-        **rows.expert_consts(),
-        EXACT_ROUND=INTERPRETED,
-        SPLIT_H=split,
-        BLOCK_R=block_r,
-        BLOCK_H=block_h,
-    )
+    return QdqLaunch(
+        (rows.tiles(block_r), cdiv(x.shape[-1], block_h) if split else 1),
+        m,
+        (global_scale, rows.masked_m, rows.row_expert, rows.segment_start, rows.counts, rows.num_rows, x.shape[-1]),
+        dict(
+            MASKED=m, **rows.expert_consts(), EXACT_ROUND=INTERPRETED, SPLIT_H=split, BLOCK_R=block_r,
+            BLOCK_H=block_h,
+        ),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QdqLaunch:
+    """`_qdq_rows`'s launch with its grid, scale, row index and constexprs bound."""
+
+    grid: tuple[int, int]
+    masked: bool
+    tail: tuple  # the global scale, the row index's tensors, rows, columns
+    kw: dict
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self._site(x, *_strides2(x, self.masked), out, *_strides2(out, self.masked), *self.tail)
+
+    @functools.cached_property
+    def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)
+        return site(_qdq_rows, self.grid, **self.kw)

@@ -1005,3 +1005,6 @@ def test_nvfp4_decode_batches_run_token_major_as_the_masked_path(extra, monkeypa
         # the reference layer's combine rounds its own way: a bf16 step of the output (5.3e-3 seen)
         assert _rel_max(y, ry) < 1e-2, f"{t} tokens: token-major vs the reference"
     assert ex._tokens is not None and len(ex._tokens._plans) == 3  # bound once per token count
+    assert len(ex._input_quant) == 3  # and the input's quantizer
+    ex.load(weights)
+    assert ex._tokens is None and not ex._input_quant, "new weights: new global scales, bound again"

@@ -132,7 +132,8 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         self._tile_memo: dict[int, tuple[TileConfig | None, TileConfig | None]] = {}  # `tile_configs`
         # the token-major input's row index tensors for the quantizer, per device (`_input_rows`)
         self._row_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._input_quant: dict[tuple[int, torch.device], Any] = {}  # (tokens, device) -> its bound quantizer
+        # (tokens, device) -> the input quantizer's bound launch and the rows it writes
+        self._input_quant: dict[tuple[int, torch.device], tuple[Any, torch.Tensor]] = {}
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
@@ -150,11 +151,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         kernel writes them (`act_nvfp4_scale`), each GEMM's global scales in its epilogue.
         Three launches, no permute and no gather. (Quantized inside GEMM1's K loop instead, the
         input cost GEMM1 11 us more than the launch costs: session 51, call 2.)"""
-        from moehal.kernels.triton_permute import scratch
-        from moehal_cuda.triton_glue import bind_nvfp4_qdq_rows
-
-        w, c = self.w, self.config
-        assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        c = self.config
         x = inp.hidden if inp.hidden.stride(-1) == 1 else inp.hidden.contiguous()  # the quantizer's rows
         t = x.shape[0]
         if out is None:
@@ -162,14 +159,24 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         if t == 0:
             return StandardOutput(out, scaled=True)
         tokens = self._tokens if self._tokens is not None else self._bind_tokens()
-        xq = scratch("nvfp4.token.x", (t, c.hidden_size), c.dtype, x.device)
-        quantize = self._input_quant.get((t, x.device))
-        if quantize is None:  # bound once per token count (host time of an eager step)
-            quantize = bind_nvfp4_qdq_rows(x, w.a13_global_scale, self._input_rows(t, x.device))
-            self._input_quant[(t, x.device)] = quantize
+        plan = self._input_quant.get((t, x.device))
+        if plan is None:  # once per token count (host time of an eager step)
+            plan = self._input_quant[(t, x.device)] = self._bind_input_quant(x)
+        quantize, xq = plan
         quantize(x, xq)
         wts = inp.topk_weights if inp.topk_weights.is_contiguous() else inp.topk_weights.contiguous()
         return StandardOutput(tokens(xq, inp.topk_ids, wts, out), scaled=True)
+
+    def _bind_input_quant(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """The input quantizer's launch for x's token count and the rows it writes (process-wide
+        scratch, `triton_permute.scratch`)."""
+        from moehal.kernels.triton_permute import scratch
+        from moehal_cuda.triton_glue import bind_nvfp4_qdq_rows
+
+        w, c, t = self.w, self.config, x.shape[0]
+        assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        xq = scratch("nvfp4.token.x", (t, c.hidden_size), c.dtype, x.device)
+        return bind_nvfp4_qdq_rows(x, w.a13_global_scale, self._input_rows(t, x.device)), xq
 
     def _bind_tokens(self, **extra: Any) -> Any:
         w = self.w

@@ -130,8 +130,6 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
         self._launches: dict[int, tuple[Any, Any]] = {}
         self._tile_memo: dict[int, tuple[TileConfig | None, TileConfig | None]] = {}  # `tile_configs`
-        # the token-major input's row index tensors for the quantizer, per device (`_input_rows`)
-        self._row_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # (tokens, device) -> the input quantizer's bound launch and the rows it writes
         self._input_quant: dict[tuple[int, torch.device], tuple[Any, torch.Tensor]] = {}
 
@@ -187,18 +185,17 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
 
     def _input_rows(self, rows: int, device: torch.device) -> Any:
         """The input's token-major rows in `nvfp4_qdq_rows`'s contiguous mode, every row live:
-        one segment of "expert 0" without a row bound (index tensors kept per device)."""
+        one segment of "expert 0" without a row bound (made once per bound token count)."""
         from moehal_cuda.triton_glue import RowIndex
 
         e = max(self.config.num_local_experts, 1)
-        idx = self._row_index.get(device)
-        if idx is None or idx[0].shape[0] < rows:
-            idx = self._row_index[device] = (
-                torch.zeros(max(rows, 64), dtype=torch.int32, device=device),  # every row: "expert 0"
-                torch.zeros(e, dtype=torch.int32, device=device),  # segment starts
-                torch.full((e,), 2**30, dtype=torch.int32, device=device),  # counts: no bound
-            )
-        return RowIndex(rows, 0, row_expert=idx[0][:rows], segment_start=idx[1], counts=idx[2])
+        return RowIndex(
+            rows,
+            0,
+            row_expert=torch.zeros(rows, dtype=torch.int32, device=device),  # every row: "expert 0"
+            segment_start=torch.zeros(e, dtype=torch.int32, device=device),
+            counts=torch.full((e,), 2**30, dtype=torch.int32, device=device),  # no bound
+        )
 
     def tile_configs(self, rows: int) -> tuple[TileConfig | None, TileConfig | None]:
         """GEMM1's and GEMM2's tiles for a batch of at most `rows` routed rows: the table's

@@ -122,6 +122,9 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
 
     # class-level so a benchmark can compare both (tools/bench_ab.py --variants nvfp4-untuned)
     tuned_tiles: ClassVar[bool] = True
+    # False: masked batches bind their quantizer and activation launches anew on every call, as
+    # before session 52 (tools/bench_ab.py --variants nvfp4-rebind-masked)
+    keep_masked_glue: ClassVar[bool] = True
 
     def __init__(self, req: BuildRequest, fmt: Any, ops: Any = None, tiles: GemmChooser | None = None) -> None:
         super().__init__(req, fmt, ops)  # ops: unused (no DeepGEMM call); tests pass a stand-in
@@ -132,6 +135,10 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         self._tile_memo: dict[int, tuple[TileConfig | None, TileConfig | None]] = {}  # `tile_configs`
         # (tokens, device) -> the input quantizer's bound launch and the rows it writes
         self._input_quant: dict[tuple[int, torch.device], tuple[Any, torch.Tensor]] = {}
+        # masked batches: (rows bound, E, max_m) -> the quantizer's and activation's bound
+        # launches and their workspaces; (E, max_m) -> the workspaces (`_masked_glue`)
+        self._glue: dict[tuple[int, int, int], tuple[Any, Any, tuple[torch.Tensor, Any, Any, Any]]] = {}
+        self._glue_buffers: dict[tuple[int, int], tuple[torch.Tensor, Any, Any, Any]] = {}
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
@@ -140,6 +147,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         self._launches.clear()
         self._tokens = None  # the token-major launches hold the previous weights
         self._input_quant.clear()  # and the input quantizers the previous global scale
+        self._glue.clear()  # the masked quantizers and activations too
 
     # --- token-major decode batches (`Nvfp4DequantExperts.small_batch_format`) -----------------
 
@@ -222,7 +230,7 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         )
 
     def apply(self, inp: Any) -> Any:
-        from moehal.kernels.triton_permute import contiguous_workspace, workspace
+        from moehal.kernels.triton_permute import contiguous_workspace
         from moehal_cuda.triton_glue import RowIndex, activation, nvfp4_qdq_rows
 
         w = self.w
@@ -232,42 +240,69 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         if inp.hidden.numel() == 0:
             return self._empty_output(inp)
         c = self.config
-        tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
-        if isinstance(inp, MaskedInput):
-            e, m, h = inp.hidden.shape
-            check_masked_rows(m)
-            lead: tuple[int, ...] = (e, m)
-            rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
-        elif isinstance(inp, ContiguousInput):
-            lead = (inp.hidden.shape[0],)
-            h = inp.hidden.shape[1]
-            rows = RowIndex(lead[0], 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
-        else:
-            raise TypeError(f"NVFP4-dequant experts cannot take {type(inp).__name__}")
-        if len(lead) == 2:
-            xq = workspace(f"dgq.x:{tag}", lead, h, c.dtype, inp.hidden.device, False).hidden
-        else:  # as the GEMM buffers: this call's rows of one buffer (`DeepGemmExpertsRunner._buffers`)
-            cap = self.contiguous_capacity(lead[0])
-            xq = contiguous_workspace(f"dgq.x:{tag}", lead[0], cap, h, c.dtype, inp.hidden.device, False).hidden
-        nvfp4_qdq_rows(inp.hidden, xq, w.a13_global_scale, rows)
-        hb, ab, yb = self._buffers(lead, inp.hidden.device)
         # biases go into the GEMMs' epilogues: x @ w^T x scale + b, rounded once, as the reference
         if isinstance(inp, MaskedInput):
+            quantize, act, (xq, hb, ab, yb) = self._masked_glue(inp)
+            mm = inp.masked_m
+            quantize(inp.hidden, xq, mm)
             g1, g2 = self._masked_launches(inp, xq, ab.hidden, hb.hidden, yb.hidden)
             if g1 is not None:
-                g1(xq, None, hb.hidden, inp.masked_m)
-            activation(hb.hidden, ab, yb.hidden, rows, c, None, False, w.a2_global_scale)
+                g1(xq, None, hb.hidden, mm)
+            act(mm)
             if g2 is not None:
-                g2(ab.hidden, None, yb.hidden, inp.masked_m)
+                g2(ab.hidden, None, yb.hidden, mm)
             return MaskedOutput(yb.hidden)
+        if not isinstance(inp, ContiguousInput):
+            raise TypeError(f"NVFP4-dequant experts cannot take {type(inp).__name__}")
         from moehal.kernels.triton_grouped_gemm import contiguous_grouped_gemm
 
+        tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
+        lead = (inp.hidden.shape[0],)
+        rows = RowIndex(lead[0], 0, row_expert=inp.row_expert, segment_start=inp.segment_start, counts=inp.counts)
+        # as the GEMM buffers: this call's rows of one buffer (`DeepGemmExpertsRunner._buffers`)
+        cap = self.contiguous_capacity(lead[0])
+        xq = contiguous_workspace(f"dgq.x:{tag}", lead[0], cap, inp.hidden.shape[1], c.dtype, inp.hidden.device, False)
+        xq = xq.hidden
+        nvfp4_qdq_rows(inp.hidden, xq, w.a13_global_scale, rows)
+        hb, ab, yb = self._buffers(lead, inp.hidden.device)
         t1, t2 = self.tile_configs(lead[0])
         align = self.fmt.row_alignment
         contiguous_grouped_gemm(xq, w.w13, hb.hidden, inp.row_expert, align, w.w13_out_scale, t1, w.w13_bias)
         activation(hb.hidden, ab, yb.hidden, rows, c, None, False, w.a2_global_scale)
         contiguous_grouped_gemm(ab.hidden, w.w2, yb.hidden, inp.row_expert, align, w.w2_out_scale, t2, w.w2_bias)
         return ContiguousOutput(yb.hidden)
+
+    def _masked_glue(self, inp: MaskedInput) -> tuple[Any, Any, tuple[torch.Tensor, Any, Any, Any]]:
+        """The masked batch's input quantizer and activation launches, bound once per (row
+        bound, E, max_m) and kept until the next `load` (they hold the global scales), and the
+        workspaces they write, kept per (E, max_m): the GEMM input rows, then GEMM1's output,
+        the activation and GEMM2's output (`DeepGemmExpertsRunner._buffers`). Host time of an
+        eager step: binding both per call cost a 16-128 token step about as much as the rest
+        of its experts (session 52)."""
+        e, m, h = inp.hidden.shape
+        key = (inp.total_rows_bound, e, m)
+        kept = self._glue.get(key)
+        if kept is not None:
+            return kept
+        from moehal.kernels.triton_permute import workspace
+        from moehal_cuda.triton_glue import RowIndex, bind_activation, bind_nvfp4_qdq_rows
+
+        w, c, dev = self.w, self.config, inp.hidden.device
+        assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
+        bufs = self._glue_buffers.get((e, m))
+        if bufs is None:
+            check_masked_rows(m)
+            tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
+            xq = workspace(f"dgq.x:{tag}", (e, m), h, c.dtype, dev, False).hidden
+            bufs = self._glue_buffers[(e, m)] = (xq, *self._buffers((e, m), dev))
+        xq, hb, ab, yb = bufs
+        rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
+        quantize = bind_nvfp4_qdq_rows(inp.hidden, w.a13_global_scale, rows)
+        act = bind_activation(hb.hidden, ab, yb.hidden, rows, c, None, False, w.a2_global_scale)
+        kept = (quantize, act, bufs)
+        if self.keep_masked_glue:
+            self._glue[key] = kept
+        return kept
 
     def _masked_launches(
         self, inp: MaskedInput, x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, y: torch.Tensor

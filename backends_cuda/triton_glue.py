@@ -593,8 +593,15 @@ class QdqLaunch:
     tail: tuple  # the global scale, the row index's tensors, rows, columns
     kw: dict
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        self._site(x, *_strides2(x, self.masked), out, *_strides2(out, self.masked), *self.tail)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, masked_m: torch.Tensor | None = None) -> None:
+        """masked_m: this batch's row counts (masked launches bound once per row bound and kept,
+        `Nvfp4DequantRunner._masked_glue`); None: the tensors the launch was bound with."""
+        tail = self.tail
+        if masked_m is not None:  # a masked row index names masked_m in all four places (`RowIndex`)
+            if not self.masked:
+                raise ValueError("masked_m given to a contiguous row quantizer")
+            tail = (tail[0], masked_m, masked_m, masked_m, masked_m, *tail[5:])
+        self._site(x, *_strides2(x, self.masked), out, *_strides2(out, self.masked), *tail)
 
     @functools.cached_property
     def _site(self) -> Site:  # the pinned launch (host time: `moehal.kernels.launch.Site`)

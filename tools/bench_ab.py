@@ -34,6 +34,9 @@ Variants:
                       kernels, by the bf16 layers' rule (`Nvfp4DequantExperts.small_batch_max_tokens`
                       None; shipped since session 51, 0 before)
   nvfp4-masked-decode the same 0: decode batches on the masked path
+  nvfp4-rebind-masked the NVFP4 experts for Hopper bind their masked batches' quantizer and
+                      activation launches on every call (`Nvfp4DequantRunner.keep_masked_glue`
+                      False; the code before session 52). With --host: eager host time
   serial-qdq          the NVFP4 quantizer walks a row's 128-column chunks in one program, in series
                       (`triton_glue.QDQ_SPLIT_COLUMNS` False; the code before session 51)
 """
@@ -158,6 +161,14 @@ def variant(name: str) -> Iterator[None]:
             yield
         finally:
             Nvfp4DequantExperts.small_batch_max_tokens = was
+    elif name == "nvfp4-rebind-masked":
+        from moehal_cuda.nvfp4_dequant import Nvfp4DequantRunner
+
+        Nvfp4DequantRunner.keep_masked_glue = False
+        try:
+            yield
+        finally:
+            Nvfp4DequantRunner.keep_masked_glue = True
     elif name == "serial-qdq":
         import moehal_cuda.triton_glue as tg
 
@@ -181,6 +192,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="times each variant is measured, interleaved")
     p.add_argument("--reps", type=int, default=30, help="samples of 10 replays (after 50 ms of warm-up)")
     p.add_argument("--max-tokens", type=int, default=0, help="build layers for this many tokens (0: the row's)")
+    p.add_argument("--host", action="store_true", help="also the eager host-time columns (one call, 8 back to back)")
     a = p.parse_args()
     dev = torch.device("cuda")
     registry = moehal.discover()
@@ -192,18 +204,25 @@ def main() -> None:
         for t in map(int, tokens.split(",")):
             cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(t, a.max_tokens))
             times: dict[str, list[float]] = {v: [] for v in variants}
+            hosts: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
             for _ in range(a.rounds):
                 for v in variants:
                     with variant(v):
-                        row = bench_one(shape, cfg, QuantScheme.parse(q), "cuda", t, dev, ceil, a.reps, registry)
+                        quant = QuantScheme.parse(q)
+                        row = bench_one(shape, cfg, quant, "cuda", t, dev, ceil, a.reps, registry, host_columns=a.host)
                     times[v].append(row.time_us)
+                    hosts[v].append((row.host_us, row.host_b2b_us))
                     torch.cuda.empty_cache()
             base = statistics.median(times[variants[0]])
             print(f"== {shape} {q} T={t}")
             for v in variants:
                 med = statistics.median(times[v])
                 runs = ", ".join(f"{x:.1f}" for x in times[v])
-                print(f"  {v:20s} {med:9.1f} us  {100 * (med / base - 1):+6.1f}%  ({runs})")
+                host = ""
+                if a.host:
+                    one, b2b = (statistics.median(h[i] for h in hosts[v]) for i in (0, 1))
+                    host = f"  host {one:6.1f} us, back to back {b2b:6.1f} us"
+                print(f"  {v:20s} {med:9.1f} us  {100 * (med / base - 1):+6.1f}%{host}  ({runs})")
 
 
 if __name__ == "__main__":

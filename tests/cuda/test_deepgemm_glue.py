@@ -748,6 +748,39 @@ def test_nvfp4_dequant_experts_take_the_tables_triton_tiles(layout, tmp_path):
     assert ex.tile_configs(16) == (None, None)
 
 
+def test_nvfp4_masked_batches_keep_their_quantizer_and_activation_launches():
+    """Masked batches bind the input quantizer and the activation once per row bound and keep
+    them (host time of an eager step): a later batch of the same bound, routed elsewhere, reads
+    its own row counts through the kept launches and gets what a fresh runner gets; new weights
+    (new global scales) bind them again."""
+    from moehal_cuda.nvfp4_dequant import Nvfp4DequantRunner
+
+    ex, inp, out, ref, live = _nvfp4_layer(Layout.MASKED, False)
+    ((quantize, act, bufs),) = ex._glue.values()
+    assert quantize.masked and bufs[0].shape == inp.hidden.shape
+    fmt = ex.fmt
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 128, generator=g).bfloat16().to(DEV)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(8)]).int().to(DEV)
+    first = inp.masked_m.clone()
+    disp = CudaPermuteDispatcher().build(ex.req, fmt)
+    inp2, _ = disp.dispatch(x, TopK(ids, torch.ones(8, 2, device=DEV)))
+    # row counts in a tensor of their own (a dispatcher need not reuse one): read per call
+    inp2 = dataclasses.replace(inp2, masked_m=inp2.masked_m.clone())
+    inp.masked_m.copy_(first)  # and the tensor the launches were bound with says the first batch's
+    assert inp2.total_rows_bound == inp.total_rows_bound and not torch.equal(inp2.masked_m, first)
+    kept = ex.apply(inp2).hidden.clone()
+    assert ex._glue[(inp2.total_rows_bound, 6, inp2.hidden.shape[1])][0] is quantize, "the launches are kept"
+    fresh = Nvfp4DequantRunner(ex.req, fmt, TorchGemmOps(False))
+    fresh.load(ex.w)
+    live2 = torch.arange(kept.shape[1], device=DEV)[None, :] < inp2.masked_m[:, None]
+    assert torch.equal(kept[live2], fresh.apply(inp2).hidden[live2])
+    assert (kept[~live2] == 0).all(), "rows the first batch wrote and this one did not are zeroed"
+    ex.load(ex.w)
+    assert not ex._glue, "new weights: new global scales, bound again"
+    assert torch.equal(ex.apply(inp2).hidden, kept)
+
+
 def test_nvfp4_tile_lookups_are_kept_per_row_count(monkeypatch):
     """Contiguous batches ask for their tiles on every call: a row count's lookup is kept (the
     last `TILE_MEMO` counts, least recently used out), and gives what a fresh lookup gives."""

@@ -8,7 +8,8 @@ What it leaves out: the launcher's own cost per launch on a device host (about 7
 H100 and H200 hosts, `tools/host_floor.py`), and anything only a GPU does. Session 51 measured
 an eager one-token NVFP4 step at 94 us of host time on an H200 host, against bf16's 45, while
 this harness gave 24 and 19 us of Python with one launch more: see
-docs/device-runs/2026-11-28-session51/README.md.
+docs/device-runs/2026-11-28-session51/README.md. Session 52 measured both in one process on an
+H200 host (58.7 and 60.3 us back to back): the 94 us was the spread of one-call timings.
 
     python tools/host_layer_cpu.py [--shape qwen3_30b_a3b] [--quants bf16,nvfp4] [--tokens 1,4] [--profile]
 """

@@ -77,8 +77,11 @@ def profile_layer(layer: moehal.MoELayer, shape: str, tokens: int, quant: str, c
     d, hd = disp.dispatch(x, topk)
     y = exp.apply(d)
     print(f"== {shape} T={tokens} {quant} {layer.plan.pipeline.name}")
+    # The stages run the pipeline's main format; a forward at a decode size may take its small-batch
+    # format instead (session 52 read a one-token "experts" stage of the masked path as the forward's)
     print(
-        f"host us/call: forward {per_call_us(lambda: layer(x, ids, wts), calls):.1f}, "
+        f"host us/call: forward {per_call_us(lambda: layer(x, ids, wts), calls):.1f}; "
+        f"stages in the {getattr(layer.plan.pipeline.fmt, 'layout_name', '?')} layout: "
         f"dispatch {per_call_us(lambda: disp.dispatch(x, topk), calls):.1f}, "
         f"experts {per_call_us(lambda: exp.apply(d), calls):.1f}, "
         f"combine {per_call_us(lambda: disp.combine(y, hd), calls):.1f}"

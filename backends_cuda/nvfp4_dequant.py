@@ -136,9 +136,8 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         # (tokens, device) -> the input quantizer's bound launch and the rows it writes
         self._input_quant: dict[tuple[int, torch.device], tuple[Any, torch.Tensor]] = {}
         # masked batches: (rows bound, E, max_m) -> the quantizer's and activation's bound
-        # launches and their workspaces; (E, max_m) -> the workspaces (`_masked_glue`)
+        # launches and their workspaces (`_masked_glue`)
         self._glue: dict[tuple[int, int, int], tuple[Any, Any, tuple[torch.Tensor, Any, Any, Any]]] = {}
-        self._glue_buffers: dict[tuple[int, int], tuple[torch.Tensor, Any, Any, Any]] = {}
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):
@@ -275,10 +274,10 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
     def _masked_glue(self, inp: MaskedInput) -> tuple[Any, Any, tuple[torch.Tensor, Any, Any, Any]]:
         """The masked batch's input quantizer and activation launches, bound once per (row
         bound, E, max_m) and kept until the next `load` (they hold the global scales), and the
-        workspaces they write, kept per (E, max_m): the GEMM input rows, then GEMM1's output,
-        the activation and GEMM2's output (`DeepGemmExpertsRunner._buffers`). Host time of an
-        eager step: binding both per call cost a 16-128 token step about as much as the rest
-        of its experts (session 52)."""
+        workspaces they write (process-wide per shape, `workspace`): the GEMM input rows, then
+        GEMM1's output, the activation and GEMM2's output (`DeepGemmExpertsRunner._buffers`).
+        Host time of an eager step: binding both per call cost a 16-128 token step about as
+        much as the rest of its experts (session 52)."""
         e, m, h = inp.hidden.shape
         key = (inp.total_rows_bound, e, m)
         kept = self._glue.get(key)
@@ -289,17 +288,14 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
 
         w, c, dev = self.w, self.config, inp.hidden.device
         assert isinstance(w, DequantNvfp4Weights) and w.a13_global_scale is not None
-        bufs = self._glue_buffers.get((e, m))
-        if bufs is None:
-            check_masked_rows(m)
-            tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
-            xq = workspace(f"dgq.x:{tag}", (e, m), h, c.dtype, dev, False).hidden
-            bufs = self._glue_buffers[(e, m)] = (xq, *self._buffers((e, m), dev))
-        xq, hb, ab, yb = bufs
+        check_masked_rows(m)
+        tag = f"{c.w13_rows}:{c.intermediate_size}:{c.hidden_size}"
+        xq = workspace(f"dgq.x:{tag}", (e, m), h, c.dtype, dev, False).hidden
+        hb, ab, yb = bufs = self._buffers((e, m), dev)
         rows = RowIndex(e * m, m, masked_m=inp.masked_m, total_rows=inp.total_rows_bound)
         quantize = bind_nvfp4_qdq_rows(inp.hidden, w.a13_global_scale, rows)
         act = bind_activation(hb.hidden, ab, yb.hidden, rows, c, None, False, w.a2_global_scale)
-        kept = (quantize, act, bufs)
+        kept = (quantize, act, (xq, *bufs))
         if self.keep_masked_glue:
             self._glue[key] = kept
         return kept

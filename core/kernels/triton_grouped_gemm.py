@@ -274,15 +274,21 @@ def _masked_gemm_kernel(
     CONTIG: tl.constexpr,
 ):
     # CONTIG: one [M, K] buffer of expert segments aligned to BLOCK_M rows, `masked_m_ptr` is
-    # each row's expert (-1: padding), tile t holds rows [t * BLOCK_M, +BLOCK_M) of one segment
+    # each row's expert (-1: padding), tile t holds rows [t * BLOCK_M, +BLOCK_M) of one segment.
+    # The tile's first row moves the row pointers in int64 (row x K passes 2^31 from 262144 rows
+    # at K = 8192), and the tile indexes its own rows from 0 in int32, as the masked tiles do.
     if CONTIG:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_e = tl.load(masked_m_ptr + offs_m, mask=offs_m < num_rows, other=-1)
-        e = tl.max(tl.where(offs_m == pid_m * BLOCK_M, row_e, -1), axis=0)  # the tile's first row's
+        row0 = pid_m.to(tl.int64) * BLOCK_M
+        offs_m = tl.arange(0, BLOCK_M)
+        row_e = tl.load(masked_m_ptr + row0 + offs_m, mask=row0 + offs_m < num_rows, other=-1)
+        e = tl.max(tl.where(offs_m == 0, row_e, -1), axis=0)  # the tile's first row's
         m_mask = row_e == e
         if e < 0:
             return
+        a_ptr += row0 * stride_am
+        a_scale_ptr += row0 * stride_asm
+        c_ptr += row0 * stride_cm
     else:
         e, offs_m, m_mask, _, pid_n = _expert_tile(
             tl.program_id(0), masked_m_ptr, num_m_tiles, N, E, E_P, BLOCK_M, BLOCK_N, GROUP_M

@@ -154,6 +154,37 @@ def test_contiguous_rows_match_their_experts_and_padding_is_untouched(tile):
         contiguous_grouped_gemm(a, w, out, re, 8)
 
 
+def _rows_beyond_int32(m, k, dev, tmp_path):
+    """A zero bf16 `[m, k]` matrix whose m x k elements pass 2^31 (4.3 GB): on the CPU a sparse
+    file mapped into memory, so only the pages a test writes or a kernel reads take memory."""
+    if dev != "cpu":
+        return torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
+    import numpy as np
+
+    mapped = np.memmap(tmp_path / "a.bin", dtype=np.int16, mode="w+", shape=(m, k))
+    return torch.from_numpy(mapped).view(torch.bfloat16)
+
+
+def test_contiguous_rows_past_int32_offsets_are_addressed_in_int64(tmp_path):
+    """A contiguous buffer whose live rows lie past 2^31 elements (row x K), as an NVFP4 layer
+    built without a token bound gets for Mixtral-8x7B's GEMM1 output from about 37k tokens: the
+    tile's first row moves the pointers in int64. In int32 the offsets wrapped, and the kernel
+    read outside the buffer (an illegal address on an H200, a crash under the interpreter)."""
+    k, n, align = 8192, 32, 128
+    m = (2**31 // k + 2 * align) // align * align  # the last segment starts past 2^31 elements
+    assert (m - align) * k >= 2**31
+    a = _rows_beyond_int32(m, k, DEV, tmp_path)
+    a[m - align :, :256] = _exact_operands((align, 256), 6).to(DEV)  # the rest of K reads zeros
+    w = _exact_operands((1, n, k), 7).to(DEV)
+    re = torch.full((m,), -1, dtype=torch.int32, device=DEV)
+    re[m - align :] = 0
+    out = torch.full((m, n), 7.0, dtype=torch.bfloat16, device=DEV)
+    contiguous_grouped_gemm(a, w, out, re, align, config=TileConfig(128, 32, 256, 1, 4, 1))
+    want = (a[m - align :, :256].double() @ w[0, :, :256].double().t()).float().bfloat16()
+    assert torch.equal(out[m - align :], want)
+    assert (out[: m - align] == 7).all(), "a padding row was written"
+
+
 def test_fp8_block_matches_dequantized_torch():
     e, max_m, n, k = 3, 64, 256, 256
     counts = [9, 0, 30]

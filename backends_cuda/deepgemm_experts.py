@@ -800,14 +800,19 @@ class DeepGemmExpertsRunner(ExpertsRunner):
 
 def masked_workspace_bytes(req: BuildRequest) -> int:
     """Bytes of the masked path's worst-case buffers at `max_tokens`: the dispatched input,
-    the GEMM1 output, the activation and the GEMM2 output, each `[E, max_m, cols]`."""
+    the GEMM1 output, the activation and the GEMM2 output, each `[E, max_m, cols]`.
+
+    max_m is the dispatcher's: `max_tokens` rows per expert in one process, and `max_tokens x
+    ep_size` behind an expert-parallel dispatcher (a process group), since every rank may send
+    its whole batch to one expert (moehal's EP dispatcher and DeepEP low latency size it so)."""
     c = req.config
     if c.max_tokens is None:
         raise ValueError("masked buffers are unbounded without MoEConfig.max_tokens")
     from moehal.kernels.triton_permute import masked_rows
 
     act = 1 if req.quant.kind in _FP8_KINDS else c.dtype.itemsize
-    max_m = masked_rows(c.max_tokens, MASKED_ROW_ALIGNMENT)  # as the dispatcher sizes it
+    senders = c.ep_size if req.process_group is not None else 1
+    max_m = masked_rows(c.max_tokens * senders, MASKED_ROW_ALIGNMENT)
     per_row = c.hidden_size * act + c.w13_rows * c.dtype.itemsize + c.intermediate_size * act
     per_row += c.hidden_size * c.dtype.itemsize
     return c.num_local_experts * max_m * per_row

@@ -14,7 +14,8 @@ variable per setting; no variable overrides another.
 | MOEHAL_MASKED_WORKSPACE_GIB | masked_workspace_gib | GiB for worst-case masked buffers (default 8) |
 
 `masked_workspace_gib`: a masked layout `[local_experts, max_tokens, hidden]` must be sized for
-the worst case (every token at one expert), so its buffers grow with experts x max_tokens. Experts
+the worst case (every token at one expert), so its buffers grow with experts x max_tokens (x
+ep_size behind an expert-parallel dispatcher: every rank may send its batch to one expert). Experts
 that can consume either masked or contiguous input prefer masked (faster on DeepGEMM at every
 batch size measured) only while their masked buffers fit this budget. Buffers are shared by all
 layers of one shape, so this is a per-process cost, not a per-layer one.

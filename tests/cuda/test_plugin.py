@@ -265,6 +265,23 @@ def test_deepgemm_prefers_masked_while_its_worst_case_buffers_fit(monkeypatch):
     assert dge.masked_workspace_bytes(fp8) == 128 * 4096 * (2048 + 1536 * 2 + 768 + 2048 * 2)
 
 
+def test_masked_workspace_budget_counts_every_rank_behind_an_ep_dispatcher(monkeypatch):
+    """Behind an expert-parallel dispatcher an expert's masked rows are max_tokens x ep_size
+    (every rank may send its whole batch to it). The budget once counted max_tokens alone, so a
+    DeepSeek-V3 EP8 fp8 layer at 4096 tokens took masked on 3.9 GiB and got 31 GiB of buffers."""
+    import moehal_cuda.deepgemm_experts as dge
+
+    monkeypatch.setattr(dge.DeepGemmExperts, "_alignment", lambda self: 128)  # no deep_gemm on CPU
+    ds = MoEConfig(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, max_tokens=4096, ep_size=8)
+    one_process = _req((9, 0), "fp8_block", ds)  # a slice computed in one process: max_tokens rows
+    per_row = 7168 + 2048 * 2 * 2 + 2048 + 7168 * 2
+    assert dge.masked_workspace_bytes(one_process) == 32 * 4096 * per_row
+    assert DeepGemmExperts().input_formats(one_process)[0].layout is Layout.MASKED  # 3.9 GiB
+    ranks = BuildRequest(ds, one_process.quant, one_process.hardware, process_group=object())
+    assert dge.masked_workspace_bytes(ranks) == 32 * 4096 * 8 * per_row  # 31 GiB
+    assert DeepGemmExperts().input_formats(ranks)[0].layout is Layout.CONTIGUOUS
+
+
 def test_masked_workspace_budget_reads_from_the_environment():
     from moehal.settings import Settings
 

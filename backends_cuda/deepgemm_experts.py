@@ -152,6 +152,7 @@ class DeepGemmWeightProcessor(WeightProcessor):
 
     name = "deepgemm_weights"
     layout = LAYOUT
+    description = "canonical -> DeepGEMM K-major weights and fp32 block scales (packed UE8M0 once on SM100)"
     priority = 10
     devices = frozenset({"cuda"})
     quant_schemes = frozenset({BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR})

@@ -235,6 +235,9 @@ class _TrtllmProcessor(WeightProcessor):
 class TrtllmFp8BlockProcessor(_TrtllmProcessor):
     name = "trtllm_fp8_block_weights"
     layout = "trtllm_fp8_block"
+    description = (
+        "canonical fp8 block-scale -> TensorRT-LLM-gen MajorK: W13 as [w3; w1], routed scaling folded into W2's scales"
+    )
     quant_schemes = frozenset({FP8_BLOCK})
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
@@ -244,6 +247,10 @@ class TrtllmFp8BlockProcessor(_TrtllmProcessor):
 class TrtllmFp8TensorProcessor(_TrtllmProcessor):
     name = "trtllm_fp8_tensor_weights"
     layout = "trtllm_fp8_tensor"
+    description = (
+        "canonical fp8 per-tensor -> TensorRT-LLM-gen: W13 as [w3; w1], gated rows interleaved, rows shuffled "
+        "for the epilogue; output scales folded"
+    )
     quant_schemes = frozenset({FP8_TENSOR})
 
     def process(self, weights: ExpertWeights, req: BuildRequest) -> Any:
@@ -469,12 +476,14 @@ class _CuteDslProcessor(WeightProcessor):
 class CuteDslStandardProcessor(_CuteDslProcessor):
     name = "cutedsl_nvfp4_weights"
     layout = "cutedsl_nvfp4"
+    description = "canonical NVFP4 -> CuteDSL standard path: W13 [up; gate] in 64-row chunks, 128x4-swizzled scales"
     standard = True
 
 
 class CuteDslMaskedProcessor(_CuteDslProcessor):
     name = "cutedsl_nvfp4_masked_weights"
     layout = "cutedsl_nvfp4_masked"
+    description = "canonical NVFP4 -> CuteDSL masked path: W13 [gate; up], 128x4-swizzled block scales"
     standard = False
 
 

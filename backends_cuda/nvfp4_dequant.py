@@ -107,6 +107,7 @@ class Nvfp4DequantProcessor(WeightProcessor):
 
     name = "nvfp4_dequant_weights"
     layout = LAYOUT
+    description = "NVFP4 -> bf16 codes x block scales (exact) and per-expert global-scale factors, once (Hopper)"
     priority = 10
     devices = frozenset({"cuda"})
     quant_schemes = frozenset({NVFP4})

@@ -121,6 +121,16 @@ def test_list(capsys):
     assert {"reference.local", "reference.experts"} <= {r["name"] for r in rows}
 
 
+def test_list_describes_every_in_tree_implementation(capsys):
+    """`moehal list` is where a user learns what each component does: every implementation the
+    in-tree backends declare says so (six CUDA weight processors once had an empty column)."""
+    assert main(["list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    in_tree = [r for r in rows if r["name"].split(".")[0] in ("cuda", "npu", "rocm", "reference")]
+    assert {"cuda.deepgemm_weights", "cuda.cutedsl_nvfp4_weights", "npu.gmm_weights"} <= {r["name"] for r in in_tree}
+    assert [r["name"] for r in in_tree if not r["description"].strip()] == []
+
+
 class _NoWeightOnInput(Experts):
     """Declares what cuda.trtllm_* declares: no apply_router_weight_on_input."""
 

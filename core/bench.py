@@ -672,16 +672,32 @@ def breakdown_table(rows: Sequence[Row]) -> Any:
     return t
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that names an option's default where it has one to name (not None, False, or a
+    default its help already explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from moehal.cli.common import make_console
     from moehal.integrations.sglang import sglang_version
     from rich.progress import Progress
 
-    p = argparse.ArgumentParser(prog="moehal bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="moehal bench",
+        description=__doc__.splitlines()[0],
+        epilog="Off CUDA the host-time columns read '-' (they time eager calls against a GPU's queue) and "
+        "the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.",
+        formatter_class=_DefaultsHelp,
+    )
     p.add_argument(
         "--shapes", default="deepseek_v3_ep8,qwen3_30b_a3b,mixtral_8x7b", help=f"comma list of {sorted(SHAPES)}"
     )
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of token counts")
     p.add_argument(
         "--backends",
         default="auto",
@@ -689,8 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(SGLang's Triton fused MoE, when importable), 'transformers:NAME', or 'peers' for every transformers one",
     )
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
-    p.add_argument("--device", default=None)
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--device", default=None, help="torch device (default: the best one torch sees)")
+    p.add_argument("--reps", type=int, default=50, help="timed forwards per row (CUDA: replays of one graph)")
     p.add_argument(
         "--settle-s",
         type=float,
@@ -735,11 +751,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry = moehal.discover()
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
     ceil = measure_ceilings(dev, settle_s=args.settle_s)
-    fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.0f}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
+    fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
     console.print(
-        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, read {ceil.read_bytes_per_s / 1e12:.2f} TB/s "
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
         f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
-        f"matmul {ceil.matmul_flops_per_s / 1e12:.0f}{fp8} TFLOP/s (measured now)"
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s (measured now)"
     )
     if args.max_tokens:
         console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")

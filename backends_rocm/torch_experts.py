@@ -14,8 +14,9 @@ from moehal.interfaces import ALL_DEVICES, BuildRequest
 from moehal.reference.experts import ReferenceExperts
 
 SLOW_REASON = (
-    "slow fallback: the pure-torch reference math (float32, a loop over experts), chosen because no "
-    "ROCm kernel takes this configuration; `moehal explain` shows why they declined"
+    "slow fallback: the pure-torch reference math (float32, a loop over experts), for configurations no "
+    "ROCm kernel takes; picked only under backend='rocm' (the reference outranks it by name otherwise); "
+    "`moehal explain` shows why the kernels declined"
 )
 
 

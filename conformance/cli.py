@@ -87,7 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.select:
         cases = [c for c in cases if selected(args.select, c.id)]
         suite.select = args.select  # the reports say the verdict is a subset's
-    console.print(f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases")
+    ep_note = f", then the expert-parallel cases on {args.ep} processes" if args.ep else ""
+    console.print(
+        f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases{ep_note}"
+    )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("running", total=len(cases))

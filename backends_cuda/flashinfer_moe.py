@@ -29,7 +29,8 @@ from moehal_cuda.support import (
     FLASHINFER_BF16_LOGITS,
     FLASHINFER_MIN,
     FLASHINFER_SOFTMAX_ROUTING,
-    parse_version,
+    at_least,
+    older_than,
     sm_decision,
 )
 
@@ -46,8 +47,8 @@ def flashinfer_decision(needed: Sequence[str]) -> Decision:
     if not module_available("flashinfer"):
         return decline("flashinfer is not installed (pip install flashinfer-python)", "libraries")
     v = flashinfer_version()
-    if v is not None and parse_version(v) < FLASHINFER_MIN:
-        return decline(f"flashinfer {v} is older than {'.'.join(map(str, FLASHINFER_MIN))}", "libraries")
+    if v is not None and not at_least(v, FLASHINFER_MIN):
+        return decline(f"flashinfer {v} {older_than(v, FLASHINFER_MIN)}", "libraries")
     try:
         import flashinfer
         import flashinfer.fused_moe as fmoe
@@ -123,7 +124,7 @@ def w2_scale_factor(req: BuildRequest) -> float:
 def bf16_logits_ok() -> bool:
     """Whether the installed trtllm-gen launcher takes bf16 logits for DeepSeek-V3 routing
     (a package-metadata read: ask once per layer, not per forward)."""
-    return parse_version(flashinfer_version()) >= FLASHINFER_BF16_LOGITS
+    return at_least(flashinfer_version(), FLASHINFER_BF16_LOGITS)
 
 
 def logits_for_kernel(logits: torch.Tensor, method: int, bf16_ok: bool) -> torch.Tensor:
@@ -139,6 +140,11 @@ def logits_for_kernel(logits: torch.Tensor, method: int, bf16_ok: bool) -> torch
     return logits.to(torch.bfloat16 if keep_bf16 else torch.float32).contiguous()
 
 
+# The launcher's bound for its softmax routings (Renormalize and RenormalizeNaive: `top_k <= 10 &&
+# top_k > 0` in `check_routing` of flashinfer's csrc/trtllm_fused_moe_kernel_launcher.cu, 0.6 releases)
+SOFTMAX_MAX_TOP_K = 10
+
+
 def routing_limits(req: BuildRequest) -> Decision:
     """The trtllm-gen routing kernel's limits, which its launcher asserts at the first forward
     (`check_routing` of flashinfer's `csrc/trtllm_fused_moe_kernel_launcher.cu`): checked at
@@ -150,6 +156,12 @@ def routing_limits(req: BuildRequest) -> Decision:
     if c.num_experts <= c.top_k:
         why = f"the trtllm-gen routing kernel needs num_experts > top_k ({c.num_experts} <= {c.top_k})"
         return decline(why, "routing")
+    if r.method is RoutingMethod.SOFTMAX and c.top_k > SOFTMAX_MAX_TOP_K:
+        return decline(
+            f"the trtllm-gen softmax routing supports top_k <= {SOFTMAX_MAX_TOP_K} (got {c.top_k}); its "
+            "launcher asserts it at the first forward",
+            "routing",
+        )
     if r.method is RoutingMethod.DEEPSEEK_V3:
         reachable = r.topk_group * c.num_experts // r.n_group
         if c.top_k > 8 or r.topk_group > 4:
@@ -374,7 +386,7 @@ class _TrtllmFused(FusedForward):
             )
         if r.method is RoutingMethod.SOFTMAX:
             v = flashinfer_version()
-            if parse_version(v) < FLASHINFER_SOFTMAX_ROUTING:
+            if not at_least(v, FLASHINFER_SOFTMAX_ROUTING):
                 want = ".".join(map(str, FLASHINFER_SOFTMAX_ROUTING))
                 return decline(
                     f"trtllm-gen softmax routing needs flashinfer >= {want} (found {v}): older releases "

@@ -9,6 +9,7 @@ from moehal.capability import Decision, accept, decline
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest
 from moehal.kernels.host import interpreting, kernels_interpreted
+from packaging.version import InvalidVersion, Version
 
 # sgl-deep-gemm builds are tied to a torch release; 0.1.4.post1 (+ apache-tvm-ffi 0.1.11) is the
 # one verified with torch 2.11 + CUDA 13.0 (see docs/backends/cuda.md).
@@ -25,18 +26,31 @@ FLASHINFER_BF16_LOGITS = (0, 6, 8)
 FLASHINFER_SOFTMAX_ROUTING = (0, 6, 8)
 
 
-def parse_version(text: str | None) -> tuple[int, ...]:
+def release_of(text: str | None) -> Version | None:
+    """The installed release as PEP 440 orders it, None when unknown or unreadable. A
+    pre-release sorts before its release (0.6.8rc1 < 0.6.8: a gate on 0.6.8 turns it away, as
+    a feature merged for 0.6.8 may be missing from its candidates); a local tag (+cu130) is
+    ignored. (Reading digits alone took 0.6.7rc2 for 0.6.72, past every 0.6.8 gate.)"""
     if not text:
-        return ()
-    out: list[int] = []
-    for part in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-        if not part.isdigit():
-            break
-    return tuple(out)
+        return None
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
+
+
+def at_least(text: str | None, minimum: tuple[int, ...]) -> bool:
+    """Whether the release `text` is `minimum` or later; False when it is unknown or unreadable."""
+    v = release_of(text)
+    return v is not None and v >= Version(".".join(map(str, minimum)))
+
+
+def older_than(text: str, minimum: tuple[int, ...]) -> str:
+    """Why `text` fails a gate on `minimum`, for a decline's reason."""
+    want = ".".join(map(str, minimum))
+    if release_of(text) is None:
+        return f"is not a version moehal can read (PEP 440); {want} or later is needed"
+    return f"is older than {want} (a pre-release counts as older than its release)"
 
 
 def interpreted_mode(req: BuildRequest) -> str:
@@ -95,9 +109,8 @@ def deep_gemm_decision(needed: tuple[str, ...]) -> Decision:
     if not module_available("deep_gemm"):
         return decline("deep_gemm is not installed (pip install sgl-deep-gemm; see docs/backends/cuda.md)", "libraries")
     version = package_version("sgl-deep-gemm") or package_version("deep-gemm") or package_version("deep_gemm")
-    if version is not None and parse_version(version) < DEEPGEMM_MIN:
-        want = ".".join(map(str, DEEPGEMM_MIN))
-        return decline(f"deep_gemm {version} is older than {want}", "libraries")
+    if version is not None and not at_least(version, DEEPGEMM_MIN):
+        return decline(f"deep_gemm {version} {older_than(version, DEEPGEMM_MIN)}", "libraries")
     try:
         dg = import_deep_gemm()
     except ImportError as exc:

@@ -281,6 +281,8 @@ def test_trtllm_softmax_routing_needs_the_routing_refactor(monkeypatch, renormal
     assert not d.ok and d.predicate == "routing" and "0.6.8" in d.reason and "#2822" in d.reason
     deepseek = _trtllm_req(_cfg(routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=2)))
     assert fm.TrtllmFp8BlockMoE().check_routing(deepseek).ok
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: "0.6.8rc1")  # a candidate of 0.6.8 is not 0.6.8
+    assert not fm.TrtllmFp8BlockMoE().check_routing(req).ok
     monkeypatch.setattr(fm, "flashinfer_version", lambda: "0.6.8")
     assert fm.TrtllmFp8TensorMoE().check_routing(req).ok
 
@@ -290,6 +292,7 @@ def test_trtllm_softmax_routing_needs_the_routing_refactor(monkeypatch, renormal
     [
         (dict(num_experts=6), "num_experts % 4"),
         (dict(num_experts=4, top_k=4), "num_experts > top_k"),
+        (dict(num_experts=64, top_k=11, routing=RoutingConfig("softmax")), "top_k <= 10"),
         (dict(num_experts=16, top_k=9, routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=2)), "top_k <= 8"),
         (
             dict(num_experts=64, top_k=8, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=5)),
@@ -298,7 +301,7 @@ def test_trtllm_softmax_routing_needs_the_routing_refactor(monkeypatch, renormal
         # 2 of 8 groups of 4 experts: 8 reachable, and the launcher wants top_k strictly below that
         (dict(num_experts=32, top_k=8, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=2)), "top_k <"),
     ],
-    ids=["experts%4", "experts<=topk", "topk>8", "topk_group>4", "unreachable"],
+    ids=["experts%4", "experts<=topk", "softmax topk>10", "topk>8", "topk_group>4", "unreachable"],
 )
 def test_trtllm_routing_limits_decline_at_build(monkeypatch, kw, why):
     """The routing kernel's launcher asserts these at the first forward: moehal declines them
@@ -360,11 +363,45 @@ def test_trtllm_logits_reach_the_kernel_contiguous_and_version_is_read_at_build(
         torch.testing.assert_close(got.float(), logits.to(got.dtype).float())
 
 
-@pytest.mark.parametrize("version,ok", [("0.6.7", False), ("0.6.8", True), ("0.7.0", True)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("0.6.7", False),
+        ("0.6.8", True),
+        ("0.7.0", True),
+        # pre-releases sort before their release (the digits alone read 0.6.7rc2 as 0.6.72)
+        ("0.6.7rc2", False),
+        ("0.6.8rc1", False),
+        ("0.6.8.dev20260301", False),
+        ("0.6.8.post1", True),
+        ("0.6.8+cu130", True),
+        ("0.6.10", True),
+        ("not-a-version", False),
+    ],
+)
 def test_trtllm_bf16_deepseek_logits_start_at_flashinfer_0_6_8(monkeypatch, version, ok):
     """trtllm-gen's DeepSeek-V3 routing takes bf16 logits from flashinfer 0.6.8
-    (`FLASHINFER_BF16_LOGITS`): older releases get them as fp32."""
+    (`FLASHINFER_BF16_LOGITS`): older releases, their pre-releases included, get them as fp32."""
     monkeypatch.setattr(fm, "flashinfer_version", lambda: version)
     assert fm.bf16_logits_ok() is ok
     sent = fm.logits_for_kernel(torch.zeros(2, 8, dtype=torch.bfloat16), fm.ROUTING_DEEPSEEK_V3, fm.bf16_logits_ok())
     assert sent.dtype == (torch.bfloat16 if ok else torch.float32)
+
+
+@pytest.mark.parametrize(
+    "version,dg_version,why",
+    [("0.4.9", "0.1.3", "older than"), ("0.5.0rc3", "0.1.4rc1", "older than"), ("nightly", "nightly", "not a version")],
+)
+def test_releases_before_the_minimum_are_declined_with_the_reason(monkeypatch, version, dg_version, why):
+    """The minimum-release gates of FlashInfer and DeepGEMM read PEP 440 versions: a release
+    candidate of the minimum is older than it, and an unreadable version is declined as such."""
+    from moehal_cuda import support
+
+    monkeypatch.setattr(fm, "module_available", lambda name: True)
+    monkeypatch.setattr(fm, "flashinfer_version", lambda: version)
+    d = fm.flashinfer_decision(["trtllm_fp8_block_scale_moe"])
+    assert not d.ok and d.predicate == "libraries" and why in d.reason and version in d.reason
+    monkeypatch.setattr(support, "module_available", lambda name: True)
+    monkeypatch.setattr(support, "package_version", lambda dist: dg_version)
+    d = support.deep_gemm_decision(("m_grouped_bf16_gemm_nt_masked",))
+    assert not d.ok and d.predicate == "libraries" and why in d.reason and dg_version in d.reason

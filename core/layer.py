@@ -125,7 +125,8 @@ class MoELayer(torch.nn.Module):
         # with the device current while they queue (Triton launches on the current device)
         self._order: StreamOrder | None = stream_order.for_device(self.device) if self._on_cuda else None
         self.validate_values = validate if validate is not None else hw.kind == "cpu"
-        self._build_runners()
+        with self._order or contextlib.nullcontext():  # runners that allocate (a vendor's wrapper,
+            self._build_runners()  # DeepEP's buffers) do so on the current device: the layer's
         self._weights: ExpertWeights | None = None
         self._correction_bias: torch.Tensor | None = None
         self._processed = False
@@ -189,9 +190,10 @@ class MoELayer(torch.nn.Module):
         # copy.deepcopy and unpickling build a new layer from the old one's state (`__getstate__`):
         # it needs an id of its own, or a compiled graph of the copy would run the original's weights
         super().__setstate__(state)
-        if not self._processed:
-            self._build_runners()
         self._order = stream_order.for_device(self.device) if self._on_cuda else None
+        if not self._processed:
+            with self._order or contextlib.nullcontext():
+                self._build_runners()
         self._graphs_topk = GraphCache(self._forward_topk, self.device)
         self._graphs_logits = GraphCache(self._forward_logits, self.device)
         self._op_id = custom_op.register_layer(self)

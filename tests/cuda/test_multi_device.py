@@ -95,3 +95,27 @@ def test_weights_on_another_gpu_than_the_layer_are_refused():
     layer = moehal.MoELayer(cfg, "bf16", backend="cuda", device="cuda:0")
     with pytest.raises(moehal.WeightError, match="is on cuda:1, the layer is on cuda:0"):
         layer.load_weights(weights.to("cuda:1"))
+
+
+def test_runners_are_built_with_the_layers_gpu_current(monkeypatch):
+    """Runners that allocate when built (FlashInfer's CuteDSL wrapper, DeepEP's buffers) do so on
+    the current device: a layer on cuda:1 built while cuda:0 is current builds them with cuda:1
+    current, and leaves cuda:0 current. So does a copy of the layer."""
+    import copy
+
+    import moehal
+    from moehal.layer import MoELayer
+
+    seen: list[int] = []
+    build = MoELayer._build_runners
+
+    def spy(self):
+        seen.append(torch.cuda.current_device())
+        build(self)
+
+    monkeypatch.setattr(MoELayer, "_build_runners", spy)
+    torch.cuda.set_device(0)
+    cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=32)
+    layer = moehal.MoELayer(cfg, "bf16", backend="cuda", device="cuda:1")
+    copy.deepcopy(layer)  # weights not loaded: the copy builds its runners again
+    assert seen == [1, 1] and torch.cuda.current_device() == 0

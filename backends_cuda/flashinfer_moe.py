@@ -516,7 +516,12 @@ class CuteDslStandardRunner(ExpertsRunner):
             # releases that preallocate for CUDA graphs size their buffers by it (later ones
             # accept and ignore it)
             **({"max_num_tokens": c.max_tokens} if c.max_tokens is not None else {}),
-        )
+        )  # (built with the layer's GPU current, where the wrapper's "cuda" default allocates)
+        # Releases that preallocate (flashinfer 0.6's wrapper, `_moe_output`) return a view of
+        # the wrapper's own output buffer, which the next call overwrites, and raise past
+        # `max_num_tokens` (4096 when not given); later releases allocate per call.
+        self._own_output: torch.Tensor | None = getattr(self.wrapper, "_moe_output", None)
+        self._max_rows = int(getattr(self.wrapper, "max_num_tokens", 0) or 0) if self._own_output is not None else 0
 
     def load(self, weights: Any) -> None:
         self.w = weights
@@ -538,9 +543,15 @@ class CuteDslStandardRunner(ExpertsRunner):
         remote = (c.local_expert_start + c.num_local_experts) % c.num_experts
         gids = torch.where(valid, ids + c.local_expert_start, torch.full_like(ids, remote))
         wts = torch.where(valid, inp.topk_weights, torch.zeros_like(inp.topk_weights))
-        y = self.wrapper.run(
-            x, x_sf, gids, wts, w.w13, w.w13_sf, w.w13_alpha, w.a2_gs.reshape(1), w.w2, w.w2_sf, w.w2_alpha
-        )
+        weights = (w.w13, w.w13_sf, w.w13_alpha, w.a2_gs.reshape(1), w.w2, w.w2_sf, w.w2_alpha)
+        if self._own_output is None:  # a fresh tensor per call
+            return StandardOutput(self.wrapper.run(x, x_sf, gids, wts, *weights))
+        # a view of the wrapper's buffer: copied out, in pieces of at most the rows it holds
+        t, step = x.shape[0], self._max_rows or x.shape[0]
+        y = torch.empty(t, c.hidden_size, dtype=c.dtype, device=x.device)
+        for s in range(0, t, max(step, 1)):
+            e = s + step
+            y[s:e].copy_(self.wrapper.run(x[s:e], x_sf[s:e], gids[s:e], wts[s:e], *weights))
         return StandardOutput(y)
 
 

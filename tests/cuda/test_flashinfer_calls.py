@@ -186,6 +186,53 @@ def test_cutedsl_standard_runner_quantizes_activations_with_linear_scales(fake_f
     assert ctor["max_num_tokens"] == 64 and ctor["use_cuda_graph"] is True
 
 
+@pytest.mark.parametrize("max_tokens", [None, 64])
+def test_cutedsl_standard_runner_copies_out_of_a_preallocating_wrapper(fake_flashinfer, monkeypatch, max_tokens):
+    """Releases whose wrapper preallocates for CUDA graphs (flashinfer 0.6: `_moe_output`, sized
+    by `max_num_tokens`, 4096 when not given) return a view of that buffer, which the next call
+    overwrites, and raise on larger batches. The runner returns a tensor of its own, and runs
+    larger batches in pieces of the rows the buffer holds."""
+
+    class Preallocating:
+        def __init__(self, **kw: Any) -> None:
+            self.max_num_tokens = kw.get("max_num_tokens", 4096)
+            self._moe_output = torch.zeros(self.max_num_tokens, kw["hidden_size"], dtype=torch.bfloat16)
+            self.rows: list[int] = []
+
+        def run(self, x: torch.Tensor, x_sf: torch.Tensor, ids: torch.Tensor, *rest: Any) -> torch.Tensor:
+            t = ids.shape[0]
+            if t > self.max_num_tokens:
+                raise ValueError(f"num_tokens ({t}) exceeds max_num_tokens ({self.max_num_tokens})")
+            self.rows.append(t)
+            out = self._moe_output[:t]
+            out.copy_(ids[:, :1].to(out.dtype).expand(t, out.shape[1]))  # row r: token r's first expert
+            return out
+
+    monkeypatch.setattr(sys.modules["flashinfer.fused_moe"], "CuteDslMoEWrapper", Preallocating)
+    fm._fi.cache_clear()
+    cfg = _cfg(max_tokens=max_tokens)
+    runner = fm.CuteDslStandardRunner(BuildRequest(cfg, NVFP4, SM100), ActivationFormat(Layout.STANDARD, cfg.dtype))
+    runner.load(fm.prepare_cutedsl_nvfp4(_nvfp4_weights(cfg), standard=True))
+
+    def call(ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[0]
+        return runner.apply(StandardInput(torch.randn(t, 256).bfloat16(), None, ids, torch.rand(t, 2))).hidden
+
+    first = call(torch.tensor([[1, 0], [2, 0]], dtype=torch.int32))
+    kept = first.clone()
+    call(torch.tensor([[3, 0], [3, 1]], dtype=torch.int32))
+    assert torch.equal(first, kept)  # the second call left the first result alone
+    assert first.untyped_storage().data_ptr() != runner.wrapper._moe_output.untyped_storage().data_ptr()
+    cap = runner.wrapper.max_num_tokens
+    assert cap == (max_tokens or 4096)
+    t = cap * 2 + 5  # past the buffer: in pieces, every row in place
+    ids = torch.stack([torch.arange(t) % 4, torch.zeros(t, dtype=torch.long)], 1).int()
+    runner.wrapper.rows.clear()
+    y = call(ids)
+    assert runner.wrapper.rows == [cap, cap, 5]
+    assert torch.equal(y[:, 0], (torch.arange(t) % 4).to(y.dtype)) and y.shape == (t, 256)
+
+
 def test_cutedsl_standard_runner_sends_remote_slots_to_no_local_expert(fake_flashinfer):
     """Under expert parallelism, slots routed to another rank (-1) get a global id outside this
     rank's experts, which the wrapper's routing (`moe_sort`) skips: no GEMM rows for them,

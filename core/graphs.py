@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from moehal.kernels.host import persistent_tensors
+from moehal.kernels.host import fetched_buffers, persistent_tensors
 
 
 @dataclass
@@ -48,6 +48,8 @@ class _Captured:
     inputs: tuple[torch.Tensor, ...]  # static inputs; () for a graph that reads the caller's tensors
     output: torch.Tensor | None  # None for a graph that writes the caller's `out`
     input_bytes: tuple[torch.Tensor, ...] = ()  # copying graphs: the static inputs as uint8 views (`copy_in`)
+    # the process-wide buffers the capture fetched, which its replays write (`fetched_buffers`)
+    held: tuple[object, ...] = ()
 
     def copy_in(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Copy the caller's tensors into the static inputs. One `torch._foreach_copy_` of
@@ -294,7 +296,8 @@ class GraphCache:
         kept = None
         if out is not None and not copy_inputs and any(_same_storage(out, t) for t in static):
             kept = out.clone()
-        graph, output = capture(fn, self._device, pool=self._pool)
+        with fetched_buffers() as held:  # kept by the graph: `release_workspaces` may forget them
+            graph, output = capture(fn, self._device, pool=self._pool)
         if kept is not None:
             out.copy_(kept)
         x = inputs[0]
@@ -303,10 +306,10 @@ class GraphCache:
         # A graph that writes `out` keeps no reference to it: a fresh output, once the caller
         # drops it, must go back to the allocator (its address coming back is what hits).
         if not copy_inputs:
-            return _Captured(graph, (), output if out is None else None)
+            return _Captured(graph, (), output if out is None else None, held=tuple(held))
         with persistent_tensors():  # (views made in inference mode could not be written outside it)
             input_bytes = tuple(t.view(torch.uint8) for t in static)
-        return _Captured(graph, static, output, input_bytes)
+        return _Captured(graph, static, output, input_bytes, tuple(held))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

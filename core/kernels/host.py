@@ -11,6 +11,8 @@ second-largest entry of the forward's profile (docs/device-runs/2026-11-23-sessi
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -52,3 +54,30 @@ def persistent_tensors() -> torch.inference_mode:
     in inference mode raised at its next forward under `torch.no_grad()` (conformance's
     `inference_mode` check). Normal tensors may be updated in place in either mode."""
     return torch.inference_mode(False)
+
+
+# The process-wide buffers fetched while a moehal graph capture runs (`fetched_buffers`).
+_FETCHED: list[list[object]] = []
+
+
+def note_fetched(buf: object) -> None:
+    """Record a process-wide buffer (a workspace, a scratch tensor) that a call just fetched,
+    for the graph capture in progress, if any: its graph writes that memory at every replay."""
+    if _FETCHED:
+        _FETCHED[-1].append(buf)
+
+
+@contextmanager
+def fetched_buffers() -> Iterator[list[object]]:
+    """The process-wide buffers fetched inside the block, for a captured graph to keep.
+
+    Why: `release_workspaces` forgets them, and a layer that fetches one per call (a
+    contiguous prefill, a dispatch of more than the kept token counts) holds no reference to
+    it, while the graph it captured writes there at every replay: freed memory, once released,
+    unless the graph keeps them."""
+    held: list[object] = []
+    _FETCHED.append(held)
+    try:
+        yield held
+    finally:
+        _FETCHED.pop()

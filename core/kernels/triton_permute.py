@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2, persistent_tensors
+from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2, note_fetched, persistent_tensors
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_fused_moe import _static_fp8
 
@@ -669,6 +669,7 @@ def workspace(
     buf = _WORKSPACE.get(key)
     if buf is None:
         buf = _WORKSPACE[key] = alloc_padded(lead, cols, dtype, dev, quant, bitmap_cols)
+    note_fetched(buf)
     return buf
 
 
@@ -687,6 +688,7 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     if buf is None:
         with persistent_tensors():
             buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
+    note_fetched(buf)
     return buf
 
 
@@ -715,7 +717,12 @@ def release_workspaces(device: torch.device | str | None = None) -> int:
     is freed once the old layers, which keep the buffers they bound, are gone; layers built
     afterwards allocate their own. Without it, every (shape, max_tokens) a process ever built
     keeps its buffers: `moehal bench` ran an H100 out of memory that way after 60 rows of three
-    shapes (docs/device-runs/2026-11-24-session25)."""
+    shapes (docs/device-runs/2026-11-24-session25).
+
+    CUDA graphs that moehal captured (`cuda_graph_tokens`) keep the buffers they write; graphs
+    that the caller captured do not. Drop those first, or do not release a device whose
+    captured layers will replay again: a layer that fetches a buffer per call holds no
+    reference to it, so a replay would write freed memory."""
     dev = None if device is None else _device_key(device)
     held = 0
     for key in [k for k in _WORKSPACE if dev is None or k[4] == dev]:

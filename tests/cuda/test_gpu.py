@@ -305,6 +305,44 @@ def test_graphs_and_buffers_made_in_inference_mode_serve_calls_outside_it(pipeli
             assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
 
 
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_graphs_keep_the_buffers_they_write_past_release_workspaces(layout):
+    """A layer's graph captured at a token count whose buffers the layer fetches per call
+    (contiguous prefill, dispatches past `KEEP_BOUND_TOKENS`) writes them at every replay.
+    `release_workspaces` forgets them, and memory allocated after it could take their place:
+    the graph keeps them, so its replays stay right."""
+    if why := _deepgemm_usable():
+        pytest.skip(why)
+    import gc
+    import weakref
+
+    import moehal
+    from moehal.kernels import triton_permute as tp
+    from moehal.reference.oracle import reference_layer
+    from moehal_cuda.dispatch import KEEP_BOUND_TOKENS
+
+    t = KEEP_BOUND_TOKENS + 8
+    tp.release_workspaces("cuda")
+    cfg = moehal.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, max_tokens=t)
+    layer = moehal.MoELayer(cfg, "bf16", backend="cuda", device="cuda", layout=layout, cuda_graph_tokens=t)
+    ref = reference_layer(cfg, "bf16", "cuda", layout=layout)
+    for m in (layer, ref):
+        m.load_weights(_weights(cfg, "bf16"))
+    x, ids, w = _inputs(cfg, t, 0)
+    first = layer(x, ids, w).clone()  # captures
+    assert layer._graphs_topk.captured_token_counts == [t]
+    fetched = [weakref.ref(b) for b in (*tp._WORKSPACE.values(), *tp._SCRATCH.values())]
+    tp.release_workspaces("cuda")
+    gc.collect()
+    assert all(r() is not None for r in fetched), "a buffer the graph writes was freed"
+    junk = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(64)]  # where freed blocks would go
+    x2, ids2, w2 = _inputs(cfg, t, 1)  # new tensors: copied into the graph's inputs, and it replays
+    y, yr = layer(x2, ids2, w2), ref(x2, ids2, w2)
+    assert layer._graphs_topk.captured_token_counts == [t] and not torch.equal(y, first)
+    assert ((y.float() - yr.float()).abs().max() / yr.float().abs().max()).item() < 3e-2
+    assert all(torch.isnan(j).all() for j in junk), "a replay wrote memory handed out after the release"
+
+
 def test_the_contiguous_path_first_run_in_inference_mode_serves_calls_outside_it():
     """The contiguous path keeps DeepGEMM's segment ends across calls and adds into them in
     place: allocated in inference mode, the next call under `no_grad` raised there."""

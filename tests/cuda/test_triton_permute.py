@@ -382,6 +382,28 @@ def test_contiguous_buffers_are_sized_per_call_within_one_allocation():
         full.prefix(cap + 1)
 
 
+def test_buffers_fetched_inside_a_capture_are_recorded_for_its_graph(monkeypatch):
+    """`fetched_buffers`: every workspace and scratch tensor fetched inside the block (fresh or
+    already there) is recorded for the graph being captured, which keeps them past
+    `release_workspaces`; nothing is recorded outside a block, and nested blocks record their own."""
+    from moehal.kernels.host import fetched_buffers
+
+    monkeypatch.setattr(TP, "_WORKSPACE", {})
+    monkeypatch.setattr(TP, "_SCRATCH", {})
+    before = TP.workspace("test.fetch", (2, 64), 128, torch.bfloat16, DEV, False)
+    with fetched_buffers() as outer:
+        again = TP.workspace("test.fetch", (2, 64), 128, torch.bfloat16, DEV, False)
+        rows = TP.scratch("test.fetch", (8,), torch.int32, DEV)
+        with fetched_buffers() as inner:
+            fresh = TP.workspace("test.fetch", (2, 128), 128, torch.bfloat16, DEV, False)
+        TP.scratch("test.fetch", (8,), torch.int32, DEV)
+    assert again is before and outer == [before, rows, rows] and inner == [fresh]
+    TP.workspace("test.fetch", (2, 64), 128, torch.bfloat16, DEV, False)
+    assert outer == [before, rows, rows], "nothing is recorded after the block"
+    TP.release_workspaces(DEV)
+    assert outer[0].hidden.shape == (2, 64, 128), "what a graph recorded stays allocated"
+
+
 def test_released_workspaces_are_forgotten_and_counted(monkeypatch):
     """`release_workspaces`: later calls allocate afresh; buffers already handed out stay valid
     (their layers keep them); only the named device's are dropped."""

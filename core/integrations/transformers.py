@@ -20,7 +20,10 @@ probing the module's own gate function against moehal's (silu, gelu, gpt-oss Swi
 module's alpha/limit), builds a `MoELayer` (selection happens here, once) and caches it on the
 module. Later calls reuse it; if a weight is replaced or modified in place (its storage or
 version counter changes) the layer is rebuilt, compiled graphs included (the custom op checks
-the weights before it runs; a rebuilt layer of the same shape keeps its custom-op id). Layouts
+the weights before it runs; a rebuilt layer of the same shape keeps its custom-op id).
+Inference tensors (weights made under `torch.inference_mode()`) keep no version counter: an
+in-place change of them goes unseen, so moehal warns (`UntrackedWeightsWarning`) and
+`prepare(model, force=True)` rebuilds the layers after such a change. Layouts
 moehal cannot express exactly raise `NotSupportedError` with the reason (post-expert norms,
 expert-parallel sentinels, activations without a moehal equivalent); nothing silently falls
 back.
@@ -38,6 +41,7 @@ weights with any layout flags, so they run on exactly the problem moehal runs.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,9 +222,17 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+class UntrackedWeightsWarning(UserWarning):
+    """An experts module's weights are inference tensors: in-place changes of them go unseen
+    (`prepare(model, force=True)` rebuilds the layers)."""
+
+
 def _weight_key(module: torch.nn.Module, top_k: int, variant: tuple[str, str]) -> tuple[Any, ...]:
     parts: list[Any] = [top_k, variant]
-    for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+    for name in _WEIGHT_NAMES:
         t = getattr(module, name, None)
         if isinstance(t, torch.Tensor):
             parts.append((name, t.data_ptr(), _version(t), tuple(t.shape), t.dtype, t.device))
@@ -279,10 +291,29 @@ def _biases(b13: torch.Tensor | None, b2: torch.Tensor | None) -> dict[str, torc
     return out
 
 
-def _prepared(module: torch.nn.Module, top_k: int, backend: str, quant: QuantScheme) -> _Prepared:
+def _untracked_weights(module: torch.nn.Module) -> list[str]:
+    """The module's weights that are inference tensors: they keep no version counter, so an
+    in-place change of them leaves `_weight_key` as it was."""
+    return [
+        name
+        for name in _WEIGHT_NAMES
+        if isinstance(t := getattr(module, name, None), torch.Tensor) and t.is_inference()
+    ]
+
+
+def _prepared(module: torch.nn.Module, top_k: int, backend: str, quant: QuantScheme, force: bool = False) -> _Prepared:
     key = _weight_key(module, top_k, (backend, quant.name))
     state: _Prepared | None = module.__dict__.get(_STATE)
-    if state is None or state.key != key:
+    if state is None or state.key != key or force:
+        if state is None and (untracked := _untracked_weights(module)):
+            warnings.warn(
+                f"{type(module).__name__}'s {', '.join(untracked)} are inference tensors (made under "
+                "torch.inference_mode()), which keep no version counter: moehal sees a weight replaced, "
+                "not one changed in place. After changing such weights in place, call "
+                "moehal.integrations.transformers.prepare(model, force=True).",
+                UntrackedWeightsWarning,
+                stacklevel=3,
+            )
         layer = _build(module, top_k, backend, quant)
         if state is not None and layer.config == state.layer.config and layer.quant == state.layer.quant:
             # the same layer with new weights: it keeps the old one's custom-op id, so graphs
@@ -367,12 +398,21 @@ def _is_experts_module(m: torch.nn.Module) -> bool:
 
 
 def prepare(
-    model: torch.nn.Module, top_k: int | None = None, *, backend: str = "auto", quant: QuantScheme | str = "bf16"
+    model: torch.nn.Module,
+    top_k: int | None = None,
+    *,
+    backend: str = "auto",
+    quant: QuantScheme | str = "bf16",
+    force: bool = False,
 ) -> int:
     """Build the moehal layer of every experts module in `model` now (selection and weight
     preparation outside any traced region). `top_k` defaults to each module's
     `config.num_experts_per_tok`. Use the same backend/quant as the registered name. Returns
-    the number of modules prepared."""
+    the number of modules prepared.
+
+    `force=True` rebuilds layers whose weights look unchanged: after an in-place change of
+    weights that are inference tensors (made under `torch.inference_mode()`), which keep no
+    version counter for moehal to see the change by (`UntrackedWeightsWarning`)."""
     scheme = _float_checkpoint_scheme(quant)
     count = 0
     for m in model.modules():
@@ -381,7 +421,7 @@ def prepare(
         k = top_k if top_k is not None else getattr(getattr(m, "config", None), "num_experts_per_tok", None)
         if k is None:
             raise NotSupportedError(f"{type(m).__name__}: pass top_k=..., its config has no num_experts_per_tok")
-        _prepared(m, int(k), backend, scheme)
+        _prepared(m, int(k), backend, scheme, force)
         count += 1
     return count
 

@@ -150,6 +150,29 @@ def test_weights_changed_in_place_rebuild_the_layer():
         torch.testing.assert_close(ours, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_inference_tensor_weights_warn_and_force_rebuilds_after_an_in_place_change():
+    """Weights made under `torch.inference_mode()` keep no version counter, so moehal cannot
+    see them change in place: it says so when it builds the layer, and `prepare(model,
+    force=True)` rebuilds it after the change."""
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():  # an engine that builds and loads its model in inference mode
+        model = _model("qwen3_moe")
+        model.set_experts_implementation("moehal")
+        with pytest.warns(mt.UntrackedWeightsWarning, match=r"prepare\(model, force=True\)"):
+            model(ids)
+        experts = next(m for m in model.modules() if "_moehal_state" in m.__dict__)
+        assert experts.down_proj.is_inference()
+        before = experts.__dict__["_moehal_state"].layer
+        experts.down_proj.mul_(-1.5)  # in place, unseen: the same storage, no version
+        model(ids)
+        assert experts.__dict__["_moehal_state"].layer is before
+        assert mt.prepare(model, force=True) >= 1
+        assert experts.__dict__["_moehal_state"].layer is not before
+        ours = model(ids).logits
+        model.set_experts_implementation("eager")
+        torch.testing.assert_close(ours, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_compiled_experts_see_replaced_weights():
     # the compiled forward skips the eager weight check: the custom op makes it, and the rebuilt
     # layer takes over the old one's op id, so the graph runs the new weights without a recompile

@@ -47,6 +47,11 @@ from moehal_cuda.support import sm_decision
 
 LL_HIDDEN = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)  # csrc/kernels/legacy/launch.cuh SWITCH_HIDDEN
 LL_MAX_TOPK = 11
+# Builds before DeepEP's v2 source layout (deep_ep/buffers/legacy.py, which sgl-deep-ep shares)
+# lack these: v1.2.1's SWITCH_HIDDEN has neither 3072 nor 3584, and its low-latency kNumMaxTopK is
+# 9. Their kernels assert at the first dispatch ("Unsupported hidden"), so the build is asked first.
+LL_HIDDEN_SINCE_V2 = (3072, 3584)
+LL_MAX_TOPK_BEFORE_V2 = 9
 # The low-latency dispatch counts arrivals against FINISHED_SUM_TAG (1024): SGLang asserts
 # num_max_dispatch_tokens_per_rank <= 1024 for it
 LL_MAX_TOKENS = 1024
@@ -79,6 +84,22 @@ ROUND_SCALE_SINCE = "DeepEP PR #206, June 2025"
 
 def _deep_ep_version() -> str:
     return package_version("sgl-deep-ep") or package_version("deep-ep") or "(version unknown)"
+
+
+def _deep_ep_v2_layout() -> bool | None:
+    """Whether the installed deep_ep has DeepEP's v2 layout (`deep_ep.buffers.legacy`); None
+    when deep_ep does not import (the library check says why)."""
+    import importlib
+
+    try:
+        importlib.import_module("deep_ep")
+    except Exception:  # noqa: BLE001 - a broken install is `_deep_ep_decision`'s to report
+        return None
+    try:
+        importlib.import_module("deep_ep.buffers.legacy")
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def _deep_ep_decision(calls: tuple[str, ...]) -> Decision:
@@ -279,6 +300,15 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
             return decline(f"DeepEP low latency supports hidden sizes {LL_HIDDEN}, not {c.hidden_size}", "parallel")
         if c.top_k > LL_MAX_TOPK:
             return decline(f"DeepEP low latency supports top_k <= {LL_MAX_TOPK}, got {c.top_k}", "parallel")
+        newer = c.hidden_size in LL_HIDDEN_SINCE_V2 or c.top_k > LL_MAX_TOPK_BEFORE_V2
+        if newer and _deep_ep_v2_layout() is False:
+            return decline(
+                f"this deep_ep {_deep_ep_version()} predates DeepEP's v2 layout (no deep_ep.buffers.legacy), "
+                f"whose low-latency kernels take hidden sizes {LL_HIDDEN_SINCE_V2} and top_k up to {LL_MAX_TOPK} "
+                f"(v1.2.1: neither, top_k <= {LL_MAX_TOPK_BEFORE_V2}; it asserts at the first dispatch); "
+                f"got hidden {c.hidden_size}, top_k {c.top_k}",
+                "parallel",
+            )
         if c.max_tokens > LL_MAX_TOKENS:
             return decline(
                 f"DeepEP low latency supports max_tokens <= {LL_MAX_TOKENS} per rank (its arrival counters), "

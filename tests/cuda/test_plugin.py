@@ -168,6 +168,29 @@ def test_deepep_limits_checked_at_build():
     assert not ll().check_parallel(_req((9, 0), cfg=ok)).ok  # no process group given
 
 
+def test_deepep_low_latency_sizes_of_v2_builds_are_asked_of_the_build(monkeypatch):
+    """Hidden sizes 3072 and 3584 and top_k 10-11 came with DeepEP's v2 layout (sgl-deep-ep
+    shares it); a build without `deep_ep.buffers.legacy` (v1.2.1: neither size, top_k <= 9)
+    asserts at the first dispatch, so it is declined at build. Without deep_ep it is the
+    library check's to decline."""
+    import sys
+    import types
+
+    from moehal_cuda.deepep import DeepEPLowLatencyDispatcher
+
+    ll = DeepEPLowLatencyDispatcher
+    ok = MoEConfig(num_experts=64, top_k=8, hidden_size=7168, intermediate_size=2048, ep_size=8, max_tokens=128)
+    newer = (ok.with_(hidden_size=3584), ok.with_(hidden_size=3072), ok.with_(top_k=10))
+    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # v1: no buffers package
+    assert ll.check_limits(_req((9, 0), cfg=ok)).ok and ll.check_limits(_req((9, 0), cfg=ok.with_(top_k=9))).ok
+    for cfg in newer:
+        d = ll.check_limits(_req((9, 0), cfg=cfg))
+        assert not d.ok and "deep_ep.buffers.legacy" in d.reason and "v1.2.1" in d.reason, d.reason
+    for name in ("deep_ep.buffers", "deep_ep.buffers.legacy"):  # v2's layout
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    assert all(ll.check_limits(_req((9, 0), cfg=cfg)).ok for cfg in newer)
+
+
 def test_deepep_limits_from_the_second_audit(monkeypatch):
     """Session 40's read of DeepEP: max_tokens <= 1024 (its arrival counters; SGLang asserts
     it), FP8 low latency with rows per expert a multiple of 128 (sgl-deep-ep's scale stride),

@@ -1,12 +1,21 @@
-"""Shared fixtures: small random MoE problems."""
+"""Shared fixtures: small random MoE problems.
+
+Without a GPU the Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set here,
+before moehal is imported, since triton reads it when it decorates a kernel and moehal once
+(`moehal.kernels.host.INTERPRETED`, which turns on the interpreter's workarounds). Set later,
+a single test file run without it mixed the two (session 54: an fp8 case 6% off)."""
 
 from __future__ import annotations
 
 import os
 
-import moehal
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import moehal  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_report_header(config):

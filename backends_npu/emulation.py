@@ -464,12 +464,14 @@ def low_latency_buffer(group: Any, max_tokens: int, hidden: int, num_experts: in
 def expected_max_dispatch_tokens(buffer: LowLatencyBuffer, fuse_mode: int, top_k: int) -> int:
     """num_max_dispatch_tokens_per_rank as moehal_npu passes it for a buffer made for
     `buffer.num_max_dispatch_tokens_per_rank` tokens per rank: that value for FUSED_DEEP_MOE
-    (tokens each rank dispatches); for DISPATCH_FFN_COMBINE the rows one rank may receive,
-    tokens * ranks * min(top_k, local experts) (moehal_npu's convention, `fuseep.py`; the
-    vendor notes do not say what this mode expects)."""
+    (tokens each rank dispatches); for DISPATCH_FFN_COMBINE the rows one rank may receive
+    (FUSED_DEEP_MOE doc: max_output_size), tokens * top_k * ranks, the value sgl-kernel-npu's
+    test of the mode (tests/python/deepep/test_dispatch_ffn_combine.py) passes. (Until session
+    54 moehal passed tokens * ranks * min(top_k, local experts): a tighter bound, which the
+    kernel's own users never pass.)"""
     t = buffer.num_max_dispatch_tokens_per_rank
     if fuse_mode == DISPATCH_FFN_COMBINE:
-        return t * buffer.num_ranks * min(top_k, buffer.num_local_experts)
+        return t * buffer.num_ranks * top_k
     return t
 
 
@@ -507,7 +509,9 @@ def fused_deep_moe(
     float32 bit pattern (sign-extended), int8 only.
     Math: dynamic per-token int8 x -> gmm1 -> dequant -> SwiGLU (silu(gate) * up) -> dynamic
     per-token int8 -> gmm2 -> dequant -> bf16 per row -> weighted sum over k -> bf16.
-    Returns (out `[bs, H]` bf16, ep_recv_count int32 `[E]` rows per local expert).
+    Returns (out `[bs, H]` bf16, a count moehal_npu discards: ep_recv_count int32
+    `[local experts x ranks]` for FUSED_DEEP_MOE on A3, expert_token_nums `[local experts]` for
+    DISPATCH_FFN_COMBINE; here int32 `[local experts]` rows per local expert).
 
     Operand checks (the documented argument list, `Buffer.fused_deep_moe` docstring and
     FUSED_DEEP_MOE doc): topk_idx int64 (the Python wrapper then casts it to int32 for the

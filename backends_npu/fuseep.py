@@ -48,8 +48,10 @@ class FuseEPRunner(FusedRunner):
         self.quant_mode = 1 if req.quant.kind is QuantKind.W8A8_INT8 else 0
         self.num_experts, self.scale, self.dtype = c.num_experts, c.routed_scaling_factor, c.dtype
         max_tokens = int(c.max_tokens or 0)
-        # FUSED_DEEP_MOE: tokens each rank dispatches; DISPATCH_FFN_COMBINE: rows a rank may receive.
-        recv_bound = max_tokens * c.ep_size * min(c.top_k, c.num_local_experts)
+        # FUSED_DEEP_MOE: tokens each rank dispatches; DISPATCH_FFN_COMBINE: the rows a rank may
+        # receive (the vendor doc's max_output_size), as sgl-kernel-npu's own test of the mode
+        # passes it: tokens * top_k * ranks (`expected_max_dispatch_tokens`)
+        recv_bound = max_tokens * c.ep_size * c.top_k
         self.num_max_tokens = max_tokens if fuse_mode == FUSED_DEEP_MOE else recv_bound
         self.buffer = self.ops.low_latency_buffer(
             req.process_group, max_tokens, c.hidden_size, c.num_experts, c.num_local_experts

@@ -255,7 +255,9 @@ class VendorOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepEP-Ascend `Buffer.fused_deep_moe` on a low-latency buffer. x `[bs, H]` bf16,
         topk_idx int64 `[bs, K]`, topk_weights fp32 `[bs, K]`; weights per `moehal_npu.weights`.
-        Returns (out `[bs, H]` bf16, ep_recv_count int32)."""
+        Returns (out `[bs, H]` bf16, a count of received rows: ep_recv_count `[local experts x
+        ranks]` for FUSED_DEEP_MOE on A3, expert_token_nums `[local experts]` for
+        DISPATCH_FFN_COMBINE; the runner discards it)."""
         args = (
             x,
             topk_idx,
@@ -285,8 +287,29 @@ class VendorOps:
             from moehal_npu import emulation
 
             return emulation.low_latency_buffer(group, max_tokens, hidden, num_experts, local)
+        key = (id(group), max_tokens, hidden, num_experts, local)
+        kept = _LL_BUFFERS.get(key)
+        if kept is not None:
+            return kept[1]
         from deep_ep import Buffer
 
         world = torch.distributed.get_world_size(group)
         size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world, num_experts)
-        return Buffer(group, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=local)
+        buf = Buffer(group, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=local)
+        _LL_BUFFERS[key] = (group, buf)  # (the group kept alive: its id names it)
+        return buf
+
+
+# One DeepEP-Ascend low-latency Buffer per (process group, sizes), shared by every FuseEP layer
+# of that shape, as SGLang keeps one per process and moehal_cuda one per group and mode: a
+# Buffer per layer multiplied the communication buffers by the layer count. Layers run one
+# after another on a stream, so sharing is safe; every rank builds the same layers in the same
+# order, so each creates (a collective) or reuses the same buffers.
+_LL_BUFFERS: dict[tuple[int, int, int, int, int], tuple[Any, Any]] = {}
+
+
+def release_low_latency_buffers() -> int:
+    """Forget the shared low-latency Buffers (freed once no layer holds one); returns how many."""
+    n = len(_LL_BUFFERS)
+    _LL_BUFFERS.clear()
+    return n

@@ -333,3 +333,31 @@ def test_dispatch_ffn_combine_does_not_claim_to_drop_padding_ids():
     from moehal_npu.fuseep import DispatchFfnCombine, FusedDeepMoe
 
     assert FusedDeepMoe.drops_padding_ids and not DispatchFfnCombine.drops_padding_ids
+
+
+def test_fuseep_layers_share_one_low_latency_buffer_per_group_and_shape(monkeypatch):
+    """A DeepEP-Ascend low-latency Buffer per layer multiplied the communication buffers by the
+    layer count; layers of one shape on one group share one, as SGLang keeps one per process."""
+    import types
+
+    made = []
+
+    class Buffer:
+        @staticmethod
+        def get_low_latency_rdma_size_hint(*args):
+            return 1 << 20
+
+        def __init__(self, group, **kw):
+            made.append((group, kw))
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(Buffer=Buffer))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(ops, "_LL_BUFFERS", {})
+    vendor, group, other = ops.VendorOps(emulate=False), object(), object()
+    first = vendor.low_latency_buffer(group, 16, 7168, 64, 32)
+    assert vendor.low_latency_buffer(group, 16, 7168, 64, 32) is first and len(made) == 1
+    assert vendor.low_latency_buffer(other, 16, 7168, 64, 32) is not first  # another group
+    assert vendor.low_latency_buffer(group, 32, 7168, 64, 32) is not first  # another size
+    assert len(made) == 3 and made[0][1] == dict(num_rdma_bytes=1 << 20, low_latency_mode=True, num_qps_per_rank=32)
+    assert ops.release_low_latency_buffers() == 3
+    assert vendor.low_latency_buffer(group, 16, 7168, 64, 32) is not first and len(made) == 4

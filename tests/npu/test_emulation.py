@@ -327,12 +327,13 @@ def test_fused_deep_moe_operand_dtypes(arg, dtype, want):
 @pytest.mark.parametrize("fuse_mode", [emulation.FUSED_DEEP_MOE, emulation.DISPATCH_FFN_COMBINE])
 def test_fused_deep_moe_checks_max_tokens_against_its_buffer(fuse_mode):
     """The low-latency buffer records the tokens per rank it was created for; fused_deep_moe
-    takes that value (FUSED_DEEP_MOE) or the receive bound tokens * ranks * min(top_k, local)
-    (DISPATCH_FFN_COMBINE, as moehal_npu passes it) and refuses the other mode's value."""
+    takes that value (FUSED_DEEP_MOE) or the receive bound tokens * top_k * ranks
+    (DISPATCH_FFN_COMBINE, as sgl-kernel-npu's test of the mode and moehal_npu pass it) and
+    refuses the other mode's value."""
     max_tokens, e, k = 4, 2, 2
     buf = emulation.low_latency_buffer(None, max_tokens, 64, e, e)
     assert buf.num_max_dispatch_tokens_per_rank == max_tokens
-    recv_bound = max_tokens * 1 * min(k, e)
+    recv_bound = max_tokens * k * 1
     right, wrong = (max_tokens, recv_bound) if fuse_mode == emulation.FUSED_DEEP_MOE else (recv_bound, max_tokens)
     ops = _fdm_operands(fuse_mode, bs=max_tokens, e=e, k=k)
     emulation.fused_deep_moe(*ops, right, e, quant_mode=1, fuse_mode=fuse_mode, buffer=buf)

@@ -11,7 +11,9 @@ Families:
   hidden sizes that are not multiples of 128.
 - shapes: 0, 1 and odd token counts, all tokens to one expert, experts without tokens,
   top-k from 1 to 10, large and small expert counts.
-- padding: masked and contiguous layouts keep padding rows zero; contiguous ones mark them -1.
+- padding: masked and contiguous layouts keep padding rows zero (dispatchers that declare
+  `zero_padding`); contiguous ones mark them -1; experts given NaN in the input's padding rows
+  keep it out of live rows and leave zeros in their output's padding rows.
 - routing: router logits in (fp32 and bf16), softmax and DeepSeek-V3 grouped routing.
 - determinism, cuda_graph, side_stream, two_streams, inference_mode, out_buffer, strided_inputs,
   input_dtypes, row_isolation, kept_outputs:

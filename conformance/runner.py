@@ -268,7 +268,7 @@ class CaseRunner:
         (what is wrong or None, the padding rows as a bool mask, None for a token-major input).
         Masked: masked_m counts each local expert's slots, and the host bound experts size their
         grids by covers them. Contiguous: row_expert names the live rows only. Both: padding
-        rows hold zeros."""
+        rows hold zeros, where the dispatcher declares it (`Dispatcher.zero_padding`)."""
         if isinstance(disp, MaskedInput):
             local = torch.tensor(list(case.config.local_experts), dtype=torch.int64)
             want = (prob.ids.long().reshape(-1, 1) == local[None, :]).sum(0)
@@ -290,7 +290,9 @@ class CaseRunner:
             pad = ~live  # none where the format's alignment is 1 and the batch fills the rows
         else:
             return None, None
-        dirty = disp.hidden[pad].float().abs().max().item() if pad.any() else 0.0
+        dispatcher = case.pipeline.dispatcher if case.pipeline is not None else None
+        zeros = dispatcher is None or dispatcher.zero_padding
+        dirty = disp.hidden[pad].float().abs().max().item() if pad.any() and zeros else 0.0
         if dirty != 0.0:  # the formats' contract: padding rows hold zeros in, too
             return f"the dispatched input's padding rows are not zero (max |value| {dirty:.3g})", pad
         return None, pad
@@ -321,7 +323,22 @@ class CaseRunner:
             res.status, res.detail = FAIL, f"padding rows are not zero (max |value| {leaked:.3g}); with biases set"
             return
         self._numeric(case, res, stages["out"], prob)
-        res.detail = "padding rows zero; " + res.detail
+        if res.status != PASS:
+            return
+        # Again with NaN in the input's padding rows, as a dispatcher that leaves them as they
+        # were (DeepEP low latency) hands them over: experts must keep them from live rows
+        # and still leave zeros in their output's padding rows.
+        dirty = layer.trace(prob.x.to(d), prob.ids.to(d), prob.wts.to(d), path="main", dirty_padding=True)
+        leaked = dirty["expert_out"].hidden[pad].float().abs().max().item() if pad.any() else 0.0
+        if leaked != 0.0:
+            res.status = FAIL
+            res.detail = f"with NaN in the input's padding rows, the output's padding rows are not zero ({leaked:.3g})"
+            return
+        if not bool(torch.isfinite(dirty["out"]).all()):
+            res.status, res.detail = FAIL, "NaN in the input's padding rows reached the output's live rows"
+            return
+        self._numeric(case, res, dirty["out"], prob)
+        res.detail = "padding rows zero, also with NaN padding in; " + res.detail
 
     def _check_dispatch(self, case: Case, res: CaseResult) -> None:
         """A pairing of dispatcher and experts (`pairs`): the traced dispatch output keeps the

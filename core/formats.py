@@ -150,7 +150,8 @@ class ContiguousInput:
     tell live rows by `row_expert >= 0`. counts int32 `[E_local]` valid rows per expert;
     segment_start int32 `[E_local]` first row of each expert.
     M_pad is a static worst case (T*K + E_local*(alignment-1), rounded up), never read
-    back to the host. Padding rows hold zeros. Where the dispatcher knows on the host that a
+    back to the host. Padding rows hold zeros from moehal's dispatchers (as masked ones, experts
+    must not depend on it: `MaskedInput`). Where the dispatcher knows on the host that a
     batch has no slots (0 tokens, an EP rank that received none), M_pad should be 0: experts
     then return at once. A batch whose slots all belong to other ranks is known only on the
     device: it has rows, every one -1, and every segment empty. Experts must return zeros for
@@ -178,7 +179,11 @@ class MaskedInput:
     expected_m: host int, a tuning hint only (average rows per expert);
     max_total_rows: host int >= sum(masked_m) when the dispatcher knows one (T * top_k on one
     GPU), else None; lets experts size grids by the call rather than by the buffer. Rows past
-    masked_m are padding: zeros in, and experts must leave zeros out."""
+    masked_m are padding. What they hold is the dispatcher's: moehal's dispatchers write zeros
+    there, while DeepEP's low-latency receive buffer keeps whatever it held
+    (`Dispatcher.zero_padding`). Experts must not let padding rows reach live ones
+    (conformance's padding cases fill them with NaN: `with_dirty_padding`), and must leave
+    zeros in their output's padding rows."""
 
     hidden: torch.Tensor
     scales: torch.Tensor | None
@@ -234,3 +239,34 @@ OUTPUT_TYPES: dict[Layout, type] = {
     Layout.CONTIGUOUS: ContiguousOutput,
     Layout.MASKED: MaskedOutput,
 }
+
+
+def padding_rows(inp: MaskedInput | ContiguousInput) -> torch.Tensor:
+    """bool mask of the input's padding rows: `[E_local, max_m]` for masked input (rows past
+    `masked_m`), `[M_pad]` for contiguous input (rows that hold no token). A check for
+    conformance and tests, not the hot path."""
+    if isinstance(inp, MaskedInput):
+        rows = torch.arange(inp.hidden.shape[1], device=inp.hidden.device)
+        return rows[None, :] >= inp.masked_m[:, None]
+    return ~inp.live_rows()
+
+
+def with_dirty_padding(inp: MaskedInput | ContiguousInput) -> MaskedInput | ContiguousInput:
+    """A copy of a grouped input whose padding rows hold NaN (the largest value, for integer
+    dtypes), scales too: what a dispatcher that leaves them as they were (DeepEP's low-latency
+    receive buffer) may hand the experts. The input itself, a dispatcher's buffer, is left alone."""
+    import dataclasses
+
+    pad = padding_rows(inp)
+
+    def dirty(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = t.clone()
+        if t.element_size() == 1 and t.dtype.is_floating_point:  # fp8: NaN's bits (0x7f in e4m3fn and e5m2)
+            out.view(torch.uint8)[pad] = 0x7F
+        else:
+            out[pad] = float("nan") if t.dtype.is_floating_point else torch.iinfo(t.dtype).max
+        return out
+
+    return dataclasses.replace(inp, hidden=dirty(inp.hidden), scales=dirty(inp.scales))

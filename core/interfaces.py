@@ -262,6 +262,10 @@ class Dispatcher(Implementation):
     # and scales only, not on its layout: selection then keeps a small format of the main
     # format's dtype and scales (and drops any other, with the reason).
     same_wire_for_every_layout: ClassVar[bool] = False
+    # Whether the grouped layouts this dispatcher produces hold zeros in their padding rows.
+    # False where it leaves them as they were (DeepEP's low-latency receive buffer): conformance
+    # then does not hold it to zeros, and every experts kernel must ignore padding anyway.
+    zero_padding: ClassVar[bool] = True
 
     def check_quant(self, req: BuildRequest) -> Decision:
         return accept(predicate="quant")

@@ -23,7 +23,7 @@ from moehal.errors import (
     WeightsAlreadyProcessedError,
     WeightsNotLoadedError,
 )
-from moehal.formats import ScaleKind
+from moehal.formats import ContiguousInput, MaskedInput, ScaleKind, with_dirty_padding
 from moehal.graphs import GraphCache, should_replay
 from moehal.hardware import HardwareInfo, detect
 from moehal.integrations import custom_op
@@ -424,6 +424,7 @@ class MoELayer(torch.nn.Module):
         topk_weights: torch.Tensor,
         *,
         path: Literal["auto", "main", "small"] = "auto",
+        dirty_padding: bool = False,
     ) -> dict[str, Any]:
         """Run a modular pipeline stage by stage and return every intermediate
         (`dispatched`, `adapted`, `expert_out`, `out`): for debugging and conformance.
@@ -431,7 +432,10 @@ class MoELayer(torch.nn.Module):
         path: "auto" takes the branch a forward of this many tokens takes; "main" the
         pipeline's main format (`plan.pipeline.fmt`) and "small" its small-batch format
         (`plan.pipeline.small`) whatever the batch size, so a check of one format's contract
-        (conformance's padding rows, say) is not sent to the other by the batch size."""
+        (conformance's padding rows, say) is not sent to the other by the batch size.
+        dirty_padding: the experts get a copy of a grouped input whose padding rows hold NaN
+        (`moehal.formats.with_dirty_padding`, returned as `adapted`), as a dispatcher that
+        leaves them as they were would hand them over."""
         if self._dispatch is None or self._experts is None:
             raise InputError(f"{self.plan.pipeline.name} is fused: it has no stages to trace")
         if not self._processed:
@@ -458,6 +462,8 @@ class MoELayer(torch.nn.Module):
         with self._order or contextlib.nullcontext():
             dispatched, handle = disp.dispatch(hidden_states, topk)
             adapted = self._adapter(dispatched) if self._adapter is not None and not small else dispatched
+            if dirty_padding and isinstance(adapted, (MaskedInput, ContiguousInput)):
+                adapted = with_dirty_padding(adapted)
             expert_out = self._experts.apply(adapted)
             out = disp.combine(expert_out, handle)
         return {"dispatched": dispatched, "adapted": adapted, "expert_out": expert_out, "out": out}

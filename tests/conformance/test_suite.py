@@ -10,7 +10,7 @@ import types
 import moehal
 import pytest
 import torch
-from moehal.formats import ContiguousInput, MaskedOutput, StandardInput
+from moehal.formats import ContiguousInput, MaskedInput, MaskedOutput, StandardInput, with_dirty_padding
 from moehal.interfaces import BackendInfo, FusedForward, FusedRunner
 from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
@@ -987,3 +987,71 @@ def test_the_suites_registry_keeps_every_setting_of_the_environment(monkeypatch)
     assert settings.masked_workspace_gib == 0.5 == moehal.Settings.from_env().masked_workspace_gib
     assert settings.backend is None, "each case names its backend"
     assert settings.emulate == {"npu", "rocm"}
+
+
+class _WholeBufferAmaxRunner(ReferenceExpertsRunner):
+    """Right while padding rows hold zeros: it reads the whole grouped buffer (a global amax, as
+    a quantizer over the buffer would), so NaN left in padding rows reaches every row."""
+
+    def apply(self, inp):
+        out = super().apply(inp)
+        if isinstance(inp, (MaskedInput, ContiguousInput)):
+            return dataclasses.replace(out, hidden=out.hidden + (inp.hidden.float().amax() * 0).to(out.hidden.dtype))
+        return out
+
+
+def test_experts_that_read_padding_rows_fail_the_padding_check_with_nan_padding():
+    """DeepEP's low-latency dispatch leaves padding rows as they were (`zero_padding = False`):
+    the padding cases run the experts again with NaN there, and experts that let padding rows
+    reach live ones fail, though they pass while padding holds zeros."""
+
+    class _Experts(ReferenceExperts):  # contiguous segments aligned to 8 rows: padding rows there too
+        name = "amax"
+        priority = 40
+        quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+
+        def input_formats(self, req):
+            formats = super().input_formats(req)
+            return [dataclasses.replace(f, row_alignment=8) if f.layout_name == "contiguous" else f for f in formats]
+
+        def build(self, req, fmt):
+            return _WholeBufferAmaxRunner(req, fmt)
+
+    suite = _suite("amax", _Experts())
+    padding = [c for c in suite.cases() if c.check == "padding" and c.pipeline is not None]
+    assert {c.layout for c in padding} == {"masked", "contiguous"}
+    suite.run(padding)
+    assert suite.results and all(r.status == "fail" for r in suite.results), [(r.id, r.detail) for r in suite.results]
+    assert all("with NaN in the input's padding rows" in r.detail for r in suite.results), suite.results
+    good = [r for r in _reference_results("padding") if r.status != "declined"]
+    assert good and all(r.status == "pass" and "also with NaN padding in" in r.detail for r in good), good
+
+
+def test_a_dispatcher_that_leaves_padding_rows_is_not_held_to_zeros():
+    """`Dispatcher.zero_padding = False` (DeepEP low latency): the dispatcher half of the
+    padding check does not ask for zeros; experts are held to ignoring them either way."""
+
+    class _StaleRunner(LocalDispatchRunner):
+        def dispatch(self, hidden, topk):
+            inp, handle = super().dispatch(hidden, topk)
+            if isinstance(inp, MaskedInput):
+                inp = with_dirty_padding(inp)
+            return inp, handle
+
+    class _Stale(ReferenceDispatcher):
+        name = "stale"
+        priority = 40
+
+        def build(self, req, fmt):
+            return _StaleRunner(req, fmt)
+
+    def masked_padding(dispatcher):
+        suite = _suite("stale", ReferenceExperts(), dispatcher)
+        suite.run([c for c in suite.cases() if c.check == "padding" and c.layout == "masked" and c.pipeline])
+        return [(r.status, r.detail) for r in suite.results]
+
+    held = masked_padding(_Stale())
+    assert held and all(s == "fail" and "padding rows are not zero" in d for s, d in held), held
+    _Stale.zero_padding = False
+    left = masked_padding(_Stale())
+    assert left and all(s == "pass" for s, _ in left), left

@@ -213,7 +213,9 @@ class Buffer:
         t_max, e_loc = num_max_dispatch_tokens_per_rank, num_experts // self.size
         assert x.shape[0] <= t_max, "more tokens than num_max_dispatch_tokens_per_rank"
         posts = self.world.exchange(self.rank, (x, topk_idx))
-        recv = x.new_zeros(e_loc, self.size * t_max, x.shape[1])
+        # DeepEP allocates its receive buffer once (torch::empty) and rows past a count keep what
+        # they held: NaN here, so experts that let padding rows reach live ones show
+        recv = x.new_full((e_loc, self.size * t_max, x.shape[1]), float("nan"))
         count = torch.zeros(e_loc, dtype=torch.int32, device=x.device)
         where: dict[tuple[int, int], tuple[int, int, int]] = {}  # (expert, row) -> (source rank, token, k)
         for src, (sx, sids) in enumerate(posts):

@@ -447,7 +447,7 @@ def _write(table: dict[str, Any], path: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from moehal.bench import SHAPES
 
-    ap = argparse.ArgumentParser(prog="python -m moehal_cuda.tuning", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m moehal_cuda.tuning", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b")
     ap.add_argument("--tokens", default="1,4,16,32,64,128,256,512,1024,2048,4096")
     ap.add_argument("--quant", default="bf16", help="bf16,fp8_block")

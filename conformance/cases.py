@@ -158,7 +158,7 @@ class CaseBuilder:
         name: str,
         config: MoEConfig,
         quant: QuantScheme,
-        per_layout: bool = True,
+        per_layout: bool | None = True,
         **kw: object,
     ) -> Iterator[Case]:
         pipes, decisions = self.pipelines(config, quant)

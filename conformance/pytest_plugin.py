@@ -11,8 +11,12 @@ components, verified or not run and why (`moehal_conformance.components`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from moehal_conformance.suite import Suite
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -57,7 +61,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def moehal_suite(request: pytest.FixtureRequest):  # noqa: ANN201 - returns a Suite
+def moehal_suite(request: pytest.FixtureRequest) -> Suite:
     return request.config._moehal_suite  # type: ignore[attr-defined]
 
 

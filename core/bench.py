@@ -689,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="moehal bench",
-        description=__doc__.splitlines()[0],
+        description=(__doc__ or "moehal bench").splitlines()[0],  # (python -OO strips docstrings)
         epilog="Off CUDA the host-time columns read '-' (they time eager calls against a GPU's queue) and "
         "the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.",
         formatter_class=_DefaultsHelp,

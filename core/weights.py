@@ -226,8 +226,10 @@ def _calibrate(
     return a_amax * 1.25, float(a2.abs().amax().clamp_min(1e-6)) * 1.25
 
 
-def dequantize_weights(weights: ExpertWeights, quant: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference dequantization to float32 `(w13, w2)` in the canonical layout."""
+def dequantize_weights(weights: ExpertWeights, quant: QuantScheme | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference dequantization to float32 `(w13, w2)` in the canonical layout; `quant` a
+    scheme or its name, as `quantize_weights` takes it."""
+    quant = QuantScheme.parse(quant)
     k = quant.kind
     if k is QuantKind.BF16:
         return weights.w13.float(), weights.w2.float()

@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from moehal.hardware import device_slug
     from rich.progress import Progress
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])  # (python -OO strips docstrings)
     ap.add_argument("--shapes", default="qwen3_30b_a3b", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--tokens", default="1,16,128,1024,4096")
     ap.add_argument(

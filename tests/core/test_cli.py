@@ -292,3 +292,13 @@ def test_doctor_reports_every_failing_plugin_under_strict(capsys, monkeypatch, t
     assert report["settings"]["strict"] is True
     assert main(["doctor"]) == 1
     assert "MOEHAL_STRICT_PLUGINS is set and 2 plugin(s) failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["moehal.cli.main bench", "moehal.kernels.tune_fused_moe", "moehal_cuda.tuning"])
+def test_help_works_with_docstrings_stripped(module):
+    """`python -OO` strips docstrings: parsers built from a module's `__doc__` raised on None."""
+    run = subprocess.run(
+        [sys.executable, "-OO", "-m", *module.split(), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "usage:" in run.stdout

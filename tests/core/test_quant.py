@@ -135,3 +135,16 @@ def test_nvfp4_codes_use_the_e4m3_rounded_block_scale():
     assert torch.equal(sf, (blocks.abs().amax(-1) / 6 * gs).clamp(max=448).to(torch.float8_e4m3fn))
     want = nvfp4.encode_e2m1(blocks * (gs / sf.float())[..., None]).reshape(8, 256)
     assert torch.equal(nvfp4.unpack(packed), want)
+
+
+def test_dequantize_weights_takes_a_scheme_or_its_name():
+    """As `quantize_weights` does: a name raised AttributeError ('str' has no 'kind')."""
+    from moehal.weights import dequantize_weights
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128)
+    g = torch.Generator().manual_seed(0)
+    w = moehal.quantize_weights(
+        cfg, "fp8_block", torch.randn(4, 256, 128, generator=g), torch.randn(4, 128, 128, generator=g)
+    )
+    by_name, by_scheme = dequantize_weights(w, "fp8_block"), dequantize_weights(w, QuantScheme.parse("fp8_block"))
+    assert all(torch.equal(a, b) for a, b in zip(by_name, by_scheme))

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from moehal.kernels.host import fetched_buffers, persistent_tensors
+from moehal.kernels.host import fetched_buffers, next_power_of_2, persistent_tensors
 
 
 @dataclass
@@ -112,6 +112,12 @@ class GraphCache:
         self._last_output: dict[tuple, tuple] = {}  # inputs' signature -> where its last 2 outputs were
         self._missed: tuple | None = None  # (signature, out, output) `replay_direct` found no graph for
         self._pool: object | None = None
+        # The rows graphs read and write, shared by every token count (`_rows`): (dtype, trailing
+        # shape) -> a buffer of a power-of-two capacity, replaced by a larger one when a larger
+        # count comes (graphs captured on the old one keep it). A graph per count with its own
+        # inputs and output held sum(T) rows: 3.5 GiB per layer of DeepSeek-V3's hidden size at
+        # every count up to 512 (a review's simulation, session 54); this holds under 2x the largest.
+        self._rows_kept: dict[tuple, torch.Tensor] = {}
 
     @property
     def captured_token_counts(self) -> list[int]:
@@ -138,6 +144,22 @@ class GraphCache:
         self._last_output.clear()
         self._missed = None
         self._pool = None
+        self._rows_kept.clear()
+
+    def _rows(self, role: int | str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """The first `rows` rows of this cache's buffer for `role` (a copying graph's static
+        input by its position, or "out": the output a graph writes when the caller gives none,
+        copied out at once after each replay, so every graph may share it), shaped as `like`
+        past the first dim."""
+        kind = (role, like.dtype, tuple(like.shape[1:]))
+        # normal tensors and views, whatever the caller's mode: later calls write them in place,
+        # maybe outside `torch.inference_mode()` (a view made inside could not be written there)
+        with persistent_tensors():
+            full = self._rows_kept.get(kind)
+            if full is None or full.shape[0] < rows:
+                full = torch.empty((next_power_of_2(max(rows, 1)), *kind[2]), dtype=like.dtype, device=like.device)
+                self._rows_kept[kind] = full
+            return full[:rows]
 
     def replay_direct(self, inputs: tuple, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Replay the direct graph captured on exactly these tensors (and `out`), or return None.
@@ -279,17 +301,18 @@ class GraphCache:
         # calls copy into them in place, maybe outside `torch.inference_mode()`. The forward
         # itself is captured in the caller's mode, which an inference-tensor `out` needs.
         static = inputs
-        if copy_inputs:
-            with persistent_tensors():
-                static = tuple(t.clone(memory_format=torch.contiguous_format) for t in inputs)
+        rows = inputs[0].shape[0]
+        if copy_inputs:  # prefixes of buffers shared by every token count, holding this call's values
+            static = tuple(self._rows(i, t, rows).copy_(t) for i, t in enumerate(inputs))
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        if out is None:
-            fn = lambda: self._fn(*static)  # noqa: E731
-        elif self._fn_takes_out:  # the forward writes `out` itself: no copy in the graph
-            fn = lambda: self._fn(*static, out=out)  # noqa: E731
+        # Without the caller's `out`, the graph writes the shared output rows (copied out after
+        # each replay); with it, it writes there.
+        dest = out if out is not None else self._rows("out", inputs[0], rows)
+        if self._fn_takes_out:  # the forward writes `dest` itself: no copy in the graph
+            fn = lambda: self._fn(*static, out=dest)  # noqa: E731
         else:
-            fn = lambda: out.copy_(self._fn(*static))  # noqa: E731
+            fn = lambda: dest.copy_(self._fn(*static))  # noqa: E731
         # An in-place call (`out` in an input's storage, as `layer(h, ..., out=h)`): the warm-up
         # run that `capture` makes writes the result over the input, and the replay that follows
         # would compute from that result. The input's bytes are kept across the capture.
@@ -306,7 +329,7 @@ class GraphCache:
         # A graph that writes `out` keeps no reference to it: a fresh output, once the caller
         # drops it, must go back to the allocator (its address coming back is what hits).
         if not copy_inputs:
-            return _Captured(graph, (), output if out is None else None, held=tuple(held))
+            return _Captured(graph, (), dest if out is None else None, held=tuple(held))
         with persistent_tensors():  # (views made in inference mode could not be written outside it)
             input_bytes = tuple(t.view(torch.uint8) for t in static)
         return _Captured(graph, static, output, input_bytes, tuple(held))

@@ -232,7 +232,8 @@ def test_a_forward_that_takes_out_is_captured_writing_it_itself(fake_cuda_graphs
 
     cache = GraphCache(forward, torch.device("cpu"))
     x, y, out = torch.ones(3), torch.zeros(3), torch.empty(3)
-    assert cache(x, y, out=out) is out and set(given) == {None}  # the copying graph: its own output
+    # the copying graph writes the rows the cache shares among its graphs, then copies them out
+    assert cache(x, y, out=out) is out and given and all(g is not None and g is not out for g in given)
     first = len(given)
     assert cache(x, y, out=out) is out and cache.output_writing_graphs == 1
     assert len(given) > first and all(g is out for g in given[first:])  # captured (and replayed) on `out`
@@ -402,3 +403,23 @@ def test_in_place_calls_are_right_on_the_call_that_captures(monkeypatch, fake_cu
         y = _call(cache, buf, w, out=out)
         assert torch.equal(y, _forward(x, w)), f"call {step}"
     assert cache.output_writing_graphs == 1, "the in-place call still gets the graph that writes out"
+
+
+def test_graphs_of_every_token_count_share_the_rows_they_read_and_write(fake_cuda_graphs):
+    """A copying graph per token count used to keep its own inputs and output: sum(T) rows for
+    counts 1..N (3.5 GiB per layer of DeepSeek-V3's hidden size at N = 512). They are now
+    prefixes of buffers the cache shares, replaced by larger ones as larger counts come: the
+    graphs hold under 2x the largest count's rows per role, and each still computes its own."""
+    cache = GraphCache(_forward, torch.device("cpu"))
+    counts = [*range(1, 65), 7, 64, 1, 33]
+    for t in counts:
+        x, w = torch.randn(t, 4), torch.randn(t, 2)
+        assert torch.equal(cache(x, w), _forward(x, w)), t  # new tensors each call: the copying graphs
+    assert cache.captured_token_counts == list(range(1, 65)) and cache.direct_graphs == 0
+    storages = {
+        v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+        for cap in cache._graphs.values()
+        for v in (*cap.inputs, cap.output)
+    }
+    row_bytes = (4 + 2 + 4) * 4  # x, w and the output, fp32
+    assert sum(storages.values()) < 2 * 64 * row_bytes < sum(range(1, 65)) * row_bytes

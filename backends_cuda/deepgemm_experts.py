@@ -50,6 +50,7 @@ from moehal.formats import (
     StandardOutput,
 )
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, TunedShape, WeightProcessor
+from moehal.kernels.host import RecentBinds
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 from moehal_cuda.gemm_choice import DEEPGEMM, GemmChoice, GemmChooser, entry_key, layer_key
@@ -587,16 +588,17 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         self._portable: Any = None  # the portable fused MoE's runner, on these weights
         self._tokens: Any = None  # the token-major decode kernels (`TokenMoE`), on these weights
         self._masked_buffers: dict[tuple[int, int], tuple[Any, Any, Any]] = {}  # (E, max_m) -> workspaces
-        self._activations: dict[tuple[int, int, int], Any] = {}  # (rows bound, E, max_m) -> bound activation
+        self._activations: dict[tuple[int, int, int], Any] = RecentBinds()  # (rows bound, E, max_m) -> activation
         self.fp8 = req.quant.kind in _FP8_KINDS
         self.static = req.quant.kind is QuantKind.FP8_TENSOR  # static activation scales
         self.ue8m0 = req.quant.scale_format is ScaleFormat.UE8M0
         self.w: DeepGemmWeights | None = None
         self.chooser = chooser
         # total-rows bound -> (GEMM1, GEMM2, fused GEMM1 + activation or None) callables and the
-        # choices behind them; filled on first sight of a batch size: one dict lookup a forward.
-        self._masked: dict[int, tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]] = {}
-        self.masked_choices: dict[int, tuple[GemmChoice, GemmChoice]] = {}
+        # choices behind them; filled on first sight of a batch size: one dict lookup a forward
+        # (the recent sizes only: a stream of prefill sizes would grow them without bound).
+        self._masked: dict[int, tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]] = RecentBinds()
+        self.masked_choices: dict[int, tuple[GemmChoice, GemmChoice]] = RecentBinds()
 
     def _masked_gemms(self, inp: MaskedInput) -> tuple[MaskedGemm, MaskedGemm, FusedGemm1 | None]:
         bound = inp.total_rows_bound

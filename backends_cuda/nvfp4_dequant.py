@@ -44,6 +44,7 @@ from moehal.formats import (
     StandardOutput,
 )
 from moehal.interfaces import BuildRequest, ExpertsRunner, TunedShape, WeightProcessor
+from moehal.kernels.host import RecentBinds
 from moehal.kernels.tiles import TileConfig
 from moehal.quant import NVFP4, nvfp4
 from moehal.weights import ExpertWeights
@@ -132,13 +133,13 @@ class Nvfp4DequantRunner(DeepGemmExpertsRunner):
         self.tiles = tiles
         # masked batches: total-rows bound -> the two GEMMs' bound launches (host time of an
         # eager step), kept while they take this call's buffers (`MaskedGemmLaunch.takes`)
-        self._launches: dict[int, tuple[Any, Any]] = {}
+        self._launches: dict[int, tuple[Any, Any]] = RecentBinds()
         self._tile_memo: dict[int, tuple[TileConfig | None, TileConfig | None]] = {}  # `tile_configs`
         # (tokens, device) -> the input quantizer's bound launch and the rows it writes
         self._input_quant: dict[tuple[int, torch.device], tuple[Any, torch.Tensor]] = {}
         # masked batches: (rows bound, E, max_m) -> the quantizer's and activation's bound
         # launches and their workspaces (`_masked_glue`)
-        self._glue: dict[tuple[int, int, int], tuple[Any, Any, tuple[torch.Tensor, Any, Any, Any]]] = {}
+        self._glue: dict[tuple[int, int, int], tuple[Any, Any, tuple[torch.Tensor, Any, Any, Any]]] = RecentBinds()
 
     def load(self, weights: Any) -> None:
         if isinstance(weights, ExpertWeights):

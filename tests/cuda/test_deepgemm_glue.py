@@ -1041,3 +1041,36 @@ def test_nvfp4_decode_batches_run_token_major_as_the_masked_path(extra, monkeypa
     assert len(ex._input_quant) == 3  # and the input's quantizer
     ex.load(weights)
     assert ex._tokens is None and not ex._input_quant, "new weights: new global scales, bound again"
+
+
+def test_launches_bound_per_batch_size_keep_the_recent_sizes_only():
+    """The masked path binds its GEMMs and activation per row bound (one dict lookup a forward).
+    A server's stream of prefill sizes brings a new bound at almost every call: the runner keeps
+    the most recently used (`RecentBinds`), not every size it has seen."""
+    from moehal.formats import MaskedInput
+    from moehal.kernels.host import RecentBinds
+    from moehal_cuda.deepgemm_experts import MASKED_ROW_ALIGNMENT
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128)
+    req = BuildRequest(cfg, QuantScheme.parse("bf16"), detect(DEV))
+    fmt = ActivationFormat(Layout.MASKED, torch.bfloat16, ScaleKind.NONE, MASKED_ROW_ALIGNMENT)
+    ex = DeepGemmExpertsRunner(req, fmt, _NoGemm(False))
+    hidden = torch.zeros(4, MASKED_ROW_ALIGNMENT, 256, dtype=torch.bfloat16, device=DEV)
+    masked_m = torch.zeros(4, dtype=torch.int32, device=DEV)
+    for bound in [*range(1, 400), 7]:
+        ex._masked_gemms(MaskedInput(hidden, None, masked_m, 1, bound))
+    limit = RecentBinds().limit
+    assert len(ex._masked) == limit == len(ex.masked_choices) and 7 in ex._masked and 399 in ex._masked
+    assert 8 not in ex._masked  # the least recently used went first
+
+
+def test_recent_binds_keep_the_most_recently_used():
+    from moehal.kernels.host import RecentBinds
+
+    kept = RecentBinds(3)
+    for k in range(5):
+        kept[k] = str(k)
+    assert list(kept) == [2, 3, 4]
+    assert kept.get(2) == "2" and kept.get(9) is None and list(kept) == [3, 4, 2]  # a hit is used again
+    kept[5] = "5"
+    assert list(kept) == [4, 2, 5]

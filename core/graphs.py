@@ -112,8 +112,8 @@ class GraphCache:
         self._last_output: dict[tuple, tuple] = {}  # inputs' signature -> where its last 2 outputs were
         self._missed: tuple | None = None  # (signature, out, output) `replay_direct` found no graph for
         self._pool: object | None = None
-        # The rows graphs read and write, shared by every token count (`_rows`): (dtype, trailing
-        # shape) -> a buffer of a power-of-two capacity, replaced by a larger one when a larger
+        # The rows graphs read and write, shared by every token count (`_rows`): (role, dtype,
+        # trailing shape) -> a buffer of a power-of-two capacity, replaced by a larger one when a larger
         # count comes (graphs captured on the old one keep it). A graph per count with its own
         # inputs and output held sum(T) rows: 3.5 GiB per layer of DeepSeek-V3's hidden size at
         # every count up to 512 (a review's simulation, session 54); this holds under 2x the largest.

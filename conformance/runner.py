@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from moehal.errors import InputError, MoEHalError, WeightsAlreadyProcessedError
-from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput
+from moehal.formats import ContiguousInput, ContiguousOutput, MaskedInput, MaskedOutput, padding_rows
 from moehal.graphs import capture
 from moehal.hardware import detect
 from moehal.interfaces import BuildRequest
@@ -277,8 +277,7 @@ class CaseRunner:
                 return f"masked_m is {got_m.tolist()}; the slots per local expert are {want.tolist()}", None
             if disp.max_total_rows is not None and disp.max_total_rows < int(want.sum()):
                 return f"max_total_rows {disp.max_total_rows} is under the {int(want.sum())} rows dispatched", None
-            rows = torch.arange(disp.hidden.shape[1], device=disp.hidden.device)
-            pad = rows[None, :] >= disp.masked_m[:, None]
+            pad = padding_rows(disp)
         elif isinstance(disp, ContiguousInput):
             live = disp.live_rows()
             wrong = torch.nonzero((disp.row_expert >= 0) != live).flatten()

@@ -11,6 +11,7 @@ second-largest entry of the forward's profile (docs/device-runs/2026-11-23-sessi
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,15 +58,18 @@ def persistent_tensors() -> torch.inference_mode:
     return torch.inference_mode(False)
 
 
-# The process-wide buffers fetched while a moehal graph capture runs (`fetched_buffers`).
-_FETCHED: list[list[object]] = []
+# The process-wide buffers fetched while a moehal graph capture runs (`fetched_buffers`), per
+# thread: captures in two threads (one per GPU) each keep their own.
+_FETCHED = threading.local()
 
 
 def note_fetched(buf: object) -> None:
     """Record a process-wide buffer (a workspace, a scratch tensor) that a call just fetched,
-    for the graph capture in progress, if any: its graph writes that memory at every replay."""
-    if _FETCHED:
-        _FETCHED[-1].append(buf)
+    for the graph capture in progress in this thread, if any: its graph writes that memory at
+    every replay."""
+    stack = getattr(_FETCHED, "stack", None)
+    if stack:
+        stack[-1].append(buf)
 
 
 @contextmanager
@@ -77,11 +81,14 @@ def fetched_buffers() -> Iterator[list[object]]:
     it, while the graph it captured writes there at every replay: freed memory, once released,
     unless the graph keeps them."""
     held: list[object] = []
-    _FETCHED.append(held)
+    stack = getattr(_FETCHED, "stack", None)
+    if stack is None:
+        stack = _FETCHED.stack = []
+    stack.append(held)
     try:
         yield held
     finally:
-        _FETCHED.pop()
+        stack.pop()
 
 
 class RecentBinds(OrderedDict):  # type: ignore[type-arg]

@@ -551,3 +551,35 @@ def test_layers_without_max_tokens_keep_a_few_buffers_for_a_stream_of_batch_size
         assert inp.hidden.shape[-1] == 64
     assert len(TP._WORKSPACE) <= 7, sorted(k[1] for k in TP._WORKSPACE)
     assert DeepGemmExpertsRunner(req, fmt, TorchGemmOps(False)).contiguous_capacity(123) == 0
+
+
+def test_each_thread_records_the_buffers_its_own_capture_fetched(monkeypatch):
+    """Captures in two threads (one per GPU) at once: each records what it fetched, not the
+    other's (the record was one module-level stack, so one thread's fetch landed in the
+    other's list, or its pop took the other's)."""
+    import threading
+
+    from moehal.kernels.host import fetched_buffers
+
+    monkeypatch.setattr(TP, "_SCRATCH", {})
+    inside, release = threading.Barrier(2), threading.Event()
+    got: dict[str, list] = {}
+
+    def capture(name: str) -> None:
+        with fetched_buffers() as held:
+            inside.wait()  # both blocks open at once
+            TP.scratch(f"test.thread.{name}", (4,), torch.int32, DEV)
+            if name == "a":
+                release.set()
+            else:
+                release.wait()
+        got[name] = held
+
+    threads = [threading.Thread(target=capture, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a = TP._SCRATCH[("test.thread.a", (4,), torch.int32, TP._device_key(DEV))]
+    b = TP._SCRATCH[("test.thread.b", (4,), torch.int32, TP._device_key(DEV))]
+    assert got["a"] == [a] and got["b"] == [b]

@@ -200,7 +200,7 @@ def shared_buffer(group: Any, low_latency: bool, nvl_bytes: int, rdma_bytes: int
             # DeepEP frees a buffer, and its NVSHMEM state, when the object is collected; the old
             # one must be gone before the next is made
             entry.buffer = None
-            gc.collect()
+            collect()
         kw: dict[str, Any] = {"low_latency_mode": True, "num_qps_per_rank": qps} if low_latency else {}
         entry.buffer = deep_ep.Buffer(group, entry.num_nvl_bytes, entry.num_rdma_bytes, **kw)
     return entry
@@ -213,8 +213,18 @@ def release_buffers() -> int:
     for entry in _BUFFERS.values():
         entry.buffer = None
     _BUFFERS.clear()
-    gc.collect()
+    collect()
     return n
+
+
+def collect() -> None:
+    """`gc.collect()`, unless a CUDA graph capture runs in another thread (`moehal.graphs.gc_pauses`):
+    it ignores `gc.disable()`, and a collection may free a dead graph, which a capture forbids. A
+    buffer in no reference cycle is freed when dropped anyway."""
+    from moehal.graphs import gc_pauses
+
+    if gc_pauses() == 0:
+        gc.collect()
 
 
 @dataclass(frozen=True)

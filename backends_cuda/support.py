@@ -3,9 +3,11 @@ library at module import."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from moehal.capability import Decision, accept, decline
+from moehal.errors import NotSupportedError
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest
 from moehal.kernels.host import interpreting, kernels_interpreted
@@ -98,8 +100,8 @@ def import_deep_gemm() -> Any:
 
             _DG["mod"] = deep_gemm
         except Exception as exc:  # noqa: BLE001 - a JIT library may fail in many ways at import
+            _DG["err"] = f"{type(exc).__name__}: {exc}"  # before "mod": another thread reads it once "mod" is set
             _DG["mod"] = None
-            _DG["err"] = f"{type(exc).__name__}: {exc}"
     if _DG["mod"] is None:
         raise ImportError(_DG["err"])
     return _DG["mod"]
@@ -142,11 +144,25 @@ def deep_gemm_device_decision(req: BuildRequest) -> Decision:
     )
 
 
+_DG_DEVICE_LOCK = threading.Lock()
+
+
 def claim_deep_gemm_device(req: BuildRequest) -> None:
-    """Record the GPU of the first DeepGEMM layer built in this process."""
+    """Record the GPU of the first DeepGEMM layer built in this process. Selection checked it
+    (`deep_gemm_device_decision`) without holding it: two threads building their first layers
+    on two GPUs at once both passed, and one would have run kernels loaded on the other GPU.
+    The claim is made under a lock, and the layer that lost the race is refused here."""
     index = req.hardware.device.index
-    if req.hardware.kind == "cuda" and index is not None:
-        _DG_DEVICE.setdefault("index", index)
+    if req.hardware.kind != "cuda" or index is None:
+        return
+    with _DG_DEVICE_LOCK:
+        first = _DG_DEVICE.setdefault("index", index)
+    if first != index:
+        raise NotSupportedError(
+            f"DeepGEMM's kernels in this process were claimed for cuda:{first} by a layer built at the same "
+            f"time as this one on cuda:{index}; DeepGEMM keeps one kernel cache per process. Build this "
+            "layer again (selection now declines DeepGEMM here), or run one process per GPU"
+        )
 
 
 def dg_fn(dg: Any, names: str) -> Any:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -349,14 +350,35 @@ def gc_paused() -> Iterator[None]:
     invalidates the capture in progress, whose next launch then raises. Torch no longer
     collects when a capture begins (`torch.compiler.config.force_cudagraph_gc`), so collections
     fall wherever allocations trigger them. On an H200 this broke `moehal bench`'s second row
-    in 3 of 4 runs on a fresh Triton cache (docs/device-runs/2026-11-24-session24)."""
-    was = gc.isenabled()
-    gc.disable()
+    in 3 of 4 runs on a fresh Triton cache (docs/device-runs/2026-11-24-session24).
+
+    Blocks in several threads (a capture per GPU) count: the collector stays off until the
+    last one ends, and goes back to what it was before the first (each block restoring its own
+    view let one thread's end turn it on during another's capture)."""
+    global _GC_PAUSES, _GC_WAS_ENABLED
+    with _GC_LOCK:
+        if _GC_PAUSES == 0:
+            _GC_WAS_ENABLED = gc.isenabled()
+            gc.disable()
+        _GC_PAUSES += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _GC_LOCK:
+            _GC_PAUSES -= 1
+            if _GC_PAUSES == 0 and _GC_WAS_ENABLED:
+                gc.enable()
+
+
+def gc_pauses() -> int:
+    """How many `gc_paused` blocks are open now, in every thread: a caller that would collect
+    explicitly (`gc.collect()` ignores `gc.disable()`) waits while this is above 0."""
+    return _GC_PAUSES
+
+
+_GC_LOCK = threading.Lock()
+_GC_PAUSES = 0
+_GC_WAS_ENABLED = True
 
 
 def capture(
@@ -391,7 +413,9 @@ def capturing(
     a later test read a buffer before its write, docs/device-runs/2026-11-26-session36)."""
     caller = torch.cuda.current_stream(device)
     try:
-        with gc_paused(), torch.cuda.graph(graph, pool=pool):
+        # thread_local: torch's default ("global") makes CUDA calls that capture forbids fail in
+        # every thread of the process, so one thread per GPU could not allocate while another captured
+        with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             yield
     finally:
         if torch.cuda.current_stream(device) != caller:

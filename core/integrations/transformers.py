@@ -41,6 +41,7 @@ weights with any layout flags, so they run on exactly the problem moehal runs.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -301,10 +302,21 @@ def _untracked_weights(module: torch.nn.Module) -> list[str]:
     ]
 
 
+# Builds and rebuilds of the modules' layers, one at a time: two threads that met one stale
+# layer both rebuilt it, and the one stored last could hold a custom-op id the other's layer
+# took over and released when it died (compiled graphs then named a layer that no longer existed).
+_BUILD_LOCK = threading.RLock()
+
+
 def _prepared(module: torch.nn.Module, top_k: int, backend: str, quant: QuantScheme, force: bool = False) -> _Prepared:
     key = _weight_key(module, top_k, (backend, quant.name))
     state: _Prepared | None = module.__dict__.get(_STATE)
-    if state is None or state.key != key or force:
+    if state is not None and state.key == key and not force:
+        return state  # (the forward's path: no lock)
+    with _BUILD_LOCK:
+        state = module.__dict__.get(_STATE)  # another thread may have built it meanwhile
+        if state is not None and state.key == key and not force:
+            return state
         if state is None and (untracked := _untracked_weights(module)):
             warnings.warn(
                 f"{type(module).__name__}'s {', '.join(untracked)} are inference tensors (made under "
@@ -325,7 +337,7 @@ def _prepared(module: torch.nn.Module, top_k: int, backend: str, quant: QuantSch
         # the weights first (a weak reference: the registry keeps no module alive)
         ref = weakref.ref(module)
         custom_op.set_refresher(layer._op_id, lambda: _refresh(ref, top_k, backend, quant))
-    return state
+        return state
 
 
 def _refresh(ref: weakref.ReferenceType[torch.nn.Module], top_k: int, backend: str, quant: QuantScheme) -> None:

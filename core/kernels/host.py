@@ -103,10 +103,11 @@ class RecentBinds(OrderedDict):  # type: ignore[type-arg]
         self.limit = limit
 
     def get(self, key: object, default: object = None) -> object:  # type: ignore[override]
-        if key in self:
+        try:  # (no test first: another thread may evict the key between a test and a move)
             self.move_to_end(key)
             return self[key]
-        return default
+        except KeyError:
+            return default
 
     def __setitem__(self, key: object, value: object) -> None:
         super().__setitem__(key, value)

@@ -725,15 +725,20 @@ def release_workspaces(device: torch.device | str | None = None) -> int:
     reference to it, so a replay would write freed memory."""
     dev = None if device is None else _device_key(device)
     held = 0
-    for key in [k for k in _WORKSPACE if dev is None or k[4] == dev]:
-        buf = _WORKSPACE.pop(key)
+    # (snapshots of the keys, popped with a default: a forward in another thread may add one,
+    # and another release may take one, while this runs)
+    for key in [k for k in list(_WORKSPACE) if dev is None or k[4] == dev]:
+        buf = _WORKSPACE.pop(key, None)
+        if buf is None:
+            continue
         held += sum(
             t.untyped_storage().nbytes()
             for t in (buf.hidden, buf.scales, buf.written, buf.expert_rows, buf.counts)
             if t is not None
         )
-    for key in [k for k in _SCRATCH if dev is None or k[3] == dev]:
-        held += _SCRATCH.pop(key).untyped_storage().nbytes()
+    for key in [k for k in list(_SCRATCH) if dev is None or k[3] == dev]:
+        t = _SCRATCH.pop(key, None)
+        held += t.untyped_storage().nbytes() if t is not None else 0
     return held
 
 

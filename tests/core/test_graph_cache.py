@@ -423,3 +423,41 @@ def test_graphs_of_every_token_count_share_the_rows_they_read_and_write(fake_cud
     }
     row_bytes = (4 + 2 + 4) * 4  # x, w and the output, fp32
     assert sum(storages.values()) < 2 * 64 * row_bytes < sum(range(1, 65)) * row_bytes
+
+
+def test_pauses_of_the_collector_in_two_threads_end_with_the_last():
+    """Captures in two threads (one per GPU) each pause the garbage collector: the first to
+    end turned it back on while the other still captured. It now stays off until the last
+    pause ends, then goes back to what it was."""
+    import gc
+    import threading
+
+    from moehal.graphs import gc_paused, gc_pauses
+
+    was = gc.isenabled()
+    gc.enable()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def a() -> None:
+        with gc_paused():
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait()
+        with gc_paused():
+            b_in.set()
+            a_out.wait()  # A's pause has ended, B's capture goes on
+            seen["during"], seen["pauses"] = gc.isenabled(), gc_pauses()
+
+    try:
+        threads = [threading.Thread(target=f) for f in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert seen == {"during": False, "pauses": 1} and gc.isenabled() and gc_pauses() == 0
+    finally:
+        gc.enable() if was else gc.disable()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from moehal.config import MoEConfig
+from moehal.errors import NotSupportedError
 from moehal.formats import ActivationFormat, Layout, ScaleKind
 from moehal.hardware import HardwareInfo
 from moehal.interfaces import BuildRequest
@@ -328,7 +330,11 @@ def test_deepgemm_experts_stay_on_the_gpu_of_the_first_deepgemm_layer(monkeypatc
     experts = DeepGemmExperts()
     assert experts.check_hardware(on[1]).ok and experts.check_hardware(on[0]).ok  # nothing claimed yet
     support.claim_deep_gemm_device(on[1])
-    support.claim_deep_gemm_device(on[0])  # the first claim stays
+    support.claim_deep_gemm_device(on[1])  # again, by another layer on that GPU
+    # a layer on cuda:0 that passed selection before cuda:1's claim (two threads building at
+    # once) loses the race at its build, loudly: the first claim stays
+    with pytest.raises(NotSupportedError, match=r"claimed for cuda:1 .* on cuda:0"):
+        support.claim_deep_gemm_device(on[0])
     assert experts.check_hardware(on[1]).ok
     d = experts.check_hardware(on[0])
     assert not d.ok and d.predicate == "hardware"

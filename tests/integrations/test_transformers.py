@@ -339,3 +339,35 @@ def test_registered_names():
         assert layer.plan.pipeline.experts.backend == "reference"
         model.set_experts_implementation("eager")
         torch.testing.assert_close(ours, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_two_threads_meeting_one_stale_layer_build_it_once(monkeypatch):
+    """Two threads whose forwards met the same stale layer both rebuilt it, and the state stored
+    last could name a custom-op id the other layer took over and released when it died. Builds
+    are serialized now, and the second thread finds the first one's layer."""
+    import threading
+    import time
+
+    model = _model("qwen3_moe")
+    experts = next(m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "down_proj"))
+    built, entered, proceed = [], threading.Event(), threading.Event()
+    build = mt._build
+
+    def slow_build(*args, **kwargs):
+        built.append(threading.get_ident())
+        entered.set()
+        proceed.wait(timeout=5)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(mt, "_build", slow_build)
+    scheme = moehal.QuantScheme.parse("bf16")
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(mt._prepared(experts, K, "auto", scheme))) for _ in "ab"]
+    threads[0].start()
+    assert entered.wait(timeout=5)
+    threads[1].start()
+    time.sleep(0.3)  # the second thread waits for the first one's build, or (unserialized) starts its own
+    proceed.set()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and len(got) == 2 and got[0] is got[1]

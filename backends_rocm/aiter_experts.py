@@ -146,6 +146,12 @@ class AiterExperts(Experts):
         c = req.config
         if c.dtype not in (torch.bfloat16, torch.float16):
             return decline(f"AITER computes in bf16/fp16, not {c.dtype}", "shape")
+        if c.dtype == torch.float16 and req.quant.kind is not QuantKind.BF16:
+            # AITER's quantized MoE kernels are keyed on bf16 output (fused_moe.py's
+            # fused_moe_1stage_dict; asm_stage1 "only support bf16"): fp16 untested anywhere here
+            return decline(
+                f"AITER's {req.quant.name} MoE kernels write bf16; an fp16 layer runs the Triton fused MoE", "shape"
+            )
         if c.hidden_size % 128 or c.intermediate_size % 128:
             return decline("AITER's MoE kernels need hidden and intermediate sizes that are multiples of 128", "shape")
         return accept(predicate="shape")

@@ -69,7 +69,8 @@ def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3fn weights -> e4m3fnuz for MI300 (same bits, scale x2, -0 -> +0); lossless.
+    """e4m3fn weights -> e4m3fnuz for MI300 (same bits, scale x2, -0 -> +0); lossless for every
+    finite pattern (fn's NaN patterns read as +-240, as vLLM's normalization leaves them).
     The vLLM/SGLang ROCm paths normalize checkpoints the same way."""
     bits = q.view(torch.int8)
     bits = torch.where(bits == -128, torch.zeros_like(bits), bits)

@@ -143,8 +143,10 @@ def _fit(cfg: TileConfig, n: int, k: int, quant: str) -> TileConfig:
     bk = max(16, min(cfg.block_k, next_power_of_2(k)))
     if quant == "fp8_block":
         bk = min(bk, GROUP)  # a K tile must not straddle two 128-wide scale groups
-    if quant in ("fp8_block", "fp8_tensor"):
-        bk = max(bk, 32)  # an fp8 dot takes K tiles of 32 or more (Hopper's wgmma)
+    if quant in ("fp8_block", "fp8_tensor", "int8"):
+        # fp8 and int8 dots take K tiles of 32 or more (Hopper's wgmma; CDNA's int8 MFMA: a K
+        # tile of 16 compiled to no matrix instruction at all for gfx942 and gfx950, session 54)
+        bk = max(bk, 32)
     return replace(cfg, block_n=bn, block_k=bk)
 
 

@@ -249,3 +249,13 @@ def test_shipped_tables_are_tuner_output_select_configs_reads():
                 want = k._fit(TileConfig.from_dict(entry["gemm1"]), i, h, "none")
                 got = k.select_configs(int(tokens), e, h, i, 8, "none", key.split("dtype=")[1], device)
                 assert got[0] == want, (path.name, key, tokens)
+
+
+def test_int8_tiles_take_k_tiles_of_32_or_more():
+    """A K tile of 16 compiled the int8 dot to no matrix instruction for gfx942 and gfx950 (a
+    review's AOT compile, session 54); fp8 tiles had the same floor already."""
+    from moehal.kernels import triton_fused_moe as k
+
+    small = TileConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2)
+    assert k._fit(small, 256, 256, "int8").block_k == 32
+    assert k._fit(small, 256, 256, "none").block_k == 16

@@ -136,3 +136,13 @@ def test_int8_declines_on_gfx950_where_aiter_ships_no_kernel():
     assert not d.ok and "gfx950" in d.reason and "Triton" in d.reason
     assert AiterExperts().check_quant(BuildRequest(cfg, int8, MI300)).ok
     assert AiterExperts().check_quant(BuildRequest(cfg, fp8, mi355)).ok
+
+
+@pytest.mark.parametrize("quant", ["fp8_block", "w8a8_int8"])
+def test_fp16_layers_of_quantized_schemes_are_declined(quant):
+    """AITER's quantized MoE kernels write bf16 (its fused_moe_1stage_dict is keyed on bf16, and
+    asm_stage1 takes bf16 only): fp16 layers of those schemes go to the Triton fused MoE."""
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float16)
+    d = AiterExperts().check_shape(BuildRequest(cfg, moehal.QuantScheme.parse(quant), MI300))
+    assert not d.ok and d.predicate == "shape" and "write bf16" in d.reason
+    assert AiterExperts().check_shape(BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), MI300)).ok

@@ -321,7 +321,8 @@ def test_a_failed_capture_leaves_the_callers_stream_current(monkeypatch):
     ended = []
 
     class TorchGraph:  # torch's order: stream switch, capture; on exit capture_end, switch back
-        def __init__(self, graph, pool=None):
+        def __init__(self, graph, pool=None, capture_error_mode="global"):
+            assert capture_error_mode == "thread_local"  # other threads may allocate meanwhile
             self.graph = graph
 
         def __enter__(self):

@@ -413,8 +413,10 @@ def test_graphs_of_every_token_count_share_the_rows_they_read_and_write(fake_cud
     graphs hold under 2x the largest count's rows per role, and each still computes its own."""
     cache = GraphCache(_forward, torch.device("cpu"))
     counts = [*range(1, 65), 7, 64, 1, 33]
+    kept = []  # every call's tensors stay alive: new addresses each call, so no direct graph
     for t in counts:
         x, w = torch.randn(t, 4), torch.randn(t, 2)
+        kept.append((x, w))
         assert torch.equal(cache(x, w), _forward(x, w)), t  # new tensors each call: the copying graphs
     assert cache.captured_token_counts == list(range(1, 65)) and cache.direct_graphs == 0
     storages = {

@@ -320,10 +320,12 @@ class GraphCache:
         kept = None
         if out is not None and not copy_inputs and any(_same_storage(out, t) for t in static):
             kept = out.clone()
-        with fetched_buffers() as held:  # kept by the graph: `release_workspaces` may forget them
-            graph, output = capture(fn, self._device, pool=self._pool)
-        if kept is not None:
-            out.copy_(kept)
+        try:
+            with fetched_buffers() as held:  # kept by the graph: `release_workspaces` may forget them
+                graph, output = capture(fn, self._device, pool=self._pool)
+        finally:  # also when the capture fails after the warm-up wrote `out`: a caller that
+            if kept is not None:  # catches the error and runs eagerly must find its input
+                out.copy_(kept)
         x = inputs[0]
         if output.shape != x.shape or output.dtype != x.dtype:  # what `_fresh_output` relies on
             raise TypeError(f"graphed forward returned {output.dtype} {tuple(output.shape)}, not its input's")
@@ -389,10 +391,12 @@ def capture(
     (`gc_paused`). Returns the graph and the captured output."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+    finally:  # a warm-up that raises may have queued kernels: the caller's stream still waits
+        torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with capturing(graph, device, pool=pool):
         output = fn()

@@ -6,6 +6,8 @@ runs the real thing on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -404,6 +406,60 @@ def test_in_place_calls_are_right_on_the_call_that_captures(monkeypatch, fake_cu
         y = _call(cache, buf, w, out=out)
         assert torch.equal(y, _forward(x, w)), f"call {step}"
     assert cache.output_writing_graphs == 1, "the in-place call still gets the graph that writes out"
+
+
+def test_a_failed_in_place_capture_gives_the_caller_its_input_back(monkeypatch):
+    """`layer(h, ..., out=h)` whose capture fails after the warm-up wrote f(h) over h (an OOM in
+    the graph pool, an invalidated capture): an engine that catches the error and runs eagerly on
+    the same buffer must compute f(h), not f(f(h)). The input's bytes came back only on success."""
+    from moehal import graphs
+
+    captures = []
+
+    def capture(fn, device=None, warmup: int = 1, pool=None):
+        output = fn()  # the warm-up, which writes `out`
+        captures.append(fn)
+        if len(captures) == 2:  # the direct graph of the second call
+            raise RuntimeError("operation failed due to a previous error during capture")
+        return types.SimpleNamespace(replay=fn), output
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    cache = GraphCache(lambda x, w, out=None: out.copy_(_forward(x, w)), torch.device("cpu"))
+    h, w = torch.randn(3, 4), torch.randn(3, 2)
+    cache(h, w, out=h)  # a copying graph
+    before = h.clone()
+    with pytest.raises(RuntimeError, match="during capture"):
+        cache(h, w, out=h)  # the same addresses: the direct graph, whose capture fails
+    assert torch.equal(h, before), "the failed call left its warm-up's result in the input"
+
+
+def test_a_warm_up_that_raises_still_orders_the_callers_stream_after_its_kernels(monkeypatch):
+    """`capture`'s warm-up runs on a side stream; one that raises (an OOM past its first launches)
+    has queued kernels that read the inputs and write shared workspaces. The caller's stream
+    waits for them, or its next forward overlaps them."""
+    from moehal import graphs
+
+    waits = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            waits.append((self.name, other.name))
+
+    caller = Stream("caller")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: caller)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    def forward():
+        raise torch.OutOfMemoryError("CUDA out of memory (the combine's output)")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        graphs.capture(forward, torch.device("cuda", 0))
+    assert waits == [("side", "caller"), ("caller", "side")]
 
 
 def test_graphs_of_every_token_count_share_the_rows_they_read_and_write(fake_cuda_graphs):

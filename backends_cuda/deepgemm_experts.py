@@ -670,7 +670,9 @@ class DeepGemmExpertsRunner(ExpertsRunner):
 
             w = self.w
             assert w is not None
-            self._portable = TritonExpertsRunner(self.req, ActivationFormat(Layout.STANDARD, self.config.dtype))
+            # Kept only once loaded: a build that raises midway (an OOM in `.contiguous()`) must
+            # not leave a runner without weights for every later portable batch.
+            portable = TritonExpertsRunner(self.req, ActivationFormat(Layout.STANDARD, self.config.dtype))
             if self.static:  # fp8_tensor: per-expert scales (a block of each expert's) and the static ones
                 assert w.w13_scale is not None and w.w2_scale is not None
                 tw = TritonMoEWeights(
@@ -683,7 +685,8 @@ class DeepGemmExpertsRunner(ExpertsRunner):
                     w.w13, w.w2, quant="fp8_block" if self.fp8 else "none", w13_scale=w.w13_scale,
                     w2_scale=w.w2_scale, w13_bias=w.w13_bias, w2_bias=w.w2_bias, ue8m0=self.ue8m0,
                 )  # fmt: skip
-            self._portable.load(tw)
+            portable.load(tw)
+            self._portable = portable
         return self._portable.apply(inp) if out is None else self._portable.apply_into(inp, out)
 
     def load(self, weights: Any) -> None:
@@ -967,5 +970,6 @@ class DeepGemmExperts(Experts):
         sm100 = _is_sm100(req)
         # SM100 FP8 weight scales are packed UE8M0, which only DeepGEMM reads.
         chooser = None if (fp8 and sm100) else GemmChooser(req.hardware.name)
+        ops = DeepGemmOps(fp8, sm100)  # first: a build that fails here claims no GPU
         claim_deep_gemm_device(req)
-        return DeepGemmExpertsRunner(req, fmt, DeepGemmOps(fp8, sm100), chooser, self.small_batch_format(req))
+        return DeepGemmExpertsRunner(req, fmt, ops, chooser, self.small_batch_format(req))

@@ -1074,3 +1074,41 @@ def test_recent_binds_keep_the_most_recently_used():
     assert kept.get(2) == "2" and kept.get(9) is None and list(kept) == [3, 4, 2]  # a hit is used again
     kept[5] = "5"
     assert list(kept) == [4, 2, 5]
+
+
+def test_a_portable_runner_whose_build_raises_is_built_again_next_call(monkeypatch):
+    """fp8_tensor's token-major batches run the portable fused MoE, built at the first such call.
+    A build that raised midway (an OOM copying the per-expert scales) was kept without weights,
+    and every later token-major batch failed; the engine's retry must find it built anew."""
+    import moehal.kernels.triton_fused_moe as tfm
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, max_tokens=8)
+    quant = QuantScheme.parse("fp8_tensor")
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(8, 256, 256, generator=g) / 16, torch.randn(8, 256, 128, generator=g) / 11
+    weights = quantize_weights(cfg, quant, w13, w2, calibration_input=torch.randn(16, 256, generator=g))
+    req = BuildRequest(cfg, quant, detect("cpu"))
+    fmt = ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR, MASKED_ROW_ALIGNMENT)
+    std = ActivationFormat(Layout.STANDARD, cfg.dtype)
+    ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(True), None, SmallBatchFormat(std, 2, ""))
+    ex.load(weights)
+    disp = CudaPermuteDispatcher().build(req, std)
+    x = torch.randn(2, 256, generator=g).bfloat16()
+    topk = TopK(torch.tensor([[0, 3], [5, 1]], dtype=torch.int32), torch.rand(2, 2, generator=g) + 0.1)
+    real = tfm.TritonMoEWeights
+
+    def oom_once(*args, **kwargs):
+        monkeypatch.setattr(tfm, "TritonMoEWeights", real)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 B")
+
+    monkeypatch.setattr(tfm, "TritonMoEWeights", oom_once)
+    with pytest.raises(torch.OutOfMemoryError):
+        ex.apply(disp.dispatch(x, topk)[0])
+    inp, handle = disp.dispatch(x, topk)
+    got = disp.combine(ex.apply(inp), handle)
+    ref_disp = ReferenceDispatcher().build(req, ReferenceExperts().input_formats(req)[0])
+    ref_ex = ReferenceExperts().build(req, ReferenceExperts().input_formats(req)[0])
+    ref_ex.load(weights)
+    rinp, rh = ref_disp.dispatch(x, topk)
+    want = ref_disp.combine(ref_ex.apply(rinp), rh)
+    assert torch.isfinite(got).all() and ((got.float() - want.float()).norm() / want.float().norm()) < 0.05

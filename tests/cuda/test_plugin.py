@@ -342,6 +342,26 @@ def test_deepgemm_experts_stay_on_the_gpu_of_the_first_deepgemm_layer(monkeypatc
     assert support.deep_gemm_device_decision(_req(None)).ok  # a CPU request names no GPU
 
 
+def test_a_deepgemm_build_that_fails_claims_no_gpu(monkeypatch):
+    """The GPU is claimed once the build can no longer fail: a build whose DeepGEMM ops raised
+    (an import or a JIT lookup) kept its claim, and DeepGEMM was then declined on every other GPU."""
+    from moehal_cuda import deepgemm_experts as dge
+    from moehal_cuda import support
+
+    monkeypatch.setattr(support, "_DG_DEVICE", {})
+
+    def ops_fail(*args, **kwargs):
+        raise ImportError("deep_gemm: JIT include dir not found")
+
+    monkeypatch.setattr(dge, "DeepGemmOps", ops_fail)
+    on = {i: BuildRequest(CFG, QuantScheme.parse("bf16"), HardwareInfo("cuda", torch.device("cuda", i), "fake", (9, 0)))
+          for i in (0, 1)}  # fmt: skip
+    with pytest.raises(ImportError):
+        DeepGemmExperts().build(on[0], ActivationFormat(Layout.MASKED, torch.bfloat16))
+    assert support._DG_DEVICE == {}
+    assert support.deep_gemm_device_decision(on[1]).ok
+
+
 def test_a_conformance_report_on_an_sm90_gpu_says_which_paths_need_sm100():
     # The components section of `moehal conformance --backend cuda` on an H100 or H200: the
     # SM100-only paths read "not run" with their own hardware check's reason, not silence.

@@ -169,6 +169,17 @@ class SharedBuffer:
     num_qps_per_rank: int = 1
     buffer: Any = None
 
+    @property
+    def live(self) -> Any:
+        """The buffer, or a clear error where a larger one failed to build after this one was
+        freed (DeepEP must free the old one first); building a layer again makes a new one."""
+        if self.buffer is None:
+            raise RuntimeError(
+                "this process's DeepEP buffer was freed to make a larger one for a later layer, and that "
+                "build failed; build a layer on this process group again (every rank) to make a new one"
+            )
+        return self.buffer
+
 
 _BUFFERS: dict[tuple[int, bool], SharedBuffer] = {}
 
@@ -186,23 +197,33 @@ def shared_buffer(group: Any, low_latency: bool, nvl_bytes: int, rdma_bytes: int
     experts"), so layers with another count cannot share it (`check_limits` declines them)."""
     import deep_ep
 
+    key = (id(group), low_latency)
     entry = _shared_entry(group, low_latency)
+    made_here = entry is None
     if entry is None:
-        entry = _BUFFERS[(id(group), low_latency)] = SharedBuffer(group, low_latency, num_qps_per_rank=qps)
+        entry = _BUFFERS[key] = SharedBuffer(group, low_latency, num_qps_per_rank=qps)
     if low_latency and entry.buffer is not None and entry.num_qps_per_rank != qps:
         raise ValueError(
             f"this process's DeepEP low-latency buffer has {entry.num_qps_per_rank} QPs per rank, not {qps}"
         )
     if entry.buffer is None or nvl_bytes > entry.num_nvl_bytes or rdma_bytes > entry.num_rdma_bytes:
-        entry.num_nvl_bytes = max(entry.num_nvl_bytes, nvl_bytes)
-        entry.num_rdma_bytes = max(entry.num_rdma_bytes, rdma_bytes)
+        # The sizes and the QP count are recorded once the buffer exists: a build that raises (out
+        # of memory) must leave what a retry with smaller sizes, or another QP count, reads right.
+        nvl, rdma = max(entry.num_nvl_bytes, nvl_bytes), max(entry.num_rdma_bytes, rdma_bytes)
         if entry.buffer is not None:
             # DeepEP frees a buffer, and its NVSHMEM state, when the object is collected; the old
             # one must be gone before the next is made
             entry.buffer = None
             collect()
         kw: dict[str, Any] = {"low_latency_mode": True, "num_qps_per_rank": qps} if low_latency else {}
-        entry.buffer = deep_ep.Buffer(group, entry.num_nvl_bytes, entry.num_rdma_bytes, **kw)
+        try:
+            buffer = deep_ep.Buffer(group, nvl, rdma, **kw)
+        except BaseException:
+            if made_here:  # an entry no layer holds: forget it
+                _BUFFERS.pop(key, None)
+            raise
+        entry.buffer, entry.num_nvl_bytes, entry.num_rdma_bytes = buffer, nvl, rdma
+        entry.num_qps_per_rank = qps if low_latency else entry.num_qps_per_rank
     return entry
 
 
@@ -260,7 +281,7 @@ class DeepEPLowLatencyRunner(DispatchRunner):
         # round_scale only where wanted (float power-of-two scales: the GROUP_128_UE8M0 format),
         # so that releases from before it serve the other formats; use_ue8m0 (int32-packed
         # scales) is never asked for and keeps its default, False
-        recv, count, handle, _, _ = self.shared.buffer.low_latency_dispatch(
+        recv, count, handle, _, _ = self.shared.live.low_latency_dispatch(
             hidden, ids, self.t_max, c.num_experts, use_fp8=self.use_fp8, **self.scale_kw
         )
         x, s = recv if isinstance(recv, tuple) else (recv, None)
@@ -272,7 +293,7 @@ class DeepEPLowLatencyRunner(DispatchRunner):
 
     def combine(self, expert_out: Any, handle: _LLHandle) -> torch.Tensor:
         assert isinstance(expert_out, MaskedOutput)
-        out, _, _ = self.shared.buffer.low_latency_combine(
+        out, _, _ = self.shared.live.low_latency_combine(
             expert_out.hidden.to(torch.bfloat16), handle.topk_ids, handle.weights, handle.handle
         )
         if self.c.routed_scaling_factor != 1.0:
@@ -417,7 +438,7 @@ class DeepEPNormalRunner(DispatchRunner):
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
             w = torch.ones_like(w)
-        buffer = self.shared.buffer
+        buffer = self.shared.live
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, c.num_experts)
         recv_x, recv_ids, recv_w, _counts, handle, _ = buffer.dispatch(
             hidden,
@@ -456,7 +477,7 @@ class DeepEPNormalRunner(DispatchRunner):
         assert isinstance(expert_out, ContiguousOutput)
         c = self.c
         partial = tp.combine(expert_out.hidden, handle.slot_row, handle.weights, handle.num_recv, c.top_k, masked=False)
-        out, _, _ = self.shared.buffer.combine(partial, handle.handle)  # unweighted sum over source ranks
+        out, _, _ = self.shared.live.combine(partial, handle.handle)  # unweighted sum over source ranks
         if c.routed_scaling_factor != 1.0:
             out = out.float() * c.routed_scaling_factor
         return out.to(c.dtype)

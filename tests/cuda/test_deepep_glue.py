@@ -221,6 +221,40 @@ def test_layers_share_one_deep_ep_buffer_per_group_and_mode(monkeypatch):
     assert deepep.release_buffers() == 2
 
 
+def test_a_buffer_that_fails_to_grow_leaves_what_a_retry_needs(monkeypatch):
+    """`deep_ep.Buffer` raising while the shared buffer grows (out of memory, NVSHMEM failing to
+    make its QPs): the sizes and QP count were recorded before it, so a retry with smaller sizes
+    asked for the failed ones again, a failed first low-latency build left its QP count for the
+    next, and the layers built before read a buffer of None. Now the failed sizes are not kept,
+    the retry builds, and a layer whose buffer was freed says why."""
+    limit = 1000
+
+    class Tight(deep_ep_double.Buffer):
+        def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, **kw):
+            if kw.get("num_qps_per_rank") == 8:
+                raise RuntimeError("NVSHMEM: failed to create QPs")
+            if num_rdma_bytes > limit:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (asked {num_rdma_bytes} B)")
+            super().__init__(group, num_nvl_bytes, num_rdma_bytes, **kw)
+
+    mod = module()
+    mod.Buffer = Tight
+    monkeypatch.setitem(sys.modules, "deep_ep", mod)
+    group = Group(World(RANKS), 0)
+    a = deepep.shared_buffer(group, False, 0, 500)
+    with pytest.raises(torch.OutOfMemoryError):
+        deepep.shared_buffer(group, False, 0, 5000)
+    with pytest.raises(RuntimeError, match="freed to make a larger one"):
+        a.live  # noqa: B018 (the property raises)
+    retry = deepep.shared_buffer(group, False, 0, 800)  # every rank builds again, smaller
+    assert retry is a and a.live.num_rdma_bytes == 800 and a.num_rdma_bytes == 800
+    with pytest.raises(RuntimeError, match="QPs"):
+        deepep.shared_buffer(group, True, 0, 500, qps=8)
+    ll = deepep.shared_buffer(group, True, 0, 500, qps=4)
+    assert ll.num_qps_per_rank == 4 == ll.live.num_qps_per_rank
+    assert deepep.shared_buffer(group, True, 0, 500, qps=4) is ll
+
+
 @pytest.mark.parametrize("mode", ["low_latency", "normal"])
 def test_router_weight_on_input_is_applied_once(monkeypatch, mode):
     """`apply_router_weight_on_input` (top-1): the dispatcher scales the tokens before sending

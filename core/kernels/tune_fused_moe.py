@@ -464,7 +464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, rows in table.items():
         merged.setdefault(key, {}).update(rows)
     merged["_meta"] = _meta(dev, settle)
-    out.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    tmp = out.with_name(out.name + ".tmp")  # then renamed: an interrupted write leaves the old table
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    tmp.replace(out)
     for key, rows in table.items():
         for t, r in sorted(rows.items(), key=lambda kv: int(kv[0])):
             gain = r["heuristic_us"] / r["us"] if r["us"] > 0 else math.nan

@@ -215,6 +215,16 @@ class _Prepared:
     key: tuple[Any, ...]
     layer: MoELayer
 
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        # A copy of the module (`copy.deepcopy`, pickle, `torch.save`) gets no layer: it builds
+        # its own on its first eager forward. A copied layer kept the key of the original's
+        # weights, and its custom-op id had no refresher, so a compiled copy ran stale weights.
+        return _dropped, ()
+
+
+def _dropped() -> None:
+    return None
+
 
 def _version(t: torch.Tensor) -> int:
     try:

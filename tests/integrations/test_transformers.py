@@ -196,6 +196,42 @@ def test_compiled_experts_see_replaced_weights():
     torch._dynamo.reset()
 
 
+def test_a_copied_model_builds_its_own_layers():
+    """`copy.deepcopy` (a reference model beside a policy), pickle and `torch.save` of a prepared
+    model: the copy carried the original's layer, under the key of the original's weights and
+    with a custom-op id that nothing refreshed, so a compiled copy ran stale weights after an
+    in-place change. A copy now has no layer until it builds its own."""
+    import copy
+    import io
+
+    model = _model("mixtral")
+    model.set_experts_implementation("moehal")
+    mt.prepare(model)
+    gen = torch.Generator().manual_seed(13)
+    x, wts = torch.randn(6, HID, generator=gen), torch.rand(6, K, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(6)])
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        experts = next(m for m in twin.modules() if mt._is_experts_module(m))
+        assert experts.__dict__.get("_moehal_state") is None
+        torch._dynamo.reset()
+        with torch.no_grad(), pytest.raises(Exception, match="no moehal layer yet"):
+            torch.compile(experts, fullgraph=True, backend="eager")(x, ids, wts)
+        assert mt.prepare(twin) >= 1
+        torch._dynamo.reset()
+        compiled = torch.compile(experts, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            compiled(x, ids, wts)
+            experts.gate_up_proj.mul_(-2.0)  # in place: the compiled copy must see it
+            got = compiled(x, ids, wts)
+            twin.set_experts_implementation("eager")
+            want = experts(x, ids, wts)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+
+
 def test_activation_probe_sees_clamps_above_ten():
     # DeepSeek-V4 and GLM clamp SwiGLU at 10: a probe that never crosses the clamp took it for
     # plain SiLU and dropped it silently

@@ -16,6 +16,7 @@ from moehal.capability import Decision, accept, decline, require
 from moehal.config import Activation, MoEConfig
 from moehal.errors import (
     ConfigError,
+    InferenceOnlyWarning,
     InputError,
     MoEHalError,
     NoBackendError,
@@ -59,6 +60,7 @@ __all__ = [
     "Experts",
     "FusedForward",
     "HardwareInfo",
+    "InferenceOnlyWarning",
     "InputError",
     "Layout",
     "MoEConfig",

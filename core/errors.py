@@ -91,3 +91,9 @@ class NoBackendError(MoEHalError, RuntimeError):
 
 class NotSupportedError(MoEHalError, NotImplementedError):
     """An implementation was asked for something it declared it does not do."""
+
+
+class InferenceOnlyWarning(UserWarning):
+    """A forward was called with autograd recording and inputs that require grad: moehal's
+    kernels have no backward, so the layer runs without recording and its output carries no
+    gradient (the same on every backend). Train with another implementation."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -17,6 +18,7 @@ from moehal.config import MoEConfig
 from moehal.ep_dispatcher import check_ranks_agree
 from moehal.errors import (
     ConfigError,
+    InferenceOnlyWarning,
     InputError,
     NotSupportedError,
     WeightError,
@@ -108,6 +110,12 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.quant = QuantScheme.parse(quant)
+        if device is not None and torch.device(device).type == "meta":
+            raise NotSupportedError(
+                "MoELayer on the meta device: moehal selects its kernels for the device the layer runs on "
+                "and builds their buffers there. Build it on that device (construction allocates no "
+                "weights; load_weights comes after the model is materialized)"
+            )
         reg = registry if registry is not None else discover()
         hw: HardwareInfo = detect(device)
         chosen = backend if backend != "auto" else reg.settings.backend
@@ -345,6 +353,12 @@ class MoELayer(torch.nn.Module):
                     "layer.process_weights_after_loading() first"
                 )
             raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden_states, topk_weights, router_logits)
+        ):
+            self._warn_inference_only()
+            with torch.no_grad():  # every backend alike: no gradient, rather than some backends' partial ones
+                return self._forward(hidden_states, topk_ids, topk_weights, router_logits, out)
         self._check_hidden(hidden_states)
         if out is not None:
             self._check_out(out, hidden_states)
@@ -366,6 +380,31 @@ class MoELayer(torch.nn.Module):
         if should_replay(self._graph_tokens, hidden_states):
             return self._graphs_topk(hidden_states, topk_ids, topk_weights, out=out)
         return self._forward_topk(hidden_states, topk_ids, topk_weights, out)
+
+    def _warn_inference_only(self) -> None:
+        if not self.__dict__.get("_warned_grad"):
+            self._warned_grad = True
+            warnings.warn(
+                "MoELayer is inference-only: its kernels have no backward, so it runs without recording "
+                "autograd and its output carries no gradient (to the inputs, the router or the experts). "
+                "Call it under torch.no_grad() or torch.inference_mode(); train with another implementation.",
+                InferenceOnlyWarning,
+                stacklevel=6,  # the caller of layer(...): _forward, forward, torch's two call wrappers
+            )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:
+        """`.to()`, `.cuda()`, `.half()`, `to_empty()` and the like: the layer's kernels, buffers
+        and processed weights are built for one device and dtype, so a conversion that would
+        change either raises (it silently did nothing before); one that changes neither passes."""
+        probe = torch.empty(0, device=self.device, dtype=self.config.dtype)
+        moved = fn(probe)
+        if isinstance(moved, torch.Tensor) and (moved.device != probe.device or moved.dtype != probe.dtype):
+            raise NotSupportedError(
+                f"a MoELayer cannot be converted from {self.device} {self.config.dtype} to {moved.device} "
+                f"{moved.dtype}: its kernels were selected and its weights processed for the first. Build "
+                "a new MoELayer (MoEConfig.with_(dtype=...), device=...) and load the weights into it"
+            )
+        return super()._apply(fn, recurse)
 
     # The hot path proper: inputs already checked; no lookups, no host sync.
     def _forward_logits(

@@ -266,8 +266,8 @@ def _build(module: torch.nn.Module, top_k: int, backend: str, quant: QuantScheme
     w13, w2, b13, b2 = canonical_weights(module, lay)
     if w13.dtype not in _FLOAT_DTYPES:
         raise NotSupportedError(
-            f"{name} holds {w13.dtype} weights; moehal's transformers integration takes float weights "
-            "(it quantizes them itself with register(quant=...))"
+            f"{name} holds {w13.dtype} weights; moehal's transformers integration takes bfloat16, float16 or "
+            "float32 weights (it quantizes them itself with register(quant=...))"
         )
     e, n13, h = w13.shape
     i = w2.shape[2]
@@ -363,6 +363,14 @@ def _make_forward(backend: str, quant: QuantScheme) -> Callable[..., torch.Tenso
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled() and (
+            hidden_states.requires_grad or any(p.requires_grad for p in self.parameters(recurse=False))
+        ):
+            raise NotSupportedError(
+                f"{type(self).__name__} is in training mode, and moehal's experts have no backward: no gradient "
+                "would reach the experts, the router or the layers below. Call model.eval() (or run under "
+                "torch.no_grad()) to serve, or train with experts_implementation='grouped_mm' or 'eager'"
+            )
         if torch.compiler.is_compiling():
             state: _Prepared | None = self.__dict__.get(_STATE)
             if state is None:

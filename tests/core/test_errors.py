@@ -342,3 +342,48 @@ def test_a_pipeline_enumerated_for_another_request_is_refused():
     assert layer.plan.pipeline.name == pipe.name
     with pytest.raises(moehal.ConfigError, match=f"pipeline {re.escape(pipe.name)} is not accepted.*npu.gmm: "):
         moehal.MoELayer(CFG, "nvfp4", device="cpu", registry=reg, pipeline=pipe)
+
+
+def test_a_forward_recording_autograd_warns_once_and_no_backend_gives_gradients(registry):
+    """moehal's kernels have no backward. Called with inputs that require grad, the reference
+    built a graph into the caller's weights while the Triton backends gave none, and the router
+    got a gradient on some backends only, silently. Every backend now runs without recording,
+    and the first such call says why."""
+    weights, *_ = build_problem(CFG, BF16, 1)
+    weights.w13.requires_grad_(True)  # an engine's nn.Parameter, handed to load_weights
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
+    layer.load_weights(weights)
+    x, ids, w = _inputs()
+    with torch.no_grad():
+        want = layer(x, ids, w)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    with pytest.warns(moehal.InferenceOnlyWarning, match="torch.no_grad") as rec:
+        y = layer(x, ids, w)
+    assert rec[0].filename == __file__, "the warning names the caller's line"
+    assert not y.requires_grad and torch.equal(y, want)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per layer
+        assert torch.equal(layer(x, ids, w), want)
+
+
+def test_conversions_that_would_move_or_recast_the_layer_raise(layer):
+    """`.to()`, `.half()`, `.cuda()`: the kernels and the processed weights belong to one device
+    and dtype. These conversions did nothing, and the forward failed later, or not at all
+    where the caller kept the layer's dtype."""
+    converts = (lambda m: m.half(), lambda m: m.float(), lambda m: m.to("meta"), lambda m: m.to_empty(device="meta"))
+    for convert in converts:
+        with pytest.raises(moehal.NotSupportedError, match="cannot be converted from cpu torch.bfloat16"):
+            convert(layer)
+    block = torch.nn.Sequential(torch.nn.Linear(32, 32, dtype=torch.bfloat16), layer)
+    assert block.to("cpu") is block and block.bfloat16() is block  # no change: allowed
+    x, ids, w = _inputs()
+    with torch.no_grad():
+        assert torch.equal(layer(x, ids, w), layer(x, ids, w))
+
+
+def test_a_layer_on_the_meta_device_says_to_build_it_where_it_runs(registry):
+    with pytest.raises(moehal.NotSupportedError, match="Build it on that device"):
+        moehal.MoELayer(CFG, BF16, device="meta", registry=registry)

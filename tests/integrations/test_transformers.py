@@ -232,6 +232,24 @@ def test_a_copied_model_builds_its_own_layers():
     torch._dynamo.reset()
 
 
+def test_training_mode_is_refused_and_eval_without_no_grad_warns():
+    """moehal's experts have no backward: a model in training mode got no gradient in its
+    experts, and on some backends none in its router either, silently. Training mode now raises;
+    a forward in eval mode that records autograd runs without recording it, and says so."""
+    model = _model("qwen3_moe")
+    model.set_experts_implementation("moehal")
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    model.train()
+    with pytest.raises(moehal.NotSupportedError, match=r"training mode.*model\.eval\(\)"):
+        model(ids)
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    with pytest.warns(moehal.InferenceOnlyWarning):
+        got = model(ids).logits  # autograd on: the embeddings require grad
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+
+
 def test_activation_probe_sees_clamps_above_ten():
     # DeepSeek-V4 and GLM clamp SwiGLU at 10: a probe that never crosses the clamp took it for
     # plain SiLU and dropped it silently

@@ -131,10 +131,12 @@ def check_power_of_two_scales(scale: torch.Tensor, name: str) -> None:
     (DeepGEMM `transpose_and_pack_fp32_into_ue8m0`). Checked here on its bits instead, with
     what to do about it."""
     bits = scale.float().contiguous().view(torch.int32)
-    bad = int(((bits & 0x807FFFFF) != 0).sum())
+    # sign or mantissa bits set, or the exponent of Inf/NaN (it packs as UE8M0 0xFF, which is NaN);
+    # zero passes: no sign or mantissa bits (it packs as 2^-127)
+    bad = int((((bits & 0x807FFFFF) != 0) | ((bits >> 23) & 0xFF == 0xFF)).sum())
     if bad:
         raise WeightError(
-            f"{name}: {bad} of {scale.numel()} fp8_block:ue8m0 weight scales are not positive powers of two, "
+            f"{name}: {bad} of {scale.numel()} fp8_block:ue8m0 weight scales are not finite positive powers of two, "
             "which DeepGEMM's SM100 scale packing requires; requantize the checkpoint's weights with UE8M0 "
             "scales (moehal.quantize_weights with the fp8_block:ue8m0 scheme does)"
         )

@@ -363,8 +363,10 @@ def _make_forward(backend: str, quant: QuantScheme) -> Callable[..., torch.Tenso
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled() and (
-            hidden_states.requires_grad or any(p.requires_grad for p in self.parameters(recurse=False))
+        if (
+            self.training
+            and torch.is_grad_enabled()
+            and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters(recurse=False)))
         ):
             raise NotSupportedError(
                 f"{type(self).__name__} is in training mode, and moehal's experts have no backward: no gradient "

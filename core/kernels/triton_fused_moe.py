@@ -427,6 +427,17 @@ def _e4m3_grid(q, MIN_NORMAL: tl.constexpr):
 
 
 @triton.jit
+def _ceil_pow2(x):
+    """UE8M0 scales: the smallest power of two >= each positive normal float32 of `x`, from its
+    bits, as `moehal.quant.fp8.ceil_pow2` (exact where `exp2(ceil(log2(x)))` is not: log2 rounds
+    to k just above 2^k, and on GPUs it is approximate)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    e = tl.where(((bits & 0x7FFFFF) != 0) & (e < 0xFF), e + 1, e)
+    return tl.where(e == 0xFF, x, (e << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _static_fp8(x, scale, QMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """fp32 `x` -> fp8 values (still fp32) with a static per-tensor scale: x / scale, saturated
     to +-QMAX, as `moehal.quant.fp8.quantize_tensor` does. `div_rn`: Triton's `/` is an
@@ -705,7 +716,7 @@ def _group_quant_fp8_kernel(
         # way, and bf16 inputs put many values on ties: docs/device-runs/2026-11-28-session48)
         scale = tl.div_rn(tl.maximum(amax, 1e-12), QMAX)
         if UE8M0:
-            scale = tl.exp2(tl.ceil(tl.log2(scale)))
+            scale = _ceil_pow2(scale)
         q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
         if ROUND_IN_FP32:
             q = _e4m3_grid(q, MIN_NORMAL)

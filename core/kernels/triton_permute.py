@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2, note_fetched, persistent_tensors
 from moehal.kernels.launch import Site, fast_launch, site
-from moehal.kernels.triton_fused_moe import _static_fp8
+from moehal.kernels.triton_fused_moe import _ceil_pow2, _static_fp8
 
 QUANT_GROUP = 128
 # Contiguous layouts mark padding rows -1 in `row_expert` (DeepGEMM's `m_indices` convention):
@@ -81,7 +81,7 @@ def e4m3_scale(amax, UE8M0: tl.constexpr):
     two). div_rn (IEEE, once per group): the reference's scale bit for bit on the GPU too."""
     sc = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
     if UE8M0:
-        sc = tl.exp2(tl.ceil(tl.log2(sc)))
+        sc = _ceil_pow2(sc)
     return sc
 
 

@@ -18,8 +18,19 @@ def _scale_from_amax(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
     scale = div(amax.float().clamp_min(_TINY), FP8_MAX)
     if ue8m0:
         # Round the scale *up* to a power of two so that q never overflows.
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = ceil_pow2(scale)
     return scale
+
+
+def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= each positive normal float32 of `x`, from its bits (the
+    exponent, plus one where the mantissa is not zero), as DeepEP's and SGLang's quantizers
+    round UE8M0 scales. `exp2(ceil(log2(x)))` left the 2^k of up to ~16 ulp above 2^k, where
+    float32's log2 rounds to exactly k. Inf and NaN stay as they are."""
+    bits = x.float().contiguous().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    up = ((bits & 0x7FFFFF) != 0) & (exp < 0xFF)
+    return torch.where(exp == 0xFF, x.float(), ((exp + up.int()) << 23).view(torch.float32))
 
 
 def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

@@ -148,3 +148,28 @@ def test_dequantize_weights_takes_a_scheme_or_its_name():
     )
     by_name, by_scheme = dequantize_weights(w, "fp8_block"), dequantize_weights(w, QuantScheme.parse("fp8_block"))
     assert all(torch.equal(a, b) for a, b in zip(by_name, by_scheme))
+
+
+def test_ue8m0_scales_round_up_from_the_bits_in_the_oracle_and_the_triton_quantizer():
+    """UE8M0 scales are the smallest power of two >= amax / 448. `exp2(ceil(log2(s)))` kept 2^k
+    for float32 scales up to ~16 ulp above 2^k (log2 rounds to exactly k there), so q could
+    exceed 448 before its clamp. Both now take the exponent from the bits, as DeepEP's and
+    SGLang's quantizers do, and agree bit for bit."""
+    import numpy as np
+    from moehal.kernels.triton_fused_moe import per_token_group_quant_fp8
+
+    pows = torch.exp2(torch.arange(-40, 40, dtype=torch.float64)).float()
+    above = torch.cat([(pows.view(torch.int32) + d).view(torch.float32) for d in (0, 1, 2, 7, 16, 17, 1000)])
+    got = fp8.ceil_pow2(above)
+    want = torch.tensor([2.0 ** np.ceil(np.log2(np.float64(v))) for v in above.tolist()], dtype=torch.float32)
+    assert torch.equal(got, want)
+    assert torch.equal(fp8.ceil_pow2(torch.tensor([float("inf")])), torch.tensor([float("inf")]))
+    # rows whose amax / 448 lands at 2^k and just above it, float32 input (bf16 cannot land there)
+    amax = (above[: 80 * 4] * fp8.FP8_MAX).float()
+    x = torch.zeros(amax.numel(), 128)
+    x[:, 0], x[:, 1] = amax, -amax / 3
+    q, s = fp8.quantize_group(x, ue8m0=True)
+    exact = amax.double() / fp8.FP8_MAX
+    assert (s[:, 0].double() >= exact).all() and (s[:, 0].double() < 2 * exact).all()
+    tq, ts = per_token_group_quant_fp8(x, ue8m0=True)
+    assert torch.equal(ts, s) and torch.equal(tq.float(), q.float())

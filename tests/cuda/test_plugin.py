@@ -421,3 +421,16 @@ def test_nvfp4_dequant_experts_need_no_deep_gemm(monkeypatch):
     monkeypatch.setattr(Nvfp4DequantExperts, "small_batch_max_tokens", None)
     big = CFG.with_(num_experts=32, hidden_size=7168, intermediate_size=2048, top_k=8)  # DeepSeek-V3's EP8 slice
     assert ex.small_batch_format(_req((9, 0), "nvfp4", big)) is None  # 704 MB a token: masked at every size
+
+
+def test_sm100_ue8m0_weight_scales_must_be_finite_powers_of_two():
+    """DeepGEMM's SM100 packing keeps each fp32 scale's exponent: a scale that is not a power of
+    two stops the GPU at load, and Inf (exponent 0xFF, which UE8M0 reads as NaN) passed the
+    bit check, whose mask sees only the sign and the mantissa."""
+    from moehal.errors import WeightError
+    from moehal_cuda.deepgemm_experts import check_power_of_two_scales
+
+    check_power_of_two_scales(torch.tensor([1.0, 2.0**-20, 2.0**100, 0.0]), "w13_scale")
+    for bad in (1.5, -2.0, float("inf"), float("nan")):
+        with pytest.raises(WeightError, match="1 of 2 .* not finite positive powers of two"):
+            check_power_of_two_scales(torch.tensor([4.0, bad]), "w13_scale")

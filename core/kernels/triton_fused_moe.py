@@ -397,10 +397,17 @@ def _to(x, out_ty: tl.constexpr, FIX_BF16: tl.constexpr):
     rounding to nearest even, so round the fp32 bits first; the cast is then exact."""
     if FIX_BF16:
         if out_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+            x = _bf16_grid(x)
     return x.to(out_ty)
+
+
+@triton.jit
+def _bf16_grid(x):
+    """fp32 rounded to the nearest bf16 value (ties to even), as fp32, from its bits. NaN stays
+    NaN: the carry of a NaN with a large payload wrapped around to a zero."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

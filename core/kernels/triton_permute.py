@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2, note_fetched, persistent_tensors
 from moehal.kernels.launch import Site, fast_launch, site
-from moehal.kernels.triton_fused_moe import _ceil_pow2, _static_fp8
+from moehal.kernels.triton_fused_moe import _bf16_grid, _ceil_pow2, _static_fp8
 
 QUANT_GROUP = 128
 # Contiguous layouts mark padding rows -1 in `row_expert` (DeepGEMM's `m_indices` convention):
@@ -158,9 +158,7 @@ def round_to_bf16_grid(v):
     """Round float32 to the nearest bfloat16 value (ties to even), still as float32.
 
     Only used under the Triton interpreter, whose bf16 cast truncates."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    return _bf16_grid(v)
 
 
 @triton.jit

@@ -5,9 +5,14 @@ from __future__ import annotations
 import moehal
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moehal.kernels.triton_permute import round_to_bf16_grid
 from moehal.quant import QuantScheme, fp8, int8, nvfp4
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: interpreted on the CPU
 
 
 @given(n=st.integers(1, 300), k=st.integers(1, 300), ue8m0=st.booleans(), seed=st.integers(0, 2**16))
@@ -171,5 +176,26 @@ def test_ue8m0_scales_round_up_from_the_bits_in_the_oracle_and_the_triton_quanti
     q, s = fp8.quantize_group(x, ue8m0=True)
     exact = amax.double() / fp8.FP8_MAX
     assert (s[:, 0].double() >= exact).all() and (s[:, 0].double() < 2 * exact).all()
-    tq, ts = per_token_group_quant_fp8(x, ue8m0=True)
-    assert torch.equal(ts, s) and torch.equal(tq.float(), q.float())
+    tq, ts = per_token_group_quant_fp8(x.to(DEV), ue8m0=True)
+    assert torch.equal(ts.cpu(), s) and torch.equal(tq.cpu().float(), q.float())
+
+
+@triton.jit
+def _bf16_rounded(x_ptr, o_ptr, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(o_ptr + i, round_to_bf16_grid(tl.load(x_ptr + i)))
+
+
+def test_the_interpreters_bf16_rounding_keeps_nan_and_rounds_as_torch():
+    """Under the Triton interpreter the kernels round fp32 to bf16 from the bits (its own cast
+    truncates). A NaN whose payload fills the low half carried into the sign and came out as a
+    zero, which hid a NaN leak from interpreted conformance."""
+    nans = torch.tensor([0x7FC00000, 0x7FFF8000, 0x7FFFFFFF, -1, -4194304], dtype=torch.int32).view(torch.float32)
+    finite = torch.randn(1015, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 38, 1015)
+    x = torch.cat([nans, finite, torch.tensor([float("inf"), -float("inf"), 3.3e38, -0.0])])
+    x = x.to(DEV)
+    out = torch.empty_like(x)
+    _bf16_rounded[(1,)](x, out, B=x.numel())
+    x, out = x.cpu(), out.cpu()
+    assert out[:5].isnan().all()
+    assert torch.equal(out[5:], x[5:].bfloat16().float())

@@ -10,7 +10,7 @@ from moehal.capability import Decision, accept, decline
 from moehal.errors import NotSupportedError
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest
-from moehal.kernels.host import interpreting, kernels_interpreted
+from moehal.kernels.host import interpreter_mode_changed, interpreting, kernels_interpreted, mode_change_reason
 from packaging.version import InvalidVersion, Version
 
 # sgl-deep-gemm builds are tied to a torch release; 0.1.4.post1 (+ apache-tvm-ffi 0.1.11) is the
@@ -62,6 +62,8 @@ def interpreted_mode(req: BuildRequest) -> str:
 
 def cuda_or_interpreter(req: BuildRequest) -> Decision:
     kind = req.hardware.kind
+    if interpreter_mode_changed():
+        return decline(mode_change_reason(), "hardware")
     if kind == "cuda":
         return accept(predicate="hardware")
     if kind == "cpu" and interpreting():

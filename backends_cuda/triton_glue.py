@@ -29,12 +29,11 @@ import torch
 import triton
 import triton.language as tl
 from moehal.config import Activation, MoEConfig
-from moehal.kernels.host import cdiv, next_power_of_2
+from moehal.kernels.host import cdiv, kernel_modules_interpreted, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_grouped_gemm import num_m_tiles
 from moehal.kernels.triton_nvfp4 import nvfp4_qdq
 from moehal.kernels.triton_permute import (
-    INTERPRETED,
     QUANT_GROUP,
     PaddedBuffer,
     e4m3_groups_quant,
@@ -45,6 +44,8 @@ from moehal.kernels.triton_permute import (
     stale_splits,
     zero_stale_rows,
 )
+
+INTERPRETED = kernel_modules_interpreted()  # as triton.jit decorates this module's kernels (host.py)
 
 ACT_IDS = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
 

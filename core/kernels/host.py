@@ -11,14 +11,16 @@ second-largest entry of the forward's profile (docs/device-runs/2026-11-23-sessi
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from moehal.errors import ConfigError
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
+_TRUE = frozenset({"1", "true", "yes", "on", "y"})  # Triton's words for true (3.9)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,20 +34,53 @@ def next_power_of_2(n: int) -> int:
 
 
 def interpreting() -> bool:
-    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (read now: capability checks)."""
+    """Whether `triton.jit` would make interpreted kernels now: Triton's own knob once Triton is
+    imported (TRITON_INTERPRET as Triton reads it, or `triton.knobs.runtime.interpret` set in
+    code), else the variable read with Triton's words for true."""
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is not None and hasattr(runtime, "interpret"):
+        return bool(runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
-# Fixed when the kernel modules are imported, as `triton.jit` decides interpreted or compiled when
-# it decorates them: the kernels' interpreter-only flags (exact rounding, upcasts) read this
-# instead of the environment on every launch.
-INTERPRETED: bool = interpreting()
+# How `triton.jit` decorated moehal's kernel modules, fixed by the first one imported (each
+# calls `kernel_modules_interpreted` as it decorates its kernels). Their interpreter-only flags
+# (exact rounding, upcasts) are this value: read once, not from the environment at each launch.
+# A mode changed after the first import would mix interpreted and compiled kernels, or run
+# interpreted kernels without their workarounds (outputs off by 1e10 on the CPU): refused.
+_KERNEL_MODE: list[bool] = []
+
+
+def kernel_modules_interpreted() -> bool:
+    """For a kernel module at import: whether its kernels are interpreted. Raises `ConfigError`
+    where the mode differs from the one moehal's first kernel module was decorated in."""
+    now = interpreting()
+    if not _KERNEL_MODE:
+        _KERNEL_MODE.append(now)
+    elif _KERNEL_MODE[0] != now:
+        raise ConfigError(mode_change_reason())
+    return now
+
+
+def mode_change_reason() -> str:
+    was = "interpreted" if _KERNEL_MODE and _KERNEL_MODE[0] else "compiled"
+    return (
+        f"TRITON_INTERPRET changed after moehal's Triton kernels were imported ({was} then): triton.jit "
+        "fixes the mode when it decorates a kernel. Set it before the process imports moehal's kernels, "
+        "and leave it as it is"
+    )
+
+
+def interpreter_mode_changed() -> bool:
+    """Whether Triton's interpret mode now differs from the one the kernels were decorated in."""
+    return bool(_KERNEL_MODE) and _KERNEL_MODE[0] != interpreting()
 
 
 def kernels_interpreted() -> bool:
     """Whether moehal's Triton kernels run (or, not imported yet, will run) in the interpreter,
     on whatever device: an execution mode that reports must say, a GPU's included."""
-    return INTERPRETED or interpreting()
+    return _KERNEL_MODE[0] if _KERNEL_MODE else interpreting()
 
 
 def persistent_tensors() -> torch.inference_mode:

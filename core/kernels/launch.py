@@ -39,7 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from moehal.kernels.host import INTERPRETED
+from moehal.kernels.host import kernel_modules_interpreted
+
+INTERPRETED = kernel_modules_interpreted()  # the mode of the kernels it launches (host.py)
 
 ENABLED = True  # diagnostics (A/B of host time): False sends every launch through JITFunction.run
 VERIFY = False  # tests: check each fast launch against Triton's own choice of compiled kernel

@@ -23,7 +23,7 @@ from moehal.errors import WeightError
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput, StandardOutput
 from moehal.hardware import HardwareInfo, module_available
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, TunedShape, WeightProcessor
-from moehal.kernels.host import interpreting, kernels_interpreted
+from moehal.kernels.host import interpreter_mode_changed, interpreting, kernels_interpreted, mode_change_reason
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 
@@ -241,6 +241,8 @@ class TritonExperts(Experts):
 
     def check_hardware(self, req: BuildRequest) -> Decision:
         kind = req.hardware.kind
+        if interpreter_mode_changed():
+            return decline(mode_change_reason(), "hardware")
         if kind == "cpu" and self.interpret_on_cpu:
             if interpreting():
                 return accept("CPU: the Triton kernels run in the interpreter (TRITON_INTERPRET=1)", "hardware")

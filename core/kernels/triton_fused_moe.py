@@ -58,9 +58,11 @@ import torch
 import triton
 import triton.language as tl
 from moehal.hardware import device_slug
-from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.host import cdiv, interpreting, kernel_modules_interpreted, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig, nearest_count
+
+INTERPRETED = kernel_modules_interpreted()  # as triton.jit decorates this module's kernels (host.py)
 
 # ----------------------------------------------------------------------------------------------
 # Environment and capabilities

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.host import cdiv, interpreting, kernel_modules_interpreted, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import FP8_GROUP, TileConfig
 from moehal.kernels.triton_fused_moe import _activation, _grouped_tile, _to
@@ -53,6 +53,8 @@ from moehal.kernels.triton_permute import (
     stale_splits,
     zero_stale_rows,
 )
+
+INTERPRETED = kernel_modules_interpreted()  # as triton.jit decorates this module's kernels (host.py)
 
 
 def default_config(rows_per_expert: int, n: int, k: int, fp8: bool) -> TileConfig:

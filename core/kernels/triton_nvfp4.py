@@ -10,7 +10,10 @@ Only the activations are quantized here: the weights are NVFP4 codes unpacked at
 
 import triton
 import triton.language as tl
+from moehal.kernels.host import kernel_modules_interpreted
 from moehal.kernels.triton_permute import round_to_e4m3_grid
+
+kernel_modules_interpreted()  # the mode triton.jit decorates this module's kernels in: checked (host.py)
 
 
 @triton.jit

@@ -44,9 +44,17 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import INTERPRETED, cdiv, next_power_of_2, note_fetched, persistent_tensors
+from moehal.kernels.host import (
+    cdiv,
+    kernel_modules_interpreted,
+    next_power_of_2,
+    note_fetched,
+    persistent_tensors,
+)
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_fused_moe import _bf16_grid, _ceil_pow2, _static_fp8
+
+INTERPRETED = kernel_modules_interpreted()  # as triton.jit decorates this module's kernels (host.py)
 
 QUANT_GROUP = 128
 # Contiguous layouts mark padding rows -1 in `row_expert` (DeepGEMM's `m_indices` convention):

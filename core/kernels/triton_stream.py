@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import cdiv
+from moehal.kernels.host import cdiv, kernel_modules_interpreted
+
+kernel_modules_interpreted()  # the mode triton.jit decorates this module's kernels in: checked (host.py)
 
 
 @triton.jit

@@ -27,13 +27,15 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from moehal.kernels.host import INTERPRETED, cdiv, interpreting, next_power_of_2
+from moehal.kernels.host import cdiv, interpreting, kernel_modules_interpreted, next_power_of_2
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.tiles import TileConfig
 from moehal.kernels.triton_fused_moe import _to
 from moehal.kernels.triton_grouped_gemm import _gemm1_act, fused_act_config
 from moehal.kernels.triton_nvfp4 import nvfp4_qdq
 from moehal.kernels.triton_permute import arrivals, scratch
+
+INTERPRETED = kernel_modules_interpreted()  # as triton.jit decorates this module's kernels (host.py)
 
 # One live row per program; 16 is the smallest M tile `tl.dot` takes.
 _BLOCK_M = 16

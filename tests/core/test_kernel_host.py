@@ -24,16 +24,16 @@ def test_next_power_of_2_matches_triton(n: int) -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False), ("", False), ("2", False)],
+    [("1", True), ("true", True), ("ON", True), ("yes", True), ("y", True), ("0", False), ("", False), ("2", False)],
 )
 def test_interpreting_reads_the_variable_as_triton_does(
     monkeypatch: pytest.MonkeyPatch, value: str, expected: bool
 ) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert interpreting() is expected
     knobs = pytest.importorskip("triton.knobs")
     if hasattr(knobs, "getenv_bool"):  # Triton's own parser, where this release exposes it
-        assert knobs.getenv_bool("TRITON_INTERPRET", False) is expected
+        expected = knobs.getenv_bool("TRITON_INTERPRET", False)  # ("y": 3.9 reads it as true)
+    assert interpreting() is expected
 
 
 def test_tile_config_reads_both_table_spellings() -> None:
@@ -44,3 +44,49 @@ def test_tile_config_reads_both_table_spellings() -> None:
     vllm = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8, "num_warps": 4}
     assert TileConfig.from_dict(vllm) == TileConfig(32, 64, 128, 8, 4, 2)  # vLLM's default: 2 stages
     assert TileConfig.from_dict({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}).num_stages == 3
+
+
+_LATE = """
+import os, sys, torch
+import moehal
+{before}
+os.environ["TRITON_INTERPRET"] = "1"  # set after moehal was imported
+cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+layer = moehal.MoELayer(cfg, backend="rocm", device="cpu")  # rocm.triton, else its torch fallback
+if layer.plan.pipeline.experts.qualname != "rocm.triton":
+    from moehal.kernels.triton_experts import TritonExperts
+    print("DECLINED", "TRITON_INTERPRET changed after" in TritonExperts().check_hardware(layer.request).reason)
+    sys.exit(0)
+g = torch.Generator().manual_seed(0)
+w13, w2 = torch.randn(4, 128, 128, generator=g) / 11, torch.randn(4, 128, 64, generator=g) / 8
+ref = moehal.MoELayer(cfg, backend="reference", device="cpu")
+for m in (layer, ref):
+    m.load_weights(w13=w13.bfloat16(), w2=w2.bfloat16())
+x = torch.randn(5, 128, generator=g).bfloat16()
+ids, w = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]]), torch.rand(5, 2, generator=g)
+a, b = layer(x, ids, w).float(), ref(x, ids, w).float()
+print("ERR", float((a - b).norm() / b.norm()))
+"""
+
+
+@pytest.mark.parametrize("kernels_first", [False, True], ids=["set-before-the-kernels", "set-after-the-kernels"])
+def test_triton_interpret_set_after_import_is_right_or_refused(kernels_first: bool) -> None:
+    """The interpreter's workarounds (bf16 dots upcast, exact rounding) were fixed at `import
+    moehal` while Triton fixes the mode when it decorates each kernel module: TRITON_INTERPRET
+    set in between ran interpreted kernels without them (outputs off by 6e10). The mode is now
+    the kernel modules' own; set after they were imported, the Triton experts decline, saying so."""
+    import os
+    import subprocess
+    import sys
+
+    before = "import moehal.kernels.triton_fused_moe" if kernels_first else ""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, whatever the machine
+    run = subprocess.run([sys.executable, "-c", _LATE.format(before=before)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    if kernels_first:
+        assert run.stdout.split() == ["DECLINED", "True"], run.stdout
+    else:
+        tag, err = run.stdout.split()
+        assert tag == "ERR" and float(err) < 0.02, run.stdout
+

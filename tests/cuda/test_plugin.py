@@ -97,6 +97,9 @@ def test_permute_dispatcher_formats(monkeypatch):
     assert not dsp.can_produce(ActivationFormat(Layout.MASKED, torch.int8, ScaleKind.PER_TOKEN), req).ok
     assert dsp.can_produce(ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR, 64), req).ok
     assert not dsp.can_produce(ActivationFormat("deepep_ll", torch.bfloat16), req).ok
+    from moehal.kernels import host
+
+    monkeypatch.setattr(host, "_KERNEL_MODE", [])  # a process whose kernels were never imported
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     d = dsp.check_hardware(_req(None))
     assert not d.ok and "no CUDA device" in d.reason

@@ -48,6 +48,9 @@ def test_backend_unavailable_without_rocm(reg, monkeypatch):
 
 @pytest.mark.skipif(not NO_ROCM, reason="checks the answer on a torch build without ROCm")
 def test_triton_experts_decline_on_cpu_without_interpreter(reg, monkeypatch):
+    from moehal.kernels import host
+
+    monkeypatch.setattr(host, "_KERNEL_MODE", [])  # a process whose kernels were never imported
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)
     req = BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), moehal.detect("cpu"))

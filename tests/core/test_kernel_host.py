@@ -89,4 +89,3 @@ def test_triton_interpret_set_after_import_is_right_or_refused(kernels_first: bo
     else:
         tag, err = run.stdout.split()
         assert tag == "ERR" and float(err) < 0.02, run.stdout
-

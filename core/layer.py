@@ -320,7 +320,7 @@ class MoELayer(torch.nn.Module):
         """
         if torch.compiler.is_compiling():  # one opaque node: moehal::moe_forward[_logits]
             if out is not None:  # (shapes, dtypes and devices only: traceable) as eager checks it
-                self._check_out(out, hidden_states)
+                self._check_out(out, hidden_states, traced=True)
             y = custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
             return y if out is None else out.copy_(y)
         order = self._order
@@ -549,13 +549,24 @@ class MoELayer(torch.nn.Module):
             if not bool(torch.isfinite(w).all()):
                 raise InputError("topk_weights contain NaN or Inf")
 
-    def _check_out(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+    def _check_out(self, out: torch.Tensor, x: torch.Tensor, traced: bool = False) -> None:
+        """traced: while a compiler traces, where the token count may be a symbol with no value
+        (an unbacked size): rows are compared with `torch._check`, which adds no guard."""
+        rows_differ = False if traced else out.shape[0] != x.shape[0] if isinstance(out, torch.Tensor) else True
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dim() != 2
+            or rows_differ
+            or out.shape[1] != x.shape[1]
+            or out.dtype != x.dtype
+        ):
             what = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise InputError(f"out must be {list(x.shape)} {x.dtype} like hidden_states, got {what}")
+        if traced:
+            torch._check(out.shape[0] == x.shape[0], lambda: "out must be [T, H] with the T rows of hidden_states")
         if out.device != x.device:
             raise InputError(f"out is on {out.device}, hidden_states on {x.device}")
-        if out.numel() > 1 and 0 in out.stride():  # (an expanded view: every row the same memory)
+        if 0 in out.stride() and out.numel() > 1:  # (an expanded view: every row the same memory)
             raise InputError(f"out must not be an expanded view (strides {out.stride()}): pass a tensor of its own")
 
     def _check_logits(self, logits: torch.Tensor, x: torch.Tensor) -> None:

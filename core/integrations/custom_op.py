@@ -23,7 +23,8 @@ CUDA graphs: the op itself adds no host work that matters to a capture (a dict l
 capture time); whether the forward captures depends on the chosen pipeline, declared by
 each implementation's `graph_capturable` (see `is_graph_capturable`).
 
-Inference only: no autograd formula is registered.
+Inference only: no autograd formula is registered. Inputs that require grad are detached
+while tracing, as the eager forward runs without recording autograd.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -68,11 +70,27 @@ def _forget(ref: weakref.ReferenceType[MoELayer], layer_id: int) -> None:
             _refreshers.pop(layer_id, None)
 
 
+def _fingerprint(layer: MoELayer) -> int:
+    """24 bits of what the layer computes (config, scheme, pipeline), stable across processes."""
+    what = f"{layer.config!r}|{layer.quant.name}|{layer.plan.pipeline.name}"
+    return zlib.crc32(what.encode()) & _FINGERPRINT_MASK
+
+
+_FINGERPRINT_BITS = 24
+_FINGERPRINT_MASK = (1 << _FINGERPRINT_BITS) - 1
+
+
 def register_layer(layer: MoELayer) -> int:
     """Give `layer` a process-unique id for the custom ops (called by `MoELayer.__init__`, and
-    again for a copy: a deep copy or an unpickled layer is another layer)."""
+    again for a copy: a deep copy or an unpickled layer is another layer).
+
+    An id is the layer's order of construction in the process and a fingerprint of its config,
+    scheme and pipeline: the same model built the same way gets the same ids in every process
+    (compile caches keep working), and a program exported in one process (`torch.export.save`,
+    AOTInductor) that a process with other layers loads finds no layer of that id, rather than
+    running whichever layer was built in that place."""
     with _lock:
-        layer_id = next(_ids)
+        layer_id = (next(_ids) << _FINGERPRINT_BITS) | _fingerprint(layer)
         _layers[layer_id] = weakref.ref(layer, lambda ref, i=layer_id: _forget(ref, i))
     return layer_id
 
@@ -109,8 +127,10 @@ def get_layer(layer_id: int) -> MoELayer:
     layer = ref() if ref is not None else None
     if layer is None:
         raise MoEHalError(
-            f"moehal layer {layer_id} no longer exists (it was garbage collected); a compiled graph or "
-            "CUDA graph still refers to it: keep the MoELayer alive as long as the compiled model"
+            f"no moehal layer has id {layer_id} in this process: it was garbage collected while a compiled "
+            "graph or CUDA graph still refers to it (keep the MoELayer alive as long as the compiled model), "
+            "or the program was exported in a process that built other layers, or built them in another "
+            "order (programs call layers by id: build the same layers in the same order before loading one)"
         )
     return layer
 
@@ -233,6 +253,10 @@ def traced_forward(
     router_logits: torch.Tensor | None,
 ) -> torch.Tensor:
     """What `MoELayer.forward` does while a compiler traces it: emit the custom op."""
+    if torch.is_grad_enabled():  # inference only, as the eager forward: no gradient through the op
+        hidden_states, topk_ids, topk_weights, router_logits = _detached(
+            hidden_states, topk_ids, topk_weights, router_logits
+        )
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
             raise InputError("pass either topk_ids/topk_weights or router_logits, not both")
@@ -240,3 +264,10 @@ def traced_forward(
     if topk_ids is None or topk_weights is None:
         raise InputError("pass topk_ids and topk_weights (or router_logits=...)")
     return torch.ops.moehal.moe_forward(hidden_states, topk_ids, topk_weights, layer._op_id)
+
+
+def _detached(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Inputs cut from autograd: the op has no backward, and an input that requires grad made
+    the compilers fail ("no autograd formula was registered") where the eager forward runs
+    without recording (`InferenceOnlyWarning`; no warning here: it would break the graph)."""
+    return tuple(t.detach() if t is not None and t.requires_grad else t for t in tensors)

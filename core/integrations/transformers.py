@@ -386,6 +386,7 @@ def _make_forward(backend: str, quant: QuantScheme) -> Callable[..., torch.Tenso
         x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
         w = top_k_weights if top_k_weights.is_floating_point() else top_k_weights.float()
         if torch.compiler.is_compiling():
+            x, w = (x.detach(), w.detach()) if torch.is_grad_enabled() else (x, w)  # (as custom_op.traced_forward)
             out = torch.ops.moehal.moe_forward(x, top_k_index, w, state.layer._op_id)
         else:
             out = state.layer(x, top_k_index, w)

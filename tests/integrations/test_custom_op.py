@@ -357,3 +357,55 @@ def test_a_layer_processed_on_a_gpu_refuses_to_copy(monkeypatch):
     monkeypatch.setattr(layer, "device", torch.device("cuda", 0))
     with pytest.raises(moehal.NotSupportedError, match="Copy the model before load_weights"):
         copy.deepcopy(layer)
+
+
+@pytest.mark.parametrize("use_logits", [False, True], ids=["topk", "logits"])
+def test_a_model_compiled_with_autograd_on_runs_as_eager_does(use_logits):
+    """`model.eval()` without `torch.no_grad()`: the routers' parameters require grad, and the
+    compilers that trace autograd failed on the op ("no autograd formula was registered"), while
+    the eager forward runs without recording. The compiled model now runs as eager does."""
+    model = TinyMoEModel(use_logits)
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        want = model(x)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_out_compiles_with_a_token_count_that_has_no_value():
+    """`out=` under an unbacked token dimension (`mark_unbacked`, as data-dependent batch sizes
+    give): `out.numel() > 1` and the shape comparison asked for guards no compiler can make."""
+    layer, *_ = _layer()
+    router = torch.nn.Linear(H, E)
+    buf = torch.empty(64, H)
+
+    def step(x):
+        w, ids = torch.topk(torch.softmax(router(x), -1), K, -1)
+        return x + layer(x, ids, w, out=buf[: x.shape[0]]) + layer(x, ids, w, out=torch.empty_like(x))
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for t in (5, 9):
+            x = torch.randn(t, H)
+            torch._dynamo.decorators.mark_unbacked(x, 0)
+            torch.testing.assert_close(compiled(x), step(x), rtol=1e-5, atol=1e-5)
+
+
+def test_op_ids_carry_the_layers_fingerprint(monkeypatch):
+    """Ids are the order of construction and a fingerprint of what the layer computes: a program
+    exported in a process whose first layer had another config names no layer of the loading
+    process's first one, and says what happened, rather than running it."""
+    import itertools
+
+    first, *_ = _layer()
+    monkeypatch.setattr(custom_op, "_ids", itertools.count(1 << 30))  # another process (counts no layer has)
+    same, *_ = _layer(seed=3)  # the same config built first: the same id, as compile caches want
+    monkeypatch.setattr(custom_op, "_ids", itertools.count(1 << 30))
+    other, *_ = _layer(dtype=torch.bfloat16)
+    assert same._op_id >> 24 == other._op_id >> 24 == 1 << 30
+    assert other._op_id != same._op_id
+    with pytest.raises(moehal.MoEHalError, match="exported in a process that built other layers"):
+        custom_op.get_layer(other._op_id ^ 1)
+    del first

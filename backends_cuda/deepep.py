@@ -359,7 +359,11 @@ class DeepEPLowLatencyDispatcher(Dispatcher):
             )
         if (c.ep_size * c.max_tokens) % 4:
             return decline("DeepEP low latency needs ep_size * max_tokens to be a multiple of 4", "parallel")
-        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+        raw = os.environ.get("NVSHMEM_QP_DEPTH", "1024")  # NVSHMEM's own variable, read as NVSHMEM reads it
+        try:
+            depth = int(raw)
+        except ValueError:
+            return decline(f"NVSHMEM_QP_DEPTH={raw!r} is not an integer (NVSHMEM's queue-pair depth)", "parallel")
         if depth < 2 * (c.max_tokens + 1):
             return decline(
                 f"max_tokens={c.max_tokens} needs NVSHMEM_QP_DEPTH >= {2 * (c.max_tokens + 1)} (now {depth})",

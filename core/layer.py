@@ -25,7 +25,7 @@ from moehal.errors import (
     WeightsAlreadyProcessedError,
     WeightsNotLoadedError,
 )
-from moehal.formats import ContiguousInput, MaskedInput, ScaleKind, with_dirty_padding
+from moehal.formats import ContiguousInput, Layout, MaskedInput, ScaleKind, with_dirty_padding
 from moehal.graphs import GraphCache, should_replay
 from moehal.hardware import HardwareInfo, detect
 from moehal.integrations import custom_op
@@ -110,6 +110,12 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.quant = QuantScheme.parse(quant)
+        if validate is not None and not isinstance(validate, bool):
+            raise ConfigError(f"validate must be True, False or None (the device's default), got {validate!r}")
+        if isinstance(layout, Layout):
+            layout = layout.value
+        if layout is not None and not isinstance(layout, str):
+            raise ConfigError(f"layout must be a layout name ('standard', 'contiguous', 'masked') or None: {layout!r}")
         if device is not None and torch.device(device).type == "meta":
             raise NotSupportedError(
                 "MoELayer on the meta device: moehal selects its kernels for the device the layer runs on "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -105,6 +106,24 @@ class Registry:
                 )
                 continue
             self.register(plugin, name, distribution=dist_name, version=dist_version, module=ep.value)
+        self._warn_unknown_names()
+
+    def _warn_unknown_names(self) -> None:
+        """Settings that name no installed plugin: a typo (`cdua`) otherwise disabled or emulated
+        nothing, silently."""
+        known = set(self.plugins)
+        for var, names in (
+            ("MOEHAL_DISABLE_PLUGINS", self.settings.disabled_plugins),
+            ("MOEHAL_EMULATE", self.settings.emulate),
+        ):
+            unknown = sorted(names - known)
+            if unknown:
+                warnings.warn(
+                    f"{var} (Settings.{'disabled_plugins' if 'DISABLE' in var else 'emulate'}) names "
+                    f"{', '.join(unknown)}, which no installed plugin is; installed: {', '.join(sorted(known))}",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     def register(
         self,
@@ -239,19 +258,27 @@ _default: Registry | None = None
 
 
 def discover(*, strict: bool | None = None, refresh: bool = False, settings: Settings | None = None) -> Registry:
-    """Load all plugins once per process and return the shared registry.
+    """Load all plugins once per process and return the shared registry, which layers built
+    without `registry=` select from.
 
     strict: raise `PluginLoadError` on the first plugin that fails (default: MOEHAL_STRICT_PLUGINS).
+    settings: the settings to load with (default: `Settings.from_env()`).
     refresh: forget the cached registry and load again (tests, or after installing a plugin).
+
+    With `strict` or `settings`, the registry is the caller's own: pass it as
+    `MoELayer(registry=...)`. It replaces the shared one only with `refresh=True` (one caller's
+    settings changed every other caller's layers before).
     """
     global _default
     with _lock:
-        if _default is not None and not refresh and strict is None and settings is None:
+        own = strict is not None or settings is not None
+        if _default is not None and not refresh and not own:
             return _default
         s = settings if settings is not None else Settings.from_env()
         if strict is not None:
             s = dataclasses.replace(s, strict=strict)
         reg = Registry(s)
         reg.load_entry_points()
-        _default = reg
+        if refresh or not own:
+            _default = reg
         return reg

@@ -388,9 +388,9 @@ def enumerate_pipelines(
         offered = _input_formats(experts, req)
         formats = [f for f in offered if layout is None or f.layout_name == layout]
         if not formats:
-            decisions.append(
-                CandidateDecision(experts.qualname, "experts", False, f"consumes no {layout!r} format here", "format")
-            )
+            its = ", ".join(sorted({f.layout_name for f in offered}))
+            why = f"consumes no {layout!r} format here (its layouts: {its})"
+            decisions.append(CandidateDecision(experts.qualname, "experts", False, why, "format"))
         for pref, fmt in enumerate(formats):
             found = False
             refusals = []

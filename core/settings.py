@@ -2,7 +2,11 @@
 
 Precedence, highest first: arguments passed in code (`MoELayer(backend=...)`,
 `discover(strict=...)`), then these variables, then defaults. There is exactly one
-variable per setting; no variable overrides another.
+variable per setting, and no variable overrides another (MOEHAL_NPU_EMULATE joins
+MOEHAL_EMULATE: MOEHAL_NPU_EMULATE=0 beside MOEHAL_EMULATE=npu is refused). Booleans take
+1/true/yes/on or 0/false/no/off; anything else raises `ConfigError`, naming the variable.
+Names that no installed plugin has, in MOEHAL_DISABLE_PLUGINS or MOEHAL_EMULATE, are warned
+about when the plugins load.
 
 | variable                 | setting           | meaning                                              |
 |--------------------------|-------------------|------------------------------------------------------|
@@ -10,7 +14,7 @@ variable per setting; no variable overrides another.
 | MOEHAL_DISABLE_PLUGINS   | disabled_plugins  | comma-separated plugin names not to load             |
 | MOEHAL_STRICT_PLUGINS    | strict            | 1: a plugin that fails to load raises                |
 | MOEHAL_EMULATE           | emulate           | comma-separated backends allowed to run in emulated mode |
-| MOEHAL_NPU_EMULATE       | emulate += {npu}  | the NPU backend's documented switch (same setting)  |
+| MOEHAL_NPU_EMULATE       | emulate += {npu}  | the NPU backend's switch (same setting: see below)  |
 | MOEHAL_MASKED_WORKSPACE_GIB | masked_workspace_gib | GiB for worst-case masked buffers (default 8) |
 
 `masked_workspace_gib`: a masked layout `[local_experts, max_tokens, hidden]` must be sized for
@@ -37,8 +41,22 @@ def _names(value: str | None) -> frozenset[str]:
     return frozenset(n.strip() for n in (value or "").split(",") if n.strip())
 
 
-def _flag(value: str | None) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"", "0", "false", "no", "off"})
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool | None:
+    """A boolean variable: True, False, or None where unset. Anything else is refused: a typo
+    (`ture`, `enabled`) read as false switched a setting off silently."""
+    value = env.get(name)
+    if value is None:
+        return None
+    word = value.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ConfigError(f"{name}={value!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,15 +68,35 @@ class Settings:
     masked_workspace_gib: float = DEFAULT_MASKED_WORKSPACE_GIB
 
     def __post_init__(self) -> None:
-        if not self.masked_workspace_gib >= 0:  # NaN too
-            raise ConfigError(f"Settings.masked_workspace_gib must be >= 0, got {self.masked_workspace_gib}")
+        # Settings built in code get the checks the variables get: a string for a set matched
+        # substrings (`"npu" in "npu,rocm"`), and "no" for a bool was true.
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise ConfigError(f"Settings.backend must be a backend name or None, got {self.backend!r}")
+        if self.backend is not None and self.backend.strip().lower() == "auto":
+            object.__setattr__(self, "backend", None)  # "auto" is automatic selection, as MOEHAL_BACKEND=auto
+        for name in ("disabled_plugins", "emulate"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"Settings.{name} must be a set of names, got {value!r}")
+            object.__setattr__(self, name, frozenset(value))
+        if not isinstance(self.strict, bool):
+            raise ConfigError(f"Settings.strict must be a bool, got {self.strict!r}")
+        gib = self.masked_workspace_gib
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or not gib >= 0:  # NaN too
+            raise ConfigError(f"Settings.masked_workspace_gib must be a number >= 0, got {gib!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         emulate = set(_names(env.get("MOEHAL_EMULATE")))
-        if _flag(env.get("MOEHAL_NPU_EMULATE")):
+        npu = _flag(env, "MOEHAL_NPU_EMULATE")
+        if npu:
             emulate.add("npu")
+        elif npu is False and "npu" in emulate:  # the two name one setting: they must not disagree
+            raise ConfigError(
+                f"MOEHAL_EMULATE={env.get('MOEHAL_EMULATE')!r} turns on the NPU backend's emulated mode and "
+                f"MOEHAL_NPU_EMULATE={env.get('MOEHAL_NPU_EMULATE')!r} turns it off: unset one of them"
+            )
         backend = (env.get("MOEHAL_BACKEND") or "").strip() or None
         gib = (env.get("MOEHAL_MASKED_WORKSPACE_GIB") or "").strip()
         try:
@@ -68,9 +106,9 @@ class Settings:
         if not masked_gib >= 0:  # NaN too
             raise ConfigError(f"MOEHAL_MASKED_WORKSPACE_GIB must be a number of GiB >= 0, got {gib!r}")
         return cls(
-            backend=None if backend == "auto" else backend,
+            backend=None if backend is not None and backend.lower() == "auto" else backend,
             disabled_plugins=_names(env.get("MOEHAL_DISABLE_PLUGINS")),
-            strict=_flag(env.get("MOEHAL_STRICT_PLUGINS")),
+            strict=bool(_flag(env, "MOEHAL_STRICT_PLUGINS")),
             emulate=frozenset(emulate),
             masked_workspace_gib=masked_gib,
         )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
 from moehal.cli import doctor, explain, goals, listing
+from moehal.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = argparse.Namespace(command=argv[0], func=_conformance if argv[0] == "conformance" else _bench)
         return int(args.func(args, argv[1:]) or 0)
     args = parser.parse_args(argv)
-    return int(args.func(args, []) or 0)
+    try:
+        return int(args.func(args, []) or 0)
+    except ConfigError as exc:  # a bad MOEHAL_* variable: its message, not a traceback
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        print(f"moehal {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -277,7 +277,7 @@ def test_masked_workspace_setting_errors_are_config_errors(value):
     every CLI command and layer), and NaN or a negative budget passed."""
     with pytest.raises(moehal.ConfigError, match="MOEHAL_MASKED_WORKSPACE_GIB must be a number of GiB >= 0"):
         moehal.Settings.from_env({"MOEHAL_MASKED_WORKSPACE_GIB": value})
-    with pytest.raises(moehal.ConfigError, match="masked_workspace_gib must be >= 0"):
+    with pytest.raises(moehal.ConfigError, match="masked_workspace_gib must be a number >= 0"):
         moehal.Settings(masked_workspace_gib=-1.0)
 
 

@@ -274,6 +274,54 @@ def test_settings_read_from_env():
     assert moehal.Settings.from_env({"MOEHAL_BACKEND": "auto"}).backend is None
 
 
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"MOEHAL_STRICT_PLUGINS": "ture"}, "MOEHAL_STRICT_PLUGINS='ture' is not a boolean"),
+        ({"MOEHAL_NPU_EMULATE": "y es"}, "MOEHAL_NPU_EMULATE='y es' is not a boolean"),
+        ({"MOEHAL_EMULATE": "npu", "MOEHAL_NPU_EMULATE": "0"}, "unset one of them"),
+    ],
+)
+def test_settings_refuse_what_they_would_misread(env, match):
+    """A typo in a boolean read as false, silently; and the NPU's two switches could disagree, the
+    one that turned emulation on winning."""
+    with pytest.raises(moehal.ConfigError, match=match):
+        moehal.Settings.from_env(env)
+
+
+def test_settings_made_in_code_are_checked_as_the_variables_are():
+    assert moehal.Settings(backend="auto").backend is None
+    assert moehal.Settings.from_env({"MOEHAL_BACKEND": "AUTO"}).backend is None
+    assert moehal.Settings(emulate={"npu"}).emulate == frozenset({"npu"})
+    for kwargs, match in [
+        (dict(emulate="npu,rocm"), "emulate must be a set of names"),  # `in` matched substrings
+        (dict(strict="no"), "strict must be a bool"),
+        (dict(masked_workspace_gib="8"), "masked_workspace_gib must be a number"),
+    ]:
+        with pytest.raises(moehal.ConfigError, match=match):
+            moehal.Settings(**kwargs)
+
+
+def test_names_of_no_installed_plugin_are_warned_about():
+    reg = moehal.Registry(moehal.Settings(disabled_plugins=frozenset({"cdua"}), emulate=frozenset({"nup"})))
+    with pytest.warns(UserWarning) as rec:
+        reg.load_entry_points()
+    said = [str(w.message) for w in rec]
+    assert any(m.startswith("MOEHAL_DISABLE_PLUGINS") and "names cdua, which no installed plugin is" in m for m in said)
+    assert any(m.startswith("MOEHAL_EMULATE") and "names nup" in m for m in said)
+
+
+def test_discover_with_settings_of_its_own_leaves_the_shared_registry(monkeypatch):
+    """`discover(settings=...)` replaced the registry every layer built without `registry=`
+    selects from: one caller's emulation turned on another's."""
+    monkeypatch.setattr(moehal.plugins, "_default", None)
+    shared = moehal.discover()
+    own = moehal.discover(settings=moehal.Settings(emulate=frozenset({"npu"})))
+    assert own is not shared and moehal.discover() is shared
+    assert moehal.discover(strict=False) is not shared and moehal.discover() is shared
+    assert moehal.discover(refresh=True) is not shared
+
+
 def test_forced_backend_restricts_experts(plugin_path):
     reg = _registry(backend="reference")
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)

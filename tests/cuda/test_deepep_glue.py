@@ -281,3 +281,6 @@ def test_low_latency_max_tokens_is_bounded_by_the_qp_depth(monkeypatch):
     assert not d.ok and "NVSHMEM_QP_DEPTH >= 1026" in d.reason and "now 1024" in d.reason
     monkeypatch.setenv("NVSHMEM_QP_DEPTH", "1026")
     assert check(512).ok
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "1k")  # declined, naming it (it raised out of the check)
+    d = check(64)
+    assert not d.ok and "NVSHMEM_QP_DEPTH='1k' is not an integer" in d.reason

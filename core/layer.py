@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from moehal import stream_order
 from moehal.config import MoEConfig
-from moehal.ep_dispatcher import check_ranks_agree
+from moehal.ep_dispatcher import check_process_group, check_ranks_agree
 from moehal.errors import (
     ConfigError,
     InferenceOnlyWarning,
@@ -126,6 +126,13 @@ class MoELayer(torch.nn.Module):
         hw: HardwareInfo = detect(device)
         chosen = backend if backend != "auto" else reg.settings.backend
         self.request = BuildRequest(config, self.quant, hw, reg.settings, process_group)
+        if process_group is not None and config.ep_size > 1:
+            # The group against ep_rank/ep_size, before selection: a mismatch is the caller's
+            # config, which every dispatcher over the group would decline (a NoBackendError of
+            # every backend's reasons, this one among them).
+            group = check_process_group(self.request)
+            if not group.ok and group.reason.startswith(("the process group has", "this process is rank")):
+                raise ConfigError(group.reason)
         if pipeline is not None:
             self.plan: Plan = Plan(self.request, _accepted(pipeline, self.request, reg, layout), (), ())
         else:
@@ -302,6 +309,19 @@ class MoELayer(torch.nn.Module):
     @property
     def weights_ready(self) -> bool:
         return self._processed
+
+    @property
+    def accepts_topk(self) -> bool:
+        """Whether `layer(x, topk_ids, topk_weights)` is served. False where the selected pipeline
+        routes inside its kernel from router logits only (TensorRT-LLM's fused MoE on SM100, for a
+        config with `routing`): an engine that routes itself checks this at start-up, or builds
+        with `routing=None`."""
+        return self._accepts_topk
+
+    @property
+    def accepts_router_logits(self) -> bool:
+        """Whether `layer(x, router_logits=...)` is served: the config has a `routing`."""
+        return self.config.routing is not None
 
     # Forward -------------------------------------------------------------------------------
     def forward(

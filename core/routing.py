@@ -31,10 +31,11 @@ class RoutingConfig:
         renormalize: divide the selected weights by their sum (DeepSeek's norm_topk_prob).
         n_group, topk_group: DeepSeek-V3 grouped selection: experts are split into n_group
             groups, the best topk_group groups (by the sum of their two best scores) are kept.
-            The sum ranks groups with or without a correction bias, as DeepSeek-V3's gate and
-            TensorRT-LLM's routing kernel do; vLLM's and SGLang's `grouped_topk` rank by the
-            group's best score when no bias is given (DeepSeek-V2's rule), which this method
-            does not implement: without a bias the two can keep different groups.
+            The sum ranks groups with or without a correction bias. With one (DeepSeek-V3/R1,
+            Kimi-K2) that is every implementation's rule. Without one, DeepSeek-V3's reference
+            gate (`inference/model.py`) and vLLM's and SGLang's `grouped_topk` rank by the
+            group's best score (DeepSeek-V2's rule), which this method does not implement: the
+            two can keep different groups.
         has_correction_bias: DeepSeek-V3 e_score_correction_bias, loaded with the weights.
     """
 

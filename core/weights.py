@@ -114,7 +114,12 @@ def validate(weights: ExpertWeights, config: MoEConfig, quant: QuantScheme, devi
     for name, (shape, dtypes) in spec.items():
         t = present.get(name)
         if t is None:
-            raise WeightError(f"{quant.name} weights need `{name}` with shape {list(shape)}; it was not given")
+            why = (
+                "RoutingConfig(has_correction_bias=True) needs"  # the routing's, not the scheme's
+                if name == "correction_bias"
+                else f"{quant.name} weights need"
+            )
+            raise WeightError(f"{why} `{name}` with shape {list(shape)}; it was not given")
         if tuple(t.shape) != shape:
             hint = " (load only this rank's local experts)" if t.dim() and config.ep_size > 1 else ""
             raise WeightError(

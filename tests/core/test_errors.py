@@ -387,3 +387,20 @@ def test_conversions_that_would_move_or_recast_the_layer_raise(layer):
 def test_a_layer_on_the_meta_device_says_to_build_it_where_it_runs(registry):
     with pytest.raises(moehal.NotSupportedError, match="Build it on that device"):
         moehal.MoELayer(CFG, BF16, device="meta", registry=registry)
+
+
+def test_a_missing_correction_bias_names_the_routing_that_needs_it(registry):
+    routing = moehal.RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True)
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16, routing=routing)
+    weights, *_ = build_problem(CFG, BF16, 1)
+    layer = moehal.MoELayer(cfg, BF16, device="cpu", registry=registry)
+    with pytest.raises(moehal.WeightError, match=r"RoutingConfig\(has_correction_bias=True\) needs `correction_bias`"):
+        layer.load_weights(w13=weights.w13, w2=weights.w2)
+
+
+def test_a_layer_says_which_call_forms_it_serves(layer, registry):
+    assert layer.accepts_topk and not layer.accepts_router_logits
+    routed = moehal.MoELayer(CFG.with_(routing=moehal.RoutingConfig("softmax")), BF16, device="cpu", registry=registry)
+    assert routed.accepts_topk and routed.accepts_router_logits
+    routed._accepts_topk = False  # what a fused forward that routes in its kernel declares
+    assert not routed.accepts_topk

@@ -38,15 +38,17 @@ def main() -> int:
 
     reg = moehal.Registry(moehal.Settings(emulate=frozenset({"npu"})))
     reg.load_entry_points()
-    if sys.argv[5:] == ["swapped"]:  # each rank built with another rank's ep_rank: refused at selection
+    if sys.argv[5:] == ["swapped"]:  # each rank built with another rank's ep_rank: refused before selection
         try:
             MoELayer(cfg.with_(ep_rank=world - 1 - rank), quant, backend="npu", device="cpu", registry=reg,
                      process_group=dist.group.WORLD)  # fmt: skip
-        except moehal.NoBackendError as exc:
-            line = next(x for x in str(exc).splitlines() if "npu.hccl" in x)
-            print(f"rank {rank} {line.strip()}", flush=True)
-            return 0
-        return 1
+        except moehal.ConfigError as exc:
+            print(f"rank {rank} ConfigError: {exc}", flush=True)
+        req = moehal.BuildRequest(cfg.with_(ep_rank=world - 1 - rank), moehal.QuantScheme.parse(quant),
+                                  moehal.detect("cpu"), reg.settings, dist.group.WORLD)  # fmt: skip
+        hccl = next(d for d in reg.dispatchers if d.qualname == "npu.hccl")  # and the dispatcher declines
+        print(f"rank {rank} npu.hccl: declined: {hccl.supports(req).reason}", flush=True)
+        return 0
     layer = MoELayer(cfg, quant, backend="npu", device="cpu", registry=reg, process_group=dist.group.WORLD)
     p = layer.plan.pipeline
     assert p.dispatcher.qualname == "npu.hccl", p.name

@@ -40,7 +40,9 @@ def test_hccl_refuses_an_ep_rank_that_is_not_the_process_rank():
     # each rank would load the other's experts and receive tokens meant for them: wrong output
     outs = _run_two_ranks("bf16", "swapped")
     for rank, out in enumerate(outs):
-        assert f"npu.hccl: declined: this process is rank {rank} of the group, MoEConfig.ep_rank is {1 - rank}" in out
+        why = f"this process is rank {rank} of the group, MoEConfig.ep_rank is {1 - rank}"
+        assert f"rank {rank} ConfigError: {why}" in out, out  # the layer: the caller's config, before selection
+        assert f"npu.hccl: declined: {why}" in out, out
 
 
 @pytest.mark.parametrize("quant", ["bf16", "w8a8_int8"])

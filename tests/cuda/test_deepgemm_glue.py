@@ -942,7 +942,7 @@ def test_sm100_weights_get_their_scale_transform_whoever_loads_them(monkeypatch)
     DeepGemmWeightProcessor().process(w, req)
     assert calls[2:] == calls[:2]  # the processor's call, the same
     bad = dataclasses.replace(w, w2_scale=w.w2_scale * 1.5)  # fp8_block scales, not UE8M0
-    with pytest.raises(WeightError, match="w2_scale: .* not positive powers of two"):
+    with pytest.raises(WeightError, match="w2_scale: .* not finite positive powers of two"):
         runner.load(bad)
 
 
@@ -962,7 +962,7 @@ def test_sm100_weights_with_negative_power_of_two_scales_are_refused(monkeypatch
     runner.load(w)  # the same weights with positive scales load
     scale = w.w13_scale.clone()
     scale[1, 0, 1] = -scale[1, 0, 1]  # -2^k: mantissa bits zero, sign bit set
-    with pytest.raises(WeightError, match="w13_scale: 1 of .* not positive powers of two"):
+    with pytest.raises(WeightError, match="w13_scale: 1 of .* not finite positive powers of two"):
         runner.load(dataclasses.replace(w, w13_scale=scale))
 
 
@@ -1086,15 +1086,16 @@ def test_a_portable_runner_whose_build_raises_is_built_again_next_call(monkeypat
     quant = QuantScheme.parse("fp8_tensor")
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(8, 256, 256, generator=g) / 16, torch.randn(8, 256, 128, generator=g) / 11
-    weights = quantize_weights(cfg, quant, w13, w2, calibration_input=torch.randn(16, 256, generator=g))
-    req = BuildRequest(cfg, quant, detect("cpu"))
+    weights = quantize_weights(cfg, quant, w13, w2, calibration_input=torch.randn(16, 256, generator=g)).to(DEV)
+    req = BuildRequest(cfg, quant, detect(DEV))
     fmt = ActivationFormat(Layout.MASKED, torch.float8_e4m3fn, ScaleKind.STATIC_TENSOR, MASKED_ROW_ALIGNMENT)
     std = ActivationFormat(Layout.STANDARD, cfg.dtype)
     ex = DeepGemmExpertsRunner(req, fmt, TorchGemmOps(True), None, SmallBatchFormat(std, 2, ""))
     ex.load(weights)
     disp = CudaPermuteDispatcher().build(req, std)
-    x = torch.randn(2, 256, generator=g).bfloat16()
-    topk = TopK(torch.tensor([[0, 3], [5, 1]], dtype=torch.int32), torch.rand(2, 2, generator=g) + 0.1)
+    x = torch.randn(2, 256, generator=g).bfloat16().to(DEV)
+    ids = torch.tensor([[0, 3], [5, 1]], dtype=torch.int32, device=DEV)
+    topk = TopK(ids, (torch.rand(2, 2, generator=g) + 0.1).to(DEV))
     real = tfm.TritonMoEWeights
 
     def oom_once(*args, **kwargs):

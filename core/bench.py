@@ -871,7 +871,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         save()
         png = plot(rows, out.with_suffix(".png"))
-        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else ""), markup=False)
+        no_png = " (no PNG: matplotlib is not installed; pip install 'moehal[plot]')"
+        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else no_png), markup=False)
     return 0
 
 

@@ -178,10 +178,11 @@ def test_deepcopy_gets_its_own_op_id():
         assert not torch.allclose(compiled, a(x, ids, w))
 
 
-def test_regional_compile_with_unspec_ids_is_one_graph(monkeypatch):
+# (config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes a torch config key as it undoes)
+@torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+def test_regional_compile_with_unspec_ids_is_one_graph():
     # one decoder block compiled for many layers: with the ids as graph inputs, one graph serves
     # all of them (the fake impls read a symbolic id's example value, adding no guard)
-    monkeypatch.setattr(torch._dynamo.config, "allow_unspec_int_on_nn_module", True)
     routing = moehal.RoutingConfig("softmax", renormalize=True)
 
     class Block(torch.nn.Module):

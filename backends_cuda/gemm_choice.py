@@ -88,7 +88,27 @@ def layer_key(e: int, h: int, i: int, top_k: int, gated: bool, dtype: str = "bf1
 
 
 def table_path(device_name: str, directory: pathlib.Path | None = None) -> pathlib.Path:
-    return (directory or TUNED_DIR) / f"masked_gemm.{device_slug(device_name)}.json"
+    """The device's table: in `directory` if given, else the one `register_table` named for the
+    device, else the one shipped in the package."""
+    name = f"masked_gemm.{device_slug(device_name)}.json"
+    if directory is not None:
+        return directory / name
+    return _REGISTERED.get(device_slug(device_name), TUNED_DIR / name)
+
+
+_REGISTERED: dict[str, pathlib.Path] = {}
+
+
+def register_table(device_name: str, path: str | pathlib.Path) -> None:
+    """Use the table at `path` for GPUs named `device_name` (layers built from now on), in place
+    of the shipped one: a table tuned where moehal is installed from a wheel
+    (`python -m moehal_cuda.tuning --out my_table.json`), kept outside site-packages. The file
+    is read when the first layer is built, and must exist then."""
+    p = pathlib.Path(path).expanduser().resolve()
+    if not p.is_file():
+        raise FileNotFoundError(f"no masked-GEMM table at {p}")
+    load_table(str(p))  # a malformed file is refused now, not at the first build
+    _REGISTERED[device_slug(device_name)] = p
 
 
 @dataclass(frozen=True)

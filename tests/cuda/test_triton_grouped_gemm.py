@@ -591,3 +591,25 @@ def test_decode_fused_records_come_from_bench_ab_logs():
     assert rec["layer_us"]["2"] == {"current": 37.6, "fused": 36.2}
     tile = TileConfig(16, 32, 128, 1, 4, 5).as_dict()
     assert rec["layer_us"]["1"] == {"current": 24.6, "fused": 22.8, "config": tile}
+
+
+def test_a_table_tuned_outside_the_package_is_registered_by_path(tmp_path, monkeypatch):
+    """A wheel's users tune into a file of their own: `register_table` points the device's
+    chooser at it (the shipped table's folder is site-packages)."""
+    from moehal_cuda import gemm_choice
+
+    monkeypatch.setattr(gemm_choice, "_REGISTERED", {})
+    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1, "num_warps": 4}
+    key = gemm_choice.entry_key(8, 256, 512, "bf16")
+    mine = tmp_path / "my_h200.json"
+    row = {"use": "triton", "config": cfg, "us": {"deepgemm": 30.0, "triton": 20.0}}
+    mine.write_text(json.dumps({"meta": {}, "entries": {key: {"1": row}}}))
+    assert not GemmChooser("Tuned Here GPU").has_table
+    gemm_choice.register_table("Tuned Here GPU", mine)
+    assert gemm_choice.table_path("Tuned Here GPU") == mine.resolve()
+    assert GemmChooser("Tuned Here GPU").choose(8, 256, 512, "bf16", 1).triton
+    with pytest.raises(FileNotFoundError):
+        gemm_choice.register_table("Tuned Here GPU", tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a masked-GEMM tuning table"):
+        gemm_choice.register_table("Tuned Here GPU", tmp_path / "bad.json")

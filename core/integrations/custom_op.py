@@ -175,8 +175,9 @@ def _fake_hidden(layer: MoELayer, hidden: torch.Tensor) -> None:
         raise InputError(f"hidden_states must be [T, {c.hidden_size}], got {list(hidden.shape)}")
     if hidden.dtype != c.dtype:
         raise InputError(f"hidden_states dtype is {hidden.dtype}; this layer was built for {c.dtype}")
-    if hidden.device.type != layer.device.type:
-        raise InputError(f"hidden_states is on {hidden.device}; the layer is on {layer.device}")
+    want = layer.device
+    if hidden.device.type != want.type or (want.index is not None and hidden.device.index not in (None, want.index)):
+        raise InputError(f"hidden_states is on {hidden.device}; the layer is on {want}")  # (cuda:1 too, as eager)
     if c.max_tokens is not None:
         torch._check(
             hidden.shape[0] <= c.max_tokens,

@@ -4,6 +4,7 @@ each component of the available backends: whether it can run on this machine, an
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from moehal.cli.common import cell, console, print_json, status_text, table
 from moehal.errors import MoEHalError
 from moehal.hardware import HardwareInfo, detect, package_version
+from moehal.kernels.host import kernels_interpreted
 from moehal.selection import machine_decision
 
 _EXIT_CODES = """exit status:
@@ -98,6 +100,10 @@ def collect(device: str | None = None) -> dict[str, Any]:
             "disabled_plugins": sorted(reg.settings.disabled_plugins),
             "strict": strict,
             "emulate": sorted(reg.settings.emulate),
+            "masked_workspace_gib": reg.settings.masked_workspace_gib,
+            # where they came from: the variables set (the rest are defaults), and Triton's mode
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOEHAL_")},
+            "triton_interpret": kernels_interpreted(),
         },
         "backends": backends,
     }
@@ -150,8 +156,14 @@ def run(args: argparse.Namespace, rest: Sequence[str] = ()) -> int:
             f"{cell(b['error'])}"
         )
     s = report["settings"]
-    if s["backend"] or s["disabled_plugins"] or s["emulate"]:
-        console.print(f"settings: {s}")
+    shown = {k: v for k, v in s.items() if k not in ("environment", "triton_interpret", "strict")}
+    console.print(
+        "settings: "
+        + ", ".join(f"{k}={v}" for k, v in shown.items())
+        + ("; from " + ", ".join(f"{k}={v}" for k, v in s["environment"].items()) if s["environment"] else "; defaults")
+        + ("; Triton kernels interpreted (TRITON_INTERPRET)" if s["triton_interpret"] else ""),
+        markup=False,
+    )
     if s["strict"] and failed:
         console.print(f"[red]MOEHAL_STRICT_PLUGINS is set and {len(failed)} plugin(s) failed to load[/red]")
     return rc

@@ -53,6 +53,21 @@ def test_doctor_table(capsys):
     assert "Components of the available backends" in out and "reference.experts" in out
 
 
+def test_doctor_shows_every_setting_and_where_it_came_from(capsys, monkeypatch):
+    """Doctor showed the settings only when a backend, disabled plugins or emulation were set,
+    and never the workspace budget or the variables behind them."""
+    monkeypatch.setattr(moehal.plugins, "_default", None)  # restored after the test
+    monkeypatch.setenv("MOEHAL_MASKED_WORKSPACE_GIB", "4")
+    assert main(["doctor", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["settings"]
+    assert s["masked_workspace_gib"] == 4.0 and s["environment"]["MOEHAL_MASKED_WORKSPACE_GIB"] == "4"
+    assert isinstance(s["triton_interpret"], bool)
+    moehal.plugins._default = None
+    assert main(["doctor"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("settings:"))
+    assert "masked_workspace_gib=4.0" in line and "from MOEHAL_MASKED_WORKSPACE_GIB=4" in line
+
+
 def test_explain_shows_decisions_and_plan(capsys):
     assert main(["explain", "--experts", "8", "--hidden", "256", "--intermediate", "128", "--quant", "fp8_block"]) == 0
     out = capsys.readouterr().out

@@ -578,13 +578,13 @@ class MoELayer(torch.nn.Module):
     def _check_out(self, out: torch.Tensor, x: torch.Tensor, traced: bool = False) -> None:
         """traced: while a compiler traces, where the token count may be a symbol with no value
         (an unbacked size): rows are compared with `torch._check`, which adds no guard."""
-        rows_differ = False if traced else out.shape[0] != x.shape[0] if isinstance(out, torch.Tensor) else True
         if (
             not isinstance(out, torch.Tensor)
             or out.dim() != 2
-            or rows_differ
+            or x.dim() != 2
             or out.shape[1] != x.shape[1]
             or out.dtype != x.dtype
+            or (not traced and out.shape[0] != x.shape[0])
         ):
             what = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise InputError(f"out must be {list(x.shape)} {x.dtype} like hidden_states, got {what}")

@@ -127,8 +127,8 @@ def test_fake_impl_rejects_bad_shapes_at_trace_time():
 
 @pytest.mark.parametrize(
     ("tokens", "out"),
-    [(4, torch.zeros(4, H, dtype=torch.float64)), (1, torch.zeros(4, H)), (1, torch.zeros(H))],
-    ids=["float64-for-float32", "more-rows", "one-dim"],
+    [(4, torch.zeros(4, H, dtype=torch.float64)), (1, torch.zeros(4, H)), (1, torch.zeros(H)), (1, torch.zeros(()))],
+    ids=["float64-for-float32", "more-rows", "one-dim", "zero-dim"],
 )
 def test_compiled_calls_check_out_as_eager_does(tokens, out):
     """A wrong `out=` was filled silently under torch.compile (one of another dtype, or one row

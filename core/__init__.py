@@ -46,7 +46,7 @@ from moehal.quant import QuantKind, QuantScheme, ScaleFormat
 from moehal.routing import RoutingConfig, RoutingMethod, TopK, route
 from moehal.selection import Plan, enumerate_pipelines, select
 from moehal.settings import Settings
-from moehal.weights import ExpertWeights, dequantize_weights, quantize_weights
+from moehal.weights import ExpertWeights, dequantize_weights, from_per_expert, quantize_weights
 
 __all__ = [
     "Activation",
@@ -94,6 +94,7 @@ __all__ = [
     "detect",
     "discover",
     "enumerate_pipelines",
+    "from_per_expert",
     "hookimpl",
     "quantize_weights",
     "require",

@@ -21,6 +21,7 @@ activation's global scale (see `moehal.quant.nvfp4`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -261,3 +262,80 @@ def local_slice(global_weights: ExpertWeights, config: MoEConfig) -> ExpertWeigh
     per_expert = {"w13", "w2", "w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_bias", "w2_bias"}
     changes = {n: t[sl] for n, t in global_weights.tensors().items() if n in per_expert}
     return global_weights.replace(**changes)
+
+
+def from_per_expert(
+    gate: Sequence[torch.Tensor] | None,
+    up: Sequence[torch.Tensor],
+    down: Sequence[torch.Tensor],
+    *,
+    gate_scale: Sequence[torch.Tensor] | None = None,
+    up_scale: Sequence[torch.Tensor] | None = None,
+    down_scale: Sequence[torch.Tensor] | None = None,
+    gate_bias: Sequence[torch.Tensor] | None = None,
+    up_bias: Sequence[torch.Tensor] | None = None,
+    down_bias: Sequence[torch.Tensor] | None = None,
+    **extra: torch.Tensor,
+) -> ExpertWeights:
+    """The canonical weights from a checkpoint that stores each expert's projections apart, as
+    HF and vLLM checkpoints do (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`; Mixtral's
+    `w1`, `w3`, `w2`): one tensor per local expert, in expert order.
+
+    gate, up: `[I, H]` each (gate None: a non-gated MLP, whose `up` is its first projection);
+    down: `[H, I]`. Scales as the checkpoint stores them, which `load_weights` takes as they are:
+    a DeepSeek/vLLM `weight_scale_inv` multiplies despite its name. Row scales (fp8_block's
+    `[I/128, H/128]`, int8's `[I]`, nvfp4's `[I, H/16]`) are stacked gate-then-up. A per-expert
+    scalar scale (fp8_tensor) must be the same for gate and up, since w13 holds one; a
+    checkpoint whose two differ needs requantizing (`quantize_weights`). `extra`: the other
+    `ExpertWeights` fields (global and activation scales, `correction_bias`), as they are."""
+    e = len(down)
+    for name, seq in (("gate", gate), ("up", up)):
+        if seq is not None and len(seq) != e:
+            raise WeightError(f"{name} has {len(seq)} experts, down has {e}")
+    inter = up[0].shape[0] if e else 0
+    if gate is not None and gate_scale is not None and e and inter % 128 and gate_scale[0].dim() == 2:
+        if gate_scale[0].shape[0] == -(-inter // 128) != inter:  # 128-row blocks, I not a multiple of 128
+            raise WeightError(
+                f"block scales of gate and up ({inter} rows each) cannot stack into w13's 128-row blocks: "
+                "a block would straddle the two halves. Requantize with moehal.quantize_weights"
+            )
+    if gate is not None:
+        w13 = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+    else:
+        w13 = torch.stack(list(up))
+    w13_scale = _stack_halves("scale", gate_scale, up_scale, gate is not None)
+    w13_bias = _stack_halves("bias", gate_bias, up_bias, gate is not None)
+    return ExpertWeights(
+        w13=w13,
+        w2=torch.stack(list(down)),
+        w13_scale=w13_scale,
+        w2_scale=torch.stack(list(down_scale)) if down_scale is not None else None,
+        w13_bias=w13_bias,
+        w2_bias=torch.stack(list(down_bias)) if down_bias is not None else None,
+        **extra,
+    )
+
+
+def _stack_halves(
+    what: str, gate: Sequence[torch.Tensor] | None, up: Sequence[torch.Tensor] | None, gated: bool
+) -> torch.Tensor | None:
+    if up is None:
+        if gate is not None:
+            raise WeightError(f"gate_{what} given without up_{what}")
+        return None
+    if not gated:
+        return torch.stack(list(up))
+    if gate is None:
+        raise WeightError(f"up_{what} given without gate_{what}")
+    rows = []
+    for i, (g, u) in enumerate(zip(gate, up, strict=True)):
+        if g.numel() == 1 and u.numel() == 1:  # one scale per expert: w13 holds one for both halves
+            if not torch.equal(g.reshape(()), u.reshape(())):
+                raise WeightError(
+                    f"expert {i}: gate_{what} {float(g):g} and up_{what} {float(u):g} differ, and w13 takes one "
+                    "per expert: requantize both halves to one scale (moehal.quantize_weights)"
+                )
+            rows.append(g.reshape(()))
+        else:
+            rows.append(torch.cat([g, u]))
+    return torch.stack(rows)

@@ -324,6 +324,8 @@ def _stack_halves(
             raise WeightError(f"gate_{what} given without up_{what}")
         return None
     if not gated:
+        if gate is not None:
+            raise WeightError(f"gate_{what} given for a non-gated MLP (gate is None)")
         return torch.stack(list(up))
     if gate is None:
         raise WeightError(f"up_{what} given without gate_{what}")

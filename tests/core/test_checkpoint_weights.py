@@ -61,3 +61,6 @@ def test_what_w13_cannot_hold_is_refused_with_the_way_out():
         moehal.from_per_expert(w[:3], w, [torch.zeros(H, INTER)] * E)
     with pytest.raises(moehal.WeightError, match="gate_scale given without up_scale"):
         moehal.from_per_expert(w, w, [torch.zeros(H, INTER)] * E, gate_scale=one)
+    with pytest.raises(moehal.WeightError, match="gate_bias given for a non-gated MLP"):
+        moehal.from_per_expert(None, w, down, gate_bias=[torch.zeros(INTER)] * E, up_bias=[torch.zeros(INTER)] * E)
+    assert moehal.from_per_expert(None, w, down).w13.shape == (E, INTER, H)

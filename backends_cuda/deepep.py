@@ -223,7 +223,8 @@ def shared_buffer(group: Any, low_latency: bool, nvl_bytes: int, rdma_bytes: int
                 _BUFFERS.pop(key, None)
             raise
         entry.buffer, entry.num_nvl_bytes, entry.num_rdma_bytes = buffer, nvl, rdma
-        entry.num_qps_per_rank = qps if low_latency else entry.num_qps_per_rank
+        if low_latency:
+            entry.num_qps_per_rank = qps
     return entry
 
 

@@ -112,14 +112,11 @@ class Registry:
         """Settings that name no installed plugin: a typo (`cdua`) otherwise disabled or emulated
         nothing, silently."""
         known = set(self.plugins)
-        for var, names in (
-            ("MOEHAL_DISABLE_PLUGINS", self.settings.disabled_plugins),
-            ("MOEHAL_EMULATE", self.settings.emulate),
-        ):
-            unknown = sorted(names - known)
+        for var, field_name in (("MOEHAL_DISABLE_PLUGINS", "disabled_plugins"), ("MOEHAL_EMULATE", "emulate")):
+            unknown = sorted(getattr(self.settings, field_name) - known)
             if unknown:
                 warnings.warn(
-                    f"{var} (Settings.{'disabled_plugins' if 'DISABLE' in var else 'emulate'}) names "
+                    f"{var} (Settings.{field_name}) names "
                     f"{', '.join(unknown)}, which no installed plugin is; installed: {', '.join(sorted(known))}",
                     UserWarning,
                     stacklevel=3,

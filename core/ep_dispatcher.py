@@ -205,6 +205,7 @@ class TorchDistributedDispatchRunner(DispatchRunner):
             )
         self.world, self.rank = world, rank
         self.top_k, self.num_local, self.expert_start = c.top_k, c.num_local_experts, c.local_expert_start
+        self.num_experts = c.num_experts
         self.dtype, self.hidden_size, self.max_tokens = c.dtype, c.hidden_size, c.max_tokens
         self.scale = c.routed_scaling_factor
         self.weight_on_input = c.apply_router_weight_on_input
@@ -240,7 +241,9 @@ class TorchDistributedDispatchRunner(DispatchRunner):
             hidden = (hidden.float() * weights).to(hidden.dtype)
             weights = torch.ones_like(weights)
         ids = topk.ids.to(torch.int64)
-        pad = ids < 0  # a -1 slot (MoEConfig.topk_padding) goes nowhere and combines as zero
+        # A -1 slot (MoEConfig.topk_padding) goes nowhere and combines as zero; so does an id past
+        # the experts, which only unchecked input (validate=False) can hold: no rank owns it.
+        pad = (ids < 0) | (ids >= self.num_experts)
         dst = torch.where(pad, w, ids // self.num_local)  # [T, K] owning rank of each slot; w: none
         # A token goes once to each rank it needs: keep the first slot of every destination.
         dup = (dst[:, :, None] == dst[:, None, :]).tril(-1).any(-1) if k > 1 else torch.zeros_like(dst, dtype=bool)

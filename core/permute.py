@@ -64,22 +64,34 @@ def to_masked(x: torch.Tensor, idx: SlotIndex, max_m: int) -> tuple[torch.Tensor
     """x `[T, H]` -> (hidden `[E_local, max_m, H]` zero-padded, masked_m int32 `[E_local]`).
 
     max_m must be at least the largest count; T is always enough (ids of a token are distinct).
+    Slots past `max_m` (only unchecked input that repeats an id within a token gets there) are
+    dropped, and masked_m is clamped to `max_m`: the experts' GEMMs trust masked_m as a row
+    bound, so a larger count would make them read and write past the buffer.
     """
     h = x.shape[-1]
     out = torch.zeros(idx.num_local_experts + 1, max(max_m, 1), h, dtype=x.dtype, device=x.device)
-    pos = torch.where(idx.valid, idx.slot_pos, torch.zeros_like(idx.slot_pos)).clamp(max=max(max_m, 1) - 1)
-    out[idx.slot_expert, pos] = x[slot_tokens(idx)]  # invalid slots land in the spare slab
-    return out[: idx.num_local_experts, :max_m], idx.counts
+    kept = _kept_masked(idx, max_m)
+    expert = torch.where(kept, idx.slot_expert, torch.full_like(idx.slot_expert, idx.num_local_experts))
+    pos = torch.where(kept, idx.slot_pos, torch.zeros_like(idx.slot_pos))
+    out[expert, pos] = x[slot_tokens(idx)]  # dropped slots land in the spare slab
+    return out[: idx.num_local_experts, :max_m], idx.counts.clamp(max=max_m)
 
 
 def from_masked(y: torch.Tensor, idx: SlotIndex, weights: torch.Tensor) -> torch.Tensor:
-    """y `[E_local, max_m, H]` -> `[T, H]` float32: sum over k of weight * row (local slots only)."""
+    """y `[E_local, max_m, H]` -> `[T, H]` float32: sum over k of weight * row (the slots
+    `to_masked` kept only)."""
     if y.shape[1] == 0 or idx.num_tokens == 0:
         return torch.zeros(idx.num_tokens, y.shape[-1], dtype=torch.float32, device=y.device)
+    kept = _kept_masked(idx, y.shape[1])
     e = idx.slot_expert.clamp(max=idx.num_local_experts - 1)
-    pos = torch.where(idx.valid, idx.slot_pos, torch.zeros_like(idx.slot_pos)).clamp(max=y.shape[1] - 1)
+    pos = torch.where(kept, idx.slot_pos, torch.zeros_like(idx.slot_pos))
     rows = y[e, pos].float()
-    return _weighted_sum(rows, idx, weights)
+    return _weighted_sum(rows, idx, weights, kept)
+
+
+def _kept_masked(idx: SlotIndex, max_m: int) -> torch.Tensor:
+    """The slots the masked layout holds: local ones within their expert's `max_m` rows."""
+    return idx.valid & (idx.slot_pos < max_m)
 
 
 # --- contiguous [M_pad, H] --------------------------------------------------------------------
@@ -126,9 +138,12 @@ def from_contiguous(y: torch.Tensor, idx: SlotIndex, slot_row: torch.Tensor, wei
     return _weighted_sum(rows, idx, weights)
 
 
-def _weighted_sum(rows: torch.Tensor, idx: SlotIndex, weights: torch.Tensor) -> torch.Tensor:
-    w = torch.where(idx.valid, weights.reshape(-1).float(), torch.zeros((), device=rows.device))
-    rows = torch.where(idx.valid[:, None], rows, torch.zeros((), device=rows.device))  # NaN-safe
+def _weighted_sum(
+    rows: torch.Tensor, idx: SlotIndex, weights: torch.Tensor, kept: torch.Tensor | None = None
+) -> torch.Tensor:
+    kept = idx.valid if kept is None else kept
+    w = torch.where(kept, weights.reshape(-1).float(), torch.zeros((), device=rows.device))
+    rows = torch.where(kept[:, None], rows, torch.zeros((), device=rows.device))  # NaN-safe
     return (rows * w[:, None]).view(idx.num_tokens, idx.top_k, -1).sum(1)
 
 

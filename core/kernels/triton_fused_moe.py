@@ -766,6 +766,7 @@ def _moe_sum_kernel(
     out_ptr,
     T,
     H,
+    E,
     stride_cm,
     stride_om,
     TOP_K: tl.constexpr,
@@ -773,7 +774,8 @@ def _moe_sum_kernel(
     BLOCK_H: tl.constexpr,
     FIX_BF16: tl.constexpr,
 ):
-    """out[t] = sum_k c[t*K + k] over the k whose expert is local (id >= 0); fp32 sum."""
+    """out[t] = sum_k c[t*K + k] over the k whose expert is local (0 <= id < E); fp32 sum. The
+    align pass leaves the rows of other ids unwritten, so they must not be read either."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_mask = offs_t < T
@@ -781,7 +783,7 @@ def _moe_sum_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + offs_t * TOP_K + k, mask=t_mask, other=-1)
-        m = (t_mask & (e >= 0))[:, None] & h_mask[None, :]
+        m = (t_mask & (e >= 0) & (e < E))[:, None] & h_mask[None, :]
         ptrs = c_ptr + (offs_t * TOP_K + k)[:, None] * stride_cm + offs_h[None, :]
         acc += tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + offs_t[:, None] * stride_om + offs_h[None, :]
@@ -1217,7 +1219,7 @@ class BoundFusedMoE:
             tw = tw.to(torch.float32).contiguous()
         self.gemm2(a2, a2_s, y, tw, sorted_ids, expert_ids, num_post)
         if not self.direct:
-            self._sum_site(y, ids, out, t, h, y.stride(0), out.stride(0))
+            self._sum_site(y, ids, out, t, h, self.experts, y.stride(0), out.stride(0))
         return out
 
     @functools.cached_property

@@ -91,3 +91,19 @@ def test_dispatchers_honour_the_masked_row_alignment():
     out, handle = runner.dispatch(torch.randn(5, 16).bfloat16(), moehal.TopK(ids, torch.rand(5, 2)))
     assert out.hidden.shape == (4, 64, 16)
     assert out.masked_m.tolist() == [3, 3, 2, 2]
+
+
+def test_masked_counts_never_exceed_the_rows_given():
+    """Unchecked ids (validate=False) may repeat an expert within a token, so an expert can get
+    more slots than max_m = T rows. The experts' GEMMs take masked_m as their row bound: the
+    counts are clamped to max_m and the extra slots dropped, as `cuda.permute` does. Before,
+    masked_m said 8 rows of a 4-row buffer (DeepGEMM and the Triton masked GEMM then read and
+    wrote past it), and the extra slots overwrote the last row."""
+    ids = torch.tensor([[1, 1]] * 4, dtype=torch.int32)  # 8 slots for expert 1, max_m = 4
+    x = torch.arange(4.0)[:, None].expand(4, 3).contiguous() + 1
+    idx = permute.index_slots(ids, 0, 2)
+    hm, masked_m = permute.to_masked(x, idx, max_m=4)
+    assert masked_m.tolist() == [0, 4]
+    assert torch.equal(hm[1], x)  # the first slot of each token, in token order; none overwritten
+    w = torch.ones(4, 2)
+    assert torch.equal(permute.from_masked(hm, idx, w), x)  # the dropped slots add nothing

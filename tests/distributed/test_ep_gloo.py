@@ -138,3 +138,26 @@ def test_combine_applies_routed_scaling_once(world_of_one):
     y = torch.randn(5, 16, generator=gen).bfloat16()  # stands in for the experts' weighted sums
     assert torch.equal(runner.combine(StandardOutput(y, scaled=True), handle), y)
     torch.testing.assert_close(runner.combine(StandardOutput(y), handle), (y.float() * 2.5).bfloat16())
+
+
+def test_ids_past_the_experts_are_dropped_not_indexed(world_of_one):
+    """Unchecked input (validate=False, the GPU default) may hold ids >= num_experts. No rank
+    owns such a slot: it is not sent, and combine must read it as the zero row. Before, only the
+    first such slot landed on the zero row and a second indexed past the received rows
+    (IndexError here; a device-side assert under NCCL)."""
+    import moehal
+    import torch
+    from moehal.ep_dispatcher import TorchDistributedDispatcher
+    from moehal.formats import ActivationFormat, Layout, StandardOutput
+    from moehal.interfaces import BuildRequest
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)
+    req = BuildRequest(cfg, moehal.QuantScheme.parse("bf16"), moehal.detect("cpu"), process_group=world_of_one)
+    runner = TorchDistributedDispatcher().build(req, ActivationFormat(Layout.STANDARD, torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 5], [1, 2], [7, 0], [2, 4]], dtype=torch.int32)
+    inp, handle = runner.dispatch(x, moehal.TopK(ids, torch.ones(4, 2)))
+    assert inp.hidden.shape == (4, 16)  # every token still has one good slot
+    got = runner.combine(StandardOutput(inp.hidden, scaled=True), handle)
+    assert torch.equal(got, x)  # the received rows come back; the bad slots add nothing

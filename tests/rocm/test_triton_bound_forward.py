@@ -94,3 +94,21 @@ def test_the_runner_keeps_one_binding_per_token_count(quant, monkeypatch):
     assert runner._bound == {}
     assert rel_err(ours(x, ids, wts), ref(x, ids, wts)) < TOL[quant]
     assert runner._bound[3] is not kept
+
+
+def test_a_slot_whose_id_is_past_the_experts_adds_nothing():
+    """Unchecked ids (validate=False, the GPU default) may reach the fused MoE outside [0, E).
+    The align pass drops such a slot from both GEMMs, so its intermediate row is never written;
+    the top-k sum must skip it as it skips -1. Before, it added that row of `torch.empty`."""
+    from moehal.kernels import triton_fused_moe as k
+
+    w = _weights()
+    x, ids, wts = _batch(5, 64, 4, 2, 0)
+    bad = ids.clone()
+    bad[0, 1] = 4  # == E
+    bad[2, 0] = 9
+    drop = bad.clone()
+    drop[0, 1] = drop[2, 0] = -1  # what the slots should amount to: nothing
+    want = k.fused_moe(x, drop, wts, w)
+    for _ in range(2):  # the uninitialized rows differ from call to call
+        assert torch.equal(k.fused_moe(x, bad, wts, w), want)

@@ -139,6 +139,25 @@ def validate(weights: ExpertWeights, config: MoEConfig, quant: QuantScheme, devi
         raise WeightError(f"unexpected tensors for {quant.name} with this config: {extra}")
     if quant.kind is QuantKind.NVFP4 and (config.hidden_size % 16 or config.intermediate_size % 16):
         raise WeightError("nvfp4 needs hidden_size and intermediate_size to be multiples of 16")
+    if quant.kind is QuantKind.NVFP4:
+        _check_nvfp4_global_scales(present)
+
+
+def _check_nvfp4_global_scales(present: dict[str, torch.Tensor]) -> None:
+    """moehal's nvfp4 global scale divides (`x = e2m1 * block / global`): 448 * 6 / amax, about
+    1e3 to 1e5 for real weights. ModelOpt checkpoints store its reciprocal (`weight_scale_2`,
+    about 1e-4), which given as it is runs silently wrong by a factor of 1e8 or so. A weight
+    global scale below 1 would mean |w| > 2688: refused as that mix-up. (Activation global
+    scales are not checked: activations that large are rare, not impossible.)"""
+    for name in ("w13_global_scale", "w2_global_scale"):
+        g = present[name]
+        if g.numel() and not bool(((g >= 1) & torch.isfinite(g)).all()):  # load time: one read is fine
+            raise WeightError(
+                f"`{name}` holds {float(g.min()):g}: moehal's nvfp4 global scale divides (x = e2m1 * block_scale / "
+                "global_scale, 448 * 6 / amax, finite and at least 1 for any real weight). A ModelOpt checkpoint's "
+                "`weight_scale_2` is its reciprocal: pass 1 / weight_scale_2 (and 1 / input_scale as the activation "
+                "global scale)"
+            )
 
 
 def quantize_weights(
@@ -157,7 +176,8 @@ def quantize_weights(
 
     Static activation scales (fp8_tensor, nvfp4) are calibrated from `calibration_input`
     `[T, H]` if given (activations of the second GEMM are estimated from a bf16 pass), else
-    set for unit-scale data.
+    set for unit-scale data: placeholders, which clip real hidden states. To load a quantized
+    checkpoint, keep its own scales (`from_per_expert`; the user guide maps them).
     """
     quant = QuantScheme.parse(quant)
     k = quant.kind
@@ -239,7 +259,11 @@ def dequantize_weights(weights: ExpertWeights, quant: QuantScheme | str) -> tupl
     k = quant.kind
     if k is QuantKind.BF16:
         return weights.w13.float(), weights.w2.float()
-    assert weights.w13_scale is not None and weights.w2_scale is not None
+    needed = ("w13_scale", "w2_scale") + (("w13_global_scale", "w2_global_scale") if k is QuantKind.NVFP4 else ())
+    missing = [n for n in needed if getattr(weights, n) is None]
+    if missing:
+        raise WeightError(f"{quant.name} weights need {', '.join(needed)} to dequantize; missing: {', '.join(missing)}")
+    assert weights.w13_scale is not None and weights.w2_scale is not None  # for the type checker
     if k is QuantKind.FP8_BLOCK:
         return fp8.dequantize_block(weights.w13, weights.w13_scale), fp8.dequantize_block(weights.w2, weights.w2_scale)
     if k is QuantKind.FP8_TENSOR:
@@ -248,7 +272,7 @@ def dequantize_weights(weights: ExpertWeights, quant: QuantScheme | str) -> tupl
             weights.w2.float() * weights.w2_scale[:, None, None].float(),
         )
     if k is QuantKind.NVFP4:
-        assert weights.w13_global_scale is not None and weights.w2_global_scale is not None
+        assert weights.w13_global_scale is not None and weights.w2_global_scale is not None  # checked above
         return (
             nvfp4.dequantize(weights.w13, weights.w13_scale, weights.w13_global_scale),
             nvfp4.dequantize(weights.w2, weights.w2_scale, weights.w2_global_scale),
@@ -272,6 +296,9 @@ def from_per_expert(
     gate_scale: Sequence[torch.Tensor] | None = None,
     up_scale: Sequence[torch.Tensor] | None = None,
     down_scale: Sequence[torch.Tensor] | None = None,
+    gate_global_scale: Sequence[torch.Tensor] | None = None,
+    up_global_scale: Sequence[torch.Tensor] | None = None,
+    down_global_scale: Sequence[torch.Tensor] | None = None,
     gate_bias: Sequence[torch.Tensor] | None = None,
     up_bias: Sequence[torch.Tensor] | None = None,
     down_bias: Sequence[torch.Tensor] | None = None,
@@ -282,12 +309,17 @@ def from_per_expert(
     `w1`, `w3`, `w2`): one tensor per local expert, in expert order.
 
     gate, up: `[I, H]` each (gate None: a non-gated MLP, whose `up` is its first projection);
-    down: `[H, I]`. Scales as the checkpoint stores them, which `load_weights` takes as they are:
-    a DeepSeek/vLLM `weight_scale_inv` multiplies despite its name. Row scales (fp8_block's
-    `[I/128, H/128]`, int8's `[I]`, nvfp4's `[I, H/16]`) are stacked gate-then-up. A per-expert
-    scalar scale (fp8_tensor) must be the same for gate and up, since w13 holds one; a
-    checkpoint whose two differ needs requantizing (`quantize_weights`). `extra`: the other
-    `ExpertWeights` fields (global and activation scales, `correction_bias`), as they are."""
+    down: `[H, I]`. Scales in moehal's convention (the user guide's table says how checkpoints
+    map to it): a dequantized fp8 or int8 weight is `q * scale`, so a DeepSeek/vLLM
+    `weight_scale_inv` goes in as it is, despite its name. Row scales (fp8_block's
+    `[I/128, H/128]`, int8's `[I]`, nvfp4's `[I, H/16]`) are stacked gate-then-up.
+
+    Where w13 holds one scale for both halves and the checkpoint has two that differ, the half
+    with the finer scale is requantized to the coarser one, as vLLM does: fp8_tensor's
+    per-expert scales (the fp8 weights are rescaled and rounded again), and nvfp4's global
+    scales (`*_global_scale`, one per expert: `1 / weight_scale_2` of a ModelOpt checkpoint;
+    the e4m3 block scales are rescaled and rounded again). `extra`: the other `ExpertWeights`
+    fields (activation scales, `correction_bias`), as they are."""
     e = len(down)
     for name, seq in (("gate", gate), ("up", up)):
         if seq is not None and len(seq) != e:
@@ -299,12 +331,34 @@ def from_per_expert(
                 f"block scales of gate and up ({inter} rows each) cannot stack into w13's 128-row blocks: "
                 "a block would straddle the two halves. Requantize with moehal.quantize_weights"
             )
+    for name in ("w13_global_scale", "w2_global_scale"):
+        if name in extra:
+            raise WeightError(f"pass {name} per projection (gate_/up_/down_global_scale), not as {name}=")
+    w13_global = None
+    if gate_global_scale is not None or up_global_scale is not None:
+        if up_global_scale is None or (gate is not None) != (gate_global_scale is not None):
+            raise WeightError("give gate_global_scale and up_global_scale together (up_global_scale alone: no gate)")
+        if up_scale is None or (gate is not None and gate_scale is None):
+            raise WeightError("global scales come with their projections' block scales (gate_scale, up_scale)")
+        if gate is not None:
+            assert gate_scale is not None and gate_global_scale is not None  # checked just above
+            gate_scale, up_scale, w13_global = _shared_global_scales(
+                gate_scale, up_scale, gate_global_scale, up_global_scale
+            )
+        else:
+            w13_global = torch.stack([g.reshape(()) for g in up_global_scale]).float()
+    elif gate is not None and gate_scale is not None and up_scale is not None:
+        gate, up, gate_scale, up_scale = _shared_tensor_scales(gate, up, gate_scale, up_scale)
     if gate is not None:
         w13 = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
     else:
         w13 = torch.stack(list(up))
     w13_scale = _stack_halves("scale", gate_scale, up_scale, gate is not None)
     w13_bias = _stack_halves("bias", gate_bias, up_bias, gate is not None)
+    if w13_global is not None:
+        extra["w13_global_scale"] = w13_global
+    if down_global_scale is not None:
+        extra["w2_global_scale"] = torch.stack([g.reshape(()) for g in down_global_scale]).float()
     return ExpertWeights(
         w13=w13,
         w2=torch.stack(list(down)),
@@ -314,6 +368,58 @@ def from_per_expert(
         w2_bias=torch.stack(list(down_bias)) if down_bias is not None else None,
         **extra,
     )
+
+
+def _shared_tensor_scales(
+    gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], gate_s: Sequence[torch.Tensor], up_s: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """fp8 per-tensor gate and up scales that differ -> both halves on the larger one: the half
+    with the smaller scale is dequantized and rounded again (vLLM's requantize_with_max_scale).
+    Other scales (rows, blocks) pass through."""
+    gate, up, gate_s, up_s = list(gate), list(up), list(gate_s), list(up_s)
+    if len(gate_s) != len(gate) or len(up_s) != len(up):
+        raise WeightError(f"{len(gate_s)} gate and {len(up_s)} up scales for {len(gate)} experts")
+    for i, (g, u, gs, us) in enumerate(zip(gate, up, gate_s, up_s, strict=True)):
+        if gs.numel() != 1 or us.numel() != 1 or torch.equal(gs.reshape(()), us.reshape(())):
+            continue
+        if g.dtype != fp8.FP8_DTYPE or u.dtype != fp8.FP8_DTYPE:
+            raise WeightError(
+                f"expert {i}: gate and up scales {float(gs):g} and {float(us):g} differ, and w13 takes one per "
+                f"expert; only {fp8.FP8_DTYPE} weights are requantized to the larger here, these are {g.dtype}"
+            )
+        top = torch.maximum(gs.reshape(()).float(), us.reshape(()).float())
+        gate[i], up[i] = (_fp8_rescaled(w, s.reshape(()).float() / top) for w, s in ((g, gs), (u, us)))
+        gate_s[i] = up_s[i] = top
+    return gate, up, gate_s, up_s
+
+
+def _fp8_rescaled(w: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """e4m3 weights times ratio <= 1, rounded again (no saturation: |w * ratio| <= |w|)."""
+    return w if bool(ratio == 1) else (w.float() * ratio).to(fp8.FP8_DTYPE)
+
+
+def _shared_global_scales(
+    gate_s: Sequence[torch.Tensor],
+    up_s: Sequence[torch.Tensor],
+    gate_g: Sequence[torch.Tensor],
+    up_g: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """nvfp4 gate and up global scales (`x = e2m1 * block / global`) -> one per expert, the
+    smaller (ModelOpt's larger `weight_scale_2`), with the other half's e4m3 block scales
+    multiplied by global / own global (<= 1) and rounded again, as vLLM reconciles them. The
+    e2m1 values stay."""
+    if not len(gate_s) == len(up_s) == len(gate_g) == len(up_g):
+        raise WeightError(
+            f"{len(gate_s)} gate and {len(up_s)} up block scales, {len(gate_g)} gate and {len(up_g)} up global scales"
+        )
+    gate_out, up_out, shared = [], [], []
+    for gs, us, gg, ug in zip(gate_s, up_s, gate_g, up_g, strict=True):
+        g, u = gg.reshape(()).float(), ug.reshape(()).float()
+        low = torch.minimum(g, u)
+        gate_out.append(gs if bool(g == low) else (gs.float() * (low / g)).to(gs.dtype))
+        up_out.append(us if bool(u == low) else (us.float() * (low / u)).to(us.dtype))
+        shared.append(low)
+    return gate_out, up_out, torch.stack(shared) if shared else torch.ones(0)
 
 
 def _stack_halves(
@@ -335,7 +441,7 @@ def _stack_halves(
             if not torch.equal(g.reshape(()), u.reshape(())):
                 raise WeightError(
                     f"expert {i}: gate_{what} {float(g):g} and up_{what} {float(u):g} differ, and w13 takes one "
-                    "per expert: requantize both halves to one scale (moehal.quantize_weights)"
+                    "per expert"
                 )
             rows.append(g.reshape(()))
         else:

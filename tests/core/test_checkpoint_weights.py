@@ -53,7 +53,7 @@ def test_what_w13_cannot_hold_is_refused_with_the_way_out():
         moehal.from_per_expert(gate, gate, [torch.zeros(H, inter)] * E, gate_scale=blocks, up_scale=blocks)
     one, other = [torch.tensor(0.5)] * E, [torch.tensor(0.25)] * E  # fp8_tensor: one scale per expert
     w = [torch.zeros(INTER, H)] * E
-    with pytest.raises(moehal.WeightError, match="expert 0: gate_scale 0.5 and up_scale 0.25 differ"):
+    with pytest.raises(moehal.WeightError, match="expert 0: gate and up scales 0.5 and 0.25 differ.*only torch.float8"):
         moehal.from_per_expert(w, w, [torch.zeros(H, INTER)] * E, gate_scale=one, up_scale=other)
     down = [torch.zeros(H, INTER)] * E
     assert moehal.from_per_expert(w, w, down, gate_scale=one, up_scale=one).w13_scale.shape == (E,)
@@ -64,3 +64,68 @@ def test_what_w13_cannot_hold_is_refused_with_the_way_out():
     with pytest.raises(moehal.WeightError, match="gate_bias given for a non-gated MLP"):
         moehal.from_per_expert(None, w, down, gate_bias=[torch.zeros(INTER)] * E, up_bias=[torch.zeros(INTER)] * E)
     assert moehal.from_per_expert(None, w, down).w13.shape == (E, INTER, H)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_fp8_tensor_gate_and_up_scales_that_differ_share_the_larger():
+    """ModelOpt and compressed-tensors fp8 checkpoints store one scale for w1 and one for w3;
+    w13 holds one per expert. The half with the smaller scale is requantized to the larger, as
+    vLLM does, keeping the checkpoint's activation scales (before: refused, with advice to
+    requantize through quantize_weights, whose placeholder activation scales clip real inputs)."""
+    g = torch.Generator().manual_seed(3)
+    gate_f = [torch.randn(INTER, H, generator=g) / 16 for _ in range(E)]
+    up_f = [torch.randn(INTER, H, generator=g) / 40 for _ in range(E)]  # a finer scale than gate's
+    gate, gs = zip(*(moehal.quant.fp8.quantize_tensor(w) for w in gate_f), strict=True)
+    up, us = zip(*(moehal.quant.fp8.quantize_tensor(w) for w in up_f), strict=True)
+    down = [torch.zeros(H, INTER, dtype=torch.float8_e4m3fn)] * E
+    got = moehal.from_per_expert(gate, up, down, gate_scale=gs, up_scale=us, down_scale=[torch.tensor(1.0)] * E)
+    assert torch.equal(got.w13_scale, torch.maximum(torch.stack(gs), torch.stack(us)).float())
+    assert torch.equal(got.w13[:, :INTER], torch.stack(gate))  # the coarser half stays as it was
+    want = torch.stack([torch.cat([a.float() * sa, b.float() * sb]) for a, sa, b, sb in zip(gate, gs, up, us)])
+    deq = got.w13.float() * got.w13_scale[:, None, None]
+    assert _rel(deq, want) < 0.04  # one more e4m3 rounding of the finer half
+    assert _rel(deq[:, :INTER], want[:, :INTER]) == 0
+
+
+def test_nvfp4_global_scales_per_projection_are_reconciled_and_reciprocals_refused():
+    """ModelOpt NVFP4: `weight_scale_2` = amax / (448 * 6), dequantized as e2m1 * block *
+    weight_scale_2; moehal's global scale divides, so it is 1 / weight_scale_2. w1 and w3 often
+    differ (vLLM #54974): the smaller global wins and the other half's block scales shrink."""
+    nvfp4 = moehal.quant.nvfp4
+    g = torch.Generator().manual_seed(4)
+    halves = [[torch.randn(INTER, H, generator=g) * s for _ in range(E)] for s in (0.05, 0.02)]
+    packed, blocks, ws2 = [], [], []  # per half, as ModelOpt stores them
+    for ws in halves:
+        amax = torch.stack([w.abs().amax() for w in ws])
+        scale_2 = amax / (448 * 6)
+        q = [nvfp4.quantize(w, 1 / s2) for w, s2 in zip(ws, scale_2)]
+        packed.append([a for a, _ in q]), blocks.append([b for _, b in q]), ws2.append(scale_2)
+    want = torch.stack([
+        torch.cat([nvfp4.block_values(packed[h][e], blocks[h][e]) * ws2[h][e] for h in (0, 1)]) for e in range(E)
+    ])  # fmt: skip
+    down = [torch.zeros(H, INTER // 2, dtype=torch.uint8)] * E
+    down_s = [torch.ones(H, INTER // 16).to(torch.float8_e4m3fn)] * E
+    got = moehal.from_per_expert(
+        packed[0], packed[1], down, gate_scale=blocks[0], up_scale=blocks[1], down_scale=down_s,
+        gate_global_scale=list(1 / ws2[0]), up_global_scale=list(1 / ws2[1]), down_global_scale=[torch.tensor(1e3)] * E,
+    )  # fmt: skip
+    assert torch.allclose(got.w13_global_scale, torch.minimum(1 / ws2[0], 1 / ws2[1]))
+    deq = nvfp4.dequantize(got.w13, got.w13_scale, got.w13_global_scale[:, None, None])
+    assert _rel(deq, want) < 0.03  # the rescaled block scales rounded again to e4m3
+    cfg = moehal.MoEConfig(E, 2, H, INTER)
+    layer = moehal.MoELayer(cfg, device="cpu", backend="reference", quant="nvfp4")
+    a_scale = dict(a13_scale=torch.tensor(100.0), a2_scale=torch.tensor(100.0))
+    as_stored = got.replace(w13_global_scale=1 / got.w13_global_scale, **a_scale)  # weight_scale_2 itself
+    with pytest.raises(moehal.WeightError, match="1 / weight_scale_2"):
+        layer.load_weights(as_stored)
+    with pytest.raises(moehal.WeightError, match="per projection"):
+        moehal.from_per_expert(packed[0], packed[1], down, w13_global_scale=got.w13_global_scale)
+
+
+def test_dequantize_weights_names_the_missing_scales():
+    q = moehal.ExpertWeights(torch.zeros(E, 2, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, 1))
+    with pytest.raises(moehal.WeightError, match="missing: w13_scale, w2_scale"):
+        moehal.dequantize_weights(q, "fp8_block")

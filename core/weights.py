@@ -371,7 +371,10 @@ def from_per_expert(
 
 
 def _shared_tensor_scales(
-    gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], gate_s: Sequence[torch.Tensor], up_s: Sequence[torch.Tensor]
+    gate: Sequence[torch.Tensor],
+    up: Sequence[torch.Tensor],
+    gate_s: Sequence[torch.Tensor],
+    up_s: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """fp8 per-tensor gate and up scales that differ -> both halves on the larger one: the half
     with the smaller scale is dequantized and rounded again (vLLM's requantize_with_max_scale).

@@ -746,6 +746,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="skip checking each row's output against the reference pipeline on the device (untimed, once a row)",
     )
     args = p.parse_args(argv)
+    # every name and number up front: a typo is an error now, not an empty table after the ceilings
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        p.error(f"--shapes: unknown {unknown}; known: {sorted(SHAPES)}")
+    try:
+        token_counts = [int(t) for t in args.tokens.split(",")]
+        for q in args.quant.split(","):
+            QuantScheme.parse(q)
+    except ValueError as exc:  # ConfigError is a ValueError too
+        p.error(f"--tokens or --quant: {exc}")
+    if min(token_counts) < 1:
+        p.error(f"--tokens must be positive integers, got {args.tokens}")
     console = make_console()
     dev = detect(args.device).device
     registry = moehal.discover()
@@ -766,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backends = [b for b in backends if b != "peers"] + [f"transformers:{n}" for n in peer_implementations(dev)]
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    shapes, quants, token_counts = args.shapes.split(","), args.quant.split(","), [*map(int, args.tokens.split(","))]
+    shapes, quants = args.shapes.split(","), args.quant.split(",")
     if args.rounds == 1:  # grouped by scheme and backend, as the table reads
         order = [(s, q, b, t, 0) for s in shapes for q in quants for b in backends for t in token_counts]
     else:  # interleaved: the rows that a goal compares run next to each other, in every round
@@ -873,6 +885,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         png = plot(rows, out.with_suffix(".png"))
         no_png = " (no PNG: matplotlib is not installed; pip install 'moehal[plot]')"
         console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else no_png), markup=False)
+    wrong = sum(r.check == "fail" for r in rows)
+    if wrong or (jobs and not rows):  # a run that measured nothing, or measured wrong outputs, is no success
+        console.print(f"{wrong} rows with wrong output" if wrong else "no row was measured", markup=False)
+        return 1
     return 0
 
 

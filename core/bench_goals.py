@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from moehal.errors import InputError
+
 # What a goal measures (`Goal.metric`):
 PCT_ROOFLINE = "pct_roofline"  # the row's % of the roofline measured in the same run
 VS_PEER = "vs_peer"  # the peer's time over ours, same shape, tokens and quant (1.2 = 1.2x faster)
@@ -260,14 +262,17 @@ def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
     runs: dict[str, dict[tuple, dict[int, dict[str, Any]]]] = {}
     skips: dict[str, dict[tuple, dict[int, dict[str, Any]]]] = {}
     for i, p in enumerate(paths):
-        data = json.loads(Path(p).read_text())
-        device = str(data.get("ceilings", {}).get("device", "?"))
-        for source, into in ((data["rows"], runs), (data.get(SKIPPED, []), skips)):
-            fresh: dict[tuple, dict[int, dict[str, Any]]] = {}
-            for r in source:
-                key = _key(r)
-                fresh.setdefault(key[:4], {})[key[4]] = {**r, RUN: i}
-            into.setdefault(device, {}).update(fresh)
+        try:
+            data = json.loads(Path(p).read_text())
+            device = str(data.get("ceilings", {}).get("device", "?"))
+            for source, into in ((data["rows"], runs), (data.get(SKIPPED, []), skips)):
+                fresh: dict[tuple, dict[int, dict[str, Any]]] = {}
+                for r in source:
+                    key = _key(r)
+                    fresh.setdefault(key[:4], {})[key[4]] = {**r, RUN: i}
+                into.setdefault(device, {}).update(fresh)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a wrong path, or no bench file
+            raise InputError(f"{p} is not a readable `moehal bench --out` JSON file: {exc!r}") from exc
     out: dict[str, list[dict[str, Any]]] = {}
     for device in dict.fromkeys([*runs, *skips]):  # in the files' order
         cells = runs.get(device, {})

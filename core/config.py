@@ -124,6 +124,11 @@ class MoEConfig:
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ConfigError("max_tokens must be positive or None")
         if self.routing is not None:
+            if not isinstance(self.routing, RoutingConfig):
+                raise ConfigError(
+                    f"MoEConfig.routing must be a RoutingConfig or None, got {self.routing!r} "
+                    f"(e.g. routing=moehal.RoutingConfig({self.routing!r}))"
+                )
             self.routing.check(self.num_experts, self.top_k)
 
     # Derived quantities -------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -93,7 +94,43 @@ class NotSupportedError(MoEHalError, NotImplementedError):
     """An implementation was asked for something it declared it does not do."""
 
 
-class InferenceOnlyWarning(UserWarning):
+class MoEHalWarning(UserWarning):
+    """Base of moehal's warnings: `warnings.filterwarnings("error", category=MoEHalWarning)`
+    turns them all into errors."""
+
+
+class SettingsWarning(MoEHalWarning):
+    """A setting (a `MOEHAL_*` variable or `Settings` field) that names no installed plugin:
+    a typo would otherwise disable or emulate nothing, silently."""
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """`warnings.warn` attributed to the first frame outside moehal's packages and torch.nn's
+    call wrappers: the user's line, however deep (a forward hook, a direct `forward` call, an
+    integration) the call came from. A fixed `stacklevel` points into moehal or torch there."""
+    import os
+    import sys
+
+    internal = tuple(_internal_dirs())
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _internal_dirs() -> list[str]:
+    import os
+    import sys
+
+    dirs = []
+    for name in ("moehal", "moehal_cuda", "moehal_npu", "moehal_rocm", "moehal_conformance", "torch.nn.modules"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep)
+    return dirs
+
+
+class InferenceOnlyWarning(MoEHalWarning):
     """A forward was called with autograd recording and inputs that require grad: moehal's
     kernels have no backward, so the layer runs without recording and its output carries no
     gradient (the same on every backend). Train with another implementation."""

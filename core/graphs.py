@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 from moehal.kernels.host import fetched_buffers, next_power_of_2, persistent_tensors
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -524,6 +527,7 @@ class LaunchMemo:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - any capture failure: stop trying, say why
             self.off_reason = f"capture failed: {type(exc).__name__}: {exc}"
+            _log.warning("a kernel launch memo stops replaying (its calls run directly): %s", self.off_reason)
             return
         torch.cuda.current_stream().wait_stream(self._side)
         if len(self._graphs) >= self._capacity:

@@ -53,7 +53,7 @@ def detect(device: torch.device | str | None = None) -> HardwareInfo:
     torch_npu`) or names one this machine lacks (`cuda` on a CPU-only torch build or with no GPU
     visible, an index past the last GPU), saying what to do instead.
     """
-    dev = _as_device(device) if device is not None else default_device()
+    dev = as_device(device) if device is not None else default_device()
     if dev.type == "cpu":
         return HardwareInfo("cpu", dev, platform.processor() or platform.machine() or "cpu")
     if dev.type == "cuda":
@@ -81,7 +81,7 @@ def detect(device: torch.device | str | None = None) -> HardwareInfo:
     return HardwareInfo(dev.type, dev, dev.type)
 
 
-def _as_device(device: torch.device | str) -> torch.device:
+def as_device(device: torch.device | str) -> torch.device:
     """`torch.device(device)`; a string torch does not know as a device is a ConfigError."""
     try:
         return torch.device(device)

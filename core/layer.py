@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
-import warnings
 from typing import Any, Literal
 
 import torch
@@ -24,10 +23,11 @@ from moehal.errors import (
     WeightError,
     WeightsAlreadyProcessedError,
     WeightsNotLoadedError,
+    warn,
 )
 from moehal.formats import ContiguousInput, Layout, MaskedInput, ScaleKind, with_dirty_padding
 from moehal.graphs import GraphCache, should_replay
-from moehal.hardware import HardwareInfo, detect
+from moehal.hardware import HardwareInfo, as_device, detect
 from moehal.integrations import custom_op
 from moehal.interfaces import BuildRequest, DispatchRunner, ExpertsRunner, FusedRunner
 from moehal.plugins import Registry, discover
@@ -108,15 +108,20 @@ class MoELayer(torch.nn.Module):
         cuda_graph_tokens: int = 0,
     ) -> None:
         super().__init__()
+        if not isinstance(config, MoEConfig):  # else a plugin's capability check meets it first, and is blamed
+            raise ConfigError(f"MoELayer takes a moehal.MoEConfig, got {type(config).__name__}")
+        if registry is not None and not isinstance(registry, Registry):
+            raise ConfigError(f"registry must be a moehal Registry (moehal.discover()), got {type(registry).__name__}")
         self.config = config
         self.quant = QuantScheme.parse(quant)
         if validate is not None and not isinstance(validate, bool):
             raise ConfigError(f"validate must be True, False or None (the device's default), got {validate!r}")
         if isinstance(layout, Layout):
             layout = layout.value
-        if layout is not None and not isinstance(layout, str):
-            raise ConfigError(f"layout must be a layout name ('standard', 'contiguous', 'masked') or None: {layout!r}")
-        if device is not None and torch.device(device).type == "meta":
+        names = ", ".join(repr(v.value) for v in Layout)
+        if layout is not None and (not isinstance(layout, str) or layout not in {v.value for v in Layout}):
+            raise ConfigError(f"layout must be a layout name ({names}) or None, got {layout!r}")
+        if device is not None and as_device(device).type == "meta":
             raise NotSupportedError(
                 "MoELayer on the meta device: moehal selects its kernels for the device the layer runs on "
                 "and builds their buffers there. Build it on that device (construction allocates no "
@@ -380,7 +385,7 @@ class MoELayer(torch.nn.Module):
                 )
             raise WeightsNotLoadedError("the layer has no weights: call layer.load_weights(...) first")
         if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden_states, topk_weights, router_logits)
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden_states, topk_weights, router_logits)
         ):
             self._warn_inference_only()
             with torch.no_grad():  # every backend alike: no gradient, rather than some backends' partial ones
@@ -410,12 +415,11 @@ class MoELayer(torch.nn.Module):
     def _warn_inference_only(self) -> None:
         if not self.__dict__.get("_warned_grad"):
             self._warned_grad = True
-            warnings.warn(
+            warn(
                 "MoELayer is inference-only: its kernels have no backward, so it runs without recording "
                 "autograd and its output carries no gradient (to the inputs, the router or the experts). "
                 "Call it under torch.no_grad() or torch.inference_mode(); train with another implementation.",
                 InferenceOnlyWarning,
-                stacklevel=6,  # the caller of layer(...): _forward, forward, torch's two call wrappers
             )
 
     def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:
@@ -551,6 +555,9 @@ class MoELayer(torch.nn.Module):
     def _check_topk(self, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
         c = self.config
         want = (x.shape[0], c.top_k)
+        for name, t in (("topk_ids", ids), ("topk_weights", w)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{name} must be a torch.Tensor [{want[0]}, {want[1]}], got {type(t).__name__}")
         if ids.shape != want or w.shape != want:
             raise InputError(
                 f"topk_ids and topk_weights must be {list(want)}, got {list(ids.shape)} and {list(w.shape)}"
@@ -599,6 +606,8 @@ class MoELayer(torch.nn.Module):
         c = self.config
         if c.routing is None:
             raise InputError("router_logits given, but MoEConfig.routing is None: set a RoutingConfig")
+        if not isinstance(logits, torch.Tensor):
+            raise InputError(f"router_logits must be a torch.Tensor [T, {c.num_experts}], got {type(logits).__name__}")
         if list(logits.shape) != [x.shape[0], c.num_experts]:
             raise InputError(f"router_logits must be [{x.shape[0]}, {c.num_experts}], got {list(logits.shape)}")
         if not logits.is_floating_point():

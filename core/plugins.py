@@ -9,9 +9,9 @@ strict mode it raises `PluginLoadError` instead. Nothing is chosen here: choosin
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import traceback
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -19,9 +19,11 @@ from typing import Any, Literal
 
 import pluggy
 from moehal import hookspecs
-from moehal.errors import PluginLoadError, UnknownBackendError, short_repr
+from moehal.errors import PluginLoadError, SettingsWarning, UnknownBackendError, short_repr, warn
 from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, Implementation, WeightProcessor
 from moehal.settings import Settings
+
+_log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "moehal.backends"
 Status = Literal["loaded", "failed", "disabled"]
@@ -115,11 +117,10 @@ class Registry:
         for var, field_name in (("MOEHAL_DISABLE_PLUGINS", "disabled_plugins"), ("MOEHAL_EMULATE", "emulate")):
             unknown = sorted(getattr(self.settings, field_name) - known)
             if unknown:
-                warnings.warn(
+                warn(
                     f"{var} (Settings.{field_name}) names "
                     f"{', '.join(unknown)}, which no installed plugin is; installed: {', '.join(sorted(known))}",
-                    UserWarning,
-                    stacklevel=3,
+                    SettingsWarning,
                 )
 
     def register(
@@ -188,6 +189,12 @@ class Registry:
 
     def _fail(self, record: PluginRecord, error: str, tb: str | None) -> PluginRecord:
         record.status, record.error, record.traceback = "failed", error, tb
+        # loud, not only recorded: a backend that silently vanished would leave a slower one chosen
+        _log.warning(
+            "moehal plugin %r failed to load; its kernels cannot be selected (`moehal doctor` shows why): %s",
+            record.name,
+            error,
+        )
         key = record.name
         if key in self.plugins and self.plugins[key].status == "loaded":
             key = f"{record.name}@{record.distribution or record.module}"  # keep the loaded one visible

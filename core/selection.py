@@ -472,9 +472,11 @@ def select(
     if not pipelines:
         what = f"backend {backend!r}" if backend else "any installed backend"
         lay = f", layout {layout!r}" if layout else ""
+        failed = sorted({r.name for r in registry.failed()})
+        broken = f" Plugins that failed to load (see `moehal doctor`): {', '.join(failed)}." if failed else ""
         raise NoBackendError(
             f"No MoE pipeline of {what} supports {req.config.describe()} with quant {req.quant.name}"
-            f"{lay} on {req.hardware.describe()}.",
+            f"{lay} on {req.hardware.describe()}.{broken}",
             [d for d in decisions if d.kind != "pipeline" or not d.ok],
         )
     return Plan(req, pipelines[0], tuple(pipelines[1:]), tuple(decisions))

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from moehal.cli import doctor, explain, goals, listing
-from moehal.errors import ConfigError
+from moehal.errors import MoEHalError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,14 +43,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # conformance and bench own their flags: everything after the subcommand goes to them.
     if argv and argv[0] in ("conformance", "bench"):
         args = argparse.Namespace(command=argv[0], func=_conformance if argv[0] == "conformance" else _bench)
-        return int(args.func(args, argv[1:]) or 0)
-    args = parser.parse_args(argv)
+        rest = argv[1:]
+    else:
+        args, rest = parser.parse_args(argv), []
     try:
-        return int(args.func(args, []) or 0)
-    except ConfigError as exc:  # a bad MOEHAL_* variable: its message, not a traceback
+        return int(args.func(args, rest) or 0)
+    except MoEHalError as exc:  # a bad MOEHAL_* variable, device or config, a plugin refused: its message
         if getattr(args, "json", False):
             print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
-        print(f"moehal {args.command}: {exc}", file=sys.stderr)
+        print(f"moehal {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
 

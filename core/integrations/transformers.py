@@ -42,7 +42,6 @@ weights with any layout flags, so they run on exactly the problem moehal runs.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from typing import Any
 import torch
 from moehal.activations import apply_activation
 from moehal.config import Activation, MoEConfig
-from moehal.errors import NotSupportedError
+from moehal.errors import MoEHalWarning, NotSupportedError, warn
 from moehal.integrations import custom_op
 from moehal.layer import MoELayer
 from moehal.quant import QuantKind, QuantScheme
@@ -236,7 +235,7 @@ def _version(t: torch.Tensor) -> int:
 _WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
 
-class UntrackedWeightsWarning(UserWarning):
+class UntrackedWeightsWarning(MoEHalWarning):
     """An experts module's weights are inference tensors: in-place changes of them go unseen
     (`prepare(model, force=True)` rebuilds the layers)."""
 
@@ -328,13 +327,12 @@ def _prepared(module: torch.nn.Module, top_k: int, backend: str, quant: QuantSch
         if state is not None and state.key == key and not force:
             return state
         if state is None and (untracked := _untracked_weights(module)):
-            warnings.warn(
+            warn(
                 f"{type(module).__name__}'s {', '.join(untracked)} are inference tensors (made under "
                 "torch.inference_mode()), which keep no version counter: moehal sees a weight replaced, "
                 "not one changed in place. After changing such weights in place, call "
                 "moehal.integrations.transformers.prepare(model, force=True).",
                 UntrackedWeightsWarning,
-                stacklevel=3,
             )
         layer = _build(module, top_k, backend, quant)
         if state is not None and layer.config == state.layer.config and layer.quant == state.layer.quant:

@@ -385,12 +385,12 @@ def test_each_row_says_whether_its_output_is_right(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(moehal, "discover", lambda *a, **k: reg)
     out = tmp_path / "bench"
     argv = ["--shapes", "tiny", "--tokens", "2", "--backends", "reference,offby5", "--reps", "1", "--no-host"]
-    assert main([*argv, "--settle-s", "0", "--out", str(out), *CPU]) == 0
+    assert main([*argv, "--settle-s", "0", "--out", str(out), *CPU]) == 1  # a wrong row fails the run
     rows = {r["backend"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert rows["reference"]["check"] == "", "the reference is not checked against itself"
     assert rows["offby5"]["check"] == "fail" and 0.04 < rows["offby5"]["check_rel_l2"] < 0.06
     printed = capsys.readouterr().out.replace("\n", " ")
-    assert "offby5 T=2: WRONG OUTPUT" in printed and "WRONG" in printed
+    assert "offby5 T=2: WRONG OUTPUT" in printed and "WRONG" in printed and "1 rows with wrong output" in printed
     assert main([*argv, "--settle-s", "0", "--out", str(out), "--no-check", *CPU]) == 0
     assert {r["check"] for r in json.loads(out.with_suffix(".json").read_text())["rows"]} == {""}
 
@@ -402,3 +402,23 @@ def test_a_right_backends_rows_pass_the_check(tmp_path):
     assert main([*argv, "--out", str(out), *CPU]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["check"] for r in rows] == ["pass", "pass"] and all(r["check_rel_l2"] < 0.016 for r in rows)
+
+
+def test_names_and_numbers_are_checked_before_anything_is_measured(capsys):
+    """A typo in --shapes, --tokens or --quant is a usage error (exit 2) up front, not a
+    traceback or an empty table after the ceilings were measured."""
+    for flags, said in (
+        (["--shapes", "bogus"], "unknown ['bogus']"),
+        (["--tokens", "x"], "invalid literal"),
+        (["--tokens", "0"], "positive"),
+        (["--quant", "fp9"], "unknown quant scheme 'fp9'"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main([*flags, *CPU])
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_run_that_measured_nothing_fails():
+    assert (
+        main(["--shapes", "tiny", "--tokens", "1", "--backends", "nope", "--settle-s", "0", "--reps", "1", *CPU]) == 1
+    )

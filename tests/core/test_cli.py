@@ -94,8 +94,11 @@ def test_explain_json_and_no_pipeline_exit_code(capsys):
     )
     data = json.loads(capsys.readouterr().out)
     assert data["chosen"]["format"].startswith("masked")
-    assert main(["explain", "--layout", "no_such_layout", "--hidden", "256", "--intermediate", "128"]) == 1
+    assert main(["explain", "--backend", "cuda", "--hidden", "256", "--intermediate", "128"]) == 1  # none here
     assert "No pipeline" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:  # a layout no one has is a typo, not a decline of every candidate
+        main(["explain", "--layout", "no_such_layout", "--hidden", "256", "--intermediate", "128"])
+    assert bad.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
 def test_explain_shows_which_dispatchers_drop_padding_ids(capsys, monkeypatch):
@@ -317,3 +320,13 @@ def test_help_works_with_docstrings_stripped(module):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "usage:" in run.stdout
+
+
+def test_every_subcommand_turns_moehal_errors_into_exit_2(tmp_path, capsys):
+    """Only ConfigError was caught, and bench and conformance not at all: `moehal goals` on a
+    missing or foreign file printed a traceback."""
+    (tmp_path / "list.json").write_text("[{}]")
+    for path, said in ((tmp_path / "none.json", "FileNotFoundError"), (tmp_path / "list.json", "AttributeError")):
+        assert main(["goals", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "is not a readable `moehal bench --out` JSON file" in err and said in err

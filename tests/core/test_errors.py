@@ -404,3 +404,53 @@ def test_a_layer_says_which_call_forms_it_serves(layer, registry):
     assert routed.accepts_topk and routed.accepts_router_logits
     routed._accepts_topk = False  # what a fused forward that routes in its kernel declares
     assert not routed.accepts_topk
+
+
+def test_wrong_kinds_of_arguments_are_config_errors_naming_the_argument(registry):
+    """Before: a dict config was blamed on whichever plugin's check met it first, a str routing
+    and a dict registry raised AttributeError, 'gpu'/'npu' devices raised torch's RuntimeError,
+    and a misspelt layout declined every candidate (a NoBackendError)."""
+    for kwargs, match in (
+        (dict(config=dict(num_experts=4)), "takes a moehal.MoEConfig, got dict"),
+        (dict(registry={}), "registry must be a moehal Registry"),
+        (dict(device="gpu"), "'gpu' is not a torch device"),
+        (dict(device="npu"), "import torch_npu"),
+        (dict(layout="Standard"), "layout must be a layout name .* got 'Standard'"),
+    ):
+        args = {"config": CFG, "registry": registry, **kwargs}
+        with pytest.raises(moehal.ConfigError, match=match):
+            moehal.MoELayer(args.pop("config"), **args)
+    with pytest.raises(moehal.ConfigError, match=r"RoutingConfig\('softmax'\)"):
+        moehal.MoEConfig(4, 2, 32, 16, routing="softmax")
+
+
+def test_inputs_that_are_no_tensors_are_input_errors_with_autograd_on(layer):
+    x, ids, w = _inputs()
+    assert torch.is_grad_enabled()
+    for args, match in (
+        ((x.tolist(), ids, w), "hidden_states must be"),
+        ((x, ids.tolist(), w), "topk_ids must be a torch.Tensor"),
+        ((x, ids, w.tolist()), "topk_weights must be a torch.Tensor"),
+    ):
+        with pytest.raises(moehal.InputError, match=match):
+            layer(*args)
+
+
+def test_warnings_point_at_the_users_line_and_share_a_filterable_class(layer, monkeypatch):
+    """A fixed stacklevel pointed into torch's call wrappers behind a forward hook, and into
+    moehal for the settings warning: the first frame outside moehal and torch.nn is named."""
+    import warnings
+
+    x, ids, w = _inputs()
+    layer.register_forward_hook(lambda *a: None)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        layer(x.requires_grad_(), ids, w)  # the line the warning names
+    (inference,) = [g for g in got if issubclass(g.category, moehal.InferenceOnlyWarning)]
+    assert inference.filename == __file__ and issubclass(inference.category, moehal.MoEHalWarning)
+    monkeypatch.setenv("MOEHAL_DISABLE_PLUGINS", "cdua")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        moehal.discover(settings=moehal.Settings.from_env())
+    (typo,) = [g for g in got if issubclass(g.category, moehal.SettingsWarning)]
+    assert typo.filename == __file__ and "cdua" in str(typo.message)

@@ -566,3 +566,16 @@ def test_a_format_the_dispatcher_produces_exactly_beats_an_earlier_one_that_need
     assert p.adapter is None and p.fmt == bf16 and p.dispatch_fmt == bf16, p.name
     via_adapter = [a for a in plan.alternatives if a.adapter == "quantize"]
     assert [(a.fmt, a.dispatch_fmt) for a in via_adapter] == [(fp8, bf16)], [a.name for a in plan.alternatives]
+
+
+def test_a_plugin_that_fails_to_load_is_logged_and_named_when_nothing_else_accepts(caplog):
+    """Recorded was not enough: a layer built on what remained said nothing, and a
+    NoBackendError did not mention the plugin that might have served it."""
+    reg = moehal.Registry(moehal.Settings())
+    with caplog.at_level("WARNING", logger="moehal.plugins"):
+        rec = reg.register(_answers_plugin(moehal_experts=_raise), "test")
+    assert rec.status == "failed"
+    assert any("'test' failed to load" in r.getMessage() and "probe failed" in r.getMessage() for r in caplog.records)
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    with pytest.raises(moehal.NoBackendError, match="Plugins that failed to load .*: test"):
+        moehal.MoELayer(cfg, device="cpu", registry=reg)

@@ -7,6 +7,7 @@ no search, and no host sync unless input validation with value checks is on).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import sys
 from typing import Any, Literal
@@ -273,7 +274,14 @@ class MoELayer(torch.nn.Module):
                 f"load_weights takes an ExpertWeights or keyword tensors, got {type(weights).__name__}"
                 + (" (a dict: load_weights(**weights))" if isinstance(weights, dict) else "")
             )
-        w = weights if weights is not None else ExpertWeights(**tensors)
+        if weights is None:
+            try:
+                w = ExpertWeights(**tensors)
+            except TypeError as exc:  # a misspelt or missing field
+                names = ", ".join(f.name for f in dataclasses.fields(ExpertWeights))
+                raise WeightError(f"load_weights: {exc}; the fields are {names}") from None
+        else:
+            w = weights
         validate(w, self.config, self.quant, self.device)
         self._weights = w
         self._correction_bias = w.correction_bias

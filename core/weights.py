@@ -112,6 +112,9 @@ def validate(weights: ExpertWeights, config: MoEConfig, quant: QuantScheme, devi
     """Raise `WeightError` naming the first tensor that is missing, extra, or malformed."""
     spec = expected_shapes(config, quant)
     present = weights.tensors()
+    for name, t in present.items():
+        if not isinstance(t, torch.Tensor):
+            raise WeightError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     for name, (shape, dtypes) in spec.items():
         t = present.get(name)
         if t is None:
@@ -349,10 +352,14 @@ def from_per_expert(
             w13_global = torch.stack([g.reshape(()) for g in up_global_scale]).float()
     elif gate is not None and gate_scale is not None and up_scale is not None:
         gate, up, gate_scale, up_scale = _shared_tensor_scales(gate, up, gate_scale, up_scale)
-    if gate is not None:
-        w13 = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
-    else:
-        w13 = torch.stack(list(up))
+    try:
+        if gate is not None:
+            w13 = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+        else:
+            w13 = torch.stack(list(up))
+        w2 = torch.stack(list(down))
+    except (RuntimeError, TypeError) as exc:  # ragged experts, gate and up of other widths, no experts
+        raise WeightError(f"the per-expert tensors do not stack into w13 and w2: {exc}") from None
     w13_scale = _stack_halves("scale", gate_scale, up_scale, gate is not None)
     w13_bias = _stack_halves("bias", gate_bias, up_bias, gate is not None)
     if w13_global is not None:
@@ -361,7 +368,7 @@ def from_per_expert(
         extra["w2_global_scale"] = torch.stack([g.reshape(()) for g in down_global_scale]).float()
     return ExpertWeights(
         w13=w13,
-        w2=torch.stack(list(down)),
+        w2=w2,
         w13_scale=w13_scale,
         w2_scale=torch.stack(list(down_scale)) if down_scale is not None else None,
         w13_bias=w13_bias,

@@ -129,3 +129,12 @@ def test_dequantize_weights_names_the_missing_scales():
     q = moehal.ExpertWeights(torch.zeros(E, 2, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, 1))
     with pytest.raises(moehal.WeightError, match="missing: w13_scale, w2_scale"):
         moehal.dequantize_weights(q, "fp8_block")
+
+
+def test_what_does_not_stack_is_a_weight_error():
+    for args in (
+        ([], [], []),
+        ([torch.zeros(16, 32), torch.zeros(16, 30)], [torch.zeros(16, 32)] * 2, [torch.zeros(32, 16)] * 2),
+    ):
+        with pytest.raises(moehal.WeightError, match="do not stack into w13 and w2"):
+            moehal.from_per_expert(*args)

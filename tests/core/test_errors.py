@@ -454,3 +454,14 @@ def test_warnings_point_at_the_users_line_and_share_a_filterable_class(layer, mo
         moehal.discover(settings=moehal.Settings.from_env())
     (typo,) = [g for g in got if issubclass(g.category, moehal.SettingsWarning)]
     assert typo.filename == __file__ and "cdua" in str(typo.message)
+
+
+def test_load_weights_names_misspelt_missing_and_non_tensor_fields(registry):
+    layer = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
+    w13, w2 = torch.zeros(4, 32, 32).bfloat16(), torch.zeros(4, 32, 16).bfloat16()
+    with pytest.raises(moehal.WeightError, match="'w13_scales'; the fields are w13, w2, w13_scale"):
+        layer.load_weights(w13=w13, w2=w2, w13_scales=w13)
+    with pytest.raises(moehal.WeightError, match="missing 1 required .* 'w2'"):
+        layer.load_weights(w13=w13)
+    with pytest.raises(moehal.WeightError, match="`w2` must be a torch.Tensor, got list"):
+        layer.load_weights(w13=w13, w2=[0.0])

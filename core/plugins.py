@@ -25,6 +25,9 @@ from moehal.settings import Settings
 
 _log = logging.getLogger(__name__)
 
+# The in-tree backends' entry-point names and the distribution that owns them
+RESERVED_NAMES = {name: "moehal" for name in ("reference", "cuda", "npu", "rocm")}
+
 ENTRY_POINT_GROUP = "moehal.backends"
 Status = Literal["loaded", "failed", "disabled"]
 
@@ -69,46 +72,67 @@ class Registry:
     def load_entry_points(self) -> None:
         """Load every `moehal.backends` entry point, in name order. A name that more than one
         distribution provides loads none of them: which one would win is install order, which
-        moehal never chooses by. A disabled name is not imported at all."""
+        moehal never chooses by. A disabled name is not imported at all. The in-tree backends'
+        names (`RESERVED_NAMES`) load from moehal's own distribution only: another plugin of that
+        name would otherwise disable moehal's backend, the reference oracle included."""
         providers: dict[str, list[Any]] = {}
         for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):
             providers.setdefault(ep.name, []).append(ep)
         for name, eps in providers.items():
-            ep = eps[0]
-            dist_name, dist_version = _distribution(ep)
-            if name in self.settings.disabled_plugins:
-                self.plugins[name] = PluginRecord(
-                    name, "disabled", dist_name, dist_version, ep.value, error="disabled by MOEHAL_DISABLE_PLUGINS"
-                )
-                continue
-            if len(eps) > 1:
-                named = ", ".join(f"{_distribution(e)[0] or '?'} ({e.value})" for e in eps)
-                self._fail(
-                    PluginRecord(name, "failed", dist_name, dist_version, ep.value),
-                    f"plugin name {name!r} is provided by {len(eps)} distributions: {named}. moehal loads "
-                    "none of them rather than pick one by install order; uninstall all but one",
-                    None,
-                )
-                continue
-            if name in self.plugins:  # registered by the application before the entry points
-                self._fail(
-                    PluginRecord(name, "failed", dist_name, dist_version, ep.value),
-                    f"duplicate plugin name {name!r}: already provided by "
-                    f"{self.plugins[name].distribution or self.plugins[name].module}",
-                    None,
-                )
-                continue
-            try:
-                plugin = ep.load()
-            except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
-                self._fail(
-                    PluginRecord(name, "failed", dist_name, dist_version, ep.value),
-                    f"import failed: {type(exc).__name__}: {exc}",
-                    traceback.format_exc(),
-                )
-                continue
-            self.register(plugin, name, distribution=dist_name, version=dist_version, module=ep.value)
+            self._load_name(name, eps)
+            if name in RESERVED_NAMES:  # another distribution's plugin of this name loads nowhere
+                for ep in eps:
+                    if not _owns(ep, name):
+                        dist_name, dist_version = _distribution(ep)
+                        self._fail(
+                            PluginRecord(name, "failed", dist_name, dist_version, ep.value),
+                            f"the backend name {name!r} is moehal's own (in-tree backends: "
+                            f"{', '.join(sorted(RESERVED_NAMES))}); {dist_name or ep.value} must register "
+                            "its plugin under another entry-point name",
+                            None,
+                        )
         self._warn_unknown_names()
+
+    def _load_name(self, name: str, eps: list[Any]) -> None:
+        """One entry-point name: its provider loaded, or each refusal recorded."""
+        if name in RESERVED_NAMES:
+            eps = [ep for ep in eps if _owns(ep, name)]
+            if not eps:
+                return
+        ep = eps[0]
+        dist_name, dist_version = _distribution(ep)
+        if name in self.settings.disabled_plugins:
+            self.plugins[name] = PluginRecord(
+                name, "disabled", dist_name, dist_version, ep.value, error="disabled by MOEHAL_DISABLE_PLUGINS"
+            )
+            return
+        if len(eps) > 1:
+            named = ", ".join(f"{_distribution(e)[0] or '?'} ({e.value})" for e in eps)
+            self._fail(
+                PluginRecord(name, "failed", dist_name, dist_version, ep.value),
+                f"plugin name {name!r} is provided by {len(eps)} distributions: {named}. moehal loads "
+                "none of them rather than pick one by install order; uninstall all but one",
+                None,
+            )
+            return
+        if name in self.plugins:  # registered by the application before the entry points
+            self._fail(
+                PluginRecord(name, "failed", dist_name, dist_version, ep.value),
+                f"duplicate plugin name {name!r}: already provided by "
+                f"{self.plugins[name].distribution or self.plugins[name].module}",
+                None,
+            )
+            return
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
+            self._fail(
+                PluginRecord(name, "failed", dist_name, dist_version, ep.value),
+                f"import failed: {type(exc).__name__}: {exc}",
+                traceback.format_exc(),
+            )
+            return
+        self.register(plugin, name, distribution=dist_name, version=dist_version, module=ep.value)
 
     def _warn_unknown_names(self) -> None:
         """Settings that name no installed plugin: a typo (`cdua`) otherwise disabled or emulated
@@ -179,6 +203,7 @@ class Registry:
                 for impl in result or ():
                     if not isinstance(impl, base):
                         raise PluginLoadError(f"{hook_name} returned {impl!r}, not a {base.__name__} instance")
+                    _check_declarations(impl, hook_name)
                     impl.backend = name
                     if impl.qualname in known:
                         raise PluginLoadError(f"implementation {impl.qualname} declared twice")
@@ -234,6 +259,36 @@ class Registry:
             )
 
 
+def _check_declarations(impl: Implementation, hook_name: str) -> None:
+    """An implementation's class attributes have the types selection reads, or the plugin fails
+    to load with the attribute named. Else a `priority = "10"` or `quant_schemes = {"bf16"}`
+    broke every layer's selection on the machine (sorting and matching run over all plugins),
+    `backend="reference"` included, with an anonymous TypeError."""
+    from moehal.config import Activation
+    from moehal.quant import QuantScheme
+
+    what = f"{hook_name}: {type(impl).__name__}"
+
+    def bad(attr: str, want: str) -> PluginLoadError:
+        return PluginLoadError(f"{what}.{attr} is {short_repr(getattr(impl, attr, None))}, not {want}")
+
+    if not isinstance(getattr(impl, "name", None), str) or not impl.name or "." in impl.name:
+        raise bad("name", "a non-empty str without dots")
+    if not isinstance(impl.priority, int) or isinstance(impl.priority, bool):
+        raise bad("priority", "an int")
+    if not isinstance(impl.description, str):
+        raise bad("description", "a str")
+    for attr, kind in (("devices", str), ("quant_schemes", QuantScheme), ("activations", Activation)):
+        value = getattr(impl, attr)
+        if not isinstance(value, (set, frozenset)) or not all(isinstance(v, kind) for v in value):
+            hint = " (moehal.QuantScheme.parse('bf16'), not 'bf16')" if kind is QuantScheme else ""
+            raise bad(attr, f"a frozenset of {kind.__name__}{hint}")
+    for attr in ("supports_non_gated", "supports_bias", "supports_router_weight_on_input", "graph_capturable",
+                 "deterministic", "emulates", "fallback"):  # fmt: skip
+        if not isinstance(getattr(impl, attr), bool):
+            raise bad(attr, "a bool")
+
+
 def _check_info(info: Any) -> None:
     """`moehal_backend_info`'s answer is a `BackendInfo` that `moehal doctor` can show, or the
     plugin fails to load (before any of its implementations is added)."""
@@ -249,6 +304,12 @@ def _check_info(info: Any) -> None:
             raise PluginLoadError(
                 f"moehal_backend_info's BackendInfo.{attr} is {short_repr(getattr(info, attr))}, not a callable"
             )
+
+
+def _owns(ep: Any, name: str) -> bool:
+    """Whether `ep` comes from the distribution that owns the reserved backend name `name`."""
+    dist = (_distribution(ep)[0] or "").lower().replace("_", "-")
+    return dist == RESERVED_NAMES[name]
 
 
 def _distribution(ep: Any) -> tuple[str | None, str | None]:

@@ -9,7 +9,6 @@ import moehal
 import torch
 from moehal.cli.common import cell, console, print_json, status_text, table
 from moehal.errors import ConfigError, MoEHalError
-from moehal.formats import Layout
 from moehal.selection import Pipeline
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -110,9 +109,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_flags(p)
     p.add_argument("--device", default=None)
     p.add_argument("--backend", default=None, help="restrict experts/fused forwards to this backend")
-    p.add_argument(
-        "--layout", default=None, choices=[v.value for v in Layout], help="restrict to experts consuming this layout"
-    )
+    p.add_argument("--layout", default=None, help="restrict to experts consuming this layout")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 

@@ -408,14 +408,12 @@ def test_a_layer_says_which_call_forms_it_serves(layer, registry):
 
 def test_wrong_kinds_of_arguments_are_config_errors_naming_the_argument(registry):
     """Before: a dict config was blamed on whichever plugin's check met it first, a str routing
-    and a dict registry raised AttributeError, 'gpu'/'npu' devices raised torch's RuntimeError,
-    and a misspelt layout declined every candidate (a NoBackendError)."""
+    and a dict registry raised AttributeError, 'gpu'/'npu' devices raised torch's RuntimeError."""
     for kwargs, match in (
         (dict(config=dict(num_experts=4)), "takes a moehal.MoEConfig, got dict"),
         (dict(registry={}), "registry must be a moehal Registry"),
         (dict(device="gpu"), "'gpu' is not a torch device"),
         (dict(device="npu"), "import torch_npu"),
-        (dict(layout="Standard"), "layout must be a layout name .* got 'Standard'"),
     ):
         args = {"config": CFG, "registry": registry, **kwargs}
         with pytest.raises(moehal.ConfigError, match=match):

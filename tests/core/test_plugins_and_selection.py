@@ -579,3 +579,39 @@ def test_a_plugin_that_fails_to_load_is_logged_and_named_when_nothing_else_accep
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
     with pytest.raises(moehal.NoBackendError, match="Plugins that failed to load .*: test"):
         moehal.MoELayer(cfg, device="cpu", registry=reg)
+
+
+@pytest.mark.parametrize(
+    "attr, value, why",
+    [
+        ("priority", "10", r"'10' \(str\), not an int"),
+        ("priority", True, "not an int"),
+        ("quant_schemes", frozenset({"bf16"}), r"QuantScheme.parse\('bf16'\)"),
+        ("devices", ["cpu"], "not a frozenset of str"),
+        ("activations", frozenset({"silu"}), "not a frozenset of Activation"),
+        ("deterministic", 1, "not a bool"),
+        ("name", "a.b", "without dots"),
+    ],
+)
+def test_malformed_declarations_fail_their_plugin_not_every_layer(attr, value, why):
+    """A `priority = "10"` was accepted at load and then broke every layer's selection on the
+    machine (`backend="reference"` too) and `moehal doctor`, with an anonymous TypeError."""
+    bad = type("BadExperts", (_StandardExperts,), {attr: value})
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    rec = reg.register(_answers_plugin(moehal_experts=lambda: [bad()]), "test")
+    assert rec.status == "failed" and re.search(f"moehal_experts: BadExperts.{attr} .*{why}", rec.error), rec.error
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    assert moehal.MoELayer(cfg, device="cpu", backend="reference", registry=reg).plan is not None
+
+
+def test_moehals_own_backend_names_load_from_moehal_only(tmp_path, monkeypatch):
+    """A third-party entry point named `reference` made the two-provider rule load neither:
+    every CPU layer and the oracle were gone. moehal's own loads; the other is refused by name."""
+    _make_dist(tmp_path, "zeta_clone", "zeta_clone_plugin", textwrap.dedent(TOY_PLUGIN), "reference")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = _registry()
+    assert reg.plugins["reference"].status == "loaded" and reg.plugins["reference"].distribution == "moehal"
+    (clone,) = [r for r in reg.failed() if r.distribution == "zeta_clone"]
+    assert "'reference' is moehal's own" in clone.error and "another entry-point name" in clone.error
+    assert "zeta_clone_plugin" not in sys.modules

@@ -631,6 +631,10 @@ class CuteDslNvfp4StandardExperts(CuteDslNvfp4Experts):
     description = "FlashInfer CuteDslMoEWrapper (NVFP4 W4A4), token-major input (SM100)"
     weight_layout: ClassVar[str] = "cutedsl_nvfp4"
     layout_kind = Layout.STANDARD
+    # The wrapper sums top-k rows with FlashInfer's atomic fused finalize (its default, kept for
+    # speed: the two-stage finalize cost vLLM about 3.6%), so equal inputs may differ in the last
+    # bits from call to call, as AITER's do. The masked variant has no atomic sum.
+    deterministic = False
 
     def check_libraries(self, req: BuildRequest) -> Decision:
         return flashinfer_decision(["CuteDslMoEWrapper", "fp4_quantize"])

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from moehal.config import MoEConfig
+from moehal.errors import PluginCheckError
 from moehal.interfaces import BuildRequest
 from moehal.plugins import Registry
 from moehal.quant import ALL_SCHEMES, QuantScheme
@@ -81,6 +82,9 @@ class Case:
     seed: int = 0
     logits_dtype: torch.dtype = torch.float32
     decisions: tuple[CandidateDecision, ...] = field(default=(), compare=False)
+    # a plugin's capability check raised for this config: the case fails with it (the other
+    # cases still run, and the report names the config)
+    error: str | None = None
 
     @property
     def layout(self) -> str:
@@ -161,7 +165,11 @@ class CaseBuilder:
         per_layout: bool | None = True,
         **kw: object,
     ) -> Iterator[Case]:
-        pipes, decisions = self.pipelines(config, quant)
+        try:
+            pipes, decisions = self.pipelines(config, quant)
+        except PluginCheckError as exc:
+            yield Case(f"{family}/{quant.name}/{name}", family, check, config, quant, error=str(exc), **kw)  # type: ignore[arg-type]
+            return
         if check == "padding":
             pipes = [
                 p
@@ -221,9 +229,12 @@ class CaseBuilder:
             for c in self.cases_for(family, check, name, cfg, quant, **kw):
                 p = c.pipeline
                 if p is None:
-                    declined = declined or c
+                    if c.error is not None:  # a raising check fails at either shape
+                        found.append(c)
+                    else:
+                        declined = declined or c
                     continue
-                key = (p.main.qualname, c.layout, p.small is not None)
+                key = _path_key(c)
                 if key not in seen:
                     seen.add(key)
                     found.append(c)
@@ -275,7 +286,9 @@ class CaseBuilder:
                 claimed.append(quant)
         # A scheme whose kernels all decline the base shape (a fused kernel's minimum size) is
         # claimed where the wide one has a pipeline: its families run there, and wide_512 passes.
-        claimed += [q for q in ALL_SCHEMES if q not in claimed and self.pipelines(wide, q)[0]]
+        claimed += [
+            q for q in ALL_SCHEMES if q not in claimed and any(c.pipeline for c in self.cases_for("", "", "", wide, q))
+        ]
         first = claimed[0] if claimed else BF16  # a scheme the base shape takes, where there is one
         # features ----------------------------------------------------------------------------
         features: dict[str, dict[str, object]] = {
@@ -326,7 +339,21 @@ class CaseBuilder:
             quick = {"tokens_0", "tokens_1", "one_expert", "no_local_slots", "top_k_10", "experts_64", "experts_60"}
             shapes = [s for s in shapes if s[0] in quick]
         for name, change, kw in shapes:
-            cases.extend(self.cases_for("shapes", "numeric", name, base.with_(**change), first, **kw))
+            # at the base shape in the first scheme; then, at the wide shape in every claimed
+            # scheme, the paths no case of this shape reached: a fused forward with minimum
+            # sizes and a scheme of its own (FuseEP, int8) was otherwise `verified` without any
+            tokens = kw.get("tokens", 0)
+            roomy = dict(max_tokens=tokens) if isinstance(tokens, int) and tokens > 16 else {}
+            found = list(self.cases_for("shapes", "numeric", name, base.with_(**change), first, **kw))
+            seen = {_path_key(c) for c in found if c.pipeline is not None}
+            for quant in claimed:
+                for c in self.cases_for("shapes", "numeric", f"{name}_512", wide.with_(**change, **roomy), quant, **kw):
+                    if c.error is not None:
+                        found.append(c)
+                    elif c.pipeline is not None and _path_key(c) not in seen:
+                        seen.add(_path_key(c))
+                        found.append(c)
+            cases.extend(found)
         # every dispatcher the experts can be paired with (a dispatcher that ignores a format's
         # row alignment, say, shows here and not with the best dispatcher alone) ------------
         for quant in claimed[:2]:
@@ -358,11 +385,20 @@ class CaseBuilder:
             "deepseek_v3": RoutingConfig("deepseek_v3", n_group=4, topk_group=2, has_correction_bias=True),
         }
         for name, routing in routings.items():
-            cfg = base.with_(routing=routing, top_k=4 if name == "deepseek_v3" else 2)
+            change = dict(routing=routing, top_k=4 if name == "deepseek_v3" else 2)
             for quant in claimed[:2] or [BF16]:
                 for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                    names = (f"{name}_{dt_name}_logits", f"{name}_{dt_name}_logits_512")
                     cases.extend(
-                        self.cases_for("routing", "logits", f"{name}_{dt_name}_logits", cfg, quant, logits_dtype=dt)
+                        self.base_then_wide(
+                            "routing",
+                            "logits",
+                            names,
+                            base.with_(**change),
+                            wide.with_(**change),
+                            quant,
+                            logits_dtype=dt,
+                        )
                     )
         # behaviour ---------------------------------------------------------------------------
         # Per claimed quant scheme: each scheme has its own kernels (quantizers, scale layouts,
@@ -397,3 +433,10 @@ class CaseBuilder:
             )
         )
         return cases
+
+
+def _path_key(case: Case) -> tuple[str, str | None, bool]:
+    """The code path a case runs: its kernel, layout, and whether a small-batch path serves it."""
+    p = case.pipeline
+    assert p is not None  # (callers pass cases with a pipeline)
+    return (p.main.qualname, case.layout, p.small is not None)

@@ -138,6 +138,9 @@ class CaseRunner:
         )
         if case.check == "honesty":
             return self._honesty(case, res)
+        if case.error is not None:
+            res.status, res.detail = FAIL, f"a capability check raised for {case.config.describe()}: {case.error}"
+            return res
         if p is None:
             res.status, res.detail = DECLINED, case.declined or "no reason given"
             if not case.declined:

@@ -16,6 +16,7 @@ from moehal.capability import Decision, accept, decline, require
 from moehal.config import Activation, MoEConfig
 from moehal.errors import (
     ConfigError,
+    ContractError,
     InferenceOnlyWarning,
     InputError,
     MoEHalError,
@@ -56,6 +57,7 @@ __all__ = [
     "BackendInfo",
     "BuildRequest",
     "ConfigError",
+    "ContractError",
     "Decision",
     "Dispatcher",
     "ExpertWeights",

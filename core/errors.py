@@ -90,6 +90,11 @@ class NoBackendError(MoEHalError, RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class ContractError(MoEHalError, TypeError):
+    """A runner returned what its declared format does not allow (another output type, or rows
+    of another shape): a plugin bug, named with the runner that returned it."""
+
+
 class NotSupportedError(MoEHalError, NotImplementedError):
     """An implementation was asked for something it declared it does not do."""
 

@@ -18,6 +18,7 @@ from moehal.config import MoEConfig
 from moehal.ep_dispatcher import check_process_group, check_ranks_agree
 from moehal.errors import (
     ConfigError,
+    ContractError,
     InferenceOnlyWarning,
     InputError,
     NotSupportedError,
@@ -451,7 +452,7 @@ class MoELayer(torch.nn.Module):
             assert self._fused is not None
             if hidden_states.stride(-1) != 1:  # see `_forward_topk`
                 hidden_states = hidden_states.contiguous()
-            y = self._fused.forward(hidden_states, None, router_logits)
+            y = self._fused_output(self._fused.forward(hidden_states, None, router_logits), hidden_states)
             return y if out is None else out.copy_(y)
         routing = self.config.routing
         assert routing is not None
@@ -476,7 +477,7 @@ class MoELayer(torch.nn.Module):
             hidden_states = hidden_states.contiguous()  # kernels index a row's columns densely
         topk = TopK(topk_ids, topk_weights)
         if self._fused is not None:
-            return self._fused.forward(hidden_states, topk, None)
+            return self._fused_output(self._fused.forward(hidden_states, topk, None), hidden_states)
         assert self._dispatch is not None and self._experts is not None
         t = hidden_states.shape[0]
         if t <= self._small_tokens or self._prefill_lo <= t <= self._prefill_hi:  # the experts' small-batch format
@@ -492,6 +493,17 @@ class MoELayer(torch.nn.Module):
             return disp.combine(self._experts.apply(dispatched), handle)
         y = self._experts.apply_into(dispatched, out) if disp.tokens_in_place else self._experts.apply(dispatched)
         return disp.combine_into(y, handle, out)
+
+    def _fused_output(self, y: Any, x: torch.Tensor) -> torch.Tensor:
+        """A fused forward's result, checked as the layer's own (shapes and dtype, no sync): one
+        that returned fp32 or another row count was handed to the caller as it was."""
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
+            what = f"{list(y.shape)} {y.dtype} on {y.device}" if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ContractError(
+                f"{self.plan.pipeline.name} returned {what} for {list(x.shape)} {x.dtype} hidden states on "
+                f"{x.device}: a fused forward returns the layer's output, shaped and typed as its input"
+            )
+        return y
 
     def trace(
         self,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from moehal import permute
 from moehal.capability import Decision, accept, decline
+from moehal.errors import ContractError
 from moehal.formats import (
     ActivationFormat,
     ContiguousInput,
@@ -66,17 +67,25 @@ class LocalDispatchRunner(DispatchRunner):
 
     def combine(self, expert_out: Any, handle: _Handle) -> torch.Tensor:
         scale = self.scale
+        got = type(expert_out).__name__
         if isinstance(expert_out, StandardOutput):
+            rows = handle.weights.shape[0]  # the tokens: a token-major output has one row each
+            if expert_out.hidden.dim() != 2 or expert_out.hidden.shape[0] != rows:
+                raise ContractError(
+                    f"the experts returned a StandardOutput of shape {list(expert_out.hidden.shape)} for {rows} "
+                    f"tokens (dispatched as {self.fmt.layout_name}): token-major output has one row per token"
+                )
             out = expert_out.hidden.float()
             scale = 1.0 if expert_out.scaled else scale
-        elif isinstance(expert_out, MaskedOutput):
-            assert handle.idx is not None
+        elif isinstance(expert_out, MaskedOutput) and handle.idx is not None and handle.slot_row is None:
             out = permute.from_masked(expert_out.hidden, handle.idx, handle.weights)
-        elif isinstance(expert_out, ContiguousOutput):
-            assert handle.idx is not None and handle.slot_row is not None
+        elif isinstance(expert_out, ContiguousOutput) and handle.idx is not None and handle.slot_row is not None:
             out = permute.from_contiguous(expert_out.hidden, handle.idx, handle.slot_row, handle.weights)
         else:
-            raise TypeError(f"reference combine cannot take {type(expert_out).__name__}")
+            raise ContractError(
+                f"the experts returned {got} for input dispatched as {self.fmt.layout_name}: its output type is "
+                "StandardOutput, or the one of its input's layout (MaskedOutput, ContiguousOutput)"
+            )
         if scale != 1.0:
             out = out * scale
         return out.to(self.dtype)

@@ -10,7 +10,14 @@ import types
 import moehal
 import pytest
 import torch
-from moehal.formats import ContiguousInput, MaskedInput, MaskedOutput, StandardInput, with_dirty_padding
+from moehal.formats import (
+    ContiguousInput,
+    MaskedInput,
+    MaskedOutput,
+    StandardInput,
+    StandardOutput,
+    with_dirty_padding,
+)
 from moehal.interfaces import BackendInfo, FusedForward, FusedRunner
 from moehal.reference.dispatcher import LocalDispatchRunner, ReferenceDispatcher
 from moehal.reference.experts import ReferenceExperts, ReferenceExpertsRunner
@@ -775,10 +782,9 @@ def test_an_output_in_another_dtype_than_the_layers_fails():
     suite.run(cases)
     seen = [(r.id, r.status, r.detail) for r in suite.results]
     assert all(status == "fail" for _, status, _ in seen), seen
-    numeric = [detail for i, _, detail in seen if i.startswith("matrix/")]
-    assert numeric and all(d == "output is torch.float32 on cpu; the layer's is torch.bfloat16 on cpu" for d in numeric)
-    out_buffer = [detail for i, _, detail in seen if i.startswith("out_buffer/")]
-    assert out_buffer and all("(dtype torch.bfloat16 != torch.float32)" in d for d in out_buffer), seen
+    # the layer itself refuses a fused forward's output of another dtype (a ContractError naming
+    # the pipeline), with or without out=
+    assert all(d.startswith("ContractError: fused f32.f32 returned") and "torch.float32" in d for _, _, d in seen), seen
 
 
 class _ContiguousExperts(ReferenceExperts):
@@ -1055,3 +1061,38 @@ def test_a_dispatcher_that_leaves_padding_rows_is_not_held_to_zeros():
     _Stale.zero_padding = False
     left = masked_padding(_Stale())
     assert left and all(s == "pass" for s, _ in left), left
+
+
+class _WrongOutputRunner(ReferenceExpertsRunner):
+    """Declares the contiguous layout, returns its rows as a StandardOutput (a vendor slip)."""
+
+    def apply(self, inp):
+        return StandardOutput(super().apply(inp).hidden)
+
+
+class _WrongOutput(_ContiguousExperts):
+    name = "wrongout"
+
+    def build(self, req, fmt):
+        return _WrongOutputRunner(req, fmt)
+
+
+def test_an_experts_output_of_the_wrong_kind_is_a_contract_error_naming_it():
+    """The reference combine took a StandardOutput of the contiguous rows as token-major output:
+    a 5-token forward returned 10+ rows, with no error."""
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    ns = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: BackendInfo("wrongout", "9.9", "throwaway")),
+        moehal_experts=moehal.hookimpl(lambda: [_WrongOutput()]),
+    )
+    assert reg.register(ns, "wrongout").status == "loaded"
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    layer = moehal.MoELayer(cfg, device="cpu", backend="wrongout", registry=reg)
+    g = torch.Generator().manual_seed(0)
+    layer.load_weights(
+        w13=torch.randn(4, 32, 32, generator=g).bfloat16(), w2=torch.randn(4, 32, 16, generator=g).bfloat16()
+    )
+    x, ids = torch.randn(5, 32).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    with pytest.raises(moehal.ContractError, match="StandardOutput of shape .* for 5 tokens .*contiguous"):
+        layer(x, ids, torch.rand(5, 2))

@@ -635,9 +635,10 @@ def test_a_check_that_raises_is_named_as_a_plugin_bug_everywhere(capsys):
     from moehal.selection import machine_decision
 
     suite = _suite("raising", _RaisingChecks())
-    # Selection (a layer's build, the suite's cases): a typed error naming the implementation.
-    with pytest.raises(moehal.PluginCheckError, match=r"raising\.raising: a capability check raised RuntimeError"):
-        suite.cases()
+    # The suite's cases: each fails with the typed error naming the implementation (the run goes
+    # on, and the report names each config); a layer's build raises it.
+    cases = [c for c in suite.cases() if c.check != "honesty"]
+    assert cases and all("raising.raising: a capability check raised RuntimeError" in (c.error or "") for c in cases)
     cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
     with pytest.raises(moehal.PluginCheckError, match="MOEHAL_DISABLE_PLUGINS=raising"):
         moehal.MoELayer(cfg, device="cpu", registry=suite.registry)
@@ -656,7 +657,7 @@ def test_the_cli_reports_a_check_that_raises_as_a_failure(monkeypatch, capsys):
     monkeypatch.setattr(suite_mod, "make_registry", lambda emulate=frozenset(): registry)
     assert conformance_main(["--backend", "raising", "--device", "cpu", "--quick"]) == 1
     out = " ".join(capsys.readouterr().out.split())
-    assert "FAIL: the suite could not compute its cases: raising.raising: a capability check raised" in out
+    assert "case(s) failed" in out and "a capability check raised" in out
 
 
 def test_the_cli_prints_an_unknown_backend_without_markup_tags(capsys):

@@ -104,6 +104,7 @@ def test_masked_counts_never_exceed_the_rows_given():
     idx = permute.index_slots(ids, 0, 2)
     hm, masked_m = permute.to_masked(x, idx, max_m=4)
     assert masked_m.tolist() == [0, 4]
-    assert torch.equal(hm[1], x)  # the first slot of each token, in token order; none overwritten
+    assert torch.equal(hm[1], x[[0, 0, 1, 1]])  # the first 4 slots, in slot order; none overwritten
     w = torch.ones(4, 2)
-    assert torch.equal(permute.from_masked(hm, idx, w), x)  # the dropped slots add nothing
+    want = torch.cat([2 * x[:2], torch.zeros(2, 3)])  # tokens 2 and 3 lost both slots: they add nothing
+    assert torch.equal(permute.from_masked(hm, idx, w), want)

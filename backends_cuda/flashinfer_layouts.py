@@ -116,12 +116,3 @@ def deinterleave_w13_halves(w: torch.Tensor, group: int = 64, dim: int = 1) -> t
     a = v.select(dim + 1, 0).reshape(shape[:dim] + [n // 2] + shape[dim + 1 :])
     b = v.select(dim + 1, 1).reshape(shape[:dim] + [n // 2] + shape[dim + 1 :])
     return torch.cat([a, b], dim=dim).contiguous()
-
-
-def block_major_k(w: torch.Tensor, block_k: int = 128) -> torch.Tensor:
-    """`[..., M, K]` -> `[..., K/block_k, M, block_k]` (trtllm-gen weight_layout BlockMajorK)."""
-    *lead, m, k = w.shape
-    if k % block_k:
-        raise ValueError(f"K={k} must be a multiple of {block_k}")
-    n = len(lead)
-    return w.reshape(*lead, m, k // block_k, block_k).permute(*range(n), n + 1, n, n + 2).contiguous()

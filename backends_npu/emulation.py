@@ -16,7 +16,6 @@ Sources: torch_npu API reference (PyTorch 7.0.0),
 www.hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/<page>.html:
 - npu_grouped_matmul ........... ptaoplist_001237
 - npu_swiglu .................... ptaoplist_000986 (`npu_swiglu(x, dim=-1)`)
-- npu_dynamic_quant ............. ptaoplist_000806
 - npu_dequant_swiglu_quant ...... ptaoplist_002367
 - npu_moe_init_routing_v2 ....... ptaoplist_002366
 - npu_moe_distribute_dispatch ... ptaoplist_002364, npu_moe_distribute_combine ptaoplist_002363
@@ -142,13 +141,6 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     (computed in float32)."""
     a, b = x.float().chunk(2, dim=dim)
     return (torch.nn.functional.silu(a) * b).to(x.dtype)
-
-
-def npu_dynamic_quant(x: torch.Tensor, smooth_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ptaoplist_000806: symmetric per-token int8: scale = rowmax(|x * smooth|) / 127,
-    y = round(x / scale). Returns (int8 like x, float32 scale `x.shape[:-1]`)."""
-    xf = x.float() if smooth_scales is None else x.float() * smooth_scales.float()
-    return _per_token_quant(xf)
 
 
 def npu_dequant_swiglu_quant(

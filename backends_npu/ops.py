@@ -87,16 +87,6 @@ class VendorOps:
 
         return torch_npu.npu_swiglu(x, dim=-1)
 
-    def dynamic_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """npu_dynamic_quant: `[M, H]` -> (int8 `[M, H]`, fp32 per-token scale `[M]`)."""
-        if self.emulate:
-            from moehal_npu import emulation
-
-            return emulation.npu_dynamic_quant(x)
-        import torch_npu
-
-        return torch_npu.npu_dynamic_quant(x)
-
     def dequant_swiglu_quant(
         self,
         x: torch.Tensor,

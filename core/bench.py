@@ -9,7 +9,8 @@ counts each expert that received at least one token once (w13 + w2 + scales).
 
 On CUDA the forward is timed as CUDA-graph replays when the pipeline claims graph capture
 (eager otherwise; the table says which): median over samples of 10 replays queued back to
-back between two CUDA events, after a 50 ms warm-up.
+back between two CUDA events, after `--settle-s` seconds of the row's work back to back
+(`BENCH_SETTLE_S`), so that clocks and power settle.
 """
 
 from __future__ import annotations

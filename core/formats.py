@@ -229,18 +229,6 @@ class MaskedOutput:
 
 CombineInput = StandardOutput | ContiguousOutput | MaskedOutput | Any
 
-INPUT_TYPES: dict[Layout, type] = {
-    Layout.STANDARD: StandardInput,
-    Layout.CONTIGUOUS: ContiguousInput,
-    Layout.MASKED: MaskedInput,
-}
-OUTPUT_TYPES: dict[Layout, type] = {
-    Layout.STANDARD: StandardOutput,
-    Layout.CONTIGUOUS: ContiguousOutput,
-    Layout.MASKED: MaskedOutput,
-}
-
-
 def padding_rows(inp: MaskedInput | ContiguousInput) -> torch.Tensor:
     """bool mask of the input's padding rows: `[E_local, max_m]` for masked input (rows past
     `masked_m`), `[M_pad]` for contiguous input (rows that hold no token). A check for

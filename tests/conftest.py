@@ -1,8 +1,9 @@
 """Shared fixtures: small random MoE problems.
 
 Without a GPU the Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set here,
-before moehal is imported, since triton reads it when it decorates a kernel and moehal once
-(`moehal.kernels.host.INTERPRETED`, which turns on the interpreter's workarounds). Set later,
+before moehal is imported, since triton reads it when it decorates a kernel and each kernel
+module once, at import (its `INTERPRETED`, which turns on the interpreter's workarounds;
+`moehal.kernels.host.kernel_modules_interpreted`). Set later,
 a single test file run without it mixed the two (session 54: an fp8 case 6% off)."""
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ weight processor does this, `moehal.kernels.triton_experts.to_fnuz`). Activation
 quantized to fnuz with a maximum of 224 (= 448 / 2), which gives exactly the values the
 e4m3fn reference quantizer gives.
 
-Triton is imported here, and only here: `moehal.kernels` never imports this module, and
-plugins import it lazily (in `build` / `load`).
+Importing the `moehal.kernels` package never imports Triton: this module and the other kernel
+modules do, and plugins import them lazily (in `build` / `load`).
 
 Interpreter (TRITON_INTERPRET=1, CPU tensors): `tl.dot` on BF16 operands returns garbage in
 the interpreter (numpy has no bfloat16 matmul), so under the interpreter the kernel gets
@@ -73,16 +73,6 @@ FP8_E4M3FN_MAX = 448.0
 FP8_E4M3FNUZ_QMAX = 224.0
 INT8_MAX = 127.0
 GROUP = 128  # fp8 block size: weights 128x128, activations 1x128
-
-
-def fp8_dtype_for(arch: str | None, is_rocm: bool) -> torch.dtype:
-    """The FP8 e4m3 flavour the hardware computes with.
-
-    MI300 (gfx940/941/942) uses e4m3fnuz; MI350 (gfx950), RDNA4 (gfx12) and NVIDIA use the
-    OCP e4m3fn format."""
-    if is_rocm and arch is not None and arch.startswith("gfx94"):
-        return torch.float8_e4m3fnuz
-    return torch.float8_e4m3fn
 
 
 def fp8_qmax(fp8_dtype: torch.dtype) -> float:
@@ -807,16 +797,6 @@ def per_token_group_quant_fp8(
     return bind_row_quant("fp8_group", m, k, fp8_dtype, ue8m0=ue8m0, row_ids=row_ids is not None)(x, row_ids)
 
 
-def per_tensor_quant_fp8(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
-) -> torch.Tensor:
-    """x `[M, K]` -> fp8 `[M, K]` with the static per-tensor `scale` (fp32 `[1]`): x / scale,
-    saturated, as `moehal.quant.fp8.quantize_tensor` does (for e4m3fnuz, pass the e4m3fn
-    scale doubled: the result is then the e4m3fn grid halved, see the module docstring)."""
-    m, k = x.shape
-    return bind_row_quant("fp8_static", m, k, fp8_dtype)(x, None, scale)[0]
-
-
 def _min_normal(fp8_dtype: torch.dtype) -> float:
     return 2.0**-7 if fp8_dtype == torch.float8_e4m3fnuz else 2.0**-6
 
@@ -832,8 +812,8 @@ def bind_row_quant(
     mode: str, m: int, k: int, qdtype: torch.dtype, *, ue8m0: bool = False, row_ids: bool = False
 ) -> RowQuant:
     """A row quantizer's launch for `[m, k]` inputs, decided once. mode: 'fp8_group' (1x128
-    groups, `per_token_group_quant_fp8`), 'fp8_static' (one static scale,
-    `per_tensor_quant_fp8`) or 'int8' (per row, `per_token_quant_int8`). row_ids: the calls
+    groups, `per_token_group_quant_fp8`), 'fp8_static' (one static scale: x / scale, saturated,
+    as `moehal.quant.fp8.quantize_tensor` does) or 'int8' (per row, `per_token_quant_int8`). row_ids: the calls
     pass the rows' expert ids, and rows with a negative id are skipped."""
     if mode == "int8":
         block = next_power_of_2(k)

@@ -1,4 +1,4 @@
-"""Conformance poisons fresh allocations (`moehal_conformance.poison`), so a kernel reading memory
+"""Conformance poisons fresh allocations (`moehal.poison`), so a kernel reading memory
 it never wrote fails every run rather than when the allocator happens to hand back garbage
 (session 45's mutation audit: an unwritten sort sentinel passed whenever the freed memory held
 a harmless value)."""

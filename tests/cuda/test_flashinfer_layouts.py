@@ -66,13 +66,6 @@ def test_interleave_w13_halves_in_64_row_chunks_roundtrip():
     assert torch.equal(L.deinterleave_w13_halves(iv, 64), w)
 
 
-def test_block_major_k():
-    w = torch.arange(2 * 4 * 256).reshape(2, 4, 256)
-    b = L.block_major_k(w, 128)
-    assert b.shape == (2, 2, 4, 128)
-    assert torch.equal(b[1, 1, 3], w[1, 3, 128:])
-
-
 def _cfg(**kw):
     return MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, **kw)
 

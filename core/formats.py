@@ -229,6 +229,7 @@ class MaskedOutput:
 
 CombineInput = StandardOutput | ContiguousOutput | MaskedOutput | Any
 
+
 def padding_rows(inp: MaskedInput | ContiguousInput) -> torch.Tensor:
     """bool mask of the input's padding rows: `[E_local, max_m]` for masked input (rows past
     `masked_m`), `[M_pad]` for contiguous input (rows that hold no token). A check for

@@ -70,6 +70,19 @@ def selected(select: str, case_id: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite; SIGTERM interrupts it (the report keeps what ran) while it runs, and the
+    caller's own SIGTERM handler is back afterwards (a test process calling `main` kept ours,
+    which turned a later SIGTERM into an interrupted suite that still passed)."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _interrupt_on_sigterm()
     console = make_console()

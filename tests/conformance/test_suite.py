@@ -1097,3 +1097,13 @@ def test_an_experts_output_of_the_wrong_kind_is_a_contract_error_naming_it():
     x, ids = torch.randn(5, 32).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
     with pytest.raises(moehal.ContractError, match="StandardOutput of shape .* for 5 tokens .*contiguous"):
         layer(x, ids, torch.rand(5, 2))
+
+
+def test_the_cli_puts_the_callers_sigterm_handler_back(capsys):
+    """main() installed its interrupting handler for good: in a test process, a later SIGTERM
+    (a CI timeout) became an interrupted suite whose session could still pass."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    conformance_main(["--backend", "reference", "--device", "cpu", "--quick", "-k", "matrix/bf16/silu"])
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -27,7 +28,7 @@ def test_doctor_json_lists_reference_available_and_others_with_reason():
         capture_output=True,
         text=True,
         check=True,
-        env=None,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MOEHAL_")},  # not the developer's settings
     ).stdout
     report = json.loads(out)
     by_name = {b["name"]: b for b in report["backends"]}
@@ -57,6 +58,8 @@ def test_doctor_shows_every_setting_and_where_it_came_from(capsys, monkeypatch):
     """Doctor showed the settings only when a backend, disabled plugins or emulation were set,
     and never the workspace budget or the variables behind them."""
     monkeypatch.setattr(moehal.plugins, "_default", None)  # restored after the test
+    for name in [k for k in os.environ if k.startswith("MOEHAL_")]:  # not the developer's settings
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MOEHAL_MASKED_WORKSPACE_GIB", "4")
     assert main(["doctor", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)["settings"]

@@ -45,8 +45,13 @@ CALLS = [(5, 7), (8, 0), (3, 6), (8, 8)]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_buffers():
-    """Each test starts and ends without shared DeepEP buffers (they are process-wide)."""
+def _fresh_buffers(monkeypatch):
+    """Each test starts and ends without shared DeepEP buffers and permute workspaces (both are
+    process-wide: a top-1 test's workspace of another size made a later test's count fail when
+    the file ran in another order)."""
+    from moehal.kernels import triton_permute
+
+    monkeypatch.setattr(triton_permute, "_WORKSPACE", {})
     deepep.release_buffers()
     yield
     deepep.release_buffers()

@@ -140,9 +140,9 @@ def validate(weights: ExpertWeights, config: MoEConfig, quant: QuantScheme, devi
     extra = sorted(set(present) - set(spec))
     if extra:
         raise WeightError(f"unexpected tensors for {quant.name} with this config: {extra}")
-    if quant.kind is QuantKind.NVFP4 and (config.hidden_size % 16 or config.intermediate_size % 16):
-        raise WeightError("nvfp4 needs hidden_size and intermediate_size to be multiples of 16")
     if quant.kind is QuantKind.NVFP4:
+        if config.hidden_size % 16 or config.intermediate_size % 16:
+            raise WeightError("nvfp4 needs hidden_size and intermediate_size to be multiples of 16")
         _check_nvfp4_global_scales(present)
 
 

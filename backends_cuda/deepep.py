@@ -42,6 +42,7 @@ from moehal.formats import (
 )
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest, Dispatcher, DispatchRunner
+from moehal.kernels.host import dense_aligned
 from moehal.routing import TopK
 from moehal_cuda.support import sm_decision
 
@@ -272,9 +273,9 @@ class DeepEPLowLatencyRunner(DispatchRunner):
 
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[Any, _LLHandle]:
         c = self.c
-        # DeepEP asserts contiguous x and top-k (dispatch and combine); the caller's may be
-        # views (no copy otherwise)
-        hidden, ids = hidden.contiguous(), topk.ids.to(self.idx_dtype).contiguous()
+        # DeepEP asserts contiguous x and top-k (dispatch and combine), and moves x in 16-byte
+        # vectors; the caller's may be views (no copy otherwise)
+        hidden, ids = dense_aligned(hidden), topk.ids.to(self.idx_dtype).contiguous()
         w = topk.weights.float().contiguous()
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)
@@ -437,8 +438,9 @@ class DeepEPNormalRunner(DispatchRunner):
         from moehal.kernels import triton_permute as tp
 
         c = self.c
-        # DeepEP asserts contiguous x, topk_idx and topk_weights; the caller's may be views
-        hidden, ids = hidden.contiguous(), topk.ids.to(self.idx_dtype).contiguous()
+        # DeepEP asserts contiguous x, topk_idx and topk_weights, and moves x in 16-byte vectors;
+        # the caller's may be views
+        hidden, ids = dense_aligned(hidden), topk.ids.to(self.idx_dtype).contiguous()
         w = topk.weights.float().contiguous()
         if c.apply_router_weight_on_input:
             hidden = (hidden.float() * w).to(hidden.dtype)

@@ -21,6 +21,7 @@ from moehal.config import Activation
 from moehal.formats import ActivationFormat, Layout, MaskedInput, MaskedOutput, StandardInput, StandardOutput
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, FusedForward, FusedRunner, WeightProcessor
+from moehal.kernels.host import dense_aligned
 from moehal.quant import FP8_BLOCK, FP8_TENSOR, NVFP4, fp8
 from moehal.routing import RoutingMethod, TopK
 from moehal.weights import ExpertWeights
@@ -537,7 +538,7 @@ class CuteDslStandardRunner(ExpertsRunner):
         # the weights' scales are swizzled), as FlashInfer's own MoE tests and SGLang quantize.
         # fp4_quantize checks that its input is contiguous (CHECK_CONTIGUOUS in its fp4Quantize.cpp);
         # token-major input is the caller's tensor, which may be a view of wider rows.
-        h = inp.hidden.contiguous()  # (no copy when it is)
+        h = dense_aligned(inp.hidden)  # (no copy when it is; aligned for its vector loads)
         x, x_sf = _fi("fp4_quantize")(h, w.a13_gs.reshape(1), sf_vec_size=16, is_sf_swizzled_layout=False)
         # local ids (-1 = remote) -> global ids. The wrapper's routing (`moe_sort`) skips ids
         # outside this rank's experts, so remote slots get the first expert past them: no GEMM

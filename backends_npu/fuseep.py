@@ -26,6 +26,7 @@ from moehal.capability import Decision, accept, decline
 from moehal.config import Activation
 from moehal.ep_dispatcher import check_process_group
 from moehal.interfaces import BuildRequest, FusedForward, FusedRunner
+from moehal.kernels.host import dense_aligned
 from moehal.quant import W8A8_INT8, QuantKind
 from moehal.routing import TopK
 from moehal_npu.common import BACKEND, NpuImplementation, vendor_ops
@@ -71,7 +72,7 @@ class FuseEPRunner(FusedRunner):
         # memory as laid out, and the caller's may be views (wider rows, column-major top-k)
         out, _ = self.ops.fused_deep_moe(
             self.buffer,
-            hidden.contiguous(),
+            dense_aligned(hidden),
             topk.ids.to(torch.int64).contiguous(),
             topk.weights.float().contiguous(),
             w.w13,

@@ -22,6 +22,7 @@ from moehal.capability import Decision, accept, decline
 from moehal.config import Activation
 from moehal.formats import ActivationFormat, Layout, StandardInput, StandardOutput
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner
+from moehal.kernels.host import dense_aligned
 from moehal.quant import BF16, FP8_BLOCK, W8A8_INT8, QuantKind, QuantScheme
 from moehal_rocm import hw as rocm_hw
 from moehal_rocm.weights import AITER_LAYOUT
@@ -78,7 +79,7 @@ class AiterExpertsRunner(ExpertsRunner):
         # dense operands: AITER's kernels take pointers, and its Python layer documents no
         # strides (the caller's hidden_states may be a view of wider rows, its top-k column-major)
         out = self.fused_moe(
-            inp.hidden.contiguous(),
+            dense_aligned(inp.hidden),
             self.w["w13"],
             self.w["w2"],
             inp.topk_weights.float().contiguous(),

@@ -536,7 +536,9 @@ class CaseRunner:
 
     def _check_strided_inputs(self, case: Case, res: CaseResult) -> None:
         """Inputs as engines may hold them: hidden_states a view of wider rows (row stride past
-        H) or column-major, topk_ids and topk_weights column-major views (`[T, K]` read from `[K, T]`). The
+        H), column-major, or dense but starting one element past an aligned address (contiguous,
+        so `.contiguous()` keeps it; a kernel moving rows in 16-byte vectors would fault or read
+        wrong), topk_ids and topk_weights column-major views (`[T, K]` read from `[K, T]`). The
         result must match the oracle, and equal the call on contiguous copies bitwise where the
         pipeline claims determinism. A kernel that indexes its inputs as if they were dense
         reads the wrong rows here, silently."""
@@ -567,6 +569,11 @@ class CaseRunner:
             why = self._differs(layer(x[:t].t().contiguous().t(), ids[:t], w[:t]), want, tol, exact)
             if why:
                 problems.append(f"{t} tokens, column-major hidden_states: differs from contiguous ({why})")
+            odd = torch.empty(t * h + 1, dtype=x.dtype, device=d)[1:].view(t, h)  # one element off
+            odd.copy_(x[:t])
+            why = self._differs(layer(odd, ids[:t], w[:t]), want, tol, exact)
+            if why:
+                problems.append(f"{t} tokens, hidden_states one element past an aligned address: ({why})")
         self._agreeing(case, res, problems, got, prob, "strided inputs", "bitwise equal to contiguous inputs")
 
     def _check_input_dtypes(self, case: Case, res: CaseResult) -> None:

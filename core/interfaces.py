@@ -210,7 +210,9 @@ class DispatchRunner(ABC):
     @abstractmethod
     def dispatch(self, hidden: torch.Tensor, topk: TopK) -> tuple[DispatchOutput, Any]:
         """hidden `[T, H]` in config.dtype, unit column stride (any row stride: the layer makes
-        other inputs contiguous); topk ids are *global* expert ids."""
+        other inputs contiguous); topk ids are *global* expert ids. The top-k tensors arrive as
+        the caller passed them: ids int32 or int64, weights of any float dtype, either of any
+        strides. Make them contiguous (and cast them) before a kernel takes their pointers."""
 
     @abstractmethod
     def combine(self, expert_out: CombineInput, handle: Any) -> torch.Tensor:

@@ -76,7 +76,8 @@ class TopK:
     """Routing output.
 
     ids: int32 or int64 `[T, K]` global expert ids (each token's ids distinct).
-    weights: float32 `[T, K]` router weights.
+    weights: `[T, K]` router weights: float32 from `route`; from a caller, any float dtype
+    (engines pass float32 or the layer dtype) and any strides, as `MoELayer` passes them on.
     """
 
     ids: torch.Tensor

@@ -28,6 +28,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def dense_aligned(t: torch.Tensor, alignment: int = 16) -> torch.Tensor:
+    """`t` contiguous and starting at an `alignment`-byte address, copied only when it is not.
+
+    For vendor kernels that take a bare pointer and move rows in 16-byte vectors (DeepEP, AITER,
+    FlashInfer's `fp4_quantize`, Ascend's `fused_deep_moe`). `.contiguous()` alone keeps a
+    dense view at an odd storage offset (`flat[1:].view(T, H)`), whose rows such a kernel would
+    load misaligned: a fault, or wrong data. A copy comes from the allocator, aligned."""
+    t = t.contiguous()
+    return t if t.data_ptr() % alignment == 0 else t.clone()
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n for n >= 1; 0 for n <= 0 (as `triton.next_power_of_2`)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0

@@ -847,6 +847,8 @@ class RowQuant:
         """x `[M, K]` -> (quantized `[M, K]`, scales); `scale`: the static fp32 `[1]` scale
         ('fp8_static', returned as the scales); `row_ids` int32 `[M]` exactly when bound so."""
         m, k = self.rows, self.cols
+        if x.stride(-1) != 1:  # the kernels step rows by x.stride(0) and columns by 1
+            x = x.contiguous()
         q = torch.empty((m, k), dtype=self.qdtype, device=x.device)
         if self.mode == "fp8_static":
             assert scale is not None, "a static fp8 quantizer takes its scale"
@@ -1160,12 +1162,13 @@ class BoundFusedMoE:
         t, h = self.tokens, self.hidden
         if (
             hidden.shape != (t, h) or topk_ids.shape != (t, self.top_k) or hidden.dtype != self.hidden_dtype
-            or (hidden_scales is not None) != self.quantized_input
+            or topk_weights.shape != topk_ids.shape or (hidden_scales is not None) != self.quantized_input
         ):  # fmt: skip
             raise ValueError(
                 f"a fused MoE bound for [{t}, {h}] {self.hidden_dtype} hidden states of top-{self.top_k} "
                 f"({'with' if self.quantized_input else 'without'} scales) got {list(hidden.shape)} {hidden.dtype} "
-                f"of top-{topk_ids.shape[-1]} ({'with' if hidden_scales is not None else 'without'} scales)"
+                f"of top-{topk_ids.shape[-1]} with weights {list(topk_weights.shape)} "
+                f"({'with' if hidden_scales is not None else 'without'} scales)"
             )
         dev = hidden.device
         if out is None:

@@ -1153,15 +1153,17 @@ class BoundCombine:
         self, y: torch.Tensor, slot_row: torch.Tensor, topk_weights: torch.Tensor | None, out: torch.Tensor | None
     ) -> torch.Tensor:
         """y masked `[E, max_m, H]` or contiguous `[M, H]`; slot_row int32 `[T * K]`; topk_weights
-        `[T, K]` fp32 (None exactly when bound unweighted); out `[T, H]` or None (allocated)."""
+        `[T, K]` fp32 (None exactly when bound unweighted); out `[T, H]` with contiguous rows, or
+        None (allocated)."""
         if (
             (topk_weights is not None) != self.weighted or y.shape[-1] != self.h
-            or (out is not None and out.dtype != self.out_dtype)
+            or (out is not None and (out.dtype != self.out_dtype or out.stride(-1) != 1))
         ):  # fmt: skip
             raise ValueError(
                 f"a combine bound for {'weighted' if self.weighted else 'unweighted'} rows of {self.h} columns into "
                 f"{self.out_dtype} got {'weighted' if topk_weights is not None else 'unweighted'} rows of "
                 f"{y.shape[-1]} into {out.dtype if out is not None else self.out_dtype}"
+                + ("" if out is None or out.stride(-1) == 1 else f" with column stride {out.stride(-1)} (needs 1)")
             )
         if out is None:
             out = torch.empty(self.num_tokens, self.h, dtype=self.out_dtype, device=y.device)

@@ -68,6 +68,21 @@ class _DenseReadingRunner(ReferenceExpertsRunner):
         return super().apply(inp)
 
 
+class _AlignedLoadsRunner(ReferenceExpertsRunner):
+    """Moves token-major rows in 16-byte vectors, as DeepEP and AITER do: a start past an
+    aligned address reads the wrong bytes (here: the row shifted to the aligned address)."""
+
+    def apply(self, inp):
+        if isinstance(inp, StandardInput):
+            h = inp.hidden.contiguous()
+            off = h.data_ptr() % 16 // h.element_size()
+            if off:
+                flat = torch.as_strided(h, (h.numel(),), (1,))
+                shifted = torch.as_strided(flat, h.shape, (h.shape[1], 1), h.storage_offset() - off)
+                inp = dataclasses.replace(inp, hidden=shifted)
+        return super().apply(inp)
+
+
 class _ClaimsNothing(ReferenceExperts):
     name = "picky"
     priority = 40
@@ -155,6 +170,19 @@ def test_experts_that_read_inputs_as_dense_fail_the_strided_inputs_check():
     passed = {(r.check, r.layout) for r in suite.results if r.status == "pass"}
     assert {("numeric", "standard"), ("strided_inputs", "contiguous")} <= passed, passed
     assert not suite.ok
+
+
+def test_experts_that_load_aligned_vectors_fail_the_strided_inputs_check():
+    """A contiguous input one element past an aligned address: `.contiguous()` keeps it, and a
+    kernel that assumes 16-byte aligned rows reads the wrong bytes (a memory-layout review)."""
+    suite = _suite("vectors", _bf16_experts("vectors", _AlignedLoadsRunner))
+    suite.run([c for c in suite.cases() if c.check in ("strided_inputs", "numeric")])
+    failed = [r for r in suite.results if r.status == "fail"]
+    assert failed and all(r.check == "strided_inputs" and r.layout == "standard" for r in failed), [
+        (r.id, r.detail) for r in failed
+    ]
+    assert all("one element past an aligned address" in r.detail for r in failed), [r.detail for r in failed]
+    assert any(r.status == "pass" and r.check == "numeric" and r.layout == "standard" for r in suite.results)
 
 
 def test_the_reference_passes_the_strided_inputs_check():

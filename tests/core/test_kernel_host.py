@@ -5,9 +5,10 @@ read TRITON_INTERPRET as Triton does."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from moehal.kernels.host import cdiv, interpreting, next_power_of_2
+from moehal.kernels.host import cdiv, dense_aligned, interpreting, next_power_of_2
 
 triton = pytest.importorskip("triton")
 
@@ -89,3 +90,18 @@ def test_triton_interpret_set_after_import_is_right_or_refused(kernels_first: bo
     else:
         tag, err = run.stdout.split()
         assert tag == "ERR" and float(err) < 0.02, run.stdout
+
+
+def test_dense_aligned_copies_only_views_that_are_strided_or_start_off_16_bytes() -> None:
+    """`.contiguous()` keeps a dense view at an odd storage offset; vendor kernels that load rows
+    in 16-byte vectors (DeepEP, AITER, fp4_quantize, fused_deep_moe) get such views copied."""
+    flat = torch.arange(4 * 64 + 1, dtype=torch.bfloat16)
+    aligned = flat[:256].view(4, 64)
+    assert dense_aligned(aligned) is aligned  # no copy when nothing is wrong
+    odd = flat[1:].view(4, 64)  # contiguous, 2 bytes past an aligned address
+    assert odd.is_contiguous() and odd.data_ptr() % 16 == 2 and odd.contiguous() is odd
+    fixed = dense_aligned(odd)
+    assert fixed.data_ptr() % 16 == 0 and fixed.is_contiguous() and torch.equal(fixed, odd)
+    wide = torch.zeros(4, 96, dtype=torch.bfloat16)
+    rows = dense_aligned(wide[:, :64])
+    assert rows.is_contiguous() and rows.data_ptr() % 16 == 0 and torch.equal(rows, wide[:, :64])

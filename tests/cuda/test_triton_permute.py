@@ -493,6 +493,9 @@ def test_a_bound_combine_matches_combine_at_every_call_and_refuses_what_it_was_n
         launch(y, r.slot_row, None, None)
     with pytest.raises(ValueError, match="into torch.bfloat16"):
         launch(y, r.slot_row, w, torch.empty(t, H, dtype=torch.float32, device=DEV))
+    # the kernel steps out's rows by stride(0) and its columns by 1: a column-major out raises
+    with pytest.raises(ValueError, match="column stride 6"):
+        launch(y, r.slot_row, w, torch.empty(H, t, dtype=torch.bfloat16, device=DEV).t())
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-positions", "positions-pass"])

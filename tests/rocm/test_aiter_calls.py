@@ -110,6 +110,11 @@ def test_aiter_gets_dense_operands(fake_aiter):
     hidden, w, i = args[0], args[3], args[4]
     assert hidden.is_contiguous() and w.is_contiguous() and i.is_contiguous()
     assert torch.equal(hidden, wide[:, :128]) and torch.equal(w, wts) and i.tolist() == ids.tolist()
+    # dense rows 2 bytes past an aligned address: contiguous, so only the alignment shows
+    odd = torch.randn(3 * 128 + 1).bfloat16()[1:].view(3, 128)
+    runner.apply(StandardInput(odd, None, ids, wts))
+    hidden = fake_aiter[-1][0][0]
+    assert hidden.data_ptr() % 16 == 0 and torch.equal(hidden, odd)
 
 
 def test_no_tokens_skip_the_kernel(fake_aiter):

@@ -141,6 +141,21 @@ def test_token_quant_int8_matches_reference():
     assert torch.allclose(s.cpu(), sr, rtol=1e-6, atol=0)
 
 
+@needs_triton
+@pytest.mark.parametrize("quantizer", ["fp8_group", "int8"])
+def test_quantizers_called_directly_read_any_column_stride(quantizer):
+    """The kernels step a row's columns by 1: a column-major input (the same values) must give
+    the same bits, not values read at other addresses (found by a memory-layout review: the
+    wrappers passed stride(0) only, and `fused_moe`'s fp8 and int8 schemes went 3.1 off)."""
+    k = _kernel()
+    quantize = k.per_token_group_quant_fp8 if quantizer == "fp8_group" else k.per_token_quant_int8
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    column_major = x.t().contiguous().t()
+    assert torch.equal(column_major, x) and column_major.stride(-1) != 1
+    (q, s), (qc, sc) = quantize(x), quantize(column_major)
+    assert torch.equal(qc.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sc, s)
+
+
 @pytest.mark.parametrize("m", [1, 8, 64, 512, 8192])
 @pytest.mark.parametrize("quant", ["none", "fp8_block", "int8"])
 def test_heuristic_configs_respect_kernel_constraints(m, quant):

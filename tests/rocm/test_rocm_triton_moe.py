@@ -230,6 +230,19 @@ def test_fused_moe_on_quantized_input_needs_an_output_dtype():
         fused_moe(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), None, hidden_scales=torch.ones(2, 1))
 
 
+def test_fused_moe_refuses_weights_of_another_shape_than_the_ids():
+    """A `[T, 2K]` weights tensor (a caller's fused buffer) used to be flattened and read as
+    if it were `[T, K]`: the wrong weight for every slot but the first row's, and no error."""
+    from moehal.kernels import triton_fused_moe as k
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.float32)
+    w, x, ids, wts = problem(cfg, "bf16", 6)
+    tw = k.TritonMoEWeights(w.w13.to(DEVICE), w.w2.to(DEVICE), "none")
+    wide = torch.cat([wts, torch.zeros_like(wts)], 1)
+    with pytest.raises(ValueError, match=r"with weights \[6, 4\]"):
+        k.fused_moe(x.to(DEVICE), ids.to(DEVICE), wide.to(DEVICE), tw)
+
+
 @pytest.mark.parametrize("block_k", [128, 64, 32])
 def test_fp8_block_tiles_narrower_than_a_scale_group_read_the_right_scales(block_k):
     """`_fit` accepts fp8 K tiles of 32 and 64 (tuned tables, SGLang's configs use them): each K

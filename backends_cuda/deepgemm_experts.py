@@ -209,14 +209,15 @@ class DeepGemmOps:
         sms = getattr(dg, "get_num_sms", None)
         memo = lambda fn: LaunchMemo(fn, context=sms)  # noqa: E731
         self.memos = (memo(self._masked_call), memo(self._contig_call)) if replay_graphs else None
-        self._run_masked: Any = self.memos[0] if self.memos else self._masked_call
-        self._run_contig: Any = self.memos[1] if self.memos else self._contig_call
+        # (None: call the method; a bound method kept here would make the ops a reference cycle)
+        self._run_masked: Any = self.memos[0] if self.memos else None
+        self._run_contig: Any = self.memos[1] if self.memos else None
 
     def masked(
         self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int
     ) -> None:
         """`d[e, :mm[e]] = a[e, :mm[e]] @ w[e].T` per expert (`em`: DeepGEMM's expected rows hint)."""
-        self._run_masked(a, sa, w, sw, d, mm, em)
+        (self._run_masked or self._masked_call)(a, sa, w, sw, d, mm, em)
 
     def contiguous(
         self,
@@ -231,7 +232,7 @@ class DeepGemmOps:
         """`d[r] = a[r] @ w[layout[r]].T` for rows with `layout[r] >= 0`. `psum` int32 `[E]`
         (where `takes_psum`): each expert's segment end, segment_start + counts; DeepGEMM
         then reads it in place of `layout`."""
-        self._run_contig(a, sa, w, sw, d, layout if psum is None else psum, psum is not None)
+        (self._run_contig or self._contig_call)(a, sa, w, sw, d, layout if psum is None else psum, psum is not None)
 
     def _masked_call(
         self, a: torch.Tensor, sa: Any, w: torch.Tensor, sw: Any, d: torch.Tensor, mm: torch.Tensor, em: int

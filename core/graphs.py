@@ -36,6 +36,7 @@ import gc
 import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,6 +78,16 @@ BYTE_COPY_INPUTS = True
 DIRECT_PER_TOKEN_COUNT = 4
 
 
+def _weak_callable(fn: Callable[..., object]) -> Callable[[], Callable[..., object]]:
+    """A getter of `fn` that holds a bound method's object weakly. The caches here belong to the
+    object whose method they run (a layer's forward, DeepGEMM's ops): a strong bound method
+    would close a reference cycle, and the layer, its weights and its graphs' memory pools
+    would outlive `del layer` until the next full garbage collection."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)  # type: ignore[return-value]
+    return lambda: fn
+
+
 class GraphCache:
     """Per-token-count CUDA graphs of one forward function `fn(*tensors) -> Tensor`, or
     `fn(*tensors, out=None) -> Tensor` for one that can write its result into a given tensor.
@@ -100,7 +111,7 @@ class GraphCache:
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device) -> None:
-        self._fn = fn
+        self._fn_ref = _weak_callable(fn)
         # `fn(*inputs, out=buf)` writes its result into `buf` (`MoELayer._forward_topk`): graphs
         # that write an output then capture that, not the forward followed by a copy
         self._fn_takes_out = "out" in inspect.signature(fn).parameters
@@ -313,10 +324,11 @@ class GraphCache:
         # Without the caller's `out`, the graph writes the shared output rows (copied out after
         # each replay); with it, it writes there.
         dest = out if out is not None else self._rows("out", inputs[0], rows)
+        forward = self._fn_ref()
         if self._fn_takes_out:  # the forward writes `dest` itself: no copy in the graph
-            fn = lambda: self._fn(*static, out=dest)  # noqa: E731
+            fn = lambda: forward(*static, out=dest)  # noqa: E731
         else:
-            fn = lambda: dest.copy_(self._fn(*static))  # noqa: E731
+            fn = lambda: dest.copy_(forward(*static))  # noqa: E731
         # An in-place call (`out` in an input's storage, as `layer(h, ..., out=h)`): the warm-up
         # run that `capture` makes writes the result over the input, and the replay that follows
         # would compute from that result. The input's bytes are kept across the capture.
@@ -481,7 +493,7 @@ class LaunchMemo:
     def __init__(
         self, fn: Callable[..., None], capacity: int = 16, context: Callable[[], object] | None = None
     ) -> None:
-        self._fn = fn
+        self._fn_ref = _weak_callable(fn)
         self._context = context  # host state fn reads besides its arguments (DeepGEMM's SM count)
         self._capacity = capacity
         self._graphs: dict[object, torch.cuda.CUDAGraph] = {}  # insertion order: oldest first
@@ -495,7 +507,7 @@ class LaunchMemo:
 
     def __call__(self, *args: object) -> None:
         if self.off_reason is not None or not MEMO_ENABLED or torch.cuda.is_current_stream_capturing():
-            self._fn(*args)
+            self._fn_ref()(*args)
             return
         sig = _signature(args) if self._context is None else (_signature(args), self._context())
         graph = self._graphs.get(sig)
@@ -503,7 +515,7 @@ class LaunchMemo:
             graph.replay()
             self.replays += 1
             return
-        self._fn(*args)  # this call's result, directly; a capture records without running
+        self._fn_ref()(*args)  # this call's result, directly; a capture records without running
         if sig in self._seen:
             del self._seen[sig]
             self._capture(sig, args)
@@ -522,7 +534,7 @@ class LaunchMemo:
             with torch.cuda.stream(self._side), gc_paused():
                 graph.capture_begin(self._pool, capture_error_mode="thread_local")
                 try:
-                    self._fn(*args)
+                    self._fn_ref()(*args)
                 finally:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - any capture failure: stop trying, say why

@@ -10,7 +10,13 @@ from moehal.capability import Decision, accept, decline
 from moehal.errors import NotSupportedError
 from moehal.hardware import module_available, package_version
 from moehal.interfaces import BuildRequest
-from moehal.kernels.host import interpreter_mode_changed, interpreting, kernels_interpreted, mode_change_reason
+from moehal.kernels.host import (
+    interpreter_mode_changed,
+    interpreter_too_old,
+    interpreting,
+    kernels_interpreted,
+    mode_change_reason,
+)
 from packaging.version import InvalidVersion, Version
 
 # sgl-deep-gemm builds are tied to a torch release; 0.1.4.post1 (+ apache-tvm-ffi 0.1.11) is the
@@ -67,6 +73,9 @@ def cuda_or_interpreter(req: BuildRequest) -> Decision:
     if kind == "cuda":
         return accept(predicate="hardware")
     if kind == "cpu" and interpreting():
+        old = interpreter_too_old()
+        if old is not None:
+            return decline(old, "hardware")
         return accept("runs under the Triton interpreter (TRITON_INTERPRET=1)", "hardware")
     if kind == "cpu":
         return decline("no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels interpreted)", "hardware")

@@ -294,7 +294,8 @@ class CaseRunner:
             return None, None
         dispatcher = case.pipeline.dispatcher if case.pipeline is not None else None
         zeros = dispatcher is None or dispatcher.zero_padding
-        dirty = disp.hidden[pad].float().abs().max().item() if pad.any() and zeros else 0.0
+        # (upcast first: torch before 2.7 cannot index a CPU fp8 tensor with a mask)
+        dirty = disp.hidden.float()[pad].abs().max().item() if pad.any() and zeros else 0.0
         if dirty != 0.0:  # the formats' contract: padding rows hold zeros in, too
             return f"the dispatched input's padding rows are not zero (max |value| {dirty:.3g})", pad
         return None, pad

@@ -38,7 +38,7 @@ ALLOCATORS = frozenset(
     }
 )
 INT_POISON = 1
-_FP4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8; moehal supports torch >= 2.4
+_FP4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8; moehal supports torch >= 2.6
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,31 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
+def interpreter_too_old(version: str | None = None) -> str | None:
+    """Why this Triton's interpreter cannot run moehal's kernels (None: it can). `version`: the
+    installed triton's unless given.
+
+    Triton's interpreter takes a kernel parameter as a constant from its annotation. Before 3.4
+    it did not read the string "tl.constexpr" that `from __future__ import annotations` leaves
+    in moehal's kernel modules, so every constant arrived as a tensor and the first `tl.arange`
+    failed. Compiled kernels are unaffected: the compiler reads the string."""
+    from importlib import metadata
+
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        try:
+            version = metadata.version("triton")
+        except metadata.PackageNotFoundError:
+            return None  # another distribution's triton (ROCm's): not one of the old interpreters
+    try:
+        if Version(version).release[:2] >= (3, 4):
+            return None
+    except InvalidVersion:
+        return None
+    return f"Triton {version}'s interpreter ignores moehal's kernel constants (fixed in 3.4): pip install 'triton>=3.4'"
+
+
 # How `triton.jit` decorated moehal's kernel modules, fixed by the first one imported (each
 # calls `kernel_modules_interpreted` as it decorates its kernels). Their interpreter-only flags
 # (exact rounding, upcasts) are this value: read once, not from the environment at each launch.

@@ -23,7 +23,13 @@ from moehal.errors import WeightError
 from moehal.formats import ActivationFormat, Layout, ScaleKind, StandardInput, StandardOutput
 from moehal.hardware import HardwareInfo, module_available
 from moehal.interfaces import BuildRequest, Experts, ExpertsRunner, TunedShape, WeightProcessor
-from moehal.kernels.host import interpreter_mode_changed, interpreting, kernels_interpreted, mode_change_reason
+from moehal.kernels.host import (
+    interpreter_mode_changed,
+    interpreter_too_old,
+    interpreting,
+    kernels_interpreted,
+    mode_change_reason,
+)
 from moehal.quant import BF16, FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_TENSOR, W8A8_INT8, QuantKind, QuantScheme, ScaleFormat
 from moehal.weights import ExpertWeights
 
@@ -245,6 +251,9 @@ class TritonExperts(Experts):
             return decline(mode_change_reason(), "hardware")
         if kind == "cpu" and self.interpret_on_cpu:
             if interpreting():
+                old = interpreter_too_old()
+                if old is not None:
+                    return decline(old, "hardware")
                 return accept("CPU: the Triton kernels run in the interpreter (TRITON_INTERPRET=1)", "hardware")
             return decline(
                 "Triton needs a GPU; on CPU it runs only in the interpreter: set TRITON_INTERPRET=1 (slow, for tests)",

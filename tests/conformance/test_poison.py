@@ -174,7 +174,7 @@ def test_the_suite_hands_its_poison_switch_to_the_ranks(monkeypatch):
 
 
 def test_poisoning_needs_no_fp4_dtype(monkeypatch):
-    """torch < 2.8 has no `float4_e2m1fn_x2` (moehal supports torch >= 2.4): every other dtype
+    """torch < 2.8 has no `float4_e2m1fn_x2` (moehal supports torch >= 2.6): every other dtype
     is poisoned as before."""
     import moehal.poison
 

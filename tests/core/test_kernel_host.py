@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from moehal.kernels.host import cdiv, dense_aligned, interpreting, next_power_of_2
+from moehal.kernels.host import cdiv, dense_aligned, interpreter_too_old, interpreting, next_power_of_2
 
 triton = pytest.importorskip("triton")
 
@@ -105,3 +105,35 @@ def test_dense_aligned_copies_only_views_that_are_strided_or_start_off_16_bytes(
     wide = torch.zeros(4, 96, dtype=torch.bfloat16)
     rows = dense_aligned(wide[:, :64])
     assert rows.is_contiguous() and rows.data_ptr() % 16 == 0 and torch.equal(rows, wide[:, :64])
+
+
+def test_interpreters_before_triton_3_4_are_refused_with_the_release_that_fixed_them(monkeypatch) -> None:
+    """Triton's interpreter before 3.4 ignores string `tl.constexpr` annotations (moehal's kernel
+    modules use `from __future__ import annotations`): every Triton path on the CPU declines
+    there, naming the fix, instead of failing at its first `tl.arange` (a version-floor review
+    ran triton 3.1-3.3)."""
+    from importlib import metadata
+
+    from moehal.kernels.triton_experts import TritonExperts
+    from moehal_cuda import support
+
+    assert "fixed in 3.4" in interpreter_too_old("3.3.1") and interpreter_too_old("3.1.0") is not None
+    assert interpreter_too_old("3.4.0") is None and interpreter_too_old("3.9.0") is None
+    assert interpreter_too_old(metadata.version("triton")) is None  # what this machine runs
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moehal.kernels import triton_experts
+
+    monkeypatch.setattr(triton_experts, "interpreting", lambda: True)
+    monkeypatch.setattr(support, "interpreting", lambda: True)
+    monkeypatch.setattr(metadata, "version", lambda dist: "3.2.0")
+    import moehal
+    from moehal.hardware import detect
+    from moehal.interfaces import BuildRequest
+
+    req = BuildRequest(
+        moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64),
+        moehal.QuantScheme.parse("bf16"),
+        detect("cpu"),
+    )
+    for d in (TritonExperts().check_hardware(req), support.cuda_or_interpreter(req)):
+        assert not d.ok and "Triton 3.2.0's interpreter" in d.reason, d

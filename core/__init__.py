@@ -17,6 +17,7 @@ from moehal.config import Activation, MoEConfig
 from moehal.errors import (
     ConfigError,
     ContractError,
+    FallbackWarning,
     InferenceOnlyWarning,
     InputError,
     MoEHalError,
@@ -64,6 +65,7 @@ __all__ = [
     "Experts",
     "FusedForward",
     "HardwareInfo",
+    "FallbackWarning",
     "InferenceOnlyWarning",
     "MoEHalWarning",
     "SettingsWarning",

@@ -135,6 +135,13 @@ def _internal_dirs() -> list[str]:
     return dirs
 
 
+class FallbackWarning(MoEHalWarning):
+    """A layer on an accelerator runs on a slow catch-all (the reference experts, ROCm's torch
+    experts) because no native kernel took its configuration. It computes right, but loops over
+    experts in float32 on weights dequantized at load (4x an fp8 checkpoint's bytes, 8x an NVFP4
+    one's). Not raised where the caller asked for that backend by name, nor on a CPU."""
+
+
 class InferenceOnlyWarning(MoEHalWarning):
     """A forward was called with autograd recording and inputs that require grad: moehal's
     kernels have no backward, so the layer runs without recording and its output carries no

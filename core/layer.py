@@ -19,6 +19,7 @@ from moehal.ep_dispatcher import check_process_group, check_ranks_agree
 from moehal.errors import (
     ConfigError,
     ContractError,
+    FallbackWarning,
     InferenceOnlyWarning,
     InputError,
     NotSupportedError,
@@ -145,6 +146,15 @@ class MoELayer(torch.nn.Module):
             self.plan = select(self.request, reg, chosen, layout)
         if process_group is not None and config.ep_size > 1:  # before any runner's collective setup
             check_ranks_agree(self.request, _wire(self.plan.pipeline))
+        main = self.plan.pipeline.main
+        if main.fallback and hw.kind != "cpu" and chosen != main.backend:  # (asked for by name: meant)
+            warn(
+                f"MoELayer on {hw.device} ({hw.name}) runs {self.quant} on the slow fallback {main.qualname}: "
+                "no native kernel took this configuration. It loops over experts in float32 on weights "
+                "dequantized at load (4x an fp8 checkpoint's bytes). `moehal explain` shows why each "
+                "kernel declined",
+                FallbackWarning,
+            )
         self.device = hw.device
         self._on_cuda = self.device.type == "cuda"
         self._device_index = self.device.index if self._on_cuda else -1  # (`Tensor.get_device()`)

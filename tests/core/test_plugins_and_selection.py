@@ -615,3 +615,30 @@ def test_moehals_own_backend_names_load_from_moehal_only(tmp_path, monkeypatch):
     (clone,) = [r for r in reg.failed() if r.distribution == "zeta_clone"]
     assert "'reference' is moehal's own" in clone.error and "another entry-point name" in clone.error
     assert "zeta_clone_plugin" not in sys.modules
+
+
+def test_a_fallback_chosen_on_an_accelerator_warns_and_one_asked_for_by_name_does_not(monkeypatch):
+    """vLLM once fell back to the CPU silently. Here a layer on a GPU that no native kernel takes
+    runs the reference experts: right, but float32 weights dequantized at load (4x an fp8
+    checkpoint) and a loop over experts. Chosen by `auto`, that is a `FallbackWarning`; asked
+    for by name, or on a CPU, it is what the caller meant."""
+    import warnings
+
+    from moehal import layer as layer_mod
+    from moehal.hardware import HardwareInfo
+    from moehal.reference import plugin as reference_plugin
+
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    reg = moehal.Registry(moehal.Settings())
+    reg.register(reference_plugin, "reference")
+    # an A100 as the selection sees it (fp8 has no native kernel there); the tensors stay on the CPU
+    a100 = HardwareInfo("cuda", torch.device("cpu"), "NVIDIA A100-SXM4-80GB", (8, 0))
+    monkeypatch.setattr(layer_mod, "detect", lambda device=None: a100)
+    with pytest.warns(moehal.FallbackWarning, match=r"fp8_block on the slow fallback reference\.experts") as rec:
+        moehal.MoELayer(cfg, "fp8_block", registry=reg)
+    assert rec[0].filename == __file__  # the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", moehal.FallbackWarning)
+        moehal.MoELayer(cfg, "fp8_block", backend="reference", registry=reg)
+        monkeypatch.setattr(layer_mod, "detect", lambda device=None: moehal.detect("cpu"))
+        moehal.MoELayer(cfg, "fp8_block", registry=reg)

@@ -86,12 +86,26 @@ def out_scale(activation_scale: torch.Tensor, weight_scales: torch.Tensor) -> to
     return (1.0 / (activation_scale.double().reshape(()) * weight_scales.double())).float().contiguous()
 
 
+def _block_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes `[E, N, K/2]` and block scales -> `[E, N, K]` of `dtype`, one expert at a time
+    into one allocation (a list of per-expert results, then a stack, held one more copy of the
+    layer's largest tensor at load)."""
+    out: torch.Tensor | None = None
+    for e, (q, s) in enumerate(zip(codes, scales, strict=True)):
+        v = nvfp4.block_values(q, s)
+        if out is None:
+            out = torch.empty((codes.shape[0], *v.shape), dtype=dtype, device=v.device)
+        out[e].copy_(v)
+    assert out is not None, "no experts"
+    return out
+
+
 def dequantize_nvfp4_weights(weights: ExpertWeights, dtype: torch.dtype) -> DequantNvfp4Weights:
     assert weights.w13_scale is not None and weights.w2_scale is not None
     assert weights.w13_global_scale is not None and weights.w2_global_scale is not None
     assert weights.a13_scale is not None and weights.a2_scale is not None
-    w13 = torch.stack([nvfp4.block_values(q, s).to(dtype) for q, s in zip(weights.w13, weights.w13_scale)])
-    w2 = torch.stack([nvfp4.block_values(q, s).to(dtype) for q, s in zip(weights.w2, weights.w2_scale)])
+    w13 = _block_values(weights.w13, weights.w13_scale, dtype)
+    w2 = _block_values(weights.w2, weights.w2_scale, dtype)
     b13 = weights.w13_bias.float().contiguous() if weights.w13_bias is not None else None
     b2 = weights.w2_bias.float().contiguous() if weights.w2_bias is not None else None
     a13 = weights.a13_scale.float().reshape(())

@@ -21,7 +21,7 @@ activation's global scale (see `moehal.quant.nvfp4`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -199,14 +199,12 @@ def quantize_weights(
     a_amax, a2_amax = _calibrate(config, w13, calibration_input, w13_bias)
     if k is QuantKind.FP8_BLOCK:
         ue8m0 = quant.scale_format is ScaleFormat.UE8M0
-        q13, s13 = fp8.quantize_block(w13, ue8m0)
-        q2, s2 = fp8.quantize_block(w2, ue8m0)
+        q13, s13 = _by_expert(lambda w, e: fp8.quantize_block(w, ue8m0), w13)
+        q2, s2 = _by_expert(lambda w, e: fp8.quantize_block(w, ue8m0), w2)
         return ExpertWeights(q13, q2, s13, s2, **extra)
     if k is QuantKind.FP8_TENSOR:
-        s13 = w13.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / fp8.FP8_MAX
-        s2 = w2.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / fp8.FP8_MAX
-        q13 = (w13.float() / s13[:, None, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
-        q2 = (w2.float() / s2[:, None, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
+        q13, s13 = _by_expert(lambda w, e: _fp8_per_tensor(w), w13)
+        q2, s2 = _by_expert(lambda w, e: _fp8_per_tensor(w), w2)
         return ExpertWeights(
             q13,
             q2,
@@ -219,8 +217,8 @@ def quantize_weights(
     if k is QuantKind.NVFP4:
         g13 = torch.stack([nvfp4.global_scale_for(w) for w in w13]) if len(w13) else torch.ones(0, device=w13.device)
         g2 = torch.stack([nvfp4.global_scale_for(w) for w in w2]) if len(w2) else torch.ones(0, device=w2.device)
-        q13, s13 = nvfp4.quantize(w13, g13)
-        q2, s2 = nvfp4.quantize(w2, g2)
+        q13, s13 = _by_expert(lambda w, e: nvfp4.quantize(w, g13[e]), w13)
+        q2, s2 = _by_expert(lambda w, e: nvfp4.quantize(w, g2[e]), w2)
         full = nvfp4.E4M3_MAX * nvfp4.E2M1_MAX
         return ExpertWeights(
             q13,
@@ -233,9 +231,36 @@ def quantize_weights(
             torch.tensor(full / a2_amax, device=w13.device),
             **extra,
         )
-    q13, s13 = int8.quantize_per_channel(w13)
-    q2, s2 = int8.quantize_per_channel(w2)
+    q13, s13 = _by_expert(lambda w, e: int8.quantize_per_channel(w), w13)
+    q2, s2 = _by_expert(lambda w, e: int8.quantize_per_channel(w), w2)
     return ExpertWeights(q13, q2, s13, s2, **extra)
+
+
+def _by_expert(
+    quantize: Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]], w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize(w[e:e+1], e)` for each expert, into one allocation per result. Every scheme's
+    quantization is per expert, so this is the whole call's result bit for bit, and its float32
+    temporaries are one expert's, not the layer's (several float32 copies of a whole layer: 11x
+    the fp8 result at the peak, where engines quantize every layer at load)."""
+    if w.shape[0] == 0:
+        return quantize(w, slice(0, 0))
+    q = s = None
+    for e in range(w.shape[0]):
+        qe, se = quantize(w[e : e + 1], slice(e, e + 1))
+        if q is None or s is None:
+            q = qe.new_empty((w.shape[0], *qe.shape[1:]))
+            s = se.new_empty((w.shape[0], *se.shape[1:]))
+        q[e : e + 1].copy_(qe)
+        s[e : e + 1].copy_(se)
+    assert q is not None and s is not None
+    return q, s
+
+
+def _fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[E, N, K]` -> e4m3 and one fp32 scale per expert `[E]`."""
+    s = w.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / fp8.FP8_MAX
+    return (w.float() / s[:, None, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE), s
 
 
 def _calibrate(

@@ -288,7 +288,9 @@ def _build(module: torch.nn.Module, top_k: int, backend: str, quant: QuantScheme
         if quant.kind is QuantKind.BF16:
             layer.load_weights(w13=w13, w2=w2, **_biases(b13, b2))
         else:
-            layer.load_weights(quantize_weights(cfg, quant, w13.float(), w2.float(), w13_bias=b13, w2_bias=b2))
+            # (the module's own dtype: the quantizers upcast one expert at a time, where a float32
+            # copy of the whole layer here came first)
+            layer.load_weights(quantize_weights(cfg, quant, w13, w2, w13_bias=b13, w2_bias=b2))
     return layer
 
 

@@ -79,7 +79,7 @@ def to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.T
     finite pattern (fn's NaN patterns read as +-240, as vLLM's normalization leaves them).
     The vLLM/SGLang ROCm paths normalize checkpoints the same way."""
     bits = q.view(torch.int8)
-    bits = torch.where(bits == -128, torch.zeros_like(bits), bits)
+    bits = bits.masked_fill(bits == -128, 0)  # (a mask and the result: no third full-size tensor)
     return bits.view(torch.float8_e4m3fnuz).contiguous(), (scale.float() * 2.0).contiguous()
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import operator
 import sys
+import threading
 from typing import Any, Literal
 
 import torch
@@ -39,6 +41,60 @@ from moehal.routing import TopK, route
 from moehal.selection import Pipeline, Plan, QuantizeAdapter, enumerate_pipelines, select
 from moehal.stream_order import StreamOrder
 from moehal.weights import ExpertWeights, validate
+
+_log = logging.getLogger(__name__)
+# Plans logged so far, by what makes them differ: a model's 48-61 identical layers log one line.
+_LOGGED_PLANS: set[tuple[Any, ...]] = set()
+_LOGGED_LOCK = threading.Lock()
+
+
+def _explain_command(c: MoEConfig, quant: QuantScheme) -> str:
+    """The `moehal explain` line for this layer's configuration (its defaults are another model's)."""
+    dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    args = [
+        f"-E {c.num_experts}",
+        f"-k {c.top_k}",
+        f"--hidden {c.hidden_size}",
+        f"--intermediate {c.intermediate_size}",
+        f"--quant {quant.name}",
+        f"--activation {c.activation.value}",
+        f"--dtype {dtypes.get(c.dtype, 'bf16')}",
+    ]
+    flags = (
+        (not c.gated, "--non-gated"),
+        (c.has_w13_bias, "--w13-bias"),
+        (c.has_w2_bias, "--w2-bias"),
+        (c.apply_router_weight_on_input, "--router-weight-on-input"),
+        (c.topk_padding, "--topk-padding"),
+    )
+    args += [flag for on, flag in flags if on]
+    if c.ep_size > 1:
+        args.append(f"--ep-size {c.ep_size} --ep-rank {c.ep_rank}")
+    if c.max_tokens is not None:
+        args.append(f"--max-tokens {c.max_tokens}")
+    return "moehal explain " + " ".join(args)
+
+
+def _log_plan(plan: Plan, hw: HardwareInfo) -> None:
+    """The plan a layer got, once per distinct (config, quant, device, pipeline, mode): INFO,
+    WARNING where kernels do not run natively (interpreted or emulated: a test mode that would
+    leak into serving unseen otherwise); DEBUG lines for each better-ranked candidate that declined."""
+    mode = plan.pipeline.execution_mode(plan.request)
+    key = (plan.request.config, plan.request.quant, str(hw.device), hw.name, plan.pipeline.name, mode)
+    with _LOGGED_LOCK:
+        if key in _LOGGED_PLANS:
+            return
+        _LOGGED_PLANS.add(key)
+    level = logging.INFO if mode == "native" else logging.WARNING
+    if _log.isEnabledFor(level):
+        c = plan.request.config
+        _log.log(level, "moehal plan for %s, %s on %s: %s (%s)", c.describe(), plan.request.quant, hw.describe(),
+                 plan.pipeline.name, mode)  # fmt: skip
+    if _log.isEnabledFor(logging.DEBUG):
+        for d in plan.decisions:
+            if not d.ok:
+                _log.debug("  declined: %s %s [%s]: %s", d.kind, d.name, d.predicate, d.reason)
+
 
 _ID_DTYPES = frozenset({torch.int32, torch.int64})
 
@@ -146,13 +202,14 @@ class MoELayer(torch.nn.Module):
             self.plan = select(self.request, reg, chosen, layout)
         if process_group is not None and config.ep_size > 1:  # before any runner's collective setup
             check_ranks_agree(self.request, _wire(self.plan.pipeline))
+        _log_plan(self.plan, hw)
         main = self.plan.pipeline.main
         if main.fallback and hw.kind != "cpu" and chosen != main.backend:  # (asked for by name: meant)
             warn(
-                f"MoELayer on {hw.device} ({hw.name}) runs {self.quant} on the slow fallback {main.qualname}: "
-                "no native kernel took this configuration. It loops over experts in float32 on weights "
-                "dequantized at load (4x an fp8 checkpoint's bytes). `moehal explain` shows why each "
-                "kernel declined",
+                f"MoELayer ({config.describe()}) on {hw.device} ({hw.name}) runs {self.quant} on the slow "
+                f"fallback {main.qualname}: no native kernel took this configuration. It loops over experts "
+                "in float32 on weights dequantized at load (4x an fp8 checkpoint's bytes). Why each kernel "
+                f"declined: {_explain_command(config, self.quant)}",
                 FallbackWarning,
             )
         self.device = hw.device
@@ -645,4 +702,8 @@ class MoELayer(torch.nn.Module):
             raise InputError(f"router_logits is on {logits.device}, hidden_states on {x.device}")
 
     def extra_repr(self) -> str:
-        return f"{self.config.describe()}, quant={self.quant.name}, pipeline={self.plan.pipeline.name}"
+        mode = self.plan.pipeline.execution_mode(self.request)
+        return (
+            f"{self.config.describe()}, quant={self.quant.name}, pipeline={self.plan.pipeline.name}, "
+            f"device={self.device}" + ("" if mode == "native" else f", mode={mode}")
+        )

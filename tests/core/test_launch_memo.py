@@ -195,3 +195,26 @@ def test_switched_off_every_call_runs_directly(fake_cuda, monkeypatch):
     for _ in range(3):
         memo(a, d, mm, 1)
     assert (gemm.direct, memo.replays, len(memo._graphs)) == (3, 0, 0)
+
+
+def test_a_cause_shared_by_many_memos_warns_once_naming_the_launch_and_the_switch(fake_cuda, monkeypatch, caplog):
+    """A model's 61 layers hold two memos each: a capture failure they share gave 122 identical
+    warnings, none saying which launch or how to turn the memos off (an observability review)."""
+    import logging
+
+    monkeypatch.setattr(graphs, "_WARNED", set())
+
+    def syncs_on_the_host(a: torch.Tensor, d: torch.Tensor) -> None:
+        if FakeGraph.capturing is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        d.copy_(a)
+
+    a, d = torch.randn(3), torch.zeros(3)
+    with caplog.at_level(logging.DEBUG, logger="moehal.graphs"):
+        for _ in range(5):
+            memo = graphs.LaunchMemo(syncs_on_the_host)
+            memo(a, d)
+            memo(a, d)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and len([r for r in caplog.records if "stops replaying" in r.message]) == 5
+    assert "syncs_on_the_host" in warned[0].message and "MEMO_ENABLED = False" in warned[0].message

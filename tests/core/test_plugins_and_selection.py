@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import textwrap
@@ -637,8 +638,32 @@ def test_a_fallback_chosen_on_an_accelerator_warns_and_one_asked_for_by_name_doe
     with pytest.warns(moehal.FallbackWarning, match=r"fp8_block on the slow fallback reference\.experts") as rec:
         moehal.MoELayer(cfg, "fp8_block", registry=reg)
     assert rec[0].filename == __file__  # the user's line
+    # which layer, and the explain line for its configuration (explain's defaults are another model's)
+    message = str(rec[0].message)
+    assert "E=4 top2 H=128 I=64" in message
+    assert "moehal explain -E 4 -k 2 --hidden 128 --intermediate 64 --quant fp8_block" in message
     with warnings.catch_warnings():
         warnings.simplefilter("error", moehal.FallbackWarning)
         moehal.MoELayer(cfg, "fp8_block", backend="reference", registry=reg)
         monkeypatch.setattr(layer_mod, "detect", lambda device=None: moehal.detect("cpu"))
         moehal.MoELayer(cfg, "fp8_block", registry=reg)
+
+
+def test_the_plan_is_logged_once_per_distinct_configuration(monkeypatch, caplog):
+    """An operator reads from the logs which pipeline each kind of layer got: one line for a
+    model's identical layers, one more for a layer of another shape (an observability review:
+    48 layers built with DEBUG logging gave no line at all)."""
+    import logging
+
+    from moehal import layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "_LOGGED_PLANS", set())
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64)
+    with caplog.at_level(logging.INFO, logger="moehal.layer"):
+        layers = [moehal.MoELayer(cfg, "bf16", backend="reference", device="cpu") for _ in range(5)]
+        moehal.MoELayer(dataclasses.replace(cfg, intermediate_size=128), "bf16", backend="reference", device="cpu")
+    lines = [r.message for r in caplog.records if r.name == "moehal.layer"]
+    assert len(lines) == 2, lines
+    assert "E=4 top2 H=128 I=64" in lines[0] and "reference.experts" in lines[0] and "(native)" in lines[0]
+    assert "I=128" in lines[1]
+    assert "device=cpu" in repr(layers[0])

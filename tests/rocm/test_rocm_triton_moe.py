@@ -272,3 +272,22 @@ def test_fp8_block_tiles_narrower_than_a_scale_group_read_the_right_scales(block
     tile = TileConfig(16, 64, block_k, 1, 4, 1)
     got = k.fused_moe(x.to(d), ids.to(d), wts.to(d), tw, configs=(tile, tile), all_local=True).cpu()
     assert rel_err(got, want) < TOL["fp8_block"], rel_err(got, want)
+
+
+def test_a_plan_not_run_natively_is_logged_as_a_warning(monkeypatch, caplog):
+    """Interpreted or emulated kernels are a test mode: a leaked TRITON_INTERPRET in a server
+    would run every layer on the host, slowly. The plan's log line says so at WARNING."""
+    import logging
+
+    from moehal import layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "_LOGGED_PLANS", set())
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger="moehal.layer"):
+        layer = moehal.MoELayer(cfg, "bf16", backend="tritonmoe", device=DEVICE, registry=triton_registry())
+    mode = layer.plan.pipeline.execution_mode(layer.request)
+    (record,) = [r for r in caplog.records if r.name == "moehal.layer"]
+    assert f"({mode})" in record.message and "tritonmoe" in record.message
+    assert record.levelno == (logging.INFO if mode == "native" else logging.WARNING)
+    if INTERPRET:
+        assert mode == "interpreted" and "mode=interpreted" in repr(layer)

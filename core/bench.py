@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import statistics
 import time
@@ -684,7 +683,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from moehal.cli.common import make_console
+    from moehal.cli.common import json_text, make_console
     from moehal.integrations.sglang import sglang_version
     from rich.progress import Progress
 
@@ -795,6 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)
     skipped: list[dict[str, Any]] = []
     out = Path(args.out) if args.out else None
+    interrupted: list[str] = []  # why the run stopped before its last job (a signal, Ctrl-C)
 
     def save() -> None:  # after every row: a time limit keeps what was measured
         if out is None:
@@ -811,8 +811,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": args.rounds,
             "rows": [asdict(r) for r in rows],
             "skipped": skipped,
+            # a run a time limit or Ctrl-C stopped: its file holds fewer rows than it asked for
+            "interrupted": bool(interrupted),
+            "jobs": len(jobs),
         }
-        out.with_suffix(".json").write_text(json.dumps(data, indent=2))
+        out.with_suffix(".json").write_text(json_text(data))  # NaN (no GPU clock, no check) as null
 
     import signal
 
@@ -870,6 +873,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.advance(task)
         except KeyboardInterrupt:
             console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+            interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
         finally:
             if sampler is not None:
                 sampler.close()
@@ -887,8 +891,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         no_png = " (no PNG: matplotlib is not installed; pip install 'moehal[plot]')"
         console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else no_png), markup=False)
     wrong = sum(r.check == "fail" for r in rows)
-    if wrong or (jobs and not rows):  # a run that measured nothing, or measured wrong outputs, is no success
-        console.print(f"{wrong} rows with wrong output" if wrong else "no row was measured", markup=False)
+    if wrong or (jobs and not rows) or interrupted:  # measured nothing, wrong outputs, or not all: no success
+        why = f"{wrong} rows with wrong output" if wrong else "no row was measured" if not rows else "interrupted"
+        console.print(why, markup=False)
         return 1
     return 0
 

@@ -170,7 +170,8 @@ def _wrong(r: Mapping[str, Any]) -> bool:
 
 
 def _wrong_note(r: Mapping[str, Any]) -> str:
-    return f"{r['backend']} {r['quant']} output wrong (rel_l2 {float(r.get('check_rel_l2', math.nan)):.3g})"
+    rel = _finite(r.get("check_rel_l2"))  # null in files since session 57 where it was NaN
+    return f"{r['backend']} {r['quant']} output wrong (rel_l2 {rel if rel is not None else math.nan:.3g})"
 
 
 def _peer_note(peer_row: Mapping[str, Any]) -> str:

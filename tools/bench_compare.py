@@ -17,8 +17,8 @@ from collections import defaultdict
 
 
 def _mhz(r: dict | None) -> str:
-    x = r.get("sm_mhz", math.nan) if r else math.nan
-    return f"{x:.0f}" if math.isfinite(x) else "-"
+    x = r.get("sm_mhz") if r else None  # NaN in older files, null (no clock read) since session 57
+    return f"{x:.0f}" if x is not None and math.isfinite(x) else "-"
 
 
 def _median_row(rows: list[dict]) -> dict:
@@ -52,7 +52,7 @@ def table(path: str) -> str:
         "| shape | tokens | bf16 us (% roofline) | SGLang bf16 us (%) | vs SGLang | fp8_block us (%) | fp8 vs bf16 |",
         "|---|---|---|---|---|---|---|",
     ]
-    clocks = any(math.isfinite(r.get("sm_mhz", math.nan)) for r in data["rows"])
+    clocks = any(r.get("sm_mhz") is not None and math.isfinite(r["sm_mhz"]) for r in data["rows"])
     if clocks:  # runs that sampled clocks (moehal.clock_sampler): the SM clock each row held
         lines[-2] += " bf16 / SGLang / fp8 SM MHz |"
         lines[-1] += "---|"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -26,8 +27,25 @@ def make_console(**kwargs: Any) -> Console:
 console = make_console()
 
 
+def finite(data: Any) -> Any:
+    """`data` with every NaN and infinity as None (JSON's null): JSON has no NaN, and parsers
+    other than Python's (JavaScript's, jq) refuse the `NaN` that `json.dumps` writes by default."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(v) for v in data]
+    return data
+
+
+def json_text(data: Any) -> str:
+    """Strict JSON of moehal's machine-readable outputs (`finite`; anything else as its str)."""
+    return json.dumps(finite(data), indent=2, default=str, allow_nan=False) + "\n"
+
+
 def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
+    print(json_text(data), end="")
 
 
 def status_text(ok: bool, yes: str = "yes", no: str = "no") -> str:

@@ -19,7 +19,15 @@ NUMERIC_FAMILIES = ("matrix", "features", "shapes", "pairs", "padding", "routing
 def to_dict(suite: Suite) -> dict[str, Any]:
     return {
         **suite.metadata(),
-        "summary": {**suite.counts(), "claimed_anything": suite.claimed_anything, "ok": suite.ok},
+        # verdict: the report's own words ("PASS", "FAIL", "PASS, subset (-k ...)"): `ok` alone is
+        # also true for a `-k` subset, which is not the backend's verdict
+        "summary": {
+            **suite.counts(),
+            "claimed_anything": suite.claimed_anything,
+            "ok": suite.ok,
+            "subset": bool(suite.select),
+            "verdict": verdict(suite),
+        },
         "components": [dataclasses.asdict(c) for c in components.summarize(suite)],
         "cases": [
             {
@@ -60,23 +68,28 @@ def _cell(results: list[CaseResult]) -> str:
     return f"pass {passed}/{n}{mode}" + (f", {declined} declined" if declined else "")
 
 
+def verdict(suite: Suite) -> str:
+    """The run's verdict in words: PASS, FAIL, INCOMPLETE (interrupted), NOTHING RAN / CLAIMED,
+    with ", subset (-k `...`)" where `-k` chose the cases (a subset's verdict is not the backend's)."""
+    counts = suite.counts()
+    nothing = "NOTHING RAN" if suite.select else "NOTHING CLAIMED"
+    text = (
+        "PASS"
+        if suite.ok
+        else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else nothing))
+    )
+    return text + (f", subset (-k `{suite.select}`)" if suite.select else "")
+
+
 def to_markdown(suite: Suite) -> str:
     meta, counts = suite.metadata(), suite.counts()
     hw = meta["hardware"]
     cap = f" (compute capability {hw['capability'][0]}.{hw['capability'][1]})" if hw["capability"] else ""
     libs = ", ".join(f"{k} {v or 'missing'}" for k, v in meta["vendor_libraries"].items()) or "none"
-    nothing = "NOTHING RAN" if suite.select else "NOTHING CLAIMED"
-    verdict = (
-        "PASS"
-        if suite.ok
-        else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else nothing))
-    )
-    if suite.select:  # a subset's verdict is not the backend's
-        verdict += f", subset (-k `{suite.select}`)"
     lines = [
         f"# moehal conformance report: backend `{meta['backend']}`",
         "",
-        f"**Verdict: {verdict}**: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[DECLINED]} declined, "
+        f"**Verdict: {verdict(suite)}**: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[DECLINED]} declined, "
         f"{counts[NOT_RUN]} not run.",
         "",
     ]

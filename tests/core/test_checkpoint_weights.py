@@ -150,57 +150,52 @@ def test_gate_and_up_of_other_dtypes_are_refused_not_promoted():
         moehal.from_per_expert(w, [t.bfloat16() for t in w], [torch.zeros(H, INTER)] * E)
 
 
-_PEAK = """
-import torch, moehal
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-E, H, I = 16, 1024, 512
-gate, up = ([torch.randn(I, H).bfloat16() for _ in range(E)] for _ in range(2))
-down = [torch.randn(H, I).bfloat16() for _ in range(E)]
-open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
-before = status("VmRSS")
-w = moehal.from_per_expert(gate, up, down)
-print((status("VmHWM") - before) / (w.w13.numel() * 2 + w.w2.numel() * 2))
-"""
+def _peak_bytes(setup: str, call: str, per: str) -> float:
+    """Run `setup`, then `call`, in a fresh process: the resident memory's peak during the call
+    above what `setup` left, divided by `per` (bytes). Each big tensor gets a mapping of its own
+    (MALLOC_MMAP_THRESHOLD_), so a free shows in the peak at once."""
+    code = "\n".join((
+        "import torch, moehal",
+        "def status(key):",
+        "    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(key + ':'))",
+        setup,
+        "open('/proc/self/clear_refs', 'w').write('5')  # VmHWM := VmRSS",
+        "before = status('VmRSS')",
+        call,
+        f"print((status('VmHWM') - before) / ({per}))",
+    ))  # fmt: skip
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak-RSS reset")
+_LINUX_PEAK = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak reset")
+_LAYER = "E, H, I = 16, 1024, 512"
+
+
+@_LINUX_PEAK
 def test_stacking_experts_allocates_the_layer_once():
     """Engines load every layer so: `torch.stack` of per-expert `torch.cat`s held each expert's
     concatenation beside the result, 1.36x the layer's bytes at the peak here (2.3x with the
-    source counted; a load-cost review). One allocation, copied into per expert: about 1x. Each
-    big tensor its own mapping (MALLOC_MMAP_THRESHOLD_), so a free shows in the peak at once."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, "-c", _PEAK], env=env, capture_output=True, text=True, check=True)
-    assert float(out.stdout.split()[-1]) < 1.15, out.stdout
+    source counted; a load-cost review). One allocation, copied into per expert: about 1x."""
+    setup = (
+        f"{_LAYER}\ngate, up = ([torch.randn(I, H).bfloat16() for _ in range(E)] for _ in range(2))\n"
+        "down = [torch.randn(H, I).bfloat16() for _ in range(E)]"
+    )
+    ratio = _peak_bytes(setup, "w = moehal.from_per_expert(gate, up, down)", "w.w13.numel() * 2 + w.w2.numel() * 2")
+    assert ratio < 1.15, ratio
 
 
-_QUANT_PEAK = """
-import torch, moehal
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-E, H, I = 16, 1024, 512
-cfg = moehal.MoEConfig(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I)
-w13, w2 = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()
-open("/proc/self/clear_refs", "w").write("5")
-before = status("VmRSS")
-q = moehal.quantize_weights(cfg, "QUANT", w13, w2)
-print((status("VmHWM") - before) / (w13.numel() + w2.numel()))
-"""
-
-
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak-RSS reset")
+@_LINUX_PEAK
 @pytest.mark.parametrize("quant", ["fp8_block", "fp8_tensor"])
 def test_quantizing_a_layer_holds_float32_copies_of_one_expert_only(quant):
     """`quantize_weights` (and the transformers integration's `quant=`, which calls it) made
     several float32 copies of the whole layer: 11x the fp8 result at the peak (a load-cost
     review). Every scheme quantizes per expert, so it runs one expert at a time: about the
     result's bytes plus one expert's temporaries."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    code = _QUANT_PEAK.replace("QUANT", quant)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert float(out.stdout.split()[-1]) < 2.0, out.stdout  # bytes per weight: 1 for the fp8 result
+    setup = (
+        f"{_LAYER}\ncfg = moehal.MoEConfig(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I)\n"
+        "w13, w2 = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()"
+    )
+    ratio = _peak_bytes(setup, f"q = moehal.quantize_weights(cfg, {quant!r}, w13, w2)", "w13.numel() + w2.numel()")
+    assert ratio < 2.0, ratio  # bytes per weight: 1 for the fp8 result

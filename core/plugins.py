@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Literal
@@ -21,6 +21,7 @@ import pluggy
 from moehal import hookspecs
 from moehal.errors import PluginLoadError, SettingsWarning, UnknownBackendError, short_repr, warn
 from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, Implementation, WeightProcessor
+from moehal.routing import RoutingMethod
 from moehal.settings import Settings
 
 _log = logging.getLogger(__name__)
@@ -285,6 +286,39 @@ def _check_declarations(impl: Implementation, hook_name: str) -> None:
             raise bad(attr, f"a frozenset of {kind.__name__}{hint}")
     for attr in ("supports_non_gated", "supports_bias", "supports_router_weight_on_input", "graph_capturable",
                  "deterministic", "emulates", "fallback"):  # fmt: skip
+        if not isinstance(getattr(impl, attr), bool):
+            raise bad(attr, "a bool")
+    _check_kind_declarations(impl, bad)
+
+
+def _check_kind_declarations(impl: Implementation, bad: Callable[[str, str], PluginLoadError]) -> None:
+    """The attributes each kind adds to `Implementation`'s, checked as `_check_declarations`
+    checks those: a processor without `layout` once loaded, then broke every backend's
+    selection (the lookup reads every processor's `layout`), and a truthy string in
+    `drops_padding_ids` claimed that -1 ids were dropped."""
+
+    def layout_name(attr: str, canonical_ok: bool) -> None:
+        value = getattr(impl, attr, None)
+        if not isinstance(value, str) or not value or (value == "canonical" and not canonical_ok):
+            raise bad(attr, "a non-empty str" + ("" if canonical_ok else " other than 'canonical'"))
+
+    flags: tuple[str, ...] = ()
+    if isinstance(impl, Dispatcher):
+        flags = ("drops_padding_ids", "same_wire_for_every_layout", "zero_padding")
+    elif isinstance(impl, Experts):
+        layout_name("weight_layout", canonical_ok=True)
+    elif isinstance(impl, FusedForward):
+        layout_name("weight_layout", canonical_ok=True)
+        flags = ("drops_padding_ids",)
+        accepts = impl.accepts
+        if not isinstance(accepts, (set, frozenset)) or not accepts or not accepts <= {"topk", "logits"}:
+            raise bad("accepts", "a non-empty frozenset of 'topk' and/or 'logits'")
+        methods = impl.routing_methods
+        if not isinstance(methods, (set, frozenset)) or not all(isinstance(m, RoutingMethod) for m in methods):
+            raise bad("routing_methods", "a frozenset of moehal.RoutingMethod")
+    elif isinstance(impl, WeightProcessor):
+        layout_name("layout", canonical_ok=False)
+    for attr in flags:
         if not isinstance(getattr(impl, attr), bool):
             raise bad(attr, "a bool")
 

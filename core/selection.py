@@ -217,12 +217,17 @@ class Plan:
 
 
 def _processor_for(
-    layout: str, req: BuildRequest, processors: Iterable[WeightProcessor]
+    layout: str, req: BuildRequest, processors: Iterable[WeightProcessor], backend: str
 ) -> tuple[WeightProcessor | None, Decision]:
+    """The processor that prepares `layout` for a kernel of `backend`: its own backend's
+    first, by priority, then another backend's of the same layout name (in-tree, the CUDA and
+    ROCm Triton kernels share theirs). Layout names are not namespaced, so a plugin's
+    processor that happens to name another backend's layout never outranks that backend's
+    own processor, whatever its priority."""
     if layout == "canonical":
         return None, Decision(True, "canonical weights", "weights")
     reasons = []
-    for p in sorted(processors, key=lambda p: (-p.priority, p.qualname)):
+    for p in sorted(processors, key=lambda p: (p.backend != backend, -p.priority, p.qualname)):
         if p.layout != layout:
             continue
         d = _decision(p, "a capability check", p.supports, req)
@@ -356,7 +361,7 @@ def enumerate_pipelines(
         d = _decision(fused, "a capability check", fused.supports, req)
         proc = None
         if d.ok:
-            proc, pd = _processor_for(fused.weight_layout, req, registry.processors)
+            proc, pd = _processor_for(fused.weight_layout, req, registry.processors, fused.backend)
             d = d if pd.ok else pd
         decisions.append(CandidateDecision(fused.qualname, "fused", d.ok, d.reason, d.predicate))
         if d.ok:
@@ -380,7 +385,7 @@ def enumerate_pipelines(
         d = _decision(experts, "a capability check", experts.supports, req)
         proc = None
         if d.ok:
-            proc, pd = _processor_for(experts.weight_layout, req, registry.processors)
+            proc, pd = _processor_for(experts.weight_layout, req, registry.processors, experts.backend)
             d = d if pd.ok else pd
         decisions.append(CandidateDecision(experts.qualname, "experts", d.ok, d.reason, d.predicate))
         if not d.ok:

@@ -14,7 +14,7 @@ import torch
 from moe_testing import build_problem
 from moehal.capability import accept
 from moehal.formats import ActivationFormat, Layout, MaskedInput, ScaleKind
-from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward
+from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, WeightProcessor
 
 TOY_PLUGIN = '''
 from __future__ import annotations
@@ -604,6 +604,89 @@ def test_malformed_declarations_fail_their_plugin_not_every_layer(attr, value, w
     assert rec.status == "failed" and re.search(f"moehal_experts: BadExperts.{attr} .*{why}", rec.error), rec.error
     cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
     assert moehal.MoELayer(cfg, device="cpu", backend="reference", registry=reg).plan is not None
+
+
+class _Processor(WeightProcessor):
+    name, priority, layout = "weights", 5, "test_layout"
+
+    def process(self, weights, req):
+        return weights
+
+
+class _NoLayoutProcessor(WeightProcessor):  # what a vendor wrote from the guide, which never named `layout`
+    name, priority = "weights", 100
+
+    def process(self, weights, req):
+        return weights
+
+
+@pytest.mark.parametrize(
+    "hook, impl, why",
+    [
+        ("moehal_weight_processors", _NoLayoutProcessor, r"_NoLayoutProcessor.layout is None .*not a non-empty str"),
+        (
+            "moehal_weight_processors",
+            type("Canonical", (_Processor,), {"layout": "canonical"}),
+            "other than 'canonical'",
+        ),
+        ("moehal_experts", type("Bad", (_StandardExperts,), {"weight_layout": 3}), "Bad.weight_layout is 3"),
+        ("moehal_dispatchers", type("Bad", (_AnyDispatcher,), {"drops_padding_ids": "no"}), "drops_padding_ids"),
+        ("moehal_dispatchers", type("Bad", (_AnyDispatcher,), {"zero_padding": None}), "zero_padding .*a bool"),
+        ("moehal_fused_forwards", type("Bad", (_Fused,), {"drops_padding_ids": "yes"}), "drops_padding_ids .*a bool"),
+        ("moehal_fused_forwards", type("Bad", (_Fused,), {"accepts": frozenset({"ids"})}), "accepts .*'topk' and/or"),
+        ("moehal_fused_forwards", type("Bad", (_Fused,), {"routing_methods": {"softmax"}}), "routing_methods .*Rou"),
+    ],
+)
+def test_each_kinds_own_declarations_are_checked_at_load(hook, impl, why):
+    """Only the attributes every implementation shares were checked. A weight processor
+    without `layout` loaded, then every layer's selection on the machine raised
+    AttributeError (the lookup reads each processor's layout, whatever the backend), and a
+    dispatcher's `drops_padding_ids = "no"` was read as a claim to drop -1 ids. Each now fails
+    its own plugin at load, and other backends' layers still build."""
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    rec = reg.register(_answers_plugin(**{hook: lambda: [impl()]}), "test")
+    assert rec.status == "failed" and re.search(why, rec.error), rec.error
+    cfg = moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    assert moehal.MoELayer(cfg, device="cpu", registry=reg).plan is not None
+
+
+def _layout_plugin(backend: str, priority: int, with_experts: bool):
+    """Backend `backend`: a processor of layout 'shared' at `priority`, and (with_experts)
+    standard experts that ask for that layout."""
+
+    class Proc(_Processor):
+        layout = "shared"
+
+    Proc.priority = priority
+    experts = type("LayoutExperts", (_StandardExperts,), {"weight_layout": "shared"})
+    hooks = {
+        "moehal_backend_info": lambda: BackendInfo(backend, "1", "layouts"),
+        "moehal_weight_processors": lambda: [Proc()],
+        "moehal_experts": (lambda: [experts()]) if with_experts else (lambda: []),
+        "moehal_dispatchers": (lambda: [_AnyDispatcher()]) if with_experts else (lambda: []),
+    }
+    return types.SimpleNamespace(**{hook: moehal.hookimpl(answer) for hook, answer in hooks.items()})
+
+
+def test_a_kernels_own_backend_prepares_its_weights_whatever_another_plugins_priority():
+    """Layout names are plain strings, matched across plugins by priority alone: a vendor's
+    processor at priority 100 that happened to name its layout as another backend's did got
+    that backend's weights (the plan read `weights shared via vendor.weights`) and returned
+    something its kernel cannot use. The kernel's own backend comes first now; a layout that
+    only another backend prepares is still shared (the CUDA and ROCm Triton kernels share one)."""
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+    req = moehal.BuildRequest(cfg, _BF16, moehal.detect("cpu"), moehal.Settings())
+    reg = moehal.Registry(moehal.Settings())
+    assert reg.register(_layout_plugin("own", 1, with_experts=True), "own").status == "loaded"
+    assert reg.register(_layout_plugin("vendor", 100, with_experts=False), "vendor").status == "loaded"
+    assert moehal.select(req, reg, backend="own").pipeline.processor.qualname == "own.weights"
+    shared = moehal.Registry(moehal.Settings())  # the kernel's backend prepares no such layout itself
+    shared.register(_layout_plugin("vendor", 100, with_experts=False), "vendor")
+    plugin = _layout_plugin("own", 1, with_experts=True)
+    plugin.moehal_weight_processors = moehal.hookimpl(lambda: [])
+    shared.register(plugin, "own")
+    assert moehal.select(req, shared, backend="own").pipeline.processor.qualname == "vendor.weights"
 
 
 def test_moehals_own_backend_names_load_from_moehal_only(tmp_path, monkeypatch):

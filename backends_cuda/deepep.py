@@ -416,7 +416,7 @@ class _NormalHandle:
 class DeepEPNormalRunner(DispatchRunner):
     def __init__(self, req: BuildRequest, fmt: ActivationFormat) -> None:
         import deep_ep
-        from moehal.kernels.triton_permute import contiguous_rows
+        from moehal.permute import contiguous_rows
 
         c = req.config
         self.fmt, self.c = fmt, c

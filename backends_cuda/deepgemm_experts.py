@@ -727,7 +727,7 @@ class DeepGemmExpertsRunner(ExpertsRunner):
         """Rows to allocate contiguous buffers with: the dispatcher's worst case at max_tokens.
         Behind an expert-parallel group a rank receives up to ep_size * max_tokens tokens, each
         with at most min(top_k, local experts) rows here."""
-        from moehal.kernels.triton_permute import contiguous_rows
+        from moehal.permute import contiguous_rows
 
         c = self.config
         if c.max_tokens is None:  # 0: `contiguous_workspace` rounds each call's rows to a power of two
@@ -817,7 +817,7 @@ def masked_workspace_bytes(req: BuildRequest) -> int:
     c = req.config
     if c.max_tokens is None:
         raise ValueError("masked buffers are unbounded without MoEConfig.max_tokens")
-    from moehal.kernels.triton_permute import masked_rows
+    from moehal.permute import masked_rows
 
     act = 1 if req.quant.kind in _FP8_KINDS else c.dtype.itemsize
     senders = c.ep_size if req.process_group is not None else 1

@@ -98,8 +98,20 @@ def _kept_masked(idx: SlotIndex, max_m: int) -> torch.Tensor:
 
 
 def contiguous_rows(num_slots: int, num_local_experts: int, alignment: int) -> int:
-    """Static worst-case row count of the contiguous layout."""
-    return round_up(num_slots + num_local_experts * (alignment - 1), alignment)
+    """Static worst-case rows of the contiguous layout for `num_slots` (token, k) slots, each
+    expert's segment starting at a multiple of `alignment`. At most min(E, S) experts receive
+    slots, so only those can waste up to alignment-1 padding rows each. No slots: 0 rows (a
+    dispatcher that knows so on the host hands over none, and experts return at once)."""
+    if num_slots == 0:
+        return 0
+    busy = min(num_local_experts, num_slots)
+    return max(round_up(num_slots + busy * (alignment - 1), alignment), alignment)
+
+
+def masked_rows(max_tokens: int, alignment: int = 64) -> int:
+    """Per-expert rows of the masked layout: every token can route to an expert at most once,
+    so max_tokens is the worst case; rounded up so that GEMM tiles never straddle experts."""
+    return round_up(max(max_tokens, 1), alignment)
 
 
 def to_contiguous(

@@ -54,6 +54,12 @@ from moehal.kernels.host import (
 from moehal.kernels.launch import Site, fast_launch, site
 from moehal.kernels.triton_fused_moe import _bf16_grid, _ceil_pow2, _static_fp8
 
+# The grouped layouts' row counts are plain integer math, kept Triton-free in moehal.permute (a
+# plugin without Triton sizes its buffers with them); re-exported for this module's callers.
+from moehal.permute import contiguous_rows as contiguous_rows
+from moehal.permute import masked_rows as masked_rows
+from moehal.permute import round_up
+
 INTERPRETED = kernel_modules_interpreted()  # as triton.jit decorates this module's kernels (host.py)
 
 QUANT_GROUP = 128
@@ -544,26 +550,6 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     """`t` itself when contiguous: the kernels index ids and router weights `[T, K]` flat, so a
     contiguous tensor needs no reshape (a reshape per call is host time at decode sizes)."""
     return t if t.is_contiguous() else t.contiguous()
-
-
-def round_up(x: int, multiple: int) -> int:
-    return (x + multiple - 1) // multiple * multiple
-
-
-def contiguous_rows(num_slots: int, num_local_experts: int, alignment: int) -> int:
-    """Static worst-case rows of the contiguous layout. At most min(E, S) experts receive
-    slots, so only those can waste up to alignment-1 padding rows each (a tighter static bound
-    than `moehal.permute.contiguous_rows`, same layout)."""
-    if num_slots == 0:  # no rows: experts return at once, and DeepGEMM is not called with nothing to do
-        return 0
-    busy = min(num_local_experts, num_slots)
-    return max(round_up(num_slots + busy * (alignment - 1), alignment), alignment)
-
-
-def masked_rows(max_tokens: int, alignment: int = 64) -> int:
-    """Per-expert rows of the masked layout: every token can route to an expert at most once,
-    so max_tokens is the worst case; rounded up so that GEMM tiles never straddle experts."""
-    return round_up(max(max_tokens, 1), alignment)
 
 
 @dataclass

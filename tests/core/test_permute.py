@@ -108,3 +108,83 @@ def test_masked_counts_never_exceed_the_rows_given():
     w = torch.ones(4, 2)
     want = torch.cat([2 * x[:2], torch.zeros(2, 3)])  # tokens 2 and 3 lost both slots: they add nothing
     assert torch.equal(permute.from_masked(hm, idx, w), want)
+
+
+def test_the_row_counts_are_one_triton_free_definition():
+    """The author guide sent vendors to `moehal.kernels.triton_permute.contiguous_rows(0, ...)`
+    (0 rows for no slots), which needs Triton, and the Triton-free `moehal.permute` had a
+    looser twin that gave 1024 rows for the same call: the reference dispatcher handed experts
+    1024 rows for a 0-token batch. One definition now, importable without Triton."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # as on a machine without it (the npu extra brings none)
+        from moehal import permute
+        import moehal_npu.plugin
+        print(permute.contiguous_rows(0, 8, 128), permute.contiguous_rows(3, 8, 128), permute.masked_rows(0))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # no slots: no rows; 3 slots reach at most 3 experts, so at most 3 segments of 128 rows
+    assert done.stdout.split() == ["0", "384", "64"]
+    try:
+        from moehal.kernels import triton_permute
+    except ImportError:
+        return
+    assert triton_permute.contiguous_rows is permute.contiguous_rows
+    assert triton_permute.masked_rows is permute.masked_rows
+
+
+def test_the_reference_dispatcher_hands_no_rows_for_no_tokens():
+    """A contiguous-layout kernel behind the reference dispatcher got 1024 rows of padding for a
+    0-token batch (the guide promises none) and 1024 for one token where 256 bound it."""
+    import types
+
+    import moehal
+    from moehal.formats import ContiguousOutput
+    from moehal.interfaces import ExpertsRunner
+
+    seen = []
+
+    class Runner(ExpertsRunner):
+        def __init__(self, fmt):
+            self.fmt = fmt
+
+        def load(self, weights):
+            pass
+
+        def apply(self, inp):
+            seen.append(tuple(inp.hidden.shape))
+            return ContiguousOutput(torch.zeros_like(inp.hidden))
+
+    class Rows(moehal.Experts):
+        name, priority, devices = "rows", 50, frozenset({"cpu"})
+        quant_schemes = frozenset({moehal.QuantScheme.parse("bf16")})
+
+        def input_formats(self, req):
+            return [moehal.ActivationFormat(moehal.Layout.CONTIGUOUS, req.config.dtype, row_alignment=128)]
+
+        def build(self, req, fmt):
+            return Runner(fmt)
+
+    plugin = types.SimpleNamespace(
+        moehal_backend_info=moehal.hookimpl(lambda: moehal.BackendInfo("rows", "0", "rows seen")),
+        moehal_experts=moehal.hookimpl(lambda: [Rows()]),
+    )
+    reg = moehal.Registry(moehal.Settings())
+    reg.load_entry_points()
+    reg.register(plugin, "rows")
+    cfg = moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128)
+    layer = moehal.MoELayer(cfg, backend="rows", device="cpu", registry=reg)
+    assert layer.plan.pipeline.dispatcher.qualname == "reference.local"
+    bf16 = torch.bfloat16
+    layer.load_weights(w13=torch.randn(8, 256, 256, dtype=bf16), w2=torch.randn(8, 256, 128, dtype=bf16))
+    with torch.no_grad():
+        layer(torch.zeros(0, 256, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2))
+        layer(torch.zeros(1, 256, dtype=torch.bfloat16), torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, 2))
+    assert seen == [(0, 256), (256, 256)]

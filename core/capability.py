@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """An implementation's answer to one capability check: `ok`, and a `reason` a person can
+    read (`moehal explain` shows every decline). Truthy when ok."""
+
     ok: bool
     reason: str
     predicate: str = ""  # which named check decided (e.g. 'hardware', 'quant', 'shape')
@@ -24,14 +27,18 @@ class Decision:
 
 
 def accept(reason: str = "supported", predicate: str = "") -> Decision:
+    """A yes from the named check `predicate` (e.g. 'quant'), with why."""
     return Decision(True, reason, predicate)
 
 
 def decline(reason: str, predicate: str = "") -> Decision:
+    """A no from the named check `predicate`. `reason` is what `moehal explain` shows a person:
+    say what is missing and, where there is one, what to do (a package, a quant scheme)."""
     return Decision(False, reason, predicate)
 
 
 def require(condition: bool, reason_if_not: str, predicate: str = "") -> Decision:
+    """`accept` when `condition` holds, else `decline(reason_if_not)`: one line per predicate."""
     return Decision(True, "ok", predicate) if condition else Decision(False, reason_if_not, predicate)
 
 

@@ -20,8 +20,27 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "ActivationFormat",
+    "CombineInput",
+    "ContiguousInput",
+    "ContiguousOutput",
+    "DispatchOutput",
+    "Layout",
+    "MaskedInput",
+    "MaskedOutput",
+    "ScaleKind",
+    "SmallBatchFormat",
+    "StandardInput",
+    "StandardOutput",
+    "padding_rows",
+    "with_dirty_padding",
+]
+
 
 class Layout(str, enum.Enum):
+    """How dispatched tokens are laid out for an experts kernel (see docs/architecture.md)."""
+
     STANDARD = "standard"  # token-major [T, H] plus top-k ids (local ids, -1 = not on this rank)
     CONTIGUOUS = "contiguous"  # expert-sorted rows [M_pad, H], segments aligned, per-row expert id
     MASKED = "masked"  # [E_local, max_m, H] plus masked_m (the DeepEP low-latency layout)

@@ -27,6 +27,23 @@ from moehal.routing import RoutingMethod, TopK
 from moehal.settings import Settings
 from moehal.weights import ExpertWeights
 
+__all__ = [
+    "ALL_ACTIVATIONS",
+    "ALL_DEVICES",
+    "BackendInfo",
+    "BuildRequest",
+    "DispatchRunner",
+    "Dispatcher",
+    "Experts",
+    "ExpertsRunner",
+    "FusedForward",
+    "FusedRunner",
+    "Implementation",
+    "TunedShape",
+    "WeightProcessor",
+    "check_padding_ids",
+]
+
 ALL_DEVICES = frozenset({"cpu", "cuda", "rocm", "npu"})
 ALL_ACTIVATIONS = frozenset(Activation)
 
@@ -337,8 +354,13 @@ class Experts(Implementation):
 
 
 class FusedRunner(ABC):
+    """A fused forward bound to one layer: routing (when it routes itself), dispatch, experts
+    and combine in one call. The layer calls `load` once with the processed weights, then
+    `forward` per batch, instead of a dispatcher, an experts runner and a combine."""
+
     @abstractmethod
-    def load(self, weights: Any) -> None: ...
+    def load(self, weights: Any) -> None:
+        """Take the (processed) weights; called exactly once per layer."""
 
     @abstractmethod
     def forward(self, hidden: torch.Tensor, topk: TopK | None, router_logits: torch.Tensor | None) -> torch.Tensor:

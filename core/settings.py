@@ -61,6 +61,9 @@ def _flag(env: Mapping[str, str], name: str) -> bool | None:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """moehal's configuration: `Settings.from_env()` reads the variables in this module's
+    table; arguments passed in code override them (see the module docstring)."""
+
     backend: str | None = None
     disabled_plugins: frozenset[str] = field(default_factory=frozenset)
     strict: bool = False

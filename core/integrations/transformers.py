@@ -59,6 +59,7 @@ from moehal.weights import quantize_weights
 __all__ = [
     "DEFAULT_NAME",
     "ExpertsLayout",
+    "UntrackedWeightsWarning",
     "canonical_weights",
     "experts_module",
     "infer_activation",

@@ -13,6 +13,8 @@ from moehal.errors import ConfigError
 
 
 class QuantKind(str, enum.Enum):
+    """The quantization family of a `QuantScheme` (its name before any ':' option)."""
+
     BF16 = "bf16"  # unquantized: weights and activations in MoEConfig.dtype
     FP8_BLOCK = "fp8_block"  # e4m3 weights, 128x128 weight blocks, 1x128 dynamic activation groups
     FP8_TENSOR = "fp8_tensor"  # e4m3 weights, one scale per expert; static per-tensor activation scales
@@ -21,6 +23,8 @@ class QuantKind(str, enum.Enum):
 
 
 class ScaleFormat(str, enum.Enum):
+    """How a `QuantScheme`'s scales are encoded (`fp8_block:ue8m0` asks for powers of two)."""
+
     FLOAT = "float"  # any fp32 scale
     UE8M0 = "ue8m0"  # scales rounded up to powers of two (DeepGEMM on SM100, DeepEP round_scale)
 

@@ -28,6 +28,7 @@ math, (x_q . w_q) * a_scale * w_scale, with no kernel of their own.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -827,6 +828,30 @@ def masked_workspace_bytes(req: BuildRequest) -> int:
     return c.num_local_experts * max_m * per_row
 
 
+_log = logging.getLogger(__name__)
+_NOTED: set[tuple[Any, ...]] = set()
+
+
+def _note_contiguous(req: BuildRequest) -> None:
+    """Say once per layer configuration why DeepGEMM's experts take the contiguous layout, the
+    slower one at every batch size measured: an operator saw only `contiguous[...]` in the plan,
+    with nothing naming the budget or the missing `max_tokens` behind it."""
+    c, gib = req.config, req.settings.masked_workspace_gib
+    key = (c, req.quant, gib, req.process_group is not None)
+    if key in _NOTED or not _log.isEnabledFor(logging.INFO):
+        return
+    _NOTED.add(key)
+    if c.max_tokens is None:
+        why = "MoEConfig.max_tokens is unset, and masked buffers are sized for the worst case at max_tokens"
+    else:
+        need = masked_workspace_bytes(req) / 2**30
+        why = (
+            f"its masked buffers at max_tokens={c.max_tokens} would take {need:.2f} GiB, over the "
+            f"masked_workspace_gib budget of {gib:g} GiB (MOEHAL_MASKED_WORKSPACE_GIB raises it)"
+        )
+    _log.info("cuda.deepgemm takes the contiguous layout for %s, %s: %s", c.describe(), req.quant, why)
+
+
 class DeepGemmExperts(Experts):
     """DeepGEMM m-grouped GEMMs (masked and contiguous), BF16 and FP8 1x128/128x128 block scales
     (FP8 per-tensor as block scales that are all one value, on SM90)."""
@@ -911,6 +936,8 @@ class DeepGemmExperts(Experts):
         # (every token at one expert): prefer it while they fit the settings' budget.
         mt = req.config.max_tokens
         fits = mt is not None and masked_workspace_bytes(req) <= req.settings.masked_workspace_gib * 2**30
+        if not fits:
+            _note_contiguous(req)
         return [masked, contig] if fits else [contig, masked]
 
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:

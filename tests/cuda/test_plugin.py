@@ -293,6 +293,28 @@ def test_deepgemm_prefers_masked_while_its_worst_case_buffers_fit(monkeypatch):
     assert dge.masked_workspace_bytes(fp8) == 128 * 4096 * (2048 + 1536 * 2 + 768 + 2048 * 2)
 
 
+def test_deepgemm_says_once_why_it_takes_the_contiguous_layout(monkeypatch, caplog):
+    """The plan named only `contiguous[...]`; nothing said that the masked buffers were over the
+    budget, or that max_tokens was unset. Now one INFO line per configuration says which."""
+    import moehal_cuda.deepgemm_experts as dge
+    from moehal.settings import Settings
+
+    monkeypatch.setattr(dge.DeepGemmExperts, "_alignment", lambda self: 128)
+    monkeypatch.setattr(dge, "_NOTED", set())
+    ex = DeepGemmExperts()
+    qwen = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, max_tokens=4096)
+    req = _req((9, 0), "bf16", qwen)
+    tight = BuildRequest(qwen, req.quant, req.hardware, Settings(masked_workspace_gib=4.0))
+    unbounded = _req((9, 0), "bf16", qwen.with_(max_tokens=None))
+    with caplog.at_level("INFO", logger="moehal_cuda.deepgemm_experts"):
+        for r in (req, tight, tight, unbounded, unbounded):
+            ex.input_formats(r)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # none while masked fits; once per configuration
+    assert "6.25 GiB, over the masked_workspace_gib budget of 4 GiB" in lines[0]
+    assert "max_tokens is unset" in lines[1] and "takes the contiguous layout" in lines[1]
+
+
 def test_masked_workspace_budget_counts_every_rank_behind_an_ep_dispatcher(monkeypatch):
     """Behind an expert-parallel dispatcher an expert's masked rows are max_tokens x ep_size
     (every rank may send its whole batch to it). The budget once counted max_tokens alone, so a

@@ -147,6 +147,9 @@ class MoELayer(torch.nn.Module):
             captured once per token count (see `moehal.graphs`): removes per-call launch
             overhead for engines that run eagerly. 0 (default) = off. Also settable later as
             `layer.cuda_graph_tokens`.
+        name: the layer's name in the model (e.g. `model.layers.3.mlp.experts`), shown by
+            `repr` and added as a note to any exception its forward or weight loading raises,
+            so a server's log says which of a model's layers failed.
 
     Call with `layer(hidden_states, topk_ids, topk_weights)` or
     `layer(hidden_states, router_logits=logits)` (needs `config.routing`).
@@ -165,8 +168,12 @@ class MoELayer(torch.nn.Module):
         process_group: Any = None,
         pipeline: Pipeline | None = None,
         cuda_graph_tokens: int = 0,
+        name: str | None = None,
     ) -> None:
         super().__init__()
+        if name is not None and not isinstance(name, str):
+            raise ConfigError(f"name must be a str or None, got {type(name).__name__}")
+        self.layer_name = name
         if not isinstance(config, MoEConfig):  # else a plugin's capability check meets it first, and is blamed
             raise ConfigError(f"MoELayer takes a moehal.MoEConfig, got {type(config).__name__}")
         if registry is not None and not isinstance(registry, Registry):
@@ -284,6 +291,7 @@ class MoELayer(torch.nn.Module):
         # copy.deepcopy and unpickling build a new layer from the old one's state (`__getstate__`):
         # it needs an id of its own, or a compiled graph of the copy would run the original's weights
         super().__setstate__(state)
+        self.__dict__.setdefault("layer_name", None)  # (a layer pickled before layers had names)
         self._order = stream_order.for_device(self.device) if self._on_cuda else None
         if not self._processed:
             with self._order or contextlib.nullcontext():
@@ -326,11 +334,19 @@ class MoELayer(torch.nn.Module):
         """Load this rank's expert weights in the canonical layout (see `moehal.weights`),
         either as an `ExpertWeights` or as keyword tensors (`w13=..., w2=..., w13_scale=...`).
         With `process` (default) the chosen kernel's weight processing runs right after.
+        A layer built with a `name` adds it as a note to what this raises.
 
         The tensors become the layer's: where a kernel consumes the canonical layout as given,
         it keeps them rather than a copy (no second copy of the weights). Do not modify or
         reuse them afterwards (an engine refilling one staging buffer per layer would change
         every earlier layer's weights); new weights need a new layer."""
+        try:
+            self._load_weights(weights, process, tensors)
+        except Exception as exc:
+            self._note_name(exc)
+            raise
+
+    def _load_weights(self, weights: ExpertWeights | None, process: bool, tensors: dict[str, torch.Tensor]) -> None:
         if self._processed:
             raise WeightsAlreadyProcessedError(
                 "weights were already loaded and processed for this layer; build a new MoELayer "
@@ -357,6 +373,13 @@ class MoELayer(torch.nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Run the chosen kernel's weight transform, exactly once."""
+        try:
+            self._process_weights()
+        except Exception as exc:
+            self._note_name(exc)
+            raise
+
+    def _process_weights(self) -> None:
         if self._processed:
             raise WeightsAlreadyProcessedError(
                 f"process_weights_after_loading already ran for {self.plan.pipeline.name}; applying "
@@ -430,10 +453,23 @@ class MoELayer(torch.nn.Module):
             y = custom_op.traced_forward(self, hidden_states, topk_ids, topk_weights, router_logits)
             return y if out is None else out.copy_(y)
         order = self._order
-        if order is None:
-            return self._forward(hidden_states, topk_ids, topk_weights, router_logits, out)
-        with order:
-            return self._forward(hidden_states, topk_ids, topk_weights, router_logits, out)
+        try:
+            if order is None:
+                return self._forward(hidden_states, topk_ids, topk_weights, router_logits, out)
+            with order:
+                return self._forward(hidden_states, topk_ids, topk_weights, router_logits, out)
+        except Exception as exc:
+            self._note_name(exc)
+            raise
+
+    def _note_name(self, exc: BaseException) -> None:
+        """Name this layer in `exc` (a note: the type and message stay the caller's to match),
+        once, where the layer has a name and Python has notes (3.11+)."""
+        if self.layer_name is None or not hasattr(exc, "add_note"):
+            return
+        note = f"(in moehal layer {self.layer_name!r})"
+        if note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
 
     def _forward(
         self,
@@ -704,6 +740,7 @@ class MoELayer(torch.nn.Module):
     def extra_repr(self) -> str:
         mode = self.plan.pipeline.execution_mode(self.request)
         return (
-            f"{self.config.describe()}, quant={self.quant.name}, pipeline={self.plan.pipeline.name}, "
+            ("" if self.layer_name is None else f"name={self.layer_name!r}, ")
+            + f"{self.config.describe()}, quant={self.quant.name}, pipeline={self.plan.pipeline.name}, "
             f"device={self.device}" + ("" if mode == "native" else f", mode={mode}")
         )

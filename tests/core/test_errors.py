@@ -463,3 +463,39 @@ def test_load_weights_names_misspelt_missing_and_non_tensor_fields(registry):
         layer.load_weights(w13=w13)
     with pytest.raises(moehal.WeightError, match="`w2` must be a torch.Tensor, got list"):
         layer.load_weights(w13=w13, w2=[0.0])
+
+
+def test_a_named_layer_is_named_in_what_it_raises(registry):
+    """A 61-layer model's log said `InputError: hidden_states dtype is torch.float32` with no
+    word of which layer raised it. A layer built with `name=` adds it as a note (its type and
+    message stay as they were, for callers that match them) to what its forward and its weight
+    loading raise, and shows it in `repr`; copies keep it."""
+    import copy
+
+    weights, *_ = build_problem(CFG, BF16, 1)
+    named = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry, name="model.layers.3.mlp.experts")
+    assert repr(named).startswith("MoELayer(name='model.layers.3.mlp.experts', ")
+    with pytest.raises(moehal.WeightsNotLoadedError) as info:
+        named(*_inputs())
+    note = "(in moehal layer 'model.layers.3.mlp.experts')"
+    if not hasattr(info.value, "add_note"):
+        pytest.skip("exception notes need Python 3.11+")
+    assert info.value.__notes__ == [note]
+    with pytest.raises(moehal.WeightError, match="load_weights takes an ExpertWeights") as info:
+        named.load_weights({"w13": weights.w13})
+    assert info.value.__notes__ == [note]
+    named.load_weights(weights)
+    x, ids, w = _inputs()
+    with pytest.raises(moehal.InputError, match="dtype is torch.float32") as info:
+        named(x.float(), ids, w)
+    assert info.value.__notes__ == [note]  # once, whatever the depth it was raised at
+    with pytest.raises(moehal.WeightsAlreadyProcessedError) as info:
+        named.process_weights_after_loading()
+    assert info.value.__notes__ == [note]
+    assert copy.deepcopy(named).layer_name == "model.layers.3.mlp.experts"
+    unnamed = moehal.MoELayer(CFG, BF16, device="cpu", registry=registry)
+    with pytest.raises(moehal.WeightsNotLoadedError) as info:
+        unnamed(*_inputs())
+    assert not getattr(info.value, "__notes__", None) and "name=" not in repr(unnamed)
+    with pytest.raises(moehal.ConfigError, match="name must be a str or None, got int"):
+        moehal.MoELayer(CFG, BF16, device="cpu", registry=registry, name=3)

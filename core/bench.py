@@ -660,7 +660,9 @@ def plot(rows: list[Row], path: Path) -> Path | None:
 
 
 def breakdown_table(rows: Sequence[Row]) -> Any:
-    """One line per row: its kernels by device time per forward, largest first."""
+    """One line per row: its kernels by device time per forward, largest first (fitted to the
+    console: `moehal.cli.tables.FittedTable`)."""
+    from moehal.cli.tables import FittedTable
     from rich.table import Table
 
     t = Table(title="where the time goes (us per forward, eager, profiler)", title_justify="left")
@@ -669,7 +671,7 @@ def breakdown_table(rows: Sequence[Row]) -> Any:
     for r in rows:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in (r.breakdown or {}).items())
         t.add_row(r.shape, r.backend, r.quant, str(r.tokens), parts or "-")
-    return t
+    return FittedTable(t, keys=4)
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -877,7 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if sampler is not None:
                 sampler.close()
-    console.print(results_table(rows))
+    console.print(results_view(rows))
     if args.breakdown:
         console.print(breakdown_table(rows))
     if args.goals:
@@ -906,41 +908,55 @@ def _skip(shape: str, quant: str, backend: str, tokens: int, rnd: int, why: str)
 
 
 def results_table(rows: Sequence[Row]) -> Any:
-    """One line per row; the clock columns only where a sampler recorded them."""
+    """One line per row; the clock columns only where a sampler recorded them, and no column
+    that no row measured (every cell '-': the host times off CUDA, the output with --no-check).
+    Its first `result_keys(rows)` columns say which row a line is (`results_view`)."""
     from rich.table import Table
 
     t = Table(title="moehal bench (whole layer)", title_justify="left")
     rounds = any(r.round for r in rows)  # a run of `--rounds` > 1
-    cols = ("shape", "backend", "quant", "tokens", *(("round",) if rounds else ()), "time us", "timing",
-            "% roofline", "TB/s", "TFLOP/s", "output")  # fmt: skip
     clocks = any(r.sm_mhz == r.sm_mhz for r in rows)  # NaN != NaN: no sample
-    for col in (*cols, *(("SM MHz", "W") if clocks else ()), "host us", "host us (graphs)",
-                "host us (graphs, new inputs)", "host us (graphs, out=)", "host us back to back",
-                "host us back to back (graphs, out=)"):  # fmt: skip
-        t.add_column(col)
-    for r in rows:
-        sampled = (_num(r.sm_mhz, "{:.0f}"), _num(r.power_w, "{:.0f}")) if clocks else ()
-        t.add_row(
-            r.shape,
-            r.backend,
-            r.quant,
-            str(r.tokens),
-            *((str(r.round),) if rounds else ()),
-            f"{r.time_us:.1f}",
-            r.timing,
-            f"{r.pct_roofline:.0f}",
-            f"{r.tb_per_s:.2f}",
-            f"{r.tflop_per_s:.1f}",
-            {"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-"),
-            *sampled,
-            _num(r.host_us, "{:.1f}"),  # NaN off CUDA
-            _num(r.host_graph_us, "{:.1f}"),
-            _num(r.host_graph_new_us, "{:.1f}"),
-            _num(r.host_graph_out_us, "{:.1f}"),
-            _num(r.host_b2b_us, "{:.1f}"),
-            _num(r.host_graph_out_b2b_us, "{:.1f}"),
-        )
+    columns: list[tuple[str, list[str]]] = [
+        ("shape", [r.shape for r in rows]),
+        ("backend", [r.backend for r in rows]),
+        ("quant", [r.quant for r in rows]),
+        ("tokens", [str(r.tokens) for r in rows]),
+        *((("round", [str(r.round) for r in rows]),) if rounds else ()),
+        ("time us", [f"{r.time_us:.1f}" for r in rows]),
+        ("timing", [r.timing for r in rows]),
+        ("% roofline", [f"{r.pct_roofline:.0f}" for r in rows]),
+        ("TB/s", [f"{r.tb_per_s:.2f}" for r in rows]),
+        ("TFLOP/s", [f"{r.tflop_per_s:.1f}" for r in rows]),
+        ("output", [{"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-") for r in rows]),
+        *((("SM MHz", [_num(r.sm_mhz, "{:.0f}") for r in rows]), ("W", [_num(r.power_w, "{:.0f}") for r in rows]))
+          if clocks else ()),
+        ("host us", [_num(r.host_us, "{:.1f}") for r in rows]),  # NaN off CUDA
+        ("host us (graphs)", [_num(r.host_graph_us, "{:.1f}") for r in rows]),
+        ("host us (graphs, new inputs)", [_num(r.host_graph_new_us, "{:.1f}") for r in rows]),
+        ("host us (graphs, out=)", [_num(r.host_graph_out_us, "{:.1f}") for r in rows]),
+        ("host us back to back", [_num(r.host_b2b_us, "{:.1f}") for r in rows]),
+        ("host us back to back (graphs, out=)", [_num(r.host_graph_out_b2b_us, "{:.1f}") for r in rows]),
+    ]  # fmt: skip
+    if rows:
+        columns = [(h, cells) for h, cells in columns if any(c != "-" for c in cells)]
+    for header, _ in columns:
+        t.add_column(header)
+    for i in range(len(rows)):
+        t.add_row(*(cells[i] for _, cells in columns))
     return t
+
+
+def result_keys(rows: Sequence[Row]) -> int:
+    """How many of `results_table`'s first columns name a row: shape, backend, quant, tokens
+    (and round, in a run of `--rounds` > 1)."""
+    return 5 if any(r.round for r in rows) else 4
+
+
+def results_view(rows: Sequence[Row]) -> Any:
+    """`results_table` fitted to the console: no cell cut, split into tables where too narrow."""
+    from moehal.cli.tables import FittedTable
+
+    return FittedTable(results_table(rows), keys=result_keys(rows))
 
 
 def _num(x: float, fmt: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moehal.cli.common import console, print_json
+from moehal.cli.common import make_console, print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,5 +40,5 @@ def run(args: argparse.Namespace, rest: object = None) -> int:
     elif args.markdown:
         print(goals_markdown(checks), end="")
     else:
-        console.print(goals_table(checks))
+        make_console().print(goals_table(checks))  # made now: the width COLUMNS says at this call
     return 0

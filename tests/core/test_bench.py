@@ -274,7 +274,8 @@ def test_a_logged_table_keeps_its_cells_whole(capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
     assert main(["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--no-host"]) == 0
     table = capsys.readouterr().out.split("moehal bench (whole layer)")[1]
-    assert "…" not in table and "reference" in table and "host us (graphs)" in table
+    assert "…" not in table and "reference" in table and "time us" in table
+    assert "host us" not in table, "--no-host: no row has a host time, and no column shows only '-'"
     assert make_console().width == LOG_WIDTH
     monkeypatch.setenv("COLUMNS", "100")
     assert make_console().width == 100, "COLUMNS still decides"
@@ -448,3 +449,54 @@ def test_a_run_that_measured_nothing_fails():
     assert (
         main(["--shapes", "tiny", "--tokens", "1", "--backends", "nope", "--settle-s", "0", "--reps", "1", *CPU]) == 1
     )
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_a_narrow_terminal_cuts_no_number_and_hides_no_column_of_numbers(tmp_path, capsys, monkeypatch, columns):
+    """The table's 16-18 columns were cut to '…' below ~220 columns (`│ … │ … │` at 60, times
+    `551…` at 120): every number now reads whole, columns split over tables where too narrow,
+    and the columns no row measured (host times off CUDA) are left out."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,4", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--out", str(out), *CPU]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert len(rows) == 2 and "…" not in printed and "host us" not in printed
+    assert max(len(line) for line in printed.splitlines()) <= columns
+    words = set(printed.split())
+    for r in rows:
+        assert {f"{r['time_us']:.1f}", f"{r['pct_roofline']:.0f}", f"{r['tflop_per_s']:.1f}"} <= words, r
+
+
+@pytest.mark.parametrize("width, tables", [(50, 0), (80, 0), (120, 4), (220, 1)])
+def test_results_view_fits_every_cuda_column_into_the_width(width, tables):
+    """A CUDA row's 19 columns at any width: no cell cut, nothing wider than the console; split
+    into `tables` tables that each repeat the key columns (shape, backend, quant, tokens, round),
+    or (0) where those and one more column do not fit, a (column, value) line per cell."""
+    import io
+
+    from moehal.bench import Row, results_view
+    from rich.console import Console
+
+    rows = [
+        Row("deepseek_v3_ep8", "transformers:grouped_mm", "p", "fp8_block:ue8m0", 4096, 123456.78, "graph", 1, 1,
+            5.0, 87.6, 3.21, 654.3, host_us=1234.5, host_graph_us=17.25, host_graph_new_us=23.5,
+            host_graph_out_us=9.75, sm_mhz=1755.0, power_w=698.0, host_b2b_us=88.8, host_graph_out_b2b_us=7.7,
+            round=2, check="pass"),
+        Row("tiny", "cuda", "p", "bf16", 1, 9.0, "eager", 1, 1, 5.0, 1.0, 0.01, 0.02, round=0, check="fail"),
+    ]  # fmt: skip
+    c = Console(width=width, file=io.StringIO(), color_system=None)
+    c.print(results_view(rows))
+    text = c.file.getvalue()
+    lines = text.splitlines()
+    assert "…" not in text and max(len(line) for line in lines) <= width
+    words = set(text.split())
+    want = {"123456.8", "88", "3.21", "654.3", "1234.5", "17.2", "23.5", "9.8", "1755", "698", "88.8", "7.7",
+            "deepseek_v3_ep8", "transformers:grouped_mm", "fp8_block:ue8m0", "4096", "WRONG", "right"}  # fmt: skip
+    assert want <= words, want - words
+    titles = [line for line in lines if line.startswith("moehal bench (whole layer)")]
+    if tables:
+        assert len(titles) == tables and text.count("deepseek_v3_ep8") == tables, "each table names its rows"
+    else:
+        assert len(titles) == 1 and any(line.replace("│", " ").split() == ["time", "us", "123456.8"] for line in lines)

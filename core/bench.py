@@ -684,6 +684,82 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse `type`: an integer of at least `low` (a usage error, exit 2, otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse `type`: a finite number of seconds, 0 or more."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, got {text}")
+    return x
+
+
+def _token_counts(text: str) -> list[int]:
+    """An argparse `type`: a comma list of positive token counts."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be positive integers, got {text}")
+    return counts
+
+
+def _transformers_peers() -> list[str] | None:
+    """The names of transformers' experts functions (`--backends transformers:NAME`), whether or
+    not they run on this machine; None where transformers is not installed."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return sorted(ALL_EXPERTS_FUNCTIONS.keys())
+
+
+def backend_names(registry: moehal.Registry) -> list[str]:
+    """What `--backends` takes besides 'transformers:NAME': auto, every registered backend
+    (loaded or not: one that failed to load has its rows skipped, saying why), every experts
+    kernel and fused forward by qualified name (cuda.triton), and the peers sglang and peers."""
+    registered = sorted({r.name for r in registry.plugins.values()})
+    impls = sorted(i.qualname for i in (*registry.experts, *registry.fused))
+    return ["auto", *registered, *impls, "sglang", "peers"]
+
+
+def unknown_backends(names: Sequence[str], registry: moehal.Registry) -> list[str]:
+    """The names in `names` that `--backends` does not know (`backend_names`): typos, checked
+    before anything is measured. A 'transformers:NAME' must name one of transformers'
+    experts functions where transformers is installed."""
+    known = set(backend_names(registry))
+    loaded = set(registry.loaded_backends())
+    unknown = []
+    for name in names:
+        if name in known:
+            continue
+        if name.startswith("transformers:"):
+            peers = _transformers_peers()
+            if peers is None or name.split(":", 1)[1] in peers:
+                continue
+        elif "." in name and name.split(".")[0] in known - loaded:  # a plugin that did not load: unknowable
+            continue
+        unknown.append(name)
+    return unknown
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from moehal.cli.common import json_text, make_console
     from moehal.integrations.sglang import sglang_version
@@ -699,7 +775,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--shapes", default="deepseek_v3_ep8,qwen3_30b_a3b,mixtral_8x7b", help=f"comma list of {sorted(SHAPES)}"
     )
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of token counts")
+    p.add_argument(
+        "--tokens", type=_token_counts, default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of token counts"
+    )
     p.add_argument(
         "--backends",
         default="auto",
@@ -708,19 +786,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
     p.add_argument("--device", default=None, help="torch device (default: the best one torch sees)")
-    p.add_argument("--reps", type=int, default=50, help="timed forwards per row (CUDA: replays of one graph)")
+    p.add_argument(
+        "--reps", type=_int_at_least(1), default=50, help="timed forwards per row (CUDA: replays of one graph)"
+    )
     p.add_argument(
         "--settle-s",
-        type=float,
+        type=_seconds,
         default=BENCH_SETTLE_S,
         help="seconds of each row's (and each ceiling's) work back to back before it is timed, so clocks and "
         "power settle (see moehal.bench.BENCH_SETTLE_S)",
     )
-    p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
+    p.add_argument(
+        "--max-reference-tokens", type=_int_at_least(0), default=256, help="the reference is slow: cap its tokens"
+    )
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help="build every layer for this many tokens (its buffers), as an engine builds its layers once for its "
         "largest batch; default: each row's own token count",
@@ -733,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=_int_at_least(1),
         default=1,
         help="measure every row this many times, cell by cell: a cell's (shape, tokens) rows of every quant scheme "
         "and backend run next to each other, and the goals compare rows of one round, then take the median "
@@ -748,38 +830,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="skip checking each row's output against the reference pipeline on the device (untimed, once a row)",
     )
     args = p.parse_args(argv)
-    # every name and number up front: a typo is an error now, not an empty table after the ceilings
+    # every name and number up front (the numbers: their argparse types): a typo is an error
+    # now, not an empty table or a traceback after the ceilings were measured
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"--shapes: unknown {unknown}; known: {sorted(SHAPES)}")
     try:
-        token_counts = [int(t) for t in args.tokens.split(",")]
         for q in args.quant.split(","):
             QuantScheme.parse(q)
     except ValueError as exc:  # ConfigError is a ValueError too
-        p.error(f"--tokens or --quant: {exc}")
-    if min(token_counts) < 1:
-        p.error(f"--tokens must be positive integers, got {args.tokens}")
+        p.error(f"--quant: {exc}")
+    token_counts: list[int] = args.tokens
     console = make_console()
     dev = detect(args.device).device
     registry = moehal.discover()
-    sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
-    ceil = measure_ceilings(dev, settle_s=args.settle_s)
-    fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
-    console.print(
-        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
-        f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
-        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s (measured now)"
-    )
-    if args.max_tokens:
-        console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
     backends = args.backends.split(",")
+    unknown = unknown_backends(backends, registry)
+    if unknown:
+        peers = _transformers_peers()
+        p.error(
+            f"--backends: unknown {unknown}; known: {', '.join(backend_names(registry))}, and 'transformers:NAME' "
+            + (f"for NAME in {peers}" if peers is not None else "(transformers is not installed)")
+        )
     if "peers" in backends:
         from moehal.integrations.transformers import peer_implementations
 
         backends = [b for b in backends if b != "peers"] + [f"transformers:{n}" for n in peer_implementations(dev)]
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
     shapes, quants = args.shapes.split(","), args.quant.split(",")
     if args.rounds == 1:  # grouped by scheme and backend, as the table reads
         order = [(s, q, b, t, 0) for s in shapes for q in quants for b in backends for t in token_counts]
@@ -791,6 +867,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(peers_float) < len(jobs):
         console.print("peers take float weights: their rows run for bf16 only", markup=False)
     jobs = peers_float
+    if not jobs:
+        p.error(
+            "nothing to measure: every row is left out (reference rows above --max-reference-tokens "
+            f"{args.max_reference_tokens}, peers' rows of quantized schemes, 'peers' with no peer here)"
+        )
+    sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
+    ceil = measure_ceilings(dev, settle_s=args.settle_s)
+    fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
+    console.print(
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
+        f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s (measured now)"
+    )
+    if args.max_tokens:
+        console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
     rows: list[Row] = []
     # rows that could not be measured, and why: saved beside the rows, so that `moehal goals`
     # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)

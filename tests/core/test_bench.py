@@ -446,9 +446,64 @@ def test_names_and_numbers_are_checked_before_anything_is_measured(capsys):
 
 
 def test_a_run_that_measured_nothing_fails():
+    """(A known backend that declines every row: an unknown name is a usage error, exit 2.)"""
     assert (
-        main(["--shapes", "tiny", "--tokens", "1", "--backends", "nope", "--settle-s", "0", "--reps", "1", *CPU]) == 1
+        main(["--shapes", "tiny", "--tokens", "1", "--backends", "cuda", "--settle-s", "0", "--reps", "1", *CPU]) == 1
     )
+
+
+@pytest.fixture
+def nothing_measured(monkeypatch):
+    """Fails the test where `moehal bench` starts measuring (its ceilings come first)."""
+    from moehal import bench
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measuring started: the arguments should have been refused first")
+
+    monkeypatch.setattr(bench, "measure_ceilings", measured)
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--reps", "0"], "argument --reps: must be at least 1, got 0"),  # was a StatisticsError after the ceilings
+        (["--rounds", "0"], "argument --rounds: must be at least 1"),  # was refused after the ceilings
+        (["--rounds", "x"], "argument --rounds: not an integer: 'x'"),
+        (["--settle-s", "-1"], "argument --settle-s: must be a finite number of seconds"),
+        (["--settle-s", "inf"], "argument --settle-s: must be a finite number of seconds"),  # settled forever
+        (["--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
+        (["--max-reference-tokens", "-1"], "argument --max-reference-tokens: must be at least 0"),
+        (["--backends", "reference", "--max-reference-tokens", "0"], "nothing to measure"),  # was exit 0, no row
+    ],
+)
+def test_every_number_is_checked_before_anything_is_measured(flags, said, capsys, nothing_measured):
+    with pytest.raises(SystemExit) as exc:
+        main(["--shapes", "tiny", "--tokens", "1", *flags, *CPU])
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backends", ["reference,nosuch", "nosuch", "cuda.nosuch", "transformers:nosuch", ""])
+def test_a_typo_in_backends_is_a_usage_error_naming_the_valid_ones(backends, capsys, nothing_measured):
+    """`--backends reference,nosuch` exited 0 with a 'skipped' line, `--backends nosuch` 1
+    after the ceilings: a typo is now exit 2 before anything is measured, with what is known."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--shapes", "tiny", "--tokens", "1", "--backends", backends, *CPU])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--backends: unknown" in err
+    assert all(n in err for n in ("auto", "reference", "cuda.triton", "sglang", "peers", "transformers:NAME"))
+
+
+def test_backend_names_take_every_backend_kernel_and_peer():
+    import moehal
+    from moehal.bench import unknown_backends
+
+    names = ["auto", "reference", "cuda", "cuda.triton", "rocm.triton", "sglang", "peers", "transformers:grouped_mm"]
+    assert unknown_backends(names, moehal.discover()) == []
+    assert unknown_backends(["cuda.permute", "triton", "Reference"], moehal.discover()) == [
+        "cuda.permute",  # a dispatcher: no layer is named by it
+        "triton",
+        "Reference",
+    ]
 
 
 @pytest.mark.parametrize("columns", [60, 120])

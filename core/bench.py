@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
+import os
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -654,8 +658,15 @@ def plot(rows: list[Row], path: Path) -> Path | None:
         ax.axhline(100, color="grey", lw=0.5)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    part = path.with_name(path.name + ".part")  # written whole or not at all, as the JSON (`_write`)
+    try:
+        fig.savefig(part, dpi=110, format="png")
+        os.replace(part, path)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        part.unlink(missing_ok=True)
+        plt.close(fig)
     return path
 
 
@@ -872,6 +883,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "nothing to measure: every row is left out (reference rows above --max-reference-tokens "
             f"{args.max_reference_tokens}, peers' rows of quantized schemes, 'peers' with no peer here)"
         )
+    out = Path(args.out) if args.out else None
+    if out is not None:  # before hours of measurements, not after
+        why = out_problem(out)
+        if why is not None:
+            p.error(f"--out: {why}")
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
     ceil = measure_ceilings(dev, settle_s=args.settle_s)
     fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
@@ -886,13 +902,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # rows that could not be measured, and why: saved beside the rows, so that `moehal goals`
     # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)
     skipped: list[dict[str, Any]] = []
-    out = Path(args.out) if args.out else None
     interrupted: list[str] = []  # why the run stopped before its last job (a signal, Ctrl-C)
 
     def save() -> None:  # after every row: a time limit keeps what was measured
         if out is None:
             return
-        out.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "ceilings": asdict(ceil),
             "torch": torch.__version__,
@@ -908,87 +922,153 @@ def main(argv: Sequence[str] | None = None) -> int:
             "interrupted": bool(interrupted),
             "jobs": len(jobs),
         }
-        out.with_suffix(".json").write_text(json_text(data))  # NaN (no GPU clock, no check) as null
+        _write(out.with_suffix(".json"), json_text(data))  # NaN (no GPU clock, no check) as null
 
     import signal
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(jobs))
-        try:
-            last_cell: tuple[str, int | None] | None = None
-            for shape, q, backend, tokens, rnd in jobs:
-                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
-                if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
-                    release_layers(dev)
-                    last_cell = (shape, cfg.max_tokens)
-                try:
-                    row = bench_one(
-                        shape,
-                        cfg,
-                        QuantScheme.parse(q),
-                        backend,
-                        tokens,
-                        dev,
-                        ceil,
-                        args.reps,
-                        registry,
-                        args.breakdown,
-                        sampler,
-                        args.settle_s,
-                        host_columns=not args.no_host,
-                        check_outputs=not args.no_check,
-                    )
-                    row.round = rnd
-                    rows.append(row)
-                    if row.check == "fail":  # loud: a wrong result's time means nothing
-                        console.print(
-                            f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} against "
-                            "the reference pipeline (its goals read 'not measured')",
-                            markup=False,
+    previous_sigterm = signal.signal(signal.SIGTERM, stop)
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("benchmarking", total=len(jobs))
+            try:
+                last_cell: tuple[str, int | None] | None = None
+                for shape, q, backend, tokens, rnd in jobs:
+                    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
+                    if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
+                        release_layers(dev)
+                        last_cell = (shape, cfg.max_tokens)
+                    try:
+                        row = bench_one(
+                            shape,
+                            cfg,
+                            QuantScheme.parse(q),
+                            backend,
+                            tokens,
+                            dev,
+                            ceil,
+                            args.reps,
+                            registry,
+                            args.breakdown,
+                            sampler,
+                            args.settle_s,
+                            host_columns=not args.no_host,
+                            check_outputs=not args.no_check,
                         )
-                    save()
-                except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
-                    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                    console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
-                    skipped.append(_skip(shape, q, backend, tokens, rnd, why))
-                    save()
-                except Exception as exc:  # noqa: BLE001
-                    if not is_peer(backend):
-                        raise  # a moehal failure is a bug: loud
-                    # another library's failure must not cost the rest of the run
-                    console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
-                    skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
-                    save()
-                progress.advance(task)
-        except KeyboardInterrupt:
-            console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
-            interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
-        finally:
-            if sampler is not None:
-                sampler.close()
-    console.print(results_view(rows))
-    if args.breakdown:
-        console.print(breakdown_table(rows))
-    if args.goals:
-        from moehal.bench_goals import check_goals, goals_table
+                        row.round = rnd
+                        rows.append(row)
+                        if row.check == "fail":  # loud: a wrong result's time means nothing
+                            console.print(
+                                f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} "
+                                "against the reference pipeline (its goals read 'not measured')",
+                                markup=False,
+                            )
+                    except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
+                        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                        console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
+                        skipped.append(_skip(shape, q, backend, tokens, rnd, why))
+                    except Exception as exc:  # noqa: BLE001
+                        if not is_peer(backend):
+                            raise  # a moehal failure is a bug: loud
+                        # another library's failure must not cost the rest of the run
+                        console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
+                        skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
+                    save()  # (not in the try above: a file that cannot be written is no peer's failure)
+                    progress.advance(task)
+            except KeyboardInterrupt:
+                console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+                interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
+            finally:
+                if sampler is not None:
+                    sampler.close()
+        console.print(results_view(rows))
+        if args.breakdown:
+            console.print(breakdown_table(rows))
+        if args.goals:
+            from moehal.bench_goals import check_goals, goals_table
 
-        checks = check_goals([*rows, *skipped], ceil.device)
-        console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
-    if out is not None:
-        save()
-        png = plot(rows, out.with_suffix(".png"))
-        no_png = " (no PNG: matplotlib is not installed; pip install 'moehal[plot]')"
-        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else no_png), markup=False)
+            checks = check_goals([*rows, *skipped], ceil.device)
+            console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
+        if out is not None:
+            save()
+            png = plot(rows, out.with_suffix(".png"))
+            no_png = " (no PNG: matplotlib is not installed; pip install 'moehal[plot]')"
+            console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else no_png), markup=False)
+    except WriteError as exc:  # a full disk, a directory gone: the run cannot keep its results
+        print(f"moehal bench: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     wrong = sum(r.check == "fail" for r in rows)
     if wrong or (jobs and not rows) or interrupted:  # measured nothing, wrong outputs, or not all: no success
         why = f"{wrong} rows with wrong output" if wrong else "no row was measured" if not rows else "interrupted"
         console.print(why, markup=False)
         return 1
     return 0
+
+
+class WriteError(Exception):
+    """`moehal bench --out` could not write one of its files (`OSError` at write time)."""
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(path: Path, text: str) -> None:
+    """`path` replaced by `text` in one step (written beside it, then renamed over it): a run
+    stopped mid-write leaves the previous file whole. `WriteError` where it cannot be written."""
+    part = path.with_name(path.name + ".part")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _earlier_output(path: Path) -> bool:
+    """Whether the existing file `path` is a `moehal bench --out` file that a new run may replace:
+    OUT.json a JSON object with rows and ceilings, OUT.png a PNG image."""
+    try:
+        if path.suffix == ".png":
+            with path.open("rb") as f:
+                return f.read(len(_PNG_SIGNATURE)) == _PNG_SIGNATURE
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+        return False
+    return isinstance(data, dict) and "rows" in data and "ceilings" in data
+
+
+def out_problem(out: Path) -> str | None:
+    """Why `moehal bench --out OUT` could not write OUT.json and OUT.png, found before anything
+    is measured; None where it can. Makes OUT's directory. A file already there is replaced
+    only where it is an earlier run's output (`_earlier_output`); never a directory."""
+    try:
+        targets = [out.with_suffix(".json"), out.with_suffix(".png")]
+    except ValueError as exc:  # '.', '..': no file name
+        return f"{out}: {exc}"
+    for t in targets:
+        if t.is_dir():
+            return f"{t} is a directory"
+        if t.exists() and not _earlier_output(t):
+            return (
+                f"{t} exists and is not a `moehal bench --out` file: not overwritten (move it, or choose another --out)"
+            )
+    parent = targets[0].parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):  # can a file be made there?
+            pass
+        for t in targets:
+            if t.exists():
+                with t.open("ab"):  # writable (opened without a change)
+                    pass
+    except OSError as exc:
+        return f"cannot write to {exc.filename or parent}: {exc.strerror or exc}"
+    return None
 
 
 def _skip(shape: str, quant: str, backend: str, tokens: int, rnd: int, why: str) -> dict[str, Any]:

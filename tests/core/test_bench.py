@@ -555,3 +555,52 @@ def test_results_view_fits_every_cuda_column_into_the_width(width, tables):
         assert len(titles) == tables and text.count("deepseek_v3_ep8") == tables, "each table names its rows"
     else:
         assert len(titles) == 1 and any(line.replace("│", " ").split() == ["time", "us", "123456.8"] for line in lines)
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_anything_is_measured(tmp_path, capsys, nothing_measured):
+    """`--out /proc/nope/b` measured the whole run, then died in a traceback at its first write."""
+    (tmp_path / "file").write_text("a file, not a directory")
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "notes.json").write_text('{"mine": "not a benchmark"}')
+    for out, said in (
+        (tmp_path / "file" / "b", "cannot write to"),
+        (tmp_path / "dir", "dir.json is a directory"),
+        (tmp_path / "notes", "notes.json exists and is not a `moehal bench --out` file"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["--shapes", "tiny", "--tokens", "1", "--out", str(out), *CPU])
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+    assert (tmp_path / "notes.json").read_text() == '{"mine": "not a benchmark"}', "not overwritten"
+
+
+def test_an_earlier_runs_files_are_replaced_and_the_paths_written_are_printed(tmp_path, capsys):
+    out = tmp_path / "runs" / "bench"
+    out.parent.mkdir()
+    out.with_suffix(".json").write_text('{"ceilings": {}, "rows": []}')
+    out.with_suffix(".png").write_bytes(b"\x89PNG\r\n\x1a\nold")
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "rocm", "--reps", "1", "--settle-s", "0", "--no-host"]
+    assert main([*argv, "--out", str(out), *CPU]) == 0
+    assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 1
+    assert f"wrote {out.with_suffix('.json')}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) in (["bench.json", "bench.png"], ["bench.json"])
+
+
+def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """A disk that fills up (OSError at write time) ended the run in a traceback."""
+    import pathlib
+
+    real = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise OSError(28, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "rocm", "--reps", "1", "--settle-s", "0", "--no-host"]
+    assert main([*argv, "--out", str(out), *CPU]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("moehal bench:")]
+    assert "cannot write" in line and "No space left on device" in line and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir()), "no partial file left behind"

@@ -929,13 +929,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    # rich draws its progress bar on a terminal only: a log or a pipe (a device run) saw nothing
+    # between rows for hours, so there each finished row is a plain line on stderr
+    plain_progress = not console.is_terminal
+    started = time.perf_counter()
     previous_sigterm = signal.signal(signal.SIGTERM, stop)
     try:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("benchmarking", total=len(jobs))
             try:
                 last_cell: tuple[str, int | None] | None = None
-                for shape, q, backend, tokens, rnd in jobs:
+                for done, (shape, q, backend, tokens, rnd) in enumerate(jobs, 1):
                     cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
                     if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
                         release_layers(dev)
@@ -959,6 +963,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         )
                         row.round = rnd
                         rows.append(row)
+                        result = f"{row.time_us:.1f} us" + (", WRONG OUTPUT" if row.check == "fail" else "")
                         if row.check == "fail":  # loud: a wrong result's time means nothing
                             console.print(
                                 f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} "
@@ -969,14 +974,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                         console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
                         skipped.append(_skip(shape, q, backend, tokens, rnd, why))
+                        result = "skipped"
                     except Exception as exc:  # noqa: BLE001
                         if not is_peer(backend):
                             raise  # a moehal failure is a bug: loud
                         # another library's failure must not cost the rest of the run
                         console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
                         skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
+                        result = "peer failed"
                     save()  # (not in the try above: a file that cannot be written is no peer's failure)
                     progress.advance(task)
+                    if plain_progress:
+                        print(
+                            f"[{done}/{len(jobs)}] {shape} {q} {backend} T={tokens}"
+                            + (f" round {rnd}" if args.rounds > 1 else "")
+                            + f": {result} ({time.perf_counter() - started:.0f} s)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             except KeyboardInterrupt:
                 console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
                 interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")

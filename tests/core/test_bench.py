@@ -604,3 +604,23 @@ def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, mon
     (line,) = [line for line in err.splitlines() if line.startswith("moehal bench:")]
     assert "cannot write" in line and "No space left on device" in line and "Traceback" not in err, err
     assert not any(tmp_path.iterdir()), "no partial file left behind"
+
+
+def test_a_run_not_on_a_terminal_says_each_finished_row_on_stderr(capsys):
+    """rich draws its progress bar on a terminal only: a run logged to a file printed nothing
+    between rows (for hours, on a GPU). Now a plain line per finished row, without '\\r' frames."""
+    import re
+
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "reference,cuda", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", *CPU]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("[")]
+    assert [line.split(":")[0] for line in lines] == [
+        "[1/4] tiny bf16 reference T=1",
+        "[2/4] tiny bf16 reference T=2",
+        "[3/4] tiny bf16 cuda T=1",  # (no CUDA pipeline on the CPU: skipped, and said so)
+        "[4/4] tiny bf16 cuda T=2",
+    ]
+    assert re.fullmatch(r"\[1/4\] tiny bf16 reference T=1: \d+\.\d us \(\d+ s\)", lines[0]), lines[0]
+    assert lines[2].endswith(")") and ": skipped (" in lines[2]

@@ -685,9 +685,9 @@ def breakdown_table(rows: Sequence[Row]) -> Any:
     return FittedTable(t, keys=4)
 
 
-class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+class _DefaultsHelp(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Help that names an option's default where it has one to name (not None, False, or a
-    default its help already explains)."""
+    default its help already explains); the epilog as written (its exit-status table)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, False) or "default" in (action.help or ""):
@@ -771,6 +771,22 @@ def unknown_backends(names: Sequence[str], registry: moehal.Registry) -> list[st
     return unknown
 
 
+EPILOG = """\
+Off CUDA the host-time columns are left out (they time eager calls against a GPU's queue) and
+the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.
+
+exit status:
+  0  the run finished and measured rows, none of them with a wrong output (rows that a backend
+     declines are skipped: listed, and saved as such)
+  1  a row's output was wrong, no row was measured, or the run was interrupted (Ctrl-C or
+     SIGTERM, while measuring or while reporting): --out's JSON keeps the rows measured, with
+     "interrupted": true where it lacks some of them
+  2  a usage error (an unknown shape, quant scheme or backend; a number out of range; nothing
+     to measure), an --out that cannot be written (checked before measuring) or a write that
+     failed, or a device or configuration moehal refuses
+  (a moehal failure while measuring is a bug: a traceback, exit 1)"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from moehal.cli.common import json_text, make_console
     from moehal.integrations.sglang import sglang_version
@@ -779,8 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moehal bench",
         description=(__doc__ or "moehal bench").splitlines()[0],  # (python -OO strips docstrings)
-        epilog="Off CUDA the host-time columns read '-' (they time eager calls against a GPU's queue) and "
-        "the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.",
+        epilog=EPILOG,
         formatter_class=_DefaultsHelp,
     )
     p.add_argument(
@@ -888,8 +903,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = out_problem(out)
         if why is not None:
             p.error(f"--out: {why}")
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous_sigterm = signal.signal(signal.SIGTERM, stop)  # a time limit's SIGTERM: as Ctrl-C
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
-    ceil = measure_ceilings(dev, settle_s=args.settle_s)
+    try:
+        ceil = measure_ceilings(dev, settle_s=args.settle_s)
+    except BaseException as exc:
+        if sampler is not None:
+            sampler.close()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        if not isinstance(exc, KeyboardInterrupt):
+            raise
+        console.print("interrupted while measuring the ceilings: no row measured, no file written", markup=False)
+        return 1
     fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
     console.print(
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
@@ -903,6 +933,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)
     skipped: list[dict[str, Any]] = []
     interrupted: list[str] = []  # why the run stopped before its last job (a signal, Ctrl-C)
+    written: list[Path] = []  # the JSON, once saved
 
     def save() -> None:  # after every row: a time limit keeps what was measured
         if out is None:
@@ -923,17 +954,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "jobs": len(jobs),
         }
         _write(out.with_suffix(".json"), json_text(data))  # NaN (no GPU clock, no check) as null
-
-    import signal
-
-    def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        written[:] = [out.with_suffix(".json")]
 
     # rich draws its progress bar on a terminal only: a log or a pipe (a device run) saw nothing
     # between rows for hours, so there each finished row is a plain line on stderr
     plain_progress = not console.is_terminal
     started = time.perf_counter()
-    previous_sigterm = signal.signal(signal.SIGTERM, stop)
     try:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("benchmarking", total=len(jobs))
@@ -998,19 +1024,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 if sampler is not None:
                     sampler.close()
-        console.print(results_view(rows))
-        if args.breakdown:
-            console.print(breakdown_table(rows))
-        if args.goals:
-            from moehal.bench_goals import check_goals, goals_table
+        no_png = "no PNG: matplotlib is not installed; pip install 'moehal[plot]'"
+        png: Path | None = None
+        try:
+            console.print(results_view(rows))
+            if args.breakdown:
+                console.print(breakdown_table(rows))
+            if args.goals:
+                from moehal.bench_goals import check_goals, goals_table
 
-            checks = check_goals([*rows, *skipped], ceil.device)
-            console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
-        if out is not None:
-            save()
-            png = plot(rows, out.with_suffix(".png"))
-            no_png = " (no PNG: matplotlib is not installed; pip install 'moehal[plot]')"
-            console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else no_png), markup=False)
+                checks = check_goals([*rows, *skipped], ceil.device)
+                console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
+            if out is not None:
+                save()
+                png = plot(rows, out.with_suffix(".png"))
+        except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays
+            console.print("interrupted while reporting the run", markup=False)
+            interrupted.append("while reporting")
+            no_png = "no PNG: interrupted"
+        if written:
+            console.print(f"wrote {written[0]}" + (f" and {png}" if png else f" ({no_png})"), markup=False)
     except WriteError as exc:  # a full disk, a directory gone: the run cannot keep its results
         print(f"moehal bench: {exc}", file=sys.stderr)
         return 2

@@ -624,3 +624,73 @@ def test_a_run_not_on_a_terminal_says_each_finished_row_on_stderr(capsys):
     ]
     assert re.fullmatch(r"\[1/4\] tiny bf16 reference T=1: \d+\.\d us \(\d+ s\)", lines[0]), lines[0]
     assert lines[2].endswith(")") and ": skipped (" in lines[2]
+
+
+def _not_escaping(call):
+    """`call()`, failing the test (not ending pytest) where a KeyboardInterrupt escapes it."""
+    try:
+        return call()
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped moehal bench: a raw traceback for the user")
+
+
+def test_ctrl_c_while_the_png_is_written_reports_an_interrupted_run(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C in the PNG step was a raw traceback; now it is an interrupted run (exit 1) whose
+    JSON, written before the PNG, holds every row."""
+    from moehal import bench
+
+    def slow_plot(rows, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "plot", slow_plot)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "rocm", "--reps", "1", "--settle-s", "0", "--no-host"]
+    assert _not_escaping(lambda: main([*argv, "--out", str(out), *CPU])) == 1
+    printed = capsys.readouterr().out
+    assert "interrupted while reporting the run" in printed
+    assert f"wrote {out.with_suffix('.json')} (no PNG: interrupted)" in printed
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert len(data["rows"]) == 1 and data["interrupted"] is False, "every row is in the file"
+    assert not out.with_suffix(".png").exists()
+
+
+def test_ctrl_c_while_the_ceilings_are_measured_is_an_interrupted_run(tmp_path, capsys, monkeypatch):
+    import signal
+
+    from moehal import bench
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "measure_ceilings", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "bench"
+    assert _not_escaping(lambda: main(["--shapes", "tiny", "--tokens", "1", "--out", str(out), *CPU])) == 1
+    assert "interrupted while measuring the ceilings" in capsys.readouterr().out
+    assert not out.with_suffix(".json").exists()
+    assert signal.getsignal(signal.SIGTERM) is before, "SIGTERM's handler given back"
+
+
+def test_sigterms_handler_is_given_back_after_a_run():
+    """bench turns SIGTERM (a time limit) into KeyboardInterrupt while it runs; it left that
+    handler installed in the calling process (a test session, a notebook) after returning."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, *CPU]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bench_and_goals_help_document_their_exit_status(capsys):
+    from moehal.cli.main import main as moehal_main
+
+    for argv in (["bench", "--help"], ["goals", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            moehal_main(argv)
+        text = capsys.readouterr().out
+        assert exc.value.code == 0 and "exit status:" in text
+        assert all(f"\n  {code}  " in text for code in (0, 1, 2)), text
+    with pytest.raises(SystemExit):
+        moehal_main(["bench", "--help"])
+    assert "interrupted" in capsys.readouterr().out

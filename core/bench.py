@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
+import os
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -654,13 +658,22 @@ def plot(rows: list[Row], path: Path) -> Path | None:
         ax.axhline(100, color="grey", lw=0.5)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    part = path.with_name(path.name + ".part")  # written whole or not at all, as the JSON (`_write`)
+    try:
+        fig.savefig(part, dpi=110, format="png")
+        os.replace(part, path)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        part.unlink(missing_ok=True)
+        plt.close(fig)
     return path
 
 
 def breakdown_table(rows: Sequence[Row]) -> Any:
-    """One line per row: its kernels by device time per forward, largest first."""
+    """One line per row: its kernels by device time per forward, largest first (fitted to the
+    console: `moehal.cli.tables.FittedTable`)."""
+    from moehal.cli.tables import FittedTable
     from rich.table import Table
 
     t = Table(title="where the time goes (us per forward, eager, profiler)", title_justify="left")
@@ -669,17 +682,109 @@ def breakdown_table(rows: Sequence[Row]) -> Any:
     for r in rows:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in (r.breakdown or {}).items())
         t.add_row(r.shape, r.backend, r.quant, str(r.tokens), parts or "-")
-    return t
+    return FittedTable(t, keys=4)
 
 
-class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+class _DefaultsHelp(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Help that names an option's default where it has one to name (not None, False, or a
-    default its help already explains)."""
+    default its help already explains); the epilog as written (its exit-status table)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, False) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse `type`: an integer of at least `low` (a usage error, exit 2, otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse `type`: a finite number of seconds, 0 or more."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, got {text}")
+    return x
+
+
+def _token_counts(text: str) -> list[int]:
+    """An argparse `type`: a comma list of positive token counts."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be positive integers, got {text}")
+    return counts
+
+
+def _transformers_peers() -> list[str] | None:
+    """The names of transformers' experts functions (`--backends transformers:NAME`), whether or
+    not they run on this machine; None where transformers is not installed."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return sorted(ALL_EXPERTS_FUNCTIONS.keys())
+
+
+def backend_names(registry: moehal.Registry) -> list[str]:
+    """What `--backends` takes besides 'transformers:NAME': auto, every registered backend
+    (loaded or not: one that failed to load has its rows skipped, saying why), every experts
+    kernel and fused forward by qualified name (cuda.triton), and the peers sglang and peers."""
+    registered = sorted({r.name for r in registry.plugins.values()})
+    impls = sorted(i.qualname for i in (*registry.experts, *registry.fused))
+    return ["auto", *registered, *impls, "sglang", "peers"]
+
+
+def unknown_backends(names: Sequence[str], registry: moehal.Registry) -> list[str]:
+    """The names in `names` that `--backends` does not know (`backend_names`): typos, checked
+    before anything is measured. A 'transformers:NAME' must name one of transformers'
+    experts functions where transformers is installed."""
+    known = set(backend_names(registry))
+    loaded = set(registry.loaded_backends())
+    unknown = []
+    for name in names:
+        if name in known:
+            continue
+        if name.startswith("transformers:"):
+            peers = _transformers_peers()
+            if peers is None or name.split(":", 1)[1] in peers:
+                continue
+        elif "." in name and name.split(".")[0] in known - loaded:  # a plugin that did not load: unknowable
+            continue
+        unknown.append(name)
+    return unknown
+
+
+EPILOG = """\
+Off CUDA the host-time columns are left out (they time eager calls against a GPU's queue) and
+the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.
+
+exit status:
+  0  the run finished and measured rows, none of them with a wrong output (rows that a backend
+     declines are skipped: listed, and saved as such)
+  1  a row's output was wrong, no row was measured, or the run was interrupted (Ctrl-C or
+     SIGTERM, while measuring or while reporting): --out's JSON keeps the rows measured, with
+     "interrupted": true where it lacks some of them
+  2  a usage error (an unknown shape, quant scheme or backend; a number out of range; nothing
+     to measure), an --out that cannot be written (checked before measuring) or a write that
+     failed, or a device or configuration moehal refuses
+  (a moehal failure while measuring is a bug: a traceback, exit 1)"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -690,14 +795,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moehal bench",
         description=(__doc__ or "moehal bench").splitlines()[0],  # (python -OO strips docstrings)
-        epilog="Off CUDA the host-time columns read '-' (they time eager calls against a GPU's queue) and "
-        "the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.",
+        epilog=EPILOG,
         formatter_class=_DefaultsHelp,
     )
     p.add_argument(
         "--shapes", default="deepseek_v3_ep8,qwen3_30b_a3b,mixtral_8x7b", help=f"comma list of {sorted(SHAPES)}"
     )
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of token counts")
+    p.add_argument(
+        "--tokens", type=_token_counts, default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of token counts"
+    )
     p.add_argument(
         "--backends",
         default="auto",
@@ -706,19 +812,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
     p.add_argument("--device", default=None, help="torch device (default: the best one torch sees)")
-    p.add_argument("--reps", type=int, default=50, help="timed forwards per row (CUDA: replays of one graph)")
+    p.add_argument(
+        "--reps", type=_int_at_least(1), default=50, help="timed forwards per row (CUDA: replays of one graph)"
+    )
     p.add_argument(
         "--settle-s",
-        type=float,
+        type=_seconds,
         default=BENCH_SETTLE_S,
         help="seconds of each row's (and each ceiling's) work back to back before it is timed, so clocks and "
         "power settle (see moehal.bench.BENCH_SETTLE_S)",
     )
-    p.add_argument("--max-reference-tokens", type=int, default=256, help="the reference is slow: cap its tokens")
+    p.add_argument(
+        "--max-reference-tokens", type=_int_at_least(0), default=256, help="the reference is slow: cap its tokens"
+    )
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help="build every layer for this many tokens (its buffers), as an engine builds its layers once for its "
         "largest batch; default: each row's own token count",
@@ -731,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=_int_at_least(1),
         default=1,
         help="measure every row this many times, cell by cell: a cell's (shape, tokens) rows of every quant scheme "
         "and backend run next to each other, and the goals compare rows of one round, then take the median "
@@ -746,38 +856,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="skip checking each row's output against the reference pipeline on the device (untimed, once a row)",
     )
     args = p.parse_args(argv)
-    # every name and number up front: a typo is an error now, not an empty table after the ceilings
+    # every name and number up front (the numbers: their argparse types): a typo is an error
+    # now, not an empty table or a traceback after the ceilings were measured
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         p.error(f"--shapes: unknown {unknown}; known: {sorted(SHAPES)}")
     try:
-        token_counts = [int(t) for t in args.tokens.split(",")]
         for q in args.quant.split(","):
             QuantScheme.parse(q)
     except ValueError as exc:  # ConfigError is a ValueError too
-        p.error(f"--tokens or --quant: {exc}")
-    if min(token_counts) < 1:
-        p.error(f"--tokens must be positive integers, got {args.tokens}")
+        p.error(f"--quant: {exc}")
+    token_counts: list[int] = args.tokens
     console = make_console()
     dev = detect(args.device).device
     registry = moehal.discover()
-    sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
-    ceil = measure_ceilings(dev, settle_s=args.settle_s)
-    fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
-    console.print(
-        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
-        f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
-        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s (measured now)"
-    )
-    if args.max_tokens:
-        console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
     backends = args.backends.split(",")
+    unknown = unknown_backends(backends, registry)
+    if unknown:
+        peers = _transformers_peers()
+        p.error(
+            f"--backends: unknown {unknown}; known: {', '.join(backend_names(registry))}, and 'transformers:NAME' "
+            + (f"for NAME in {peers}" if peers is not None else "(transformers is not installed)")
+        )
     if "peers" in backends:
         from moehal.integrations.transformers import peer_implementations
 
         backends = [b for b in backends if b != "peers"] + [f"transformers:{n}" for n in peer_implementations(dev)]
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
     shapes, quants = args.shapes.split(","), args.quant.split(",")
     if args.rounds == 1:  # grouped by scheme and backend, as the table reads
         order = [(s, q, b, t, 0) for s in shapes for q in quants for b in backends for t in token_counts]
@@ -789,17 +893,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(peers_float) < len(jobs):
         console.print("peers take float weights: their rows run for bf16 only", markup=False)
     jobs = peers_float
+    if not jobs:
+        p.error(
+            "nothing to measure: every row is left out (reference rows above --max-reference-tokens "
+            f"{args.max_reference_tokens}, peers' rows of quantized schemes, 'peers' with no peer here)"
+        )
+    out = Path(args.out) if args.out else None
+    if out is not None:  # before hours of measurements, not after
+        why = out_problem(out)
+        if why is not None:
+            p.error(f"--out: {why}")
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous_sigterm = signal.signal(signal.SIGTERM, stop)  # a time limit's SIGTERM: as Ctrl-C
+    sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
+    try:
+        ceil = measure_ceilings(dev, settle_s=args.settle_s)
+    except BaseException as exc:
+        if sampler is not None:
+            sampler.close()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        if not isinstance(exc, KeyboardInterrupt):
+            raise
+        console.print("interrupted while measuring the ceilings: no row measured, no file written", markup=False)
+        return 1
+    fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
+    console.print(
+        f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
+        f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s (measured now)"
+    )
+    if args.max_tokens:
+        console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
     rows: list[Row] = []
     # rows that could not be measured, and why: saved beside the rows, so that `moehal goals`
     # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)
     skipped: list[dict[str, Any]] = []
-    out = Path(args.out) if args.out else None
     interrupted: list[str] = []  # why the run stopped before its last job (a signal, Ctrl-C)
+    written: list[Path] = []  # the JSON, once saved
 
     def save() -> None:  # after every row: a time limit keeps what was measured
         if out is None:
             return
-        out.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "ceilings": asdict(ceil),
             "torch": torch.__version__,
@@ -815,87 +953,170 @@ def main(argv: Sequence[str] | None = None) -> int:
             "interrupted": bool(interrupted),
             "jobs": len(jobs),
         }
-        out.with_suffix(".json").write_text(json_text(data))  # NaN (no GPU clock, no check) as null
+        _write(out.with_suffix(".json"), json_text(data))  # NaN (no GPU clock, no check) as null
+        written[:] = [out.with_suffix(".json")]
 
-    import signal
-
-    def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(jobs))
-        try:
-            last_cell: tuple[str, int | None] | None = None
-            for shape, q, backend, tokens, rnd in jobs:
-                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
-                if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
-                    release_layers(dev)
-                    last_cell = (shape, cfg.max_tokens)
-                try:
-                    row = bench_one(
-                        shape,
-                        cfg,
-                        QuantScheme.parse(q),
-                        backend,
-                        tokens,
-                        dev,
-                        ceil,
-                        args.reps,
-                        registry,
-                        args.breakdown,
-                        sampler,
-                        args.settle_s,
-                        host_columns=not args.no_host,
-                        check_outputs=not args.no_check,
-                    )
-                    row.round = rnd
-                    rows.append(row)
-                    if row.check == "fail":  # loud: a wrong result's time means nothing
-                        console.print(
-                            f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} against "
-                            "the reference pipeline (its goals read 'not measured')",
-                            markup=False,
+    # rich draws its progress bar on a terminal only: a log or a pipe (a device run) saw nothing
+    # between rows for hours, so there each finished row is a plain line on stderr
+    plain_progress = not console.is_terminal
+    started = time.perf_counter()
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("benchmarking", total=len(jobs))
+            try:
+                last_cell: tuple[str, int | None] | None = None
+                for done, (shape, q, backend, tokens, rnd) in enumerate(jobs, 1):
+                    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
+                    if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
+                        release_layers(dev)
+                        last_cell = (shape, cfg.max_tokens)
+                    try:
+                        row = bench_one(
+                            shape,
+                            cfg,
+                            QuantScheme.parse(q),
+                            backend,
+                            tokens,
+                            dev,
+                            ceil,
+                            args.reps,
+                            registry,
+                            args.breakdown,
+                            sampler,
+                            args.settle_s,
+                            host_columns=not args.no_host,
+                            check_outputs=not args.no_check,
                         )
-                    save()
-                except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
-                    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                    console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
-                    skipped.append(_skip(shape, q, backend, tokens, rnd, why))
-                    save()
-                except Exception as exc:  # noqa: BLE001
-                    if not is_peer(backend):
-                        raise  # a moehal failure is a bug: loud
-                    # another library's failure must not cost the rest of the run
-                    console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
-                    skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
-                    save()
-                progress.advance(task)
-        except KeyboardInterrupt:
-            console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
-            interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
-        finally:
-            if sampler is not None:
-                sampler.close()
-    console.print(results_table(rows))
-    if args.breakdown:
-        console.print(breakdown_table(rows))
-    if args.goals:
-        from moehal.bench_goals import check_goals, goals_table
+                        row.round = rnd
+                        rows.append(row)
+                        result = f"{row.time_us:.1f} us" + (", WRONG OUTPUT" if row.check == "fail" else "")
+                        if row.check == "fail":  # loud: a wrong result's time means nothing
+                            console.print(
+                                f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} "
+                                "against the reference pipeline (its goals read 'not measured')",
+                                markup=False,
+                            )
+                    except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
+                        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                        console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
+                        skipped.append(_skip(shape, q, backend, tokens, rnd, why))
+                        result = "skipped"
+                    except Exception as exc:  # noqa: BLE001
+                        if not is_peer(backend):
+                            raise  # a moehal failure is a bug: loud
+                        # another library's failure must not cost the rest of the run
+                        console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
+                        skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
+                        result = "peer failed"
+                    save()  # (not in the try above: a file that cannot be written is no peer's failure)
+                    progress.advance(task)
+                    if plain_progress:
+                        print(
+                            f"[{done}/{len(jobs)}] {shape} {q} {backend} T={tokens}"
+                            + (f" round {rnd}" if args.rounds > 1 else "")
+                            + f": {result} ({time.perf_counter() - started:.0f} s)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+            except KeyboardInterrupt:
+                console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+                interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
+            finally:
+                if sampler is not None:
+                    sampler.close()
+        no_png = "no PNG: matplotlib is not installed; pip install 'moehal[plot]'"
+        png: Path | None = None
+        try:
+            console.print(results_view(rows))
+            if args.breakdown:
+                console.print(breakdown_table(rows))
+            if args.goals:
+                from moehal.bench_goals import check_goals, goals_table
 
-        checks = check_goals([*rows, *skipped], ceil.device)
-        console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
-    if out is not None:
-        save()
-        png = plot(rows, out.with_suffix(".png"))
-        no_png = " (no PNG: matplotlib is not installed; pip install 'moehal[plot]')"
-        console.print(f"wrote {out.with_suffix('.json')}" + (f" and {png}" if png else no_png), markup=False)
+                checks = check_goals([*rows, *skipped], ceil.device)
+                console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
+            if out is not None:
+                save()
+                png = plot(rows, out.with_suffix(".png"))
+        except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays
+            console.print("interrupted while reporting the run", markup=False)
+            interrupted.append("while reporting")
+            no_png = "no PNG: interrupted"
+        if written:
+            console.print(f"wrote {written[0]}" + (f" and {png}" if png else f" ({no_png})"), markup=False)
+    except WriteError as exc:  # a full disk, a directory gone: the run cannot keep its results
+        print(f"moehal bench: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     wrong = sum(r.check == "fail" for r in rows)
     if wrong or (jobs and not rows) or interrupted:  # measured nothing, wrong outputs, or not all: no success
         why = f"{wrong} rows with wrong output" if wrong else "no row was measured" if not rows else "interrupted"
         console.print(why, markup=False)
         return 1
     return 0
+
+
+class WriteError(Exception):
+    """`moehal bench --out` could not write one of its files (`OSError` at write time)."""
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(path: Path, text: str) -> None:
+    """`path` replaced by `text` in one step (written beside it, then renamed over it): a run
+    stopped mid-write leaves the previous file whole. `WriteError` where it cannot be written."""
+    part = path.with_name(path.name + ".part")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _earlier_output(path: Path) -> bool:
+    """Whether the existing file `path` is a `moehal bench --out` file that a new run may replace:
+    OUT.json a JSON object with rows and ceilings, OUT.png a PNG image."""
+    try:
+        if path.suffix == ".png":
+            with path.open("rb") as f:
+                return f.read(len(_PNG_SIGNATURE)) == _PNG_SIGNATURE
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+        return False
+    return isinstance(data, dict) and "rows" in data and "ceilings" in data
+
+
+def out_problem(out: Path) -> str | None:
+    """Why `moehal bench --out OUT` could not write OUT.json and OUT.png, found before anything
+    is measured; None where it can. Makes OUT's directory. A file already there is replaced
+    only where it is an earlier run's output (`_earlier_output`); never a directory."""
+    try:
+        targets = [out.with_suffix(".json"), out.with_suffix(".png")]
+    except ValueError as exc:  # '.', '..': no file name
+        return f"{out}: {exc}"
+    for t in targets:
+        if t.is_dir():
+            return f"{t} is a directory"
+        if t.exists() and not _earlier_output(t):
+            return (
+                f"{t} exists and is not a `moehal bench --out` file: not overwritten (move it, or choose another --out)"
+            )
+    parent = targets[0].parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):  # can a file be made there?
+            pass
+        for t in targets:
+            if t.exists():
+                with t.open("ab"):  # writable (opened without a change)
+                    pass
+    except OSError as exc:
+        return f"cannot write to {exc.filename or parent}: {exc.strerror or exc}"
+    return None
 
 
 def _skip(shape: str, quant: str, backend: str, tokens: int, rnd: int, why: str) -> dict[str, Any]:
@@ -906,41 +1127,55 @@ def _skip(shape: str, quant: str, backend: str, tokens: int, rnd: int, why: str)
 
 
 def results_table(rows: Sequence[Row]) -> Any:
-    """One line per row; the clock columns only where a sampler recorded them."""
+    """One line per row; the clock columns only where a sampler recorded them, and no column
+    that no row measured (every cell '-': the host times off CUDA, the output with --no-check).
+    Its first `result_keys(rows)` columns say which row a line is (`results_view`)."""
     from rich.table import Table
 
     t = Table(title="moehal bench (whole layer)", title_justify="left")
     rounds = any(r.round for r in rows)  # a run of `--rounds` > 1
-    cols = ("shape", "backend", "quant", "tokens", *(("round",) if rounds else ()), "time us", "timing",
-            "% roofline", "TB/s", "TFLOP/s", "output")  # fmt: skip
     clocks = any(r.sm_mhz == r.sm_mhz for r in rows)  # NaN != NaN: no sample
-    for col in (*cols, *(("SM MHz", "W") if clocks else ()), "host us", "host us (graphs)",
-                "host us (graphs, new inputs)", "host us (graphs, out=)", "host us back to back",
-                "host us back to back (graphs, out=)"):  # fmt: skip
-        t.add_column(col)
-    for r in rows:
-        sampled = (_num(r.sm_mhz, "{:.0f}"), _num(r.power_w, "{:.0f}")) if clocks else ()
-        t.add_row(
-            r.shape,
-            r.backend,
-            r.quant,
-            str(r.tokens),
-            *((str(r.round),) if rounds else ()),
-            f"{r.time_us:.1f}",
-            r.timing,
-            f"{r.pct_roofline:.0f}",
-            f"{r.tb_per_s:.2f}",
-            f"{r.tflop_per_s:.1f}",
-            {"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-"),
-            *sampled,
-            _num(r.host_us, "{:.1f}"),  # NaN off CUDA
-            _num(r.host_graph_us, "{:.1f}"),
-            _num(r.host_graph_new_us, "{:.1f}"),
-            _num(r.host_graph_out_us, "{:.1f}"),
-            _num(r.host_b2b_us, "{:.1f}"),
-            _num(r.host_graph_out_b2b_us, "{:.1f}"),
-        )
+    columns: list[tuple[str, list[str]]] = [
+        ("shape", [r.shape for r in rows]),
+        ("backend", [r.backend for r in rows]),
+        ("quant", [r.quant for r in rows]),
+        ("tokens", [str(r.tokens) for r in rows]),
+        *((("round", [str(r.round) for r in rows]),) if rounds else ()),
+        ("time us", [f"{r.time_us:.1f}" for r in rows]),
+        ("timing", [r.timing for r in rows]),
+        ("% roofline", [f"{r.pct_roofline:.0f}" for r in rows]),
+        ("TB/s", [f"{r.tb_per_s:.2f}" for r in rows]),
+        ("TFLOP/s", [f"{r.tflop_per_s:.1f}" for r in rows]),
+        ("output", [{"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-") for r in rows]),
+        *((("SM MHz", [_num(r.sm_mhz, "{:.0f}") for r in rows]), ("W", [_num(r.power_w, "{:.0f}") for r in rows]))
+          if clocks else ()),
+        ("host us", [_num(r.host_us, "{:.1f}") for r in rows]),  # NaN off CUDA
+        ("host us (graphs)", [_num(r.host_graph_us, "{:.1f}") for r in rows]),
+        ("host us (graphs, new inputs)", [_num(r.host_graph_new_us, "{:.1f}") for r in rows]),
+        ("host us (graphs, out=)", [_num(r.host_graph_out_us, "{:.1f}") for r in rows]),
+        ("host us back to back", [_num(r.host_b2b_us, "{:.1f}") for r in rows]),
+        ("host us back to back (graphs, out=)", [_num(r.host_graph_out_b2b_us, "{:.1f}") for r in rows]),
+    ]  # fmt: skip
+    if rows:
+        columns = [(h, cells) for h, cells in columns if any(c != "-" for c in cells)]
+    for header, _ in columns:
+        t.add_column(header)
+    for i in range(len(rows)):
+        t.add_row(*(cells[i] for _, cells in columns))
     return t
+
+
+def result_keys(rows: Sequence[Row]) -> int:
+    """How many of `results_table`'s first columns name a row: shape, backend, quant, tokens
+    (and round, in a run of `--rounds` > 1)."""
+    return 5 if any(r.round for r in rows) else 4
+
+
+def results_view(rows: Sequence[Row]) -> Any:
+    """`results_table` fitted to the console: no cell cut, split into tables where too narrow."""
+    from moehal.cli.tables import FittedTable
+
+    return FittedTable(results_table(rows), keys=result_keys(rows))
 
 
 def _num(x: float, fmt: str) -> str:

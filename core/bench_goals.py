@@ -379,7 +379,10 @@ def _target_text(g: Goal) -> str:
 
 def goals_table(checks: Sequence[GoalCheck]) -> Any:
     """Rich tables, one per device and backend: a line per goal; the cells met, green where all
-    of them are, red where some are not, yellow where none was measured."""
+    of them are, red where some are not, yellow where none was measured. Fitted to the console
+    (`moehal.cli.tables.FittedTable`): no value is cut, the notes move to a table of their own
+    where the console is too narrow for them beside the rest."""
+    from moehal.cli.tables import FittedTable
     from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
@@ -400,4 +403,4 @@ def goals_table(checks: Sequence[GoalCheck]) -> Any:
             s.goal.name, s.goal.tokens_text, _target_text(s.goal), f"[{colour[s.status]}]{cells}[/]",
             escape("\n".join([_misses_text(s, "\n"), *notes]).strip()) or "-",
         )  # fmt: skip
-    return Group(*tables.values())
+    return Group(*(FittedTable(t, keys=1) for t in tables.values()))

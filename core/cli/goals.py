@@ -6,11 +6,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moehal.cli.common import console, print_json
+from moehal.cli.common import make_console, print_json
+
+EPILOG = """\
+exit status:
+  0  the goals' table (or --markdown, --json) was printed, whether or not the goals are met:
+     this reports, it does not gate (read a goal's status in the output)
+  1  no row of the files is covered by a goal
+  2  a usage error, or a file that is not a readable `moehal bench --out` JSON file"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("goals", help="check saved benchmark runs against the performance goals")
+    p = sub.add_parser(
+        "goals",
+        help="check saved benchmark runs against the performance goals",
+        description="check saved `moehal bench --out` runs against the performance goals (moehal.bench_goals)",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("files", nargs="+", help="`moehal bench --out` JSON files")
     p.add_argument("--markdown", action="store_true", help="markdown: the summary, then every cell")
     p.add_argument("--json", action="store_true", help="machine-readable: every cell")
@@ -40,5 +53,5 @@ def run(args: argparse.Namespace, rest: object = None) -> int:
     elif args.markdown:
         print(goals_markdown(checks), end="")
     else:
-        console.print(goals_table(checks))
+        make_console().print(goals_table(checks))  # made now: the width COLUMNS says at this call
     return 0

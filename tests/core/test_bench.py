@@ -274,7 +274,8 @@ def test_a_logged_table_keeps_its_cells_whole(capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
     assert main(["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--no-host"]) == 0
     table = capsys.readouterr().out.split("moehal bench (whole layer)")[1]
-    assert "…" not in table and "reference" in table and "host us (graphs)" in table
+    assert "…" not in table and "reference" in table and "time us" in table
+    assert "host us" not in table, "--no-host: no row has a host time, and no column shows only '-'"
     assert make_console().width == LOG_WIDTH
     monkeypatch.setenv("COLUMNS", "100")
     assert make_console().width == 100, "COLUMNS still decides"
@@ -445,6 +446,251 @@ def test_names_and_numbers_are_checked_before_anything_is_measured(capsys):
 
 
 def test_a_run_that_measured_nothing_fails():
+    """(A known backend that declines every row: an unknown name is a usage error, exit 2.)"""
     assert (
-        main(["--shapes", "tiny", "--tokens", "1", "--backends", "nope", "--settle-s", "0", "--reps", "1", *CPU]) == 1
+        main(["--shapes", "tiny", "--tokens", "1", "--backends", "cuda", "--settle-s", "0", "--reps", "1", *CPU]) == 1
     )
+
+
+@pytest.fixture
+def nothing_measured(monkeypatch):
+    """Fails the test where `moehal bench` starts measuring (its ceilings come first)."""
+    from moehal import bench
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measuring started: the arguments should have been refused first")
+
+    monkeypatch.setattr(bench, "measure_ceilings", measured)
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--reps", "0"], "argument --reps: must be at least 1, got 0"),  # was a StatisticsError after the ceilings
+        (["--rounds", "0"], "argument --rounds: must be at least 1"),  # was refused after the ceilings
+        (["--rounds", "x"], "argument --rounds: not an integer: 'x'"),
+        (["--settle-s", "-1"], "argument --settle-s: must be a finite number of seconds"),
+        (["--settle-s", "inf"], "argument --settle-s: must be a finite number of seconds"),  # settled forever
+        (["--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
+        (["--max-reference-tokens", "-1"], "argument --max-reference-tokens: must be at least 0"),
+        (["--backends", "reference", "--max-reference-tokens", "0"], "nothing to measure"),  # was exit 0, no row
+    ],
+)
+def test_every_number_is_checked_before_anything_is_measured(flags, said, capsys, nothing_measured):
+    with pytest.raises(SystemExit) as exc:
+        main(["--shapes", "tiny", "--tokens", "1", *flags, *CPU])
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backends", ["reference,nosuch", "nosuch", "cuda.nosuch", "transformers:nosuch", ""])
+def test_a_typo_in_backends_is_a_usage_error_naming_the_valid_ones(backends, capsys, nothing_measured):
+    """`--backends reference,nosuch` exited 0 with a 'skipped' line, `--backends nosuch` 1
+    after the ceilings: a typo is now exit 2 before anything is measured, with what is known."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--shapes", "tiny", "--tokens", "1", "--backends", backends, *CPU])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--backends: unknown" in err
+    assert all(n in err for n in ("auto", "reference", "cuda.triton", "sglang", "peers", "transformers:NAME"))
+
+
+def test_backend_names_take_every_backend_kernel_and_peer():
+    import moehal
+    from moehal.bench import unknown_backends
+
+    names = ["auto", "reference", "cuda", "cuda.triton", "rocm.triton", "sglang", "peers", "transformers:grouped_mm"]
+    assert unknown_backends(names, moehal.discover()) == []
+    assert unknown_backends(["cuda.permute", "triton", "Reference"], moehal.discover()) == [
+        "cuda.permute",  # a dispatcher: no layer is named by it
+        "triton",
+        "Reference",
+    ]
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_a_narrow_terminal_cuts_no_number_and_hides_no_column_of_numbers(tmp_path, capsys, monkeypatch, columns):
+    """The table's 16-18 columns were cut to '…' below ~220 columns (`│ … │ … │` at 60, times
+    `551…` at 120): every number now reads whole, columns split over tables where too narrow,
+    and the columns no row measured (host times off CUDA) are left out."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,4", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--out", str(out), *CPU]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert len(rows) == 2 and "…" not in printed and "host us" not in printed
+    assert max(len(line) for line in printed.splitlines()) <= columns
+    words = set(printed.split())
+    for r in rows:
+        assert {f"{r['time_us']:.1f}", f"{r['pct_roofline']:.0f}", f"{r['tflop_per_s']:.1f}"} <= words, r
+
+
+@pytest.mark.parametrize("width, tables", [(50, 0), (80, 0), (120, 4), (220, 1)])
+def test_results_view_fits_every_cuda_column_into_the_width(width, tables):
+    """A CUDA row's 19 columns at any width: no cell cut, nothing wider than the console; split
+    into `tables` tables that each repeat the key columns (shape, backend, quant, tokens, round),
+    or (0) where those and one more column do not fit, a (column, value) line per cell."""
+    import io
+
+    from moehal.bench import Row, results_view
+    from rich.console import Console
+
+    rows = [
+        Row("deepseek_v3_ep8", "transformers:grouped_mm", "p", "fp8_block:ue8m0", 4096, 123456.78, "graph", 1, 1,
+            5.0, 87.6, 3.21, 654.3, host_us=1234.5, host_graph_us=17.25, host_graph_new_us=23.5,
+            host_graph_out_us=9.75, sm_mhz=1755.0, power_w=698.0, host_b2b_us=88.8, host_graph_out_b2b_us=7.7,
+            round=2, check="pass"),
+        Row("tiny", "cuda", "p", "bf16", 1, 9.0, "eager", 1, 1, 5.0, 1.0, 0.01, 0.02, round=0, check="fail"),
+    ]  # fmt: skip
+    c = Console(width=width, file=io.StringIO(), color_system=None)
+    c.print(results_view(rows))
+    text = c.file.getvalue()
+    lines = text.splitlines()
+    assert "…" not in text and max(len(line) for line in lines) <= width
+    words = set(text.split())
+    want = {"123456.8", "88", "3.21", "654.3", "1234.5", "17.2", "23.5", "9.8", "1755", "698", "88.8", "7.7",
+            "deepseek_v3_ep8", "transformers:grouped_mm", "fp8_block:ue8m0", "4096", "WRONG", "right"}  # fmt: skip
+    assert want <= words, want - words
+    titles = [line for line in lines if line.startswith("moehal bench (whole layer)")]
+    if tables:
+        assert len(titles) == tables and text.count("deepseek_v3_ep8") == tables, "each table names its rows"
+    else:
+        assert len(titles) == 1 and any(line.replace("│", " ").split() == ["time", "us", "123456.8"] for line in lines)
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_anything_is_measured(tmp_path, capsys, nothing_measured):
+    """`--out /proc/nope/b` measured the whole run, then died in a traceback at its first write."""
+    (tmp_path / "file").write_text("a file, not a directory")
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "notes.json").write_text('{"mine": "not a benchmark"}')
+    for out, said in (
+        (tmp_path / "file" / "b", "cannot write to"),
+        (tmp_path / "dir", "dir.json is a directory"),
+        (tmp_path / "notes", "notes.json exists and is not a `moehal bench --out` file"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["--shapes", "tiny", "--tokens", "1", "--out", str(out), *CPU])
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+    assert (tmp_path / "notes.json").read_text() == '{"mine": "not a benchmark"}', "not overwritten"
+
+
+def test_an_earlier_runs_files_are_replaced_and_the_paths_written_are_printed(tmp_path, capsys):
+    out = tmp_path / "runs" / "bench"
+    out.parent.mkdir()
+    out.with_suffix(".json").write_text('{"ceilings": {}, "rows": []}')
+    out.with_suffix(".png").write_bytes(b"\x89PNG\r\n\x1a\nold")
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "rocm", "--reps", "1", "--settle-s", "0", "--no-host"]
+    assert main([*argv, "--out", str(out), *CPU]) == 0
+    assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 1
+    assert f"wrote {out.with_suffix('.json')}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) in (["bench.json", "bench.png"], ["bench.json"])
+
+
+def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """A disk that fills up (OSError at write time) ended the run in a traceback."""
+    import pathlib
+
+    real = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise OSError(28, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "rocm", "--reps", "1", "--settle-s", "0", "--no-host"]
+    assert main([*argv, "--out", str(out), *CPU]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("moehal bench:")]
+    assert "cannot write" in line and "No space left on device" in line and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir()), "no partial file left behind"
+
+
+def test_a_run_not_on_a_terminal_says_each_finished_row_on_stderr(capsys):
+    """rich draws its progress bar on a terminal only: a run logged to a file printed nothing
+    between rows (for hours, on a GPU). Now a plain line per finished row, without '\\r' frames."""
+    import re
+
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "reference,cuda", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", *CPU]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("[")]
+    assert [line.split(":")[0] for line in lines] == [
+        "[1/4] tiny bf16 reference T=1",
+        "[2/4] tiny bf16 reference T=2",
+        "[3/4] tiny bf16 cuda T=1",  # (no CUDA pipeline on the CPU: skipped, and said so)
+        "[4/4] tiny bf16 cuda T=2",
+    ]
+    assert re.fullmatch(r"\[1/4\] tiny bf16 reference T=1: \d+\.\d us \(\d+ s\)", lines[0]), lines[0]
+    assert lines[2].endswith(")") and ": skipped (" in lines[2]
+
+
+def _not_escaping(call):
+    """`call()`, failing the test (not ending pytest) where a KeyboardInterrupt escapes it."""
+    try:
+        return call()
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped moehal bench: a raw traceback for the user")
+
+
+def test_ctrl_c_while_the_png_is_written_reports_an_interrupted_run(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C in the PNG step was a raw traceback; now it is an interrupted run (exit 1) whose
+    JSON, written before the PNG, holds every row."""
+    from moehal import bench
+
+    def slow_plot(rows, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "plot", slow_plot)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "rocm", "--reps", "1", "--settle-s", "0", "--no-host"]
+    assert _not_escaping(lambda: main([*argv, "--out", str(out), *CPU])) == 1
+    printed = capsys.readouterr().out
+    assert "interrupted while reporting the run" in printed
+    assert f"wrote {out.with_suffix('.json')} (no PNG: interrupted)" in printed
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert len(data["rows"]) == 1 and data["interrupted"] is False, "every row is in the file"
+    assert not out.with_suffix(".png").exists()
+
+
+def test_ctrl_c_while_the_ceilings_are_measured_is_an_interrupted_run(tmp_path, capsys, monkeypatch):
+    import signal
+
+    from moehal import bench
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "measure_ceilings", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "bench"
+    assert _not_escaping(lambda: main(["--shapes", "tiny", "--tokens", "1", "--out", str(out), *CPU])) == 1
+    assert "interrupted while measuring the ceilings" in capsys.readouterr().out
+    assert not out.with_suffix(".json").exists()
+    assert signal.getsignal(signal.SIGTERM) is before, "SIGTERM's handler given back"
+
+
+def test_sigterms_handler_is_given_back_after_a_run():
+    """bench turns SIGTERM (a time limit) into KeyboardInterrupt while it runs; it left that
+    handler installed in the calling process (a test session, a notebook) after returning."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, *CPU]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bench_and_goals_help_document_their_exit_status(capsys):
+    from moehal.cli.main import main as moehal_main
+
+    for argv in (["bench", "--help"], ["goals", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            moehal_main(argv)
+        text = capsys.readouterr().out
+        assert exc.value.code == 0 and "exit status:" in text
+        assert all(f"\n  {code}  " in text for code in (0, 1, 2)), text
+    with pytest.raises(SystemExit):
+        moehal_main(["bench", "--help"])
+    assert "interrupted" in capsys.readouterr().out

@@ -377,3 +377,25 @@ def test_a_row_with_a_wrong_output_is_no_measurement_on_either_side_of_a_ratio()
     assert peer.status == "not measured" and peer.note == "sglang bf16 output wrong (rel_l2 0.2)"
     one_round = c["prefill_roofline", "cuda", "s", 2048]
     assert one_round.met and one_round.rounds == 1 and "output wrong (rel_l2 0.1)" in one_round.note
+
+
+def test_cli_goals_table_keeps_every_failing_value_whole_in_a_narrow_terminal():
+    """At 60 columns the table cut its "where not met" column to `qwen3_30b_a` and `(73%-74%, 3`
+    (and at less, to nothing): the values that fail a goal are the table's point."""
+    import os
+    import subprocess
+    import sys
+
+    path = str(REPO / "docs/device-runs/2026-11-29-session57/h200/call1/bench.json")
+    run = subprocess.run(
+        [sys.executable, "-m", "moehal.cli.main", "goals", path],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "60"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    misses = [c for c in check_runs([path]) if c.met is False]
+    assert misses and "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 60
+    words = set(out.split())
+    for c in misses:  # each word whole on some line: wrapped at spaces, never cut
+        assert c.shape in words and set(f"{c.tokens}: {c.value_text}".split()) <= words, c

@@ -10,6 +10,7 @@ from moehal.errors import MoEHalError
 from moehal_conformance import components, report
 from moehal_conformance.runner import FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite
+from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -100,6 +101,12 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.select:
         cases = [c for c in cases if selected(args.select, c.id)]
         suite.select = args.select  # the reports say the verdict is a subset's
+    if args.report:  # before the run, not after minutes of it
+        try:
+            report.check_writable(args.report)
+        except (report.ReportPathError, OSError) as exc:
+            _error(f"--report {args.report}: {exc}")
+            return 2
     ep_note = f", then the expert-parallel cases on {args.ep} processes" if args.ep else ""
     console.print(
         f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases{ep_note}"
@@ -148,9 +155,13 @@ def _main(argv: Sequence[str] | None) -> int:
     for r in suite.results:
         if r.status == FAIL or args.show_passing:
             console.print(f"{r.id}: {r.label} {r.detail if r.status == FAIL else ''}", markup=False)
+    unwritten = ""
     if args.report:
-        js, md = report.write(suite, args.report)
-        console.print(f"reports: {md} {js}", markup=False)
+        try:
+            js, md = report.write(suite, args.report)
+            console.print(f"reports: {md} {js}", markup=False)
+        except (report.ReportPathError, OSError) as exc:  # said after the verdict, which still prints
+            unwritten = f"the reports were not written: --report {args.report}: {exc}"
     if suite.lost_in:
         lost = next(r for r in suite.results if r.id == suite.lost_in)
         console.print(lost.traceback, markup=False, highlight=False)
@@ -158,6 +169,23 @@ def _main(argv: Sequence[str] | None) -> int:
             f"[red]the device's context was lost[/red] in {lost.id}; {counts['not run']} case(s) after it did not run",
             markup=True,
         )
+    code = _verdict(console, suite, args, len(cases))
+    if unwritten:
+        _error(unwritten)
+        return 2
+    return code
+
+
+def _error(text: str) -> None:
+    """One error line on stderr (stdout keeps the tables, the reports' paths and the verdict)."""
+    make_console(stderr=True).print(
+        f"moehal conformance: {text}", style="red", markup=False, highlight=False, soft_wrap=True
+    )
+
+
+def _verdict(console: Console, suite: Suite, args: argparse.Namespace, selected_cases: int) -> int:
+    """Print the verdict line; return the exit status."""
+    counts = suite.counts()
     if counts[FAIL]:
         console.print(f"[red]FAIL[/red]: {counts[FAIL]} case(s) failed")
         return 1
@@ -166,7 +194,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 1
     if not suite.ok:  # the reports' verdict: a -k subset that ran nothing is no pass either
         if args.select:
-            picked = f"-k {escape(args.select)}: {len(cases)} case(s) selected"
+            picked = f"-k {escape(args.select)}: {selected_cases} case(s) selected"
             console.print(f"[yellow]{picked}, none ran and passed[/yellow]")
         else:
             console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")

@@ -1,0 +1,75 @@
+"""`moehal conformance` as a command: report paths, streams, exit codes, progress, `-k`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from moehal_conformance import report
+from moehal_conformance.cli import main as conformance_main
+from moehal_conformance.suite import Suite
+
+BASE = ["--backend", "reference", "--device", "cpu", "--quick"]
+SILU = ["-k", "matrix/bf16/silu/"]  # 3 cases, a few seconds
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail the test if the suite starts running cases."""
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("the suite ran before the report path was checked")
+
+    monkeypatch.setattr(Suite, "run", run)
+
+
+def test_an_unwritable_report_path_exits_2_before_the_run(tmp_path, capsys, no_run):
+    """`--report /proc/nope/r` ran the whole suite, then died of a FileNotFoundError traceback."""
+    (tmp_path / "afile").write_text("x")
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "afile" / "r")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "--report" in err and str(tmp_path / "afile") in err and "Traceback" not in err
+    assert "cases" not in out  # nothing ran: no header, no table
+
+
+def test_a_report_that_fails_to_write_still_prints_the_verdict_then_exits_2(tmp_path, capsys, monkeypatch):
+    def refused(suite, path):
+        raise PermissionError(13, "Permission denied", str(path) + ".json")
+
+    monkeypatch.setattr(report, "write", refused)
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "r")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "PASS (subset: -k matrix/bf16/silu/)" in " ".join(out.split())
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Permission denied" in lines[0] and "not written" in lines[0], err
+
+
+def test_report_refuses_to_overwrite_a_file_that_is_not_a_report(tmp_path, capsys, no_run):
+    """`--report /work/main/README` overwrote the project's README.md with a report."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# My project\n")
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "README")])
+    err = capsys.readouterr().err
+    assert code == 2 and str(readme) in err and "not a moehal conformance report" in err
+    assert readme.read_text() == "# My project\n"
+    data = tmp_path / "data.json"
+    data.write_text('{"summary": 1}')  # JSON, but not a report's
+    assert conformance_main([*BASE, *SILU, "--report", str(tmp_path / "data")]) == 2
+    assert data.read_text() == '{"summary": 1}' and not (tmp_path / "data.md").exists()
+
+
+def test_report_write_overwrites_its_own_reports_only(tmp_path):
+    suite = Suite.create("reference", "cpu", profile="quick")
+    js, md = report.write(suite, tmp_path / "ref")
+    assert report.is_report(js) and report.is_report(md)
+    js2, md2 = report.write(suite, tmp_path / "ref")  # a previous report: overwritten
+    assert (js2, md2) == (js, md) and json.loads(js.read_text())["backend"] == "reference"
+    (tmp_path / "notes.md").write_text("notes\n")
+    with pytest.raises(report.ReportPathError, match="notes.md"):
+        report.write(suite, tmp_path / "notes")
+    assert (tmp_path / "notes.md").read_text() == "notes\n" and not (tmp_path / "notes.json").exists()
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(report.ReportPathError, match="not a file"):
+        report.check_writable(tmp_path / "dir")

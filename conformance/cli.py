@@ -90,8 +90,8 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         profile = "quick" if args.quick else "full"
         suite = Suite.create(args.backend, args.device, args.emulate, profile, poison=args.poison)
-    except MoEHalError as exc:
-        console.print(f"[red]{escape(str(exc))}[/red]", highlight=False)
+    except MoEHalError as exc:  # an unknown backend, a device this machine lacks: on stderr
+        _error(str(exc))
         return 2
     try:
         cases = suite.cases()

@@ -73,3 +73,14 @@ def test_report_write_overwrites_its_own_reports_only(tmp_path):
     (tmp_path / "dir.json").mkdir()
     with pytest.raises(report.ReportPathError, match="not a file"):
         report.check_writable(tmp_path / "dir")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["--backend", "nosuch"], "unknown backend 'nosuch'"), (["--backend", "reference", "--device", "bogus"], "bogus")],
+)
+def test_invocation_errors_go_to_stderr(argv, said, capsys):
+    """They were printed on stdout, among the tables and the verdict a log or a pipe keeps."""
+    assert conformance_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and said in err

@@ -691,7 +691,7 @@ def test_the_cli_reports_a_check_that_raises_as_a_failure(monkeypatch, capsys):
 def test_the_cli_prints_an_unknown_backend_without_markup_tags(capsys):
     # the style renders (no literal tags), and the name, untrusted text, is printed as given
     assert conformance_main(["--backend", "nosuch[/bold]", "--device", "cpu"]) == 2
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().err.split())
     assert "[red]" not in out and "unknown backend 'nosuch[/bold]'" in out
 
 

@@ -138,7 +138,7 @@ def _main(argv: Sequence[str] | None) -> int:
     counts = suite.counts()
     t = Table(title=f"conformance: {suite.backend}", title_justify="left")
     for col in ("family", "pass", "fail", "declined", "not run"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for fam in dict.fromkeys(r.family for r in suite.results):
         rs = [r for r in suite.results if r.family == fam]
         t.add_row(fam, *(str(sum(r.status == s for r in rs)) for s in (PASS, FAIL, "declined", "not run")))
@@ -147,7 +147,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if comps:
         ct = Table(title=f"components of {suite.backend}", title_justify="left")
         for col in ("component", "kind", "result", "detail"):
-            ct.add_column(col)
+            ct.add_column(col, overflow="fold")
         style = {components.VERIFIED: "green", components.FAILED: "red", components.NOT_RAN: "yellow"}
         for c in comps:
             ct.add_row(c.qualname, c.kind, Text(c.status, style=style.get(c.status, "")), Text(c.detail))

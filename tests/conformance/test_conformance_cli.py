@@ -84,3 +84,25 @@ def test_invocation_errors_go_to_stderr(argv, said, capsys):
     assert conformance_main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and said in err
+
+
+def test_narrow_terminals_wrap_component_names_never_cut_them(monkeypatch, capsys):
+    """At COLUMNS=60 the components table printed `reference.torc…` and `--ep-dispatch…`."""
+    monkeypatch.setenv("COLUMNS", "60")
+    assert conformance_main([*BASE, *SILU]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    table = out[out.index("components of reference") :].splitlines()
+    rows: list[list[str]] = []
+    for line in table:
+        if not line.startswith("│"):
+            continue
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        if cells[1]:  # a new row starts where its kind is given
+            rows.append(cells)
+        else:  # a folded row's next line: glue each cell's pieces back together
+            rows[-1] = [a + b for a, b in zip(rows[-1], cells)]
+    names = {r[0]: r[2] for r in rows}
+    assert names["reference.torch_distributed"] == "not run" and names["reference.experts"] == "verified"
+    detail = next(r[3] for r in rows if r[0] == "reference.torch_distributed")
+    assert "--ep-dispatcher" in detail

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Sequence
 
 from moehal.cli.common import make_console
@@ -62,6 +64,31 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+# Where the output is no terminal, the live bar draws nothing: a plain line on stderr instead,
+# every this many cases or seconds (a 132-case run printed nothing for 50 s)
+PROGRESS_EVERY = 25
+PROGRESS_SECONDS = 30.0
+
+
+class PlainProgress:
+    """Progress as whole lines on stderr (no carriage returns), for logs and pipes."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.start = self.last = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.done % PROGRESS_EVERY == 0 or now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            print(
+                f"moehal conformance: {self.done}/{self.total} cases, {now - self.start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def selected(select: str, case_id: str) -> bool:
     """`-k`: the case ids that contain `select`, or with 'not TEXT' those that do not contain TEXT
     (e.g. `-k tuned/` and `-k 'not tuned/'` split a long device run in two)."""
@@ -112,11 +139,14 @@ def _main(argv: Sequence[str] | None) -> int:
         f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases{ep_note}"
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    plain = None if console.is_terminal else PlainProgress(len(cases))  # a log, a pipe: no live bar
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("running", total=len(cases))
 
         def tick(r: object) -> None:
             progress.advance(task)
+            if plain is not None:
+                plain.advance()
 
         suite.run(cases, tick)
     if args.ep:

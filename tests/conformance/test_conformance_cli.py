@@ -106,3 +106,19 @@ def test_narrow_terminals_wrap_component_names_never_cut_them(monkeypatch, capsy
     assert names["reference.torch_distributed"] == "not run" and names["reference.experts"] == "verified"
     detail = next(r[3] for r in rows if r[0] == "reference.torch_distributed")
     assert "--ep-dispatcher" in detail
+
+
+@pytest.mark.parametrize(("every", "seconds"), [(2, 1e9), (10**6, 0.0)])  # by count, by time
+def test_a_run_into_a_pipe_prints_plain_progress_lines_on_stderr(every, seconds, monkeypatch, capsys):
+    """Where the output is no terminal the live bar draws nothing: a 132-case run was silent for 50 s."""
+    from moehal_conformance import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", every)
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", seconds)
+    assert conformance_main([*BASE, *SILU]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    want = ["2/3"] if every == 2 else ["1/3", "2/3", "3/3"]
+    assert [line.split()[2] for line in lines] == want, err
+    assert all(line.startswith("moehal conformance: ") and line.endswith(" s") for line in lines)
+    assert "\r" not in err and "cases, " not in out

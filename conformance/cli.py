@@ -18,9 +18,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+# Exit statuses (docs/conformance.md lists them too)
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
+_EXIT_CODES = """exit status:
+  0  PASS: every case that ran passed and the backend claimed at least one configuration
+     (with -k: the subset ran and passed at least one case; the reports say it is a subset)
+  1  FAIL: a case failed, the device's context was lost, or the suite could not compute its
+     cases (a check of the backend raised); also NOTHING CLAIMED (the backend claims nothing
+     on this machine) and NOTHING RAN (a -k subset that ran and passed nothing)
+  2  usage error, nothing run: unknown backend, a device this machine lacks, bad flags, a
+     --report path that cannot be written or holds a file that is not a conformance report;
+     also a run whose reports then failed to write (its verdict is printed before the error)
+  3  INCOMPLETE: interrupted (Ctrl-C, or SIGTERM from a time limit) with no failure among the
+     cases that ran; --report keeps what ran and marks the rest not run"""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moehal conformance", description="prove a backend right against the oracle")
+    p = argparse.ArgumentParser(
+        prog="moehal conformance",
+        description="prove a backend right against the oracle",
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--backend", required=True, help="backend name, or 'best' for the best one on this machine")
     p.add_argument("--device", default=None, help="device to run on (default: the best torch sees)")
     p.add_argument("--report", default=None, help="write PATH.json and PATH.md")
@@ -119,12 +138,12 @@ def _main(argv: Sequence[str] | None) -> int:
         suite = Suite.create(args.backend, args.device, args.emulate, profile, poison=args.poison)
     except MoEHalError as exc:  # an unknown backend, a device this machine lacks: on stderr
         _error(str(exc))
-        return 2
+        return EXIT_USAGE
     try:
         cases = suite.cases()
     except MoEHalError as exc:  # e.g. PluginCheckError: a check of the backend raised
         console.print(f"[red]FAIL[/red]: the suite could not compute its cases: {escape(str(exc))}", highlight=False)
-        return 1
+        return EXIT_FAIL
     if args.select:
         cases = [c for c in cases if selected(args.select, c.id)]
         suite.select = args.select  # the reports say the verdict is a subset's
@@ -133,7 +152,7 @@ def _main(argv: Sequence[str] | None) -> int:
             report.check_writable(args.report)
         except (report.ReportPathError, OSError) as exc:
             _error(f"--report {args.report}: {exc}")
-            return 2
+            return EXIT_USAGE
     ep_note = f", then the expert-parallel cases on {args.ep} processes" if args.ep else ""
     console.print(
         f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases{ep_note}"
@@ -202,7 +221,7 @@ def _main(argv: Sequence[str] | None) -> int:
     code = _verdict(console, suite, args, len(cases))
     if unwritten:
         _error(unwritten)
-        return 2
+        return EXIT_USAGE
     return code
 
 
@@ -218,19 +237,19 @@ def _verdict(console: Console, suite: Suite, args: argparse.Namespace, selected_
     counts = suite.counts()
     if counts[FAIL]:
         console.print(f"[red]FAIL[/red]: {counts[FAIL]} case(s) failed")
-        return 1
+        return EXIT_FAIL
     if suite.interrupted:
         console.print(f"[yellow]INCOMPLETE[/yellow]: interrupted; {counts['not run']} case(s) did not run")
-        return 1
+        return EXIT_INCOMPLETE
     if not suite.ok:  # the reports' verdict: a -k subset that ran nothing is no pass either
         if args.select:
             picked = f"-k {escape(args.select)}: {selected_cases} case(s) selected"
             console.print(f"[yellow]{picked}, none ran and passed[/yellow]")
         else:
             console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")
-        return 1
+        return EXIT_FAIL
     subset = f" (subset: -k {escape(args.select)})" if args.select else ""
     console.print(
         f"[green]PASS[/green]{subset}: {counts[PASS]} pass, {counts['declined']} declined, {counts['not run']} not run"
     )
-    return 0
+    return EXIT_PASS

@@ -122,3 +122,31 @@ def test_a_run_into_a_pipe_prints_plain_progress_lines_on_stderr(every, seconds,
     assert [line.split()[2] for line in lines] == want, err
     assert all(line.startswith("moehal conformance: ") and line.endswith(" s") for line in lines)
     assert "\r" not in err and "cases, " not in out
+
+
+def test_an_interrupted_run_exits_3_not_as_a_failure(monkeypatch, tmp_path, capsys):
+    """Ctrl-C or a time limit's SIGTERM (INCOMPLETE) exited 1, as a failed run does."""
+    from moehal_conformance.runner import CaseRunner
+
+    real, ran = CaseRunner.run, []
+
+    def run(self, case):
+        if ran:
+            raise KeyboardInterrupt  # as SIGTERM arrives through the CLI's handler
+        ran.append(case.id)
+        return real(self, case)
+
+    monkeypatch.setattr(CaseRunner, "run", run)
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 3 and "INCOMPLETE" in out.strip().splitlines()[-1]
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["summary"]["pass"] == 1 and data["summary"]["not run"] == 2 and data["interrupted"] is True
+
+
+def test_the_help_lists_every_exit_status(capsys):
+    from moehal_conformance.cli import build_parser
+
+    text = build_parser().format_help()
+    codes = [line.split()[:2] for line in text[text.index("exit status:") :].splitlines()[1:] if line[:3].strip()]
+    assert codes == [["0", "PASS:"], ["1", "FAIL:"], ["2", "usage"], ["3", "INCOMPLETE:"]], text

@@ -1007,7 +1007,7 @@ def test_sigterm_during_the_ep_cases_keeps_the_report(monkeypatch, tmp_path):
         pytest.fail("the interrupt escaped main(): no report")
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert code == 1 and data["interrupted"] is True and data["summary"]["ok"] is False
+    assert code == 3 and data["interrupted"] is True and data["summary"]["ok"] is False  # INCOMPLETE
     assert data["summary"]["pass"] > 0 and data["summary"]["not run"] == 1
     ep = data["cases"][-1]
     assert ep["id"] == "ep/world2" and ep["status"] == "not run" and "during the expert-parallel" in ep["detail"]

@@ -11,7 +11,7 @@ from moehal.cli.common import make_console
 from moehal.errors import MoEHalError
 from moehal_conformance import components, report
 from moehal_conformance.runner import FAIL, NOT_RUN, PASS, CaseResult
-from moehal_conformance.suite import Suite
+from moehal_conformance.suite import Suite, selected
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -108,14 +108,6 @@ class PlainProgress:
             )
 
 
-def selected(select: str, case_id: str) -> bool:
-    """`-k`: the case ids that contain `select`, or with 'not TEXT' those that do not contain TEXT
-    (e.g. `-k tuned/` and `-k 'not tuned/'` split a long device run in two)."""
-    if select.startswith("not "):
-        return select[4:] not in case_id
-    return select in case_id
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the suite; SIGTERM interrupts it (the report keeps what ran) while it runs, and the
     caller's own SIGTERM handler is back afterwards (a test process calling `main` kept ours,
@@ -153,7 +145,8 @@ def _main(argv: Sequence[str] | None) -> int:
         except (report.ReportPathError, OSError) as exc:
             _error(f"--report {args.report}: {exc}")
             return EXIT_USAGE
-    ep_note = f", then the expert-parallel cases on {args.ep} processes" if args.ep else ""
+    ep_count = len(suite.ep_case_list(args.ep)) if args.ep else 0  # as -k selects them too
+    ep_note = f", then {ep_count} expert-parallel case(s) on {args.ep} processes" if ep_count else ""
     console.print(
         f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases{ep_note}"
     )
@@ -168,7 +161,9 @@ def _main(argv: Sequence[str] | None) -> int:
                 plain.advance()
 
         suite.run(cases, tick)
-    if args.ep:
+    if args.ep and not ep_count:
+        console.print(f"expert parallelism: -k {args.select} selects none of its cases", markup=False)
+    if ep_count:
         why = "the run was interrupted before the expert-parallel cases"  # a time limit: report now
         if not suite.interrupted:
             console.print(f"expert parallelism: {args.ep} processes")

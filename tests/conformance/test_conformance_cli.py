@@ -150,3 +150,45 @@ def test_the_help_lists_every_exit_status(capsys):
     text = build_parser().format_help()
     codes = [line.split()[:2] for line in text[text.index("exit status:") :].splitlines()[1:] if line[:3].strip()]
     assert codes == [["0", "PASS:"], ["1", "FAIL:"], ["2", "usage"], ["3", "INCOMPLETE:"]], text
+
+
+def _fake_ranks(monkeypatch):
+    """Stand in for the spawned ranks: each EP case it is handed passes; returns the names handed."""
+    import types
+
+    import moehal.distributed_check as dc
+
+    handed: list[list[str]] = []
+
+    def run_spawned(world, fn, args=(), **kwargs):
+        cases = args[0] if args[0] is not None else dc.ep_cases(world)  # None: all (the old call)
+        handed.append([c.name for c in cases])
+        res = [
+            types.SimpleNamespace(
+                case=c.name, declined="", all_ok=True, pipeline="p", mode="native", max_abs_err=0.0,
+                tolerance="tol", detail="",
+            )
+            for c in cases
+        ]  # fmt: skip
+        return [dc.RankOutcome(r, "ok", res) for r in range(world)]
+
+    monkeypatch.setattr(dc, "run_spawned", run_spawned)
+    return handed
+
+
+def test_k_selects_the_expert_parallel_cases_too(monkeypatch, tmp_path, capsys):
+    """`-k` did not filter `--ep`: all 20 EP cases ran whatever it said."""
+    handed = _fake_ranks(monkeypatch)
+    # "slots": 3 shapes cases (no_local_slots) and one EP case ("-1 ids: padded tokens and slots")
+    code = conformance_main([*BASE, "-k", "slots", "--ep", "2", "--report", str(tmp_path / "r")])
+    assert code == 0, capsys.readouterr()
+    assert handed and all(names == ["-1 ids: padded tokens and slots"] for names in handed), handed
+    data = json.loads((tmp_path / "r.json").read_text())
+    ep = [c["id"] for c in data["cases"] if c["family"] == "ep"]
+    assert ep and all(i == "ep/world2/-1 ids: padded tokens and slots" for i in ep), ep
+    assert data["summary"]["subset"] is True and data["summary"]["verdict"] == "PASS, subset (-k `slots`)"
+    handed.clear()
+    assert conformance_main([*BASE, *SILU, "--ep", "2", "--report", str(tmp_path / "s")]) == 0
+    assert handed == []  # no EP case has "matrix/bf16/silu/" in its id: no rank was spawned
+    assert "selects none of its cases" in capsys.readouterr().out
+    assert not [c for c in json.loads((tmp_path / "s.json").read_text())["cases"] if c["family"] == "ep"]

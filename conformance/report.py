@@ -80,7 +80,8 @@ def _cell(results: list[CaseResult]) -> str:
 
 def verdict(suite: Suite) -> str:
     """The run's verdict in words: PASS, FAIL, INCOMPLETE (interrupted), NOTHING RAN / CLAIMED,
-    with ", subset (-k `...`)" where `-k` chose the cases (a subset's verdict is not the backend's)."""
+    with ", subset (-k `...`)" where `-k` chose the cases, ", subset (pytest selection: `...`)" where
+    pytest's node ids did (a subset's verdict is not the backend's)."""
     counts = suite.counts()
     nothing = "NOTHING RAN" if suite.select else "NOTHING CLAIMED"
     text = (
@@ -88,7 +89,7 @@ def verdict(suite: Suite) -> str:
         if suite.ok
         else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else nothing))
     )
-    return text + (f", subset (-k `{suite.select}`)" if suite.select else "")
+    return text + (f", subset ({suite.select_by} `{suite.select}`)" if suite.select else "")
 
 
 def to_markdown(suite: Suite) -> str:

@@ -64,6 +64,7 @@ class Suite:
     device: torch.device
     profile: str = "full"
     select: str | None = None  # the `-k` text a subset of the cases was chosen by, if any
+    select_by: str = "-k"  # how: "-k", or "pytest selection:" (node ids; `select` then lists the cases)
     poison: bool = True  # fill fresh allocations with NaN / 1 while cases run (`poison.py`)
     poisoned_allocations: int = 0  # how many were filled
     results: list[CaseResult] = field(default_factory=list)
@@ -239,6 +240,7 @@ class Suite:
             "date": self.started,
             "profile": self.profile,
             "select": self.select,
+            "select_by": self.select_by if self.select else None,
             "poison": self.poison,
             "poisoned_allocations": self.poisoned_allocations,
             "interrupted": self.interrupted,

@@ -17,7 +17,11 @@ from moehal_conformance.suite import Suite
 NUMERIC_FAMILIES = ("matrix", "features", "shapes", "pairs", "padding", "routing")
 # The Markdown report's first line starts with this; an existing `.md` that does not is not ours
 MD_TITLE = "# moehal conformance report: "
-# Top-level fields every JSON report holds: an existing `.json` without them is not ours
+# The JSON report's format: its name, and the version a reader checks (a new version only where a
+# field changes meaning or goes; added fields keep it). Reports before session 58 have no `schema`.
+SCHEMA = "moehal.conformance/1"
+SCHEMA_NAME = SCHEMA.split("/")[0]
+# Top-level fields every JSON report holds, with `schema` or without: a `.json` lacking them is not ours
 JSON_MARKERS = ("suite_version", "backend", "summary", "cases")
 
 
@@ -28,6 +32,7 @@ class ReportPathError(Exception):
 
 def to_dict(suite: Suite) -> dict[str, Any]:
     return {
+        "schema": SCHEMA,
         **suite.metadata(),
         # verdict: the report's own words ("PASS", "FAIL", "PASS, subset (-k ...)"): `ok` alone is
         # also true for a `-k` subset, which is not the backend's verdict
@@ -223,7 +228,9 @@ def is_report(path: Path) -> bool:
     try:
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
-            return isinstance(data, dict) and all(k in data for k in JSON_MARKERS)
+            if not isinstance(data, dict):
+                return False
+            return str(data.get("schema", "")).startswith(f"{SCHEMA_NAME}/") or all(k in data for k in JSON_MARKERS)
         with path.open(encoding="utf-8") as f:
             return f.readline().startswith(MD_TITLE)
     except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: not a report

@@ -192,3 +192,32 @@ def test_k_selects_the_expert_parallel_cases_too(monkeypatch, tmp_path, capsys):
     assert handed == []  # no EP case has "matrix/bf16/silu/" in its id: no rank was spawned
     assert "selects none of its cases" in capsys.readouterr().out
     assert not [c for c in json.loads((tmp_path / "s.json").read_text())["cases"] if c["family"] == "ep"]
+
+
+def _reports_hook():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "reports_hook", Path(__file__).resolve().parents[2] / "docs" / "_hooks" / "reports.py"
+    )
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_the_json_report_names_its_schema_and_readers_take_it_with_or_without(tmp_path):
+    suite = Suite.create("reference", "cpu", profile="quick")
+    js, _ = report.write(suite, tmp_path / "docs" / "new")
+    data = json.loads(js.read_text())
+    assert next(iter(data)) == "schema" and data["schema"] == "moehal.conformance/1"
+    old = {k: v for k, v in data.items() if k != "schema"}  # as reports before session 58 are
+    (tmp_path / "docs" / "old.json").write_text(json.dumps(old))
+    hook = _reports_hook()
+    for name in ("new.json", "old.json"):
+        assert report.is_report(tmp_path / "docs" / name)
+        table = hook._components(tmp_path / "docs", tmp_path / "docs", name)
+        assert "Backend `reference`" in table and "| `reference.experts` | experts |" in table, table
+    (tmp_path / "docs" / "v2.json").write_text(json.dumps({**data, "schema": "moehal.conformance/2"}))
+    with pytest.raises(ValueError, match="moehal.conformance/2"):
+        hook._components(tmp_path / "docs", tmp_path / "docs", "v2.json")

@@ -43,8 +43,15 @@ def pytest_configure(config: pytest.Config) -> None:
     backend = config.getoption("moehal_backend")
     if backend is None:
         return
+    from moehal_conformance import report
     from moehal_conformance.suite import Suite
 
+    path = config.getoption("moehal_report")
+    if path:  # before the session, as the CLI checks it: not after the cases ran
+        try:
+            report.check_writable(path)
+        except (report.ReportPathError, OSError) as exc:
+            raise pytest.UsageError(f"--moehal-report={path}: {exc}") from None
     profile = "quick" if config.getoption("moehal_quick") else "full"
     poison = not config.getoption("moehal_no_poison")
     device, emulate = config.getoption("moehal_device"), config.getoption("moehal_emulate")

@@ -82,3 +82,17 @@ def test_a_pytest_run_of_one_node_id_is_reported_as_a_subset(tmp_path):
     assert summary["subset"] is True and data["select"] == case and data["select_by"] == "pytest selection:"
     assert summary["verdict"] == f"PASS, subset (pytest selection: `{case}`)"
     assert f"**Verdict: PASS, subset (pytest selection: `{case}`)**" in (tmp_path / "one.md").read_text()
+
+
+def test_the_pytest_face_refuses_a_report_path_over_a_file_that_is_not_a_report(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# My project\n")
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
+        "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick", "-k", "matrix and bf16 and silu",
+        f"--moehal-report={tmp_path / 'README'}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]  # pytest's USAGE_ERROR, nothing ran
+    assert "not a moehal conformance report" in done.stderr and "passed" not in done.stdout
+    assert readme.read_text() == "# My project\n"

@@ -3,21 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Sequence
 
 from moehal.cli.common import make_console
 from moehal.errors import MoEHalError
 from moehal_conformance import components, report
 from moehal_conformance.runner import FAIL, NOT_RUN, PASS, CaseResult
-from moehal_conformance.suite import Suite
+from moehal_conformance.suite import Suite, selected
+from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+# Exit statuses (docs/conformance.md lists them too)
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
+_EXIT_CODES = """exit status:
+  0  PASS: every case that ran passed and the backend claimed at least one configuration
+     (with -k: the subset ran and passed at least one case; the reports say it is a subset)
+  1  FAIL: a case failed, the device's context was lost, or the suite could not compute its
+     cases (a check of the backend raised); also NOTHING CLAIMED (the backend claims nothing
+     on this machine) and NOTHING RAN (a -k subset that ran and passed nothing)
+  2  usage error, nothing run: unknown backend, a device this machine lacks, bad flags, a
+     --report path that cannot be written or holds a file that is not a conformance report;
+     also a run whose reports then failed to write (its verdict is printed before the error)
+  3  INCOMPLETE: interrupted (Ctrl-C, or SIGTERM from a time limit) with no failure among the
+     cases that ran; --report keeps what ran and marks the rest not run"""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moehal conformance", description="prove a backend right against the oracle")
+    p = argparse.ArgumentParser(
+        prog="moehal conformance",
+        description="prove a backend right against the oracle",
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--backend", required=True, help="backend name, or 'best' for the best one on this machine")
     p.add_argument("--device", default=None, help="device to run on (default: the best torch sees)")
     p.add_argument("--report", default=None, help="write PATH.json and PATH.md")
@@ -61,12 +83,29 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def selected(select: str, case_id: str) -> bool:
-    """`-k`: the case ids that contain `select`, or with 'not TEXT' those that do not contain TEXT
-    (e.g. `-k tuned/` and `-k 'not tuned/'` split a long device run in two)."""
-    if select.startswith("not "):
-        return select[4:] not in case_id
-    return select in case_id
+# Where the output is no terminal, the live bar draws nothing: a plain line on stderr instead,
+# every this many cases or seconds (a 132-case run printed nothing for 50 s)
+PROGRESS_EVERY = 25
+PROGRESS_SECONDS = 30.0
+
+
+class PlainProgress:
+    """Progress as whole lines on stderr (no carriage returns), for logs and pipes."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.start = self.last = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.done % PROGRESS_EVERY == 0 or now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            print(
+                f"moehal conformance: {self.done}/{self.total} cases, {now - self.start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,30 +128,42 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         profile = "quick" if args.quick else "full"
         suite = Suite.create(args.backend, args.device, args.emulate, profile, poison=args.poison)
-    except MoEHalError as exc:
-        console.print(f"[red]{escape(str(exc))}[/red]", highlight=False)
-        return 2
+    except MoEHalError as exc:  # an unknown backend, a device this machine lacks: on stderr
+        _error(str(exc))
+        return EXIT_USAGE
     try:
         cases = suite.cases()
     except MoEHalError as exc:  # e.g. PluginCheckError: a check of the backend raised
         console.print(f"[red]FAIL[/red]: the suite could not compute its cases: {escape(str(exc))}", highlight=False)
-        return 1
+        return EXIT_FAIL
     if args.select:
         cases = [c for c in cases if selected(args.select, c.id)]
         suite.select = args.select  # the reports say the verdict is a subset's
-    ep_note = f", then the expert-parallel cases on {args.ep} processes" if args.ep else ""
+    if args.report:  # before the run, not after minutes of it
+        try:
+            report.check_writable(args.report)
+        except (report.ReportPathError, OSError) as exc:
+            _error(f"--report {args.report}: {exc}")
+            return EXIT_USAGE
+    ep_count = len(suite.ep_case_list(args.ep)) if args.ep else 0  # as -k selects them too
+    ep_note = f", then {ep_count} expert-parallel case(s) on {args.ep} processes" if ep_count else ""
     console.print(
         f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases{ep_note}"
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    plain = None if console.is_terminal else PlainProgress(len(cases))  # a log, a pipe: no live bar
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("running", total=len(cases))
 
         def tick(r: object) -> None:
             progress.advance(task)
+            if plain is not None:
+                plain.advance()
 
         suite.run(cases, tick)
-    if args.ep:
+    if args.ep and not ep_count:
+        console.print(f"expert parallelism: -k {args.select} selects none of its cases", markup=False)
+    if ep_count:
         why = "the run was interrupted before the expert-parallel cases"  # a time limit: report now
         if not suite.interrupted:
             console.print(f"expert parallelism: {args.ep} processes")
@@ -131,7 +182,7 @@ def _main(argv: Sequence[str] | None) -> int:
     counts = suite.counts()
     t = Table(title=f"conformance: {suite.backend}", title_justify="left")
     for col in ("family", "pass", "fail", "declined", "not run"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for fam in dict.fromkeys(r.family for r in suite.results):
         rs = [r for r in suite.results if r.family == fam]
         t.add_row(fam, *(str(sum(r.status == s for r in rs)) for s in (PASS, FAIL, "declined", "not run")))
@@ -140,7 +191,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if comps:
         ct = Table(title=f"components of {suite.backend}", title_justify="left")
         for col in ("component", "kind", "result", "detail"):
-            ct.add_column(col)
+            ct.add_column(col, overflow="fold")
         style = {components.VERIFIED: "green", components.FAILED: "red", components.NOT_RAN: "yellow"}
         for c in comps:
             ct.add_row(c.qualname, c.kind, Text(c.status, style=style.get(c.status, "")), Text(c.detail))
@@ -148,9 +199,13 @@ def _main(argv: Sequence[str] | None) -> int:
     for r in suite.results:
         if r.status == FAIL or args.show_passing:
             console.print(f"{r.id}: {r.label} {r.detail if r.status == FAIL else ''}", markup=False)
+    unwritten = ""
     if args.report:
-        js, md = report.write(suite, args.report)
-        console.print(f"reports: {md} {js}", markup=False)
+        try:
+            js, md = report.write(suite, args.report)
+            console.print(f"reports: {md} {js}", markup=False)
+        except (report.ReportPathError, OSError) as exc:  # said after the verdict, which still prints
+            unwritten = f"the reports were not written: --report {args.report}: {exc}"
     if suite.lost_in:
         lost = next(r for r in suite.results if r.id == suite.lost_in)
         console.print(lost.traceback, markup=False, highlight=False)
@@ -158,21 +213,38 @@ def _main(argv: Sequence[str] | None) -> int:
             f"[red]the device's context was lost[/red] in {lost.id}; {counts['not run']} case(s) after it did not run",
             markup=True,
         )
+    code = _verdict(console, suite, args, len(cases))
+    if unwritten:
+        _error(unwritten)
+        return EXIT_USAGE
+    return code
+
+
+def _error(text: str) -> None:
+    """One error line on stderr (stdout keeps the tables, the reports' paths and the verdict)."""
+    make_console(stderr=True).print(
+        f"moehal conformance: {text}", style="red", markup=False, highlight=False, soft_wrap=True
+    )
+
+
+def _verdict(console: Console, suite: Suite, args: argparse.Namespace, selected_cases: int) -> int:
+    """Print the verdict line; return the exit status."""
+    counts = suite.counts()
     if counts[FAIL]:
         console.print(f"[red]FAIL[/red]: {counts[FAIL]} case(s) failed")
-        return 1
+        return EXIT_FAIL
     if suite.interrupted:
         console.print(f"[yellow]INCOMPLETE[/yellow]: interrupted; {counts['not run']} case(s) did not run")
-        return 1
+        return EXIT_INCOMPLETE
     if not suite.ok:  # the reports' verdict: a -k subset that ran nothing is no pass either
         if args.select:
-            picked = f"-k {escape(args.select)}: {len(cases)} case(s) selected"
+            picked = f"-k {escape(args.select)}: {selected_cases} case(s) selected"
             console.print(f"[yellow]{picked}, none ran and passed[/yellow]")
         else:
             console.print(f"[yellow]backend {suite.backend} claims no case on this machine: see the declines[/yellow]")
-        return 1
+        return EXIT_FAIL
     subset = f" (subset: -k {escape(args.select)})" if args.select else ""
     console.print(
         f"[green]PASS[/green]{subset}: {counts[PASS]} pass, {counts['declined']} declined, {counts['not run']} not run"
     )
-    return 0
+    return EXIT_PASS

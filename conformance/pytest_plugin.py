@@ -11,7 +11,7 @@ components, verified or not run and why (`moehal_conformance.components`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -43,8 +43,15 @@ def pytest_configure(config: pytest.Config) -> None:
     backend = config.getoption("moehal_backend")
     if backend is None:
         return
+    from moehal_conformance import report
     from moehal_conformance.suite import Suite
 
+    path = config.getoption("moehal_report")
+    if path:  # before the session, as the CLI checks it: not after the cases ran
+        try:
+            report.check_writable(path)
+        except (report.ReportPathError, OSError) as exc:
+            raise pytest.UsageError(f"--moehal-report={path}: {exc}") from None
     profile = "quick" if config.getoption("moehal_quick") else "full"
     poison = not config.getoption("moehal_no_poison")
     device, emulate = config.getoption("moehal_device"), config.getoption("moehal_emulate")
@@ -61,7 +68,27 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             metafunc.parametrize("moehal_case", [pytest.param(None, marks=skip)], ids=["no-backend"])
             return
         cases = suite.cases()
+        metafunc.config._moehal_case_count = len(cases)  # type: ignore[attr-defined]
         metafunc.parametrize("moehal_case", cases, ids=[c.id for c in cases])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A run of some of the cases (node ids, `-m`, `--deselect`, `--lf`: any selection but
+    `-k`, which `pytest_configure` records) is a subset too, and its report says so."""
+    suite = getattr(session.config, "_moehal_suite", None)
+    total = getattr(session.config, "_moehal_case_count", None)
+    if suite is None or total is None or suite.select:
+        return
+    ids = [c.params["moehal_case"].id for c in _callspecs(session.items)]
+    if len(ids) < total:
+        suite.select = ", ".join(ids) if len(ids) <= 3 else f"{len(ids)} of {total} cases"
+        suite.select_by = "pytest selection:"
+
+
+def _callspecs(items: list[pytest.Item]) -> list[Any]:
+    """The parametrization of each conformance case among `items` (pytest's CallSpec2)."""
+    specs = [getattr(i, "callspec", None) for i in items]
+    return [c for c in specs if c is not None and "moehal_case" in c.params]
 
 
 @pytest.fixture(scope="session")
@@ -82,8 +109,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             # Ctrl-C, SIGTERM or -x: keep what ran, say what did not, as the CLI does
             suite.interrupted = True
             done = {r.id for r in suite.results}
-            cases = [getattr(i, "callspec", None) for i in getattr(session, "items", [])]
-            cases = [c.params["moehal_case"] for c in cases if c is not None and "moehal_case" in c.params]
+            cases = [c.params["moehal_case"] for c in _callspecs(getattr(session, "items", []))]
             suite._not_run([c for c in cases if c.id not in done], "the run was interrupted before this case")
         report.write(suite, path)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,24 @@ from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite
 
 NUMERIC_FAMILIES = ("matrix", "features", "shapes", "pairs", "padding", "routing")
+# The Markdown report's first line starts with this; an existing `.md` that does not is not ours
+MD_TITLE = "# moehal conformance report: "
+# The JSON report's format: its name, and the version a reader checks (a new version only where a
+# field changes meaning or goes; added fields keep it). Reports before session 58 have no `schema`.
+SCHEMA = "moehal.conformance/1"
+SCHEMA_NAME = SCHEMA.split("/")[0]
+# Top-level fields every JSON report holds, with `schema` or without: a `.json` lacking them is not ours
+JSON_MARKERS = ("suite_version", "backend", "summary", "cases")
+
+
+class ReportPathError(Exception):
+    """The report cannot go where it was asked to: a file there is not a moehal conformance
+    report (`--report README` once overwrote a project's README.md), or it is not a file."""
 
 
 def to_dict(suite: Suite) -> dict[str, Any]:
     return {
+        "schema": SCHEMA,
         **suite.metadata(),
         # verdict: the report's own words ("PASS", "FAIL", "PASS, subset (-k ...)"): `ok` alone is
         # also true for a `-k` subset, which is not the backend's verdict
@@ -70,7 +85,8 @@ def _cell(results: list[CaseResult]) -> str:
 
 def verdict(suite: Suite) -> str:
     """The run's verdict in words: PASS, FAIL, INCOMPLETE (interrupted), NOTHING RAN / CLAIMED,
-    with ", subset (-k `...`)" where `-k` chose the cases (a subset's verdict is not the backend's)."""
+    with ", subset (-k `...`)" where `-k` chose the cases, ", subset (pytest selection: `...`)" where
+    pytest's node ids did (a subset's verdict is not the backend's)."""
     counts = suite.counts()
     nothing = "NOTHING RAN" if suite.select else "NOTHING CLAIMED"
     text = (
@@ -78,7 +94,7 @@ def verdict(suite: Suite) -> str:
         if suite.ok
         else ("FAIL" if counts[FAIL] else ("INCOMPLETE (interrupted)" if suite.interrupted else nothing))
     )
-    return text + (f", subset (-k `{suite.select}`)" if suite.select else "")
+    return text + (f", subset ({suite.select_by} `{suite.select}`)" if suite.select else "")
 
 
 def to_markdown(suite: Suite) -> str:
@@ -198,13 +214,64 @@ def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def write(suite: Suite, path: str | Path) -> tuple[Path, Path]:
-    """Write `<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced)."""
+def report_paths(path: str | Path) -> tuple[Path, Path]:
+    """`<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced)."""
     p = Path(path)
     stem = p.with_suffix("") if p.suffix in (".md", ".json") else p
-    stem.parent.mkdir(parents=True, exist_ok=True)
     # appended, not with_suffix: that would take ".2" off a name such as "acme-0.1.2"
-    js, md = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"
+    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"
+
+
+def is_report(path: Path) -> bool:
+    """Whether the existing file `path` is a moehal conformance report (a JSON object with the
+    report's fields, or Markdown whose first line is the report's title): one to overwrite."""
+    try:
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                return False
+            return str(data.get("schema", "")).startswith(f"{SCHEMA_NAME}/") or all(k in data for k in JSON_MARKERS)
+        with path.open(encoding="utf-8") as f:
+            return f.readline().startswith(MD_TITLE)
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: not a report
+        return False
+
+
+def _refuse_overwrite(paths: tuple[Path, ...]) -> None:
+    for f in paths:
+        if not (f.exists() or f.is_symlink()):
+            continue
+        if not f.is_file():
+            raise ReportPathError(f"{f} exists and is not a file")
+        if not is_report(f):
+            raise ReportPathError(
+                f"{f} exists and is not a moehal conformance report: not overwriting it (choose another path)"
+            )
+
+
+def check_writable(path: str | Path) -> tuple[Path, Path]:
+    """Before a run: raise `ReportPathError` where `write` would overwrite a file that is not a
+    report, and `OSError` where the reports' folder cannot be made or written to (a run of
+    minutes whose report then failed to write was lost). Makes the folder, as `write` would."""
+    js, md = report_paths(path)
+    _refuse_overwrite((js, md))
+    js.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=js.parent):
+        pass
+    for f in (js, md):
+        if f.exists():
+            with f.open("ab"):  # writable (appends nothing)
+                pass
+    return js, md
+
+
+def write(suite: Suite, path: str | Path) -> tuple[Path, Path]:
+    """Write `<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced);
+    an existing file of either name that is not a moehal conformance report is left alone
+    (`ReportPathError`)."""
+    js, md = report_paths(path)
+    _refuse_overwrite((js, md))
+    js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(to_dict(suite), indent=2, default=str, allow_nan=False))
     md.write_text(to_markdown(suite))
     return js, md

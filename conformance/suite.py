@@ -6,7 +6,7 @@ import datetime as _dt
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import moehal
 import torch
@@ -16,6 +16,9 @@ from moehal.plugins import Registry
 from moehal.settings import Settings
 from moehal_conformance.cases import BASE, BF16, Case, CaseBuilder
 from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult, CaseRunner, context_lost
+
+if TYPE_CHECKING:
+    from moehal.distributed_check import EPCase
 
 SUITE_VERSION = "0.1.0"
 
@@ -28,6 +31,21 @@ def make_registry(emulate: frozenset[str] = frozenset()) -> Registry:
     reg = Registry(settings)
     reg.load_entry_points()
     return reg
+
+
+def selected(select: str | None, case_id: str) -> bool:
+    """`-k`: the case ids that contain `select`, or with 'not TEXT' those that do not contain TEXT
+    (e.g. `-k tuned/` and `-k 'not tuned/'` split a long device run in two); all without it."""
+    if not select:
+        return True
+    if select.startswith("not "):
+        return select[4:] not in case_id
+    return select in case_id
+
+
+def ep_case_id(world: int, name: str) -> str:
+    """An expert-parallel case's id in the reports (and for `-k`): `ep/world2/bf16 standard`."""
+    return f"ep/world{world}/{name}"
 
 
 def best_backend(registry: Registry, hw: HardwareInfo) -> str:
@@ -46,6 +64,7 @@ class Suite:
     device: torch.device
     profile: str = "full"
     select: str | None = None  # the `-k` text a subset of the cases was chosen by, if any
+    select_by: str = "-k"  # how: "-k", or "pytest selection:" (node ids; `select` then lists the cases)
     poison: bool = True  # fill fresh allocations with NaN / 1 while cases run (`poison.py`)
     poisoned_allocations: int = 0  # how many were filled
     results: list[CaseResult] = field(default_factory=list)
@@ -109,13 +128,16 @@ class Suite:
         from moehal.distributed_check import run_ep_cases, run_spawned
 
         disp = dispatcher or "reference.torch_distributed"
+        cases = self.ep_case_list(world)
+        if not cases:  # `-k` selects none of them
+            return
         # The ranks are fresh processes that read Settings from their environment: hand them
         # this run's emulate switch for the spawn only, never leaving it in ours.
         saved = os.environ.get("MOEHAL_EMULATE")
         if self.registry.settings.emulate:
             os.environ["MOEHAL_EMULATE"] = ",".join(sorted(self.registry.settings.emulate))
         try:
-            args = (None, "cpu", self.backend, disp, (), self.poison)
+            args = (cases, "cpu", self.backend, disp, (), self.poison)
             outcomes = run_spawned(world, run_ep_cases, args, timeout_s=timeout_s)
         finally:
             if saved is None:
@@ -148,14 +170,14 @@ class Suite:
             if rank0.declined:
                 self.results.append(
                     CaseResult(
-                        f"ep/world{world}/{rank0.case}", "ep", "ep", "-", "-", "-", DECLINED, detail=rank0.declined
+                        ep_case_id(world, rank0.case), "ep", "ep", "-", "-", "-", DECLINED, detail=rank0.declined
                     )
                 )
                 continue
             status = PASS if rank0.all_ok else FAIL
             self.results.append(
                 CaseResult(
-                    f"ep/world{world}/{rank0.case}",
+                    ep_case_id(world, rank0.case),
                     "ep",
                     "ep",
                     "-",
@@ -167,6 +189,12 @@ class Suite:
                     + (f"; {rank0.detail}" if rank0.detail else ""),
                 )
             )
+
+    def ep_case_list(self, world: int) -> list[EPCase]:
+        """The expert-parallel cases `--ep WORLD` runs: those whose id `-k` selects."""
+        from moehal.distributed_check import ep_cases
+
+        return [c for c in ep_cases(world) if selected(self.select, ep_case_id(world, c.name))]
 
     def ep_dispatchers(self) -> list[str]:
         """The backend's own dispatchers, which `moehal conformance --ep` tries beside the
@@ -212,6 +240,7 @@ class Suite:
             "date": self.started,
             "profile": self.profile,
             "select": self.select,
+            "select_by": self.select_by if self.select else None,
             "poison": self.poison,
             "poisoned_allocations": self.poisoned_allocations,
             "interrupted": self.interrupted,

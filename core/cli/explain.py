@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import moehal
 import torch
-from moehal.cli.common import cell, console, print_json, status_text, table
+from moehal.cli.common import cell, console, make_console, print_json, status_text, table
 from moehal.errors import ConfigError, MoEHalError
 from moehal.selection import Pipeline
 
@@ -95,8 +95,10 @@ _EXIT_CODES = """exit status:
   0  a pipeline accepts the configuration (the plan is shown)
   1  no pipeline accepts it (the decision table says why each candidate declined)
   2  the question cannot be answered: an invalid configuration or quant scheme, an unknown
-     backend, a device this machine lacks, or a plugin whose check raised (a plugin bug)
-with --json, every outcome is one JSON object on stdout; errors are {"error": ..., "type": ...}"""
+     backend, a device this machine lacks, a plugin whose check raised (a plugin bug), or a
+     usage error (a flag argparse refuses); the message is on stderr
+with --json, every outcome is one JSON object on stdout; errors are {"error": ..., "type": ...}
+(a usage error's type is "UsageError")"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,11 +117,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _error(args: argparse.Namespace, exc: MoEHalError, prefix: str = "") -> int:
-    """Report `exc` (as a JSON object on stdout with --json) and return exit status 2."""
+    """Report `exc` (as a JSON object on stdout with --json, else on stderr) and return exit status 2."""
     if args.json:
         print_json({"error": str(exc), "type": type(exc).__name__})
     else:
-        console.print(f"{prefix}{exc}", style="red", markup=False, highlight=False)
+        make_console(stderr=True).print(f"{prefix}{exc}", style="red", markup=False, highlight=False, soft_wrap=True)
     return 2
 
 

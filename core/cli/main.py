@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 from collections.abc import Sequence
 
 from moehal.cli import doctor, explain, goals, listing
+from moehal.cli.common import print_json
 from moehal.errors import MoEHalError
 
 
@@ -37,6 +40,24 @@ def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return bench_main(list(rest))
 
 
+def _parse_explain_json(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | None:
+    """`parser.parse_args(argv)` for `explain --json`, whose help promises one JSON object on
+    stdout for every outcome: a usage error (`--experts x`) is `{"error": ..., "type":
+    "UsageError"}` there, argparse's usage and message on stderr, and None (exit status 2)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code in (0, None):  # --help
+            raise
+        text = captured.getvalue()
+        sys.stderr.write(text)
+        message = text.strip().splitlines()[-1] if text.strip() else f"exit status {exc.code}"
+        print_json({"error": message.split(" error: ", 1)[-1], "type": "UsageError"})
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -44,6 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("conformance", "bench"):
         args = argparse.Namespace(command=argv[0], func=_conformance if argv[0] == "conformance" else _bench)
         rest = argv[1:]
+    elif argv[:1] == ["explain"] and "--json" in argv[1:]:
+        parsed = _parse_explain_json(parser, argv)
+        if parsed is None:
+            return 2
+        args, rest = parsed, []
     else:
         args, rest = parser.parse_args(argv), []
     try:

@@ -46,6 +46,17 @@ def _goals(docs_dir: Path, paths: str) -> str:
     return goals_markdown(check_runs(files, across_files=across), cells=False)
 
 
+def _conformance_report(src: Path) -> dict:
+    """A conformance JSON report: `schema` "moehal.conformance/1", or none (before session 58)."""
+    import json
+
+    report = json.loads(src.read_text())
+    schema = report.get("schema", "moehal.conformance/1")
+    if schema.split("/")[0] != "moehal.conformance" or schema.split("/")[-1] != "1":
+        raise ValueError(f"{src}: schema {schema!r}, not a moehal conformance report this hook reads")
+    return report
+
+
 def _verdict(report: dict) -> str:
     """The report's verdict; reports before session 57 hold only `ok` and `select` (a `-k` subset)."""
     summary = report["summary"]
@@ -56,10 +67,8 @@ def _verdict(report: dict) -> str:
 
 
 def _components(docs_dir: Path, page_dir: Path, path: str) -> str:
-    import json
-
     src = docs_dir / path.strip()
-    report = json.loads(src.read_text())
+    report = _conformance_report(src)
     up = [".."] * len(page_dir.relative_to(docs_dir).parts)
     link = Path(*up, src.relative_to(docs_dir).with_suffix(".md")).as_posix()
     hw = report["hardware"]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_the_pytest_face_runs_cases_writes_the_report_and_lists_components(tmp_path):
@@ -38,7 +39,8 @@ def test_an_interrupted_pytest_session_reports_incomplete(tmp_path):
         "        if len(passed) == 2:\n"
         "            raise KeyboardInterrupt\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tmp_path)}
+    # prepended: PYTHONPATH may be what maps the packages onto the tree under test
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *_pythonpath()])}
     cmd = [
         sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
         "-p", "interrupter", "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick",
@@ -54,3 +56,43 @@ def test_an_interrupted_pytest_session_reports_incomplete(tmp_path):
     assert all(c["id"].startswith("matrix/bf16") and "interrupted" in c["detail"] for c in not_run)
     md = (tmp_path / "ref.md").read_text()
     assert "**Verdict: INCOMPLETE (interrupted), subset (-k `matrix and bf16`)**" in md
+
+
+def _pythonpath() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def test_a_pytest_run_of_one_node_id_is_reported_as_a_subset(tmp_path):
+    """Selected by node id (not -k), one case's pass was published as the backend's "Verdict: PASS"."""
+    import moehal_conformance
+
+    case = "matrix/bf16/silu/experts[standard[bfloat16]]"
+    node = f"{Path(moehal_conformance.__file__).parent / 'test_conformance.py'}::test_case[{case}]"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable, "-m", "pytest", node, "-p", "no:cacheprovider", "-q", "--moehal-backend=reference",
+        "--moehal-device=cpu", "--moehal-quick", f"--moehal-report={tmp_path / 'one'}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 passed" in done.stdout
+    data = json.loads((tmp_path / "one.json").read_text())
+    summary = data["summary"]
+    assert [c["id"] for c in data["cases"]] == [case] and summary["pass"] == 1
+    assert summary["subset"] is True and data["select"] == case and data["select_by"] == "pytest selection:"
+    assert summary["verdict"] == f"PASS, subset (pytest selection: `{case}`)"
+    assert f"**Verdict: PASS, subset (pytest selection: `{case}`)**" in (tmp_path / "one.md").read_text()
+
+
+def test_the_pytest_face_refuses_a_report_path_over_a_file_that_is_not_a_report(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# My project\n")
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
+        "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick", "-k", "matrix and bf16 and silu",
+        f"--moehal-report={tmp_path / 'README'}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]  # pytest's USAGE_ERROR, nothing ran
+    assert "not a moehal conformance report" in done.stderr and "passed" not in done.stdout
+    assert readme.read_text() == "# My project\n"

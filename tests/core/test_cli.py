@@ -121,7 +121,7 @@ def test_explain_shows_which_dispatchers_drop_padding_ids(capsys, monkeypatch):
 
 def test_explain_rejects_an_invalid_config(capsys):
     assert main(["explain", "--top-k", "9", "--experts", "4"]) == 2
-    assert "exceeds num_experts" in capsys.readouterr().out
+    assert "exceeds num_experts" in capsys.readouterr().err
 
 
 def test_explain_backend_auto_means_any_and_a_misspelt_one_is_named(capsys):
@@ -132,7 +132,7 @@ def test_explain_backend_auto_means_any_and_a_misspelt_one_is_named(capsys):
     assert main([*args, "--backend", "auto"]) == 0
     assert "moehal plan" in capsys.readouterr().out
     assert main([*args, "--backend", "refrence"]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "unknown backend 'refrence'" in out and "reference" in out
 
 
@@ -242,6 +242,23 @@ def test_explain_json_errors_are_json_with_exit_code_2(capsys):
         assert data["type"] == kind and data["error"], data
 
 
+def test_explain_errors_go_to_stderr_and_json_usage_errors_are_json(capsys):
+    """`explain --backend nosuch` and `--quant fp9` printed their errors on stdout; `explain
+    --json --experts x` printed nothing there, though the help promises one JSON object."""
+    for extra in (["--backend", "nosuch"], ["--quant", "fp9"]):
+        assert main(["explain", *SMALL, *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and ("nosuch" in err or "fp9" in err), (out, err)
+    for extra, said in ((["--experts", "x"], "invalid int value: 'x'"), (["--bogus"], "unrecognized arguments")):
+        with pytest.raises(SystemExit) as exc:  # argparse's own exit, without --json
+            main(["explain", *extra])
+        assert exc.value.code == 2 and capsys.readouterr().out == ""
+        assert main(["explain", "--json", *extra]) == 2
+        out, err = capsys.readouterr()
+        data = json.loads(out)
+        assert data["type"] == "UsageError" and said in data["error"] and said in err
+
+
 def test_explain_json_mode_and_graph_capture_agree_with_the_text_plan(capsys, monkeypatch):
     _with_toy_backend(monkeypatch, _Interpreted())
     args = ["explain", *SMALL, "--backend", "toy"]
@@ -257,7 +274,7 @@ def test_explain_json_mode_and_graph_capture_agree_with_the_text_plan(capsys, mo
 def test_explain_reports_a_raising_plugin_check_with_exit_code_2(capsys, monkeypatch):
     _with_toy_backend(monkeypatch, _RaisingCheck())
     assert main(["explain", *SMALL]) == 2
-    assert "toy.raising_check: a capability check raised KeyError" in capsys.readouterr().out
+    assert "toy.raising_check: a capability check raised KeyError" in capsys.readouterr().err
     assert main(["explain", "--json", *SMALL]) == 2
     data = json.loads(capsys.readouterr().out)
     assert data["type"] == "PluginCheckError" and "MOEHAL_DISABLE_PLUGINS=toy" in data["error"]
@@ -270,7 +287,7 @@ def test_a_device_this_machine_lacks_is_a_config_error(capsys):
         with pytest.raises(moehal.ConfigError, match="import torch_npu"):
             moehal.detect("npu")
     assert main(["explain", "--hidden", "128", "--intermediate", "64", "--device", "cuda:99"]) == 2
-    assert "'cuda:99' asked for" in capsys.readouterr().out
+    assert "'cuda:99' asked for" in capsys.readouterr().err
     assert main(["doctor", "--device", "cuda:99"]) == 2
     assert "hardware: device 'cuda:99' asked for" in capsys.readouterr().out
     assert main(["doctor", "--json", "--device", "cuda:99"]) == 2

@@ -1,0 +1,223 @@
+"""`moehal conformance` as a command: report paths, streams, exit codes, progress, `-k`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from moehal_conformance import report
+from moehal_conformance.cli import main as conformance_main
+from moehal_conformance.suite import Suite
+
+BASE = ["--backend", "reference", "--device", "cpu", "--quick"]
+SILU = ["-k", "matrix/bf16/silu/"]  # 3 cases, a few seconds
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail the test if the suite starts running cases."""
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("the suite ran before the report path was checked")
+
+    monkeypatch.setattr(Suite, "run", run)
+
+
+def test_an_unwritable_report_path_exits_2_before_the_run(tmp_path, capsys, no_run):
+    """`--report /proc/nope/r` ran the whole suite, then died of a FileNotFoundError traceback."""
+    (tmp_path / "afile").write_text("x")
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "afile" / "r")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "--report" in err and str(tmp_path / "afile") in err and "Traceback" not in err
+    assert "cases" not in out  # nothing ran: no header, no table
+
+
+def test_a_report_that_fails_to_write_still_prints_the_verdict_then_exits_2(tmp_path, capsys, monkeypatch):
+    def refused(suite, path):
+        raise PermissionError(13, "Permission denied", str(path) + ".json")
+
+    monkeypatch.setattr(report, "write", refused)
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "r")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "PASS (subset: -k matrix/bf16/silu/)" in " ".join(out.split())
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Permission denied" in lines[0] and "not written" in lines[0], err
+
+
+def test_report_refuses_to_overwrite_a_file_that_is_not_a_report(tmp_path, capsys, no_run):
+    """`--report /work/main/README` overwrote the project's README.md with a report."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# My project\n")
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "README")])
+    err = capsys.readouterr().err
+    assert code == 2 and str(readme) in err and "not a moehal conformance report" in err
+    assert readme.read_text() == "# My project\n"
+    data = tmp_path / "data.json"
+    data.write_text('{"summary": 1}')  # JSON, but not a report's
+    assert conformance_main([*BASE, *SILU, "--report", str(tmp_path / "data")]) == 2
+    assert data.read_text() == '{"summary": 1}' and not (tmp_path / "data.md").exists()
+
+
+def test_report_write_overwrites_its_own_reports_only(tmp_path):
+    suite = Suite.create("reference", "cpu", profile="quick")
+    js, md = report.write(suite, tmp_path / "ref")
+    assert report.is_report(js) and report.is_report(md)
+    js2, md2 = report.write(suite, tmp_path / "ref")  # a previous report: overwritten
+    assert (js2, md2) == (js, md) and json.loads(js.read_text())["backend"] == "reference"
+    (tmp_path / "notes.md").write_text("notes\n")
+    with pytest.raises(report.ReportPathError, match="notes.md"):
+        report.write(suite, tmp_path / "notes")
+    assert (tmp_path / "notes.md").read_text() == "notes\n" and not (tmp_path / "notes.json").exists()
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(report.ReportPathError, match="not a file"):
+        report.check_writable(tmp_path / "dir")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["--backend", "nosuch"], "unknown backend 'nosuch'"), (["--backend", "reference", "--device", "bogus"], "bogus")],
+)
+def test_invocation_errors_go_to_stderr(argv, said, capsys):
+    """They were printed on stdout, among the tables and the verdict a log or a pipe keeps."""
+    assert conformance_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and said in err
+
+
+def test_narrow_terminals_wrap_component_names_never_cut_them(monkeypatch, capsys):
+    """At COLUMNS=60 the components table printed `reference.torc…` and `--ep-dispatch…`."""
+    monkeypatch.setenv("COLUMNS", "60")
+    assert conformance_main([*BASE, *SILU]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    table = out[out.index("components of reference") :].splitlines()
+    rows: list[list[str]] = []
+    for line in table:
+        if not line.startswith("│"):
+            continue
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        if cells[1]:  # a new row starts where its kind is given
+            rows.append(cells)
+        else:  # a folded row's next line: glue each cell's pieces back together
+            rows[-1] = [a + b for a, b in zip(rows[-1], cells)]
+    names = {r[0]: r[2] for r in rows}
+    assert names["reference.torch_distributed"] == "not run" and names["reference.experts"] == "verified"
+    detail = next(r[3] for r in rows if r[0] == "reference.torch_distributed")
+    assert "--ep-dispatcher" in detail
+
+
+@pytest.mark.parametrize(("every", "seconds"), [(2, 1e9), (10**6, 0.0)])  # by count, by time
+def test_a_run_into_a_pipe_prints_plain_progress_lines_on_stderr(every, seconds, monkeypatch, capsys):
+    """Where the output is no terminal the live bar draws nothing: a 132-case run was silent for 50 s."""
+    from moehal_conformance import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", every)
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", seconds)
+    assert conformance_main([*BASE, *SILU]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    want = ["2/3"] if every == 2 else ["1/3", "2/3", "3/3"]
+    assert [line.split()[2] for line in lines] == want, err
+    assert all(line.startswith("moehal conformance: ") and line.endswith(" s") for line in lines)
+    assert "\r" not in err and "cases, " not in out
+
+
+def test_an_interrupted_run_exits_3_not_as_a_failure(monkeypatch, tmp_path, capsys):
+    """Ctrl-C or a time limit's SIGTERM (INCOMPLETE) exited 1, as a failed run does."""
+    from moehal_conformance.runner import CaseRunner
+
+    real, ran = CaseRunner.run, []
+
+    def run(self, case):
+        if ran:
+            raise KeyboardInterrupt  # as SIGTERM arrives through the CLI's handler
+        ran.append(case.id)
+        return real(self, case)
+
+    monkeypatch.setattr(CaseRunner, "run", run)
+    code = conformance_main([*BASE, *SILU, "--report", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 3 and "INCOMPLETE" in out.strip().splitlines()[-1]
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["summary"]["pass"] == 1 and data["summary"]["not run"] == 2 and data["interrupted"] is True
+
+
+def test_the_help_lists_every_exit_status(capsys):
+    from moehal_conformance.cli import build_parser
+
+    text = build_parser().format_help()
+    codes = [line.split()[:2] for line in text[text.index("exit status:") :].splitlines()[1:] if line[:3].strip()]
+    assert codes == [["0", "PASS:"], ["1", "FAIL:"], ["2", "usage"], ["3", "INCOMPLETE:"]], text
+
+
+def _fake_ranks(monkeypatch):
+    """Stand in for the spawned ranks: each EP case it is handed passes; returns the names handed."""
+    import types
+
+    import moehal.distributed_check as dc
+
+    handed: list[list[str]] = []
+
+    def run_spawned(world, fn, args=(), **kwargs):
+        cases = args[0] if args[0] is not None else dc.ep_cases(world)  # None: all (the old call)
+        handed.append([c.name for c in cases])
+        res = [
+            types.SimpleNamespace(
+                case=c.name, declined="", all_ok=True, pipeline="p", mode="native", max_abs_err=0.0,
+                tolerance="tol", detail="",
+            )
+            for c in cases
+        ]  # fmt: skip
+        return [dc.RankOutcome(r, "ok", res) for r in range(world)]
+
+    monkeypatch.setattr(dc, "run_spawned", run_spawned)
+    return handed
+
+
+def test_k_selects_the_expert_parallel_cases_too(monkeypatch, tmp_path, capsys):
+    """`-k` did not filter `--ep`: all 20 EP cases ran whatever it said."""
+    handed = _fake_ranks(monkeypatch)
+    # "slots": 3 shapes cases (no_local_slots) and one EP case ("-1 ids: padded tokens and slots")
+    code = conformance_main([*BASE, "-k", "slots", "--ep", "2", "--report", str(tmp_path / "r")])
+    assert code == 0, capsys.readouterr()
+    assert handed and all(names == ["-1 ids: padded tokens and slots"] for names in handed), handed
+    data = json.loads((tmp_path / "r.json").read_text())
+    ep = [c["id"] for c in data["cases"] if c["family"] == "ep"]
+    assert ep and all(i == "ep/world2/-1 ids: padded tokens and slots" for i in ep), ep
+    assert data["summary"]["subset"] is True and data["summary"]["verdict"] == "PASS, subset (-k `slots`)"
+    handed.clear()
+    assert conformance_main([*BASE, *SILU, "--ep", "2", "--report", str(tmp_path / "s")]) == 0
+    assert handed == []  # no EP case has "matrix/bf16/silu/" in its id: no rank was spawned
+    assert "selects none of its cases" in capsys.readouterr().out
+    assert not [c for c in json.loads((tmp_path / "s.json").read_text())["cases"] if c["family"] == "ep"]
+
+
+def _reports_hook():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "reports_hook", Path(__file__).resolve().parents[2] / "docs" / "_hooks" / "reports.py"
+    )
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_the_json_report_names_its_schema_and_readers_take_it_with_or_without(tmp_path):
+    suite = Suite.create("reference", "cpu", profile="quick")
+    js, _ = report.write(suite, tmp_path / "docs" / "new")
+    data = json.loads(js.read_text())
+    assert next(iter(data)) == "schema" and data["schema"] == "moehal.conformance/1"
+    old = {k: v for k, v in data.items() if k != "schema"}  # as reports before session 58 are
+    (tmp_path / "docs" / "old.json").write_text(json.dumps(old))
+    hook = _reports_hook()
+    for name in ("new.json", "old.json"):
+        assert report.is_report(tmp_path / "docs" / name)
+        table = hook._components(tmp_path / "docs", tmp_path / "docs", name)
+        assert "Backend `reference`" in table and "| `reference.experts` | experts |" in table, table
+    (tmp_path / "docs" / "v2.json").write_text(json.dumps({**data, "schema": "moehal.conformance/2"}))
+    with pytest.raises(ValueError, match="moehal.conformance/2"):
+        hook._components(tmp_path / "docs", tmp_path / "docs", "v2.json")

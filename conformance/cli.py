@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-k",
         dest="select",
         default=None,
-        help="only cases whose id contains this text ('not TEXT': only those whose id does not)",
+        type=_k_expression,
+        help="only cases whose id contains this text; texts combine with and, or, not and parentheses, as "
+        "pytest's -k ('shapes/ and not fp8')",
     )
     p.add_argument(
         "--ep",
@@ -225,6 +227,15 @@ def _error(text: str) -> None:
     make_console(stderr=True).print(
         f"moehal conformance: {text}", style="red", markup=False, highlight=False, soft_wrap=True
     )
+
+
+def _k_expression(text: str) -> str:
+    """`-k`'s argparse type: a well-formed expression (a usage error, exit 2, otherwise)."""
+    try:
+        selected(text, "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _verdict(console: Console, suite: Suite, args: argparse.Namespace, selected_cases: int) -> int:

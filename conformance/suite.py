@@ -34,13 +34,72 @@ def make_registry(emulate: frozenset[str] = frozenset()) -> Registry:
 
 
 def selected(select: str | None, case_id: str) -> bool:
-    """`-k`: the case ids that contain `select`, or with 'not TEXT' those that do not contain TEXT
-    (e.g. `-k tuned/` and `-k 'not tuned/'` split a long device run in two); all without it."""
+    """`-k`: the case ids that contain `select` (all without it). As pytest's `-k`, `select` may
+    combine texts with `and`, `or`, `not` and parentheses (`-k 'shapes/ and contiguous'`, `-k
+    'not tuned/'`: the latter and `-k tuned/` split a long device run in two). A text is the
+    words between those, spaces kept (`-k 'bf16 standard'` is one text). ValueError: a
+    malformed expression."""
     if not select:
         return True
-    if select.startswith("not "):
-        return select[4:] not in case_id
-    return select in case_id
+    return _KExpr(select).match(case_id)
+
+
+class _KExpr:
+    """A `-k` expression over substrings of a case id (recursive descent, pytest's precedence:
+    `not` over `and` over `or`)."""
+
+    _WORDS = frozenset({"and", "or", "not", "(", ")"})
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens = text.replace("(", " ( ").replace(")", " ) ").split()
+
+    def match(self, case_id: str) -> bool:
+        self.pos, self.case_id = 0, case_id
+        if not self.tokens:
+            return True
+        ok = self._or()
+        if self.pos != len(self.tokens):
+            raise ValueError(f"-k {self.text!r}: unexpected {self.tokens[self.pos]!r}")
+        return ok
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def _or(self) -> bool:
+        ok = self._and()
+        while self._peek() == "or":
+            self.pos += 1
+            ok = self._and() or ok  # (both sides parsed: a malformed right side raises)
+        return ok
+
+    def _and(self) -> bool:
+        ok = self._not()
+        while self._peek() == "and":
+            self.pos += 1
+            ok = self._not() and ok
+        return ok
+
+    def _not(self) -> bool:
+        token = self._peek()
+        if token == "not":
+            self.pos += 1
+            return not self._not()
+        if token == "(":
+            self.pos += 1
+            ok = self._or()
+            if self._peek() != ")":
+                raise ValueError(f"-k {self.text!r}: a '(' without its ')'")
+            self.pos += 1
+            return ok
+        words = []
+        while (token := self._peek()) is not None and token not in self._WORDS:
+            words.append(token)
+            self.pos += 1
+        if not words:
+            where = "at the end" if token is None else f"before {token!r}"
+            raise ValueError(f"-k {self.text!r}: expected a text {where}")
+        return " ".join(words) in self.case_id
 
 
 def ep_case_id(world: int, name: str) -> str:

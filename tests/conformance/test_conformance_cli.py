@@ -221,3 +221,32 @@ def test_the_json_report_names_its_schema_and_readers_take_it_with_or_without(tm
     (tmp_path / "docs" / "v2.json").write_text(json.dumps({**data, "schema": "moehal.conformance/2"}))
     with pytest.raises(ValueError, match="moehal.conformance/2"):
         hook._components(tmp_path / "docs", tmp_path / "docs", "v2.json")
+
+
+@pytest.mark.parametrize(
+    "select, case_id, expected",
+    [
+        ("shapes/ and contiguous", "shapes/bf16/tokens_0/deepgemm[contiguous[bfloat16 align 128]]", True),
+        ("shapes/ and contiguous", "shapes/bf16/tokens_0/deepgemm[masked[bfloat16 align 64]]", False),
+        ("not tuned/", "matrix/bf16/silu/x", True),  # as before: one text, or 'not TEXT'
+        ("tuned/", "matrix/bf16/silu/x", False),
+        ("bf16 standard", "ep/world2/bf16 standard", True),  # a text keeps its spaces
+        ("(fp8 or int8) and not tuned/", "matrix/fp8_block/silu/x", True),
+        ("(fp8 or int8) and not tuned/", "tuned/qwen/fp8_block/x", False),
+        ("not not shapes/", "shapes/x", True),
+    ],
+)
+def test_k_combines_texts_as_pytests_k_does(select, case_id, expected):
+    """Session 58's device call 5 ran `-k "shapes/ and contiguous"` and got NOTHING RAN: `-k`
+    took one substring (or 'not TEXT'), so the expression matched no id. It reads pytest's
+    `and`, `or`, `not` and parentheses now; a plain text still means what it meant."""
+    from moehal_conformance.suite import selected
+
+    assert selected(select, case_id) is expected
+
+
+@pytest.mark.parametrize("select", ["shapes/ and", "(fp8", "fp8 )", "and fp8", "not"])
+def test_a_malformed_k_is_a_usage_error_before_the_run(select, capsys, no_run):
+    with pytest.raises(SystemExit) as info:
+        conformance_main([*BASE, "-k", select])
+    assert info.value.code == 2 and f"-k {select!r}" in capsys.readouterr().err

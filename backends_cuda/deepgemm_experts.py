@@ -832,13 +832,21 @@ _log = logging.getLogger(__name__)
 _NOTED: set[tuple[Any, ...]] = set()
 
 
+def _masked_fits(req: BuildRequest) -> bool:
+    """Whether the masked layout's worst-case buffers fit the settings' budget (`max_tokens` set)."""
+    mt = req.config.max_tokens
+    return mt is not None and masked_workspace_bytes(req) <= req.settings.masked_workspace_gib * 2**30
+
+
 def _note_contiguous(req: BuildRequest) -> None:
-    """Say once per layer configuration why DeepGEMM's experts take the contiguous layout, the
-    slower one at every batch size measured: an operator saw only `contiguous[...]` in the plan,
-    with nothing naming the budget or the missing `max_tokens` behind it."""
+    """Say once per layer configuration why DeepGEMM's experts were built for the contiguous
+    layout, the slower one at every batch size measured, where the masked budget chose it: an
+    operator saw only `contiguous[...]` in the plan, with nothing naming the budget or the
+    missing `max_tokens` behind it. Called at build (the plan is final then), not while
+    selection or `moehal explain` ask which formats the kernel takes."""
     c, gib = req.config, req.settings.masked_workspace_gib
     key = (c, req.quant, gib, req.process_group is not None)
-    if key in _NOTED or not _log.isEnabledFor(logging.INFO):
+    if key in _NOTED or not _log.isEnabledFor(logging.INFO) or _masked_fits(req):
         return
     _NOTED.add(key)
     if c.max_tokens is None:
@@ -849,7 +857,7 @@ def _note_contiguous(req: BuildRequest) -> None:
             f"its masked buffers at max_tokens={c.max_tokens} would take {need:.2f} GiB, over the "
             f"masked_workspace_gib budget of {gib:g} GiB (MOEHAL_MASKED_WORKSPACE_GIB raises it)"
         )
-    _log.info("cuda.deepgemm takes the contiguous layout for %s, %s: %s", c.describe(), req.quant, why)
+    _log.info("cuda.deepgemm runs the contiguous layout for %s, %s: %s", c.describe(), req.quant, why)
 
 
 class DeepGemmExperts(Experts):
@@ -934,11 +942,7 @@ class DeepGemmExperts(Experts):
         # Masked is faster at every batch size measured on an H100 (docs/device-runs/: e.g. 930 vs
         # 1057 us for Qwen3-30B-A3B at 4096 tokens), but its buffers are sized for the worst case
         # (every token at one expert): prefer it while they fit the settings' budget.
-        mt = req.config.max_tokens
-        fits = mt is not None and masked_workspace_bytes(req) <= req.settings.masked_workspace_gib * 2**30
-        if not fits:
-            _note_contiguous(req)
-        return [masked, contig] if fits else [contig, masked]
+        return [masked, contig] if _masked_fits(req) else [contig, masked]
 
     def small_batch_format(self, req: BuildRequest) -> SmallBatchFormat | None:
         """bf16 (and fp16) layers take token-major input at decode sizes: two Triton kernels
@@ -1002,4 +1006,6 @@ class DeepGemmExperts(Experts):
         chooser = None if (fp8 and sm100) else GemmChooser(req.hardware.name)
         ops = DeepGemmOps(fp8, sm100)  # first: a build that fails here claims no GPU
         claim_deep_gemm_device(req)
+        if fmt.layout is Layout.CONTIGUOUS:
+            _note_contiguous(req)
         return DeepGemmExpertsRunner(req, fmt, ops, chooser, self.small_batch_format(req))

@@ -301,6 +301,12 @@ def test_deepgemm_says_once_why_it_takes_the_contiguous_layout(monkeypatch, capl
 
     monkeypatch.setattr(dge.DeepGemmExperts, "_alignment", lambda self: 128)
     monkeypatch.setattr(dge, "_NOTED", set())
+    # build's GPU parts, stubbed: what is under test is what it says, on the CPU
+    monkeypatch.setattr(dge, "DeepGemmOps", lambda fp8, sm100: None)
+    monkeypatch.setattr(dge, "GemmChooser", lambda name: None)
+    monkeypatch.setattr(dge, "claim_deep_gemm_device", lambda req: None)
+    monkeypatch.setattr(dge, "DeepGemmExpertsRunner", lambda *args: args[1])
+    monkeypatch.setattr(dge.DeepGemmExperts, "small_batch_format", lambda self, req: None)
     ex = DeepGemmExperts()
     qwen = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, max_tokens=4096)
     req = _req((9, 0), "bf16", qwen)
@@ -308,11 +314,15 @@ def test_deepgemm_says_once_why_it_takes_the_contiguous_layout(monkeypatch, capl
     unbounded = _req((9, 0), "bf16", qwen.with_(max_tokens=None))
     with caplog.at_level("INFO", logger="moehal_cuda.deepgemm_experts"):
         for r in (req, tight, tight, unbounded, unbounded):
-            ex.input_formats(r)
+            ex.input_formats(r)  # selection and `moehal explain` asking: no line
+        assert not caplog.records
+        for r in (req, tight, tight, unbounded, unbounded):
+            ex.build(r, ex.input_formats(r)[0])
+        ex.build(req, ex.input_formats(req)[1])  # contiguous asked for (layout=), masked would fit: no line
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines  # none while masked fits; once per configuration
     assert "6.25 GiB, over the masked_workspace_gib budget of 4 GiB" in lines[0]
-    assert "max_tokens is unset" in lines[1] and "takes the contiguous layout" in lines[1]
+    assert "max_tokens is unset" in lines[1] and "runs the contiguous layout" in lines[1]
 
 
 def test_masked_workspace_budget_counts_every_rank_behind_an_ep_dispatcher(monkeypatch):

@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from moehal.cli.common import make_console
+from moehal.cli.common import int_at_least, make_console
 from moehal.errors import MoEHalError
 from moehal_conformance import components, report
 from moehal_conformance.runner import FAIL, NOT_RUN, PASS, CaseResult
@@ -28,7 +28,8 @@ _EXIT_CODES = """exit status:
      on this machine) and NOTHING RAN (a -k subset that ran and passed nothing)
   2  usage error, nothing run: unknown backend, a device this machine lacks, bad flags, a
      --report path that cannot be written or holds a file that is not a conformance report;
-     also a run whose reports then failed to write (its verdict is printed before the error)
+     also a run that PASSED but whose reports then failed to write (a FAIL or INCOMPLETE run
+     keeps its 1 or 3; the verdict is printed before the error)
   3  INCOMPLETE: interrupted (Ctrl-C, or SIGTERM from a time limit) with no failure among the
      cases that ran; --report keeps what ran and marks the rest not run"""
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ep",
-        type=int,
+        type=int_at_least(0),
         default=0,
         metavar="WORLD",
         help="also run the expert-parallel cases on WORLD local processes (gloo, CPU)",
@@ -218,7 +219,7 @@ def _main(argv: Sequence[str] | None) -> int:
     code = _verdict(console, suite, args, len(cases))
     if unwritten:
         _error(unwritten)
-        return EXIT_USAGE
+        return code or EXIT_USAGE  # a failure stays a failure: a lost report is not the news
     return code
 
 

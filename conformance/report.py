@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from moehal.cli.common import output_problem, replace_file
 from moehal_conformance import components
 from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite
@@ -237,41 +237,25 @@ def is_report(path: Path) -> bool:
         return False
 
 
-def _refuse_overwrite(paths: tuple[Path, ...]) -> None:
-    for f in paths:
-        if not (f.exists() or f.is_symlink()):
-            continue
-        if not f.is_file():
-            raise ReportPathError(f"{f} exists and is not a file")
-        if not is_report(f):
-            raise ReportPathError(
-                f"{f} exists and is not a moehal conformance report: not overwriting it (choose another path)"
-            )
-
-
 def check_writable(path: str | Path) -> tuple[Path, Path]:
-    """Before a run: raise `ReportPathError` where `write` would overwrite a file that is not a
-    report, and `OSError` where the reports' folder cannot be made or written to (a run of
-    minutes whose report then failed to write was lost). Makes the folder, as `write` would."""
+    """Before a run: `ReportPathError` where `write` would overwrite a file that is not a report,
+    or where the reports' folder cannot be made or written to (a run of minutes whose report
+    then failed to write was lost). Makes the folder, as `write` would."""
     js, md = report_paths(path)
-    _refuse_overwrite((js, md))
-    js.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=js.parent):
-        pass
-    for f in (js, md):
-        if f.exists():
-            with f.open("ab"):  # writable (appends nothing)
-                pass
+    why = output_problem((js, md), is_report, "a moehal conformance report")
+    if why is not None:
+        raise ReportPathError(why)
     return js, md
 
 
 def write(suite: Suite, path: str | Path) -> tuple[Path, Path]:
-    """Write `<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced);
-    an existing file of either name that is not a moehal conformance report is left alone
-    (`ReportPathError`)."""
-    js, md = report_paths(path)
-    _refuse_overwrite((js, md))
-    js.parent.mkdir(parents=True, exist_ok=True)
-    js.write_text(json.dumps(to_dict(suite), indent=2, default=str, allow_nan=False))
-    md.write_text(to_markdown(suite))
+    """Write `<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced), each
+    in one step (`replace_file`: a run stopped mid-write leaves the previous report whole); an
+    existing file of either name that is not a moehal conformance report is left alone
+    (`ReportPathError`). OSError where a write fails."""
+    js, md = check_writable(path)
+    text = json.dumps(to_dict(suite), indent=2, default=str, allow_nan=False)
+    replace_file(js, lambda part: part.write_text(text))
+    markdown = to_markdown(suite)
+    replace_file(md, lambda part: part.write_text(markdown))
     return js, md

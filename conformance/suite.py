@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,12 @@ def selected(select: str | None, case_id: str) -> bool:
     return _KExpr(select).match(case_id)
 
 
+@functools.lru_cache(maxsize=16)
+def _k_tokens(text: str) -> tuple[str, ...]:
+    """`-k`'s words and parentheses, split once per expression (not once per case id)."""
+    return tuple(text.replace("(", " ( ").replace(")", " ) ").split())
+
+
 class _KExpr:
     """A `-k` expression over substrings of a case id (recursive descent, pytest's precedence:
     `not` over `and` over `or`)."""
@@ -52,7 +59,7 @@ class _KExpr:
 
     def __init__(self, text: str) -> None:
         self.text = text
-        self.tokens = text.replace("(", " ( ").replace(")", " ) ").split()
+        self.tokens = _k_tokens(text)
 
     def match(self, case_id: str) -> bool:
         self.pos, self.case_id = 0, case_id

@@ -19,10 +19,8 @@ import argparse
 import functools
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -658,14 +656,9 @@ def plot(rows: list[Row], path: Path) -> Path | None:
         ax.axhline(100, color="grey", lw=0.5)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    part = path.with_name(path.name + ".part")  # written whole or not at all, as the JSON (`_write`)
-    try:
-        fig.savefig(part, dpi=110, format="png")
-        os.replace(part, path)
-    except OSError as exc:
-        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    try:  # written whole or not at all, as the JSON
+        _write(path, lambda part: fig.savefig(part, dpi=110, format="png"))
     finally:
-        part.unlink(missing_ok=True)
         plt.close(fig)
     return path
 
@@ -693,21 +686,6 @@ class _DefaultsHelp(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if action.default in (None, False) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse `type`: an integer of at least `low` (a usage error, exit 2, otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
-        return n
-
-    return parse
 
 
 def _seconds(text: str) -> float:
@@ -783,12 +761,25 @@ exit status:
      "interrupted": true where it lacks some of them
   2  a usage error (an unknown shape, quant scheme or backend; a number out of range; nothing
      to measure), an --out that cannot be written (checked before measuring) or a write that
-     failed, or a device or configuration moehal refuses
+     failed (a run with wrong outputs keeps its 1), or a device or configuration moehal refuses
   (a moehal failure while measuring is a bug: a traceback, exit 1)"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from moehal.cli.common import json_text, make_console
+    """`moehal bench`: the exit status (`EPILOG`). The run takes SIGTERM as Ctrl-C (a time
+    limit's signal ends it as an interrupted run, its rows kept); the caller's handler is given
+    back however the run ends."""
+    import signal
+
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from moehal.cli.common import int_at_least, json_text, make_console
     from moehal.integrations.sglang import sglang_version
     from rich.progress import Progress
 
@@ -813,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quant", default="bf16", help="comma list of quant schemes")
     p.add_argument("--device", default=None, help="torch device (default: the best one torch sees)")
     p.add_argument(
-        "--reps", type=_int_at_least(1), default=50, help="timed forwards per row (CUDA: replays of one graph)"
+        "--reps", type=int_at_least(1), default=50, help="timed forwards per row (CUDA: replays of one graph)"
     )
     p.add_argument(
         "--settle-s",
@@ -823,12 +814,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "power settle (see moehal.bench.BENCH_SETTLE_S)",
     )
     p.add_argument(
-        "--max-reference-tokens", type=_int_at_least(0), default=256, help="the reference is slow: cap its tokens"
+        "--max-reference-tokens", type=int_at_least(0), default=256, help="the reference is slow: cap its tokens"
     )
     p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
     p.add_argument(
         "--max-tokens",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help="build every layer for this many tokens (its buffers), as an engine builds its layers once for its "
         "largest batch; default: each row's own token count",
@@ -841,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--rounds",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=1,
         help="measure every row this many times, cell by cell: a cell's (shape, tokens) rows of every quant scheme "
         "and backend run next to each other, and the goals compare rows of one round, then take the median "
@@ -908,14 +899,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous_sigterm = signal.signal(signal.SIGTERM, stop)  # a time limit's SIGTERM: as Ctrl-C
+    signal.signal(signal.SIGTERM, stop)  # a time limit's SIGTERM: as Ctrl-C (`main` gives it back)
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
     try:
         ceil = measure_ceilings(dev, settle_s=args.settle_s)
     except BaseException as exc:
         if sampler is not None:
             sampler.close()
-        signal.signal(signal.SIGTERM, previous_sigterm)
         if not isinstance(exc, KeyboardInterrupt):
             raise
         console.print("interrupted while measuring the ceilings: no row measured, no file written", markup=False)
@@ -953,7 +943,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "interrupted": bool(interrupted),
             "jobs": len(jobs),
         }
-        _write(out.with_suffix(".json"), json_text(data))  # NaN (no GPU clock, no check) as null
+        text = json_text(data)  # NaN (no GPU clock, no check) as null
+        _write(out.with_suffix(".json"), lambda part: part.write_text(text))
         written[:] = [out.with_suffix(".json")]
 
     # rich draws its progress bar on a terminal only: a log or a pipe (a device run) saw nothing
@@ -1046,9 +1037,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"wrote {written[0]}" + (f" and {png}" if png else f" ({no_png})"), markup=False)
     except WriteError as exc:  # a full disk, a directory gone: the run cannot keep its results
         print(f"moehal bench: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        return 1 if any(r.check == "fail" for r in rows) else 2  # a wrong output stays the news
     wrong = sum(r.check == "fail" for r in rows)
     if wrong or (jobs and not rows) or interrupted:  # measured nothing, wrong outputs, or not all: no success
         why = f"{wrong} rows with wrong output" if wrong else "no row was measured" if not rows else "interrupted"
@@ -1064,17 +1053,15 @@ class WriteError(Exception):
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _write(path: Path, text: str) -> None:
-    """`path` replaced by `text` in one step (written beside it, then renamed over it): a run
-    stopped mid-write leaves the previous file whole. `WriteError` where it cannot be written."""
-    part = path.with_name(path.name + ".part")
+def _write(path: Path, write: Callable[[Path], Any]) -> None:
+    """`path` replaced in one step (`moehal.cli.common.replace_file`); `WriteError` where it
+    cannot be written."""
+    from moehal.cli.common import replace_file
+
     try:
-        part.write_text(text)
-        os.replace(part, path)
+        replace_file(path, write)
     except OSError as exc:
         raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def _earlier_output(path: Path) -> bool:
@@ -1098,25 +1085,9 @@ def out_problem(out: Path) -> str | None:
         targets = [out.with_suffix(".json"), out.with_suffix(".png")]
     except ValueError as exc:  # '.', '..': no file name
         return f"{out}: {exc}"
-    for t in targets:
-        if t.is_dir():
-            return f"{t} is a directory"
-        if t.exists() and not _earlier_output(t):
-            return (
-                f"{t} exists and is not a `moehal bench --out` file: not overwritten (move it, or choose another --out)"
-            )
-    parent = targets[0].parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=parent):  # can a file be made there?
-            pass
-        for t in targets:
-            if t.exists():
-                with t.open("ab"):  # writable (opened without a change)
-                    pass
-    except OSError as exc:
-        return f"cannot write to {exc.filename or parent}: {exc.strerror or exc}"
-    return None
+    from moehal.cli.common import output_problem
+
+    return output_problem(targets, _earlier_output, "a `moehal bench --out` file")
 
 
 def _skip(shape: str, quant: str, backend: str, tokens: int, rnd: int, why: str) -> dict[str, Any]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -62,3 +66,60 @@ def table(title: str, *columns: str) -> Table:
 def cell(value: object) -> str:
     """Escape text for a rich table cell (format names contain square brackets)."""
     return escape(str(value))
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse `type`: an integer of at least `low` (a usage error, exit 2, otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    return parse
+
+
+# --- output files (bench --out, conformance --report) ---------------------------------------
+
+
+def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
+    """`path` replaced in one step: `write(part)` writes a file beside it, which is then renamed
+    over it, so a run stopped mid-write (a time limit's SIGTERM, a full disk) leaves the
+    previous file whole, not a truncated one that the next run's `output_problem` would refuse
+    as not its own. OSError as `write` or the rename raise it."""
+    part = path.with_name(path.name + ".part")
+    try:
+        write(part)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def output_problem(paths: Sequence[Path], ours: Callable[[Path], bool], what: str) -> str | None:
+    """Why `paths` (files of one folder) could not be written, found before a run of minutes
+    whose output would then be lost; None where they can. An existing file is replaced only
+    where `ours(file)` says it is an earlier output of the same command (`what` names such a
+    file): `--report README` once overwrote a project's README. Makes the folder."""
+    for f in paths:
+        if f.is_dir():
+            return f"{f} is a directory, not a file"
+        if (f.exists() or f.is_symlink()) and not f.is_file():
+            return f"{f} exists and is not a file"
+        if f.exists() and not ours(f):
+            return f"{f} exists and is not {what}: not overwritten (move it, or choose another path)"
+    parent = paths[0].parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):  # can a file be made there?
+            pass
+        for f in paths:
+            if f.exists():
+                with f.open("ab"):  # writable (opened without a change)
+                    pass
+    except OSError as exc:
+        return f"cannot write to {exc.filename or parent}: {exc.strerror or exc}"
+    return None

@@ -46,6 +46,53 @@ def test_a_report_that_fails_to_write_still_prints_the_verdict_then_exits_2(tmp_
     assert len(lines) == 1 and "Permission denied" in lines[0] and "not written" in lines[0], err
 
 
+def test_a_failed_or_interrupted_run_keeps_its_exit_status_when_its_report_fails_to_write(
+    tmp_path, capsys, monkeypatch
+):
+    """A report that failed to write turned FAIL (1) and INCOMPLETE (3) into 2, the usage error:
+    a CI job that reads 2 as its own mistake lost the failure."""
+    from moehal_conformance import cli
+
+    def refused(suite, path):
+        raise PermissionError(13, "Permission denied", str(path) + ".json")
+
+    monkeypatch.setattr(report, "write", refused)
+    for verdict in (cli.EXIT_FAIL, cli.EXIT_INCOMPLETE):
+        monkeypatch.setattr(cli, "_verdict", lambda *args, code=verdict: code)
+        assert conformance_main([*BASE, *SILU, "--report", str(tmp_path / "r")]) == verdict
+        assert "not written" in capsys.readouterr().err
+
+
+def test_a_report_write_that_stops_midway_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+    """The reports were written in place: a time limit or a full disk mid-write left a truncated
+    JSON, which the next run with the same --report then refused as not a report (exit 2)."""
+    import pathlib
+
+    suite = Suite.create("reference", "cpu", profile="quick")
+    js, md = report.write(suite, tmp_path / "ref")
+    before = js.read_text()
+    real = pathlib.Path.write_text
+
+    def full(self, text, *args, **kwargs):
+        real(self, text[:20], *args, **kwargs)  # part of it, then the disk is full
+        raise OSError(28, "No space left on device", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    with pytest.raises(OSError, match="No space left"):
+        report.write(suite, tmp_path / "ref")
+    monkeypatch.undo()
+    assert js.read_text() == before and report.is_report(js) and report.is_report(md)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.json", "ref.md"]  # no part file left
+    report.check_writable(tmp_path / "ref")  # the next run may write there
+
+
+@pytest.mark.parametrize("world", ["-2", "x"])
+def test_ep_takes_a_world_size_of_0_or_more(world, capsys, no_run):
+    with pytest.raises(SystemExit) as info:
+        conformance_main([*BASE, "--ep", world])
+    assert info.value.code == 2 and "--ep" in capsys.readouterr().err
+
+
 def test_report_refuses_to_overwrite_a_file_that_is_not_a_report(tmp_path, capsys, no_run):
     """`--report /work/main/README` overwrote the project's README.md with a report."""
     readme = tmp_path / "README.md"

@@ -682,6 +682,51 @@ def test_sigterms_handler_is_given_back_after_a_run():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sigterms_handler_is_given_back_however_the_run_ends(monkeypatch):
+    """The handler was given back on two of the ways out: an interrupt between installing it
+    and the measurements (while the clock sampler starts, say) left it installed."""
+    import signal
+
+    from moehal import bench
+
+    def interrupted(dev):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.ClockSampler, "start", interrupted)
+    before = signal.getsignal(signal.SIGTERM)
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, *CPU])
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_failed_write_keeps_a_wrong_outputs_exit_status(tmp_path, capsys, monkeypatch):
+    """A write that failed returned 2 (usage) even when rows had wrong outputs (1)."""
+    import pathlib
+
+    from moehal import bench
+
+    real_bench_one = bench.bench_one
+
+    def wrong(*args, **kwargs):
+        row = real_bench_one(*args, **kwargs)
+        row.check = "fail"
+        return row
+
+    monkeypatch.setattr(bench, "bench_one", wrong)
+    real = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise OSError(28, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--out", str(tmp_path / "b"), *CPU]) == 1
+    assert "No space left" in capsys.readouterr().err
+
+
 def test_bench_and_goals_help_document_their_exit_status(capsys):
     from moehal.cli.main import main as moehal_main
 

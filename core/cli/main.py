@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("conformance", "bench"):
         args = argparse.Namespace(command=argv[0], func=_conformance if argv[0] == "conformance" else _bench)
         rest = argv[1:]
-    elif argv[:1] == ["explain"] and "--json" in argv[1:]:
+    elif argv[:1] == ["explain"] and any(len(a) >= 4 and "--json".startswith(a) for a in argv[1:]):
+        # (argparse takes any unambiguous prefix of a flag: `--js` is --json too)
         parsed = _parse_explain_json(parser, argv)
         if parsed is None:
             return 2

@@ -257,6 +257,8 @@ def test_explain_errors_go_to_stderr_and_json_usage_errors_are_json(capsys):
         out, err = capsys.readouterr()
         data = json.loads(out)
         assert data["type"] == "UsageError" and said in data["error"] and said in err
+    assert main(["explain", "--js", "--experts", "x"]) == 2  # argparse takes a flag's prefix: --json still
+    assert json.loads(capsys.readouterr().out)["type"] == "UsageError"
 
 
 def test_explain_json_mode_and_graph_capture_agree_with_the_text_plan(capsys, monkeypatch):

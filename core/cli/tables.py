@@ -11,10 +11,10 @@ a table section of (column, value) lines.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from rich.console import Console, ConsoleOptions, RenderableType
-from rich.table import Column, Table
+from rich.table import Table
 from rich.text import Text
 
 
@@ -23,9 +23,9 @@ def _lines(cell: RenderableType) -> list[str]:
     return text.splitlines() or [""]
 
 
-def _words(column: Column) -> list[list[int]]:
-    """The widths of each line's words, over the column's header and cells (terminal cells)."""
-    lines = [line for c in (column.header, *column.cells) for line in _lines(c)]
+def _words(cells: Iterable[RenderableType]) -> list[list[int]]:
+    """The widths of each line's words, over `cells` (a column's header and cells), in terminal cells."""
+    lines = [line for c in cells for line in _lines(c)]
     return [[Text(w).cell_len for w in line.split()] or [0] for line in lines]
 
 
@@ -63,7 +63,7 @@ class FittedTable:
         """The table as one or more tables, none wider than `width` where their key columns and
         each other column's longest word fit in it (narrower than that, cells fold)."""
         cols = self.table.columns
-        words = [_words(c) for c in cols]
+        words = [_words((c.header, *c.cells)) for c in cols]
         sizes = [_widths(w) for w in words]
         keys, rest = list(range(min(self.keys, len(cols)))), list(range(self.keys, len(cols)))
 
@@ -88,8 +88,8 @@ class FittedTable:
         """Each row as a section of (column, value) lines, for a console too narrow for the key
         columns beside any other; None where even that does not fit."""
         t = self.table
-        names = _widths(_words(Column(header="", _cells=[c.header for c in t.columns])))
-        values = _widths([ws for c in t.columns for ws in _words(Column(header="", _cells=list(c.cells)))])
+        names = _widths(_words(c.header for c in t.columns))
+        values = _widths(_words(cell for c in t.columns for cell in c.cells))
         if names[0] + values[0] + 7 > width:
             return None
         part = Table(title=t.title, title_justify=t.title_justify, box=t.box, show_header=False)

@@ -31,12 +31,17 @@ class RoutingConfig:
         renormalize: divide the selected weights by their sum (DeepSeek's norm_topk_prob).
         n_group, topk_group: DeepSeek-V3 grouped selection: experts are split into n_group
             groups, the best topk_group groups (by the sum of their two best scores) are kept.
-            The sum ranks groups with or without a correction bias. With one (DeepSeek-V3/R1,
-            Kimi-K2) that is every implementation's rule. Without one, DeepSeek-V3's reference
-            gate (`inference/model.py`) and vLLM's and SGLang's `grouped_topk` rank by the
-            group's best score (DeepSeek-V2's rule), which this method does not implement: the
-            two can keep different groups.
+            With a correction bias (DeepSeek-V3/R1, Kimi-K2) that is every implementation's
+            rule. Without one, DeepSeek-V3's reference gate (`inference/model.py`) and vLLM's
+            and SGLang's `grouped_topk` rank by the group's best score (DeepSeek-V2's rule),
+            and the two keep different groups for most tokens. So a layer (`check`) refuses
+            grouped selection (topk_group < n_group) without a bias; a zero bias gives the
+            sum rule exactly, where that is what a model means.
         has_correction_bias: DeepSeek-V3 e_score_correction_bias, loaded with the weights.
+
+    `check` also refuses `sigmoid` with `renormalize` at top_k=1: renormalizing one weight
+    makes it exactly 1.0, where Llama-4's router (SGLang, vLLM: renormalize off) weights the
+    token by the sigmoid of its top logit.
     """
 
     method: RoutingMethod = RoutingMethod.SOFTMAX
@@ -67,8 +72,24 @@ class RoutingConfig:
                 raise ConfigError(
                     f"top_k={top_k} exceeds the experts in the kept groups ({self.topk_group}x{per_group})"
                 )
+            if self.topk_group < self.n_group and not self.has_correction_bias:
+                raise ConfigError(
+                    f"deepseek_v3 routing with n_group={self.n_group}, topk_group={self.topk_group} and no "
+                    "correction bias: moehal ranks groups by the sum of their two best scores (DeepSeek-V3's "
+                    "rule, which assumes a bias), while DeepSeek's reference gate, vLLM and SGLang rank "
+                    "bias-free groups by their best score (DeepSeek-V2's rule), so the kept groups would "
+                    "differ from the engines'. Set has_correction_bias=True and load the model's "
+                    "e_score_correction_bias (zeros to mean the sum rule), or keep every group "
+                    "(topk_group=n_group)"
+                )
         elif self.has_correction_bias:
             raise ConfigError("a correction bias is only defined for the deepseek_v3 routing method")
+        elif self.method is RoutingMethod.SIGMOID and self.renormalize and top_k == 1:
+            raise ConfigError(
+                "sigmoid routing with renormalize=True at top_k=1 weights every token 1.0 (one weight "
+                "divided by itself); Llama-4's router weights it by the sigmoid of its top logit: "
+                "use RoutingConfig('sigmoid', renormalize=False)"
+            )
 
 
 @dataclass(frozen=True, slots=True)

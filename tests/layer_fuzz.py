@@ -208,15 +208,19 @@ def layer_cases(draw, backend: str, schemes: tuple[str, ...] = ()) -> dict:
     if method == "deepseek_v3":
         n_group = draw(st.sampled_from([g for g in range(1, e + 1) if e % g == 0]))
         least = -(-c["top_k"] // (e // n_group))  # groups that hold top_k experts
+        topk_group = draw(st.integers(least, n_group))
         c["routing"] = dict(
             method=method,
             renormalize=draw(st.booleans()),
             n_group=n_group,
-            topk_group=draw(st.integers(least, n_group)),
-            has_correction_bias=draw(st.booleans()),
+            topk_group=topk_group,
+            # grouped selection without a bias is refused (RoutingConfig.check)
+            has_correction_bias=topk_group < n_group or draw(st.booleans()),
         )
     elif method is not None:
-        c["routing"] = dict(method=method, renormalize=draw(st.booleans()))
+        # sigmoid at top-1 renormalized would weight every token 1.0: refused (RoutingConfig.check)
+        renormalize = draw(st.booleans()) and not (method == "sigmoid" and c["top_k"] == 1)
+        c["routing"] = dict(method=method, renormalize=renormalize)
     c["logits"] = method is not None and draw(st.booleans())
     c["logits_dtype"] = draw(st.sampled_from(["float32", "layer"]))
     sizes = GPU_TOKENS if backend == "cuda" else [0, 1, 2, 5, 17]

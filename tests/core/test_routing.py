@@ -75,6 +75,31 @@ def test_deepseek_v3_ranks_groups_by_top2_sum_without_a_bias_too():
     assert got.ids.tolist() == [[2]]
 
 
+def test_grouped_deepseek_v3_routing_without_a_bias_is_refused_for_a_layer():
+    """Without a bias the engines (DeepSeek's gate, vLLM, SGLang) rank groups by their best
+    score, the oracle by the top-2 sum: here they keep different groups ([0.9, 0.1 | 0.6, 0.6]
+    above). A layer refuses the config rather than disagree silently; a bias (zeros mean the
+    sum rule), or keeping every group, is accepted."""
+    cfg = dict(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    with pytest.raises(moehal.ConfigError, match="has_correction_bias=True"):
+        moehal.MoEConfig(**cfg, routing=RoutingConfig("deepseek_v3", n_group=4, topk_group=2))
+    moehal.MoEConfig(**cfg, routing=RoutingConfig("deepseek_v3", n_group=4, topk_group=2, has_correction_bias=True))
+    moehal.MoEConfig(**cfg, routing=RoutingConfig("deepseek_v3", n_group=4, topk_group=4))
+    moehal.MoEConfig(**cfg, routing=RoutingConfig("deepseek_v3"))  # one group: no group ranking
+
+
+def test_sigmoid_routing_renormalized_at_top1_is_refused():
+    """One weight divided by itself is 1.0 for every token; Llama-4's router (renormalize off in
+    SGLang and vLLM) weights the token by sigmoid(top logit)."""
+    cfg = dict(num_experts=8, hidden_size=32, intermediate_size=16)
+    with pytest.raises(moehal.ConfigError, match="renormalize=False"):
+        moehal.MoEConfig(**cfg, top_k=1, routing=RoutingConfig("sigmoid"))
+    moehal.MoEConfig(**cfg, top_k=1, routing=RoutingConfig("sigmoid", renormalize=False))
+    moehal.MoEConfig(**cfg, top_k=2, routing=RoutingConfig("sigmoid"))
+    # what renormalizing would have done: every weight exactly 1.0
+    assert torch.equal(route(torch.randn(5, 8), 1, RoutingConfig("sigmoid")).weights, torch.ones(5, 1))
+
+
 def test_layer_called_with_router_logits_equals_topk_call(registry):
     routing = RoutingConfig("deepseek_v3", n_group=2, topk_group=1, has_correction_bias=True)
     cfg = moehal.MoEConfig(

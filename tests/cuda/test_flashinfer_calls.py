@@ -308,7 +308,9 @@ def test_trtllm_routed_scaling_is_applied_once(fake_flashinfer, routing, kernel_
 
 
 def test_trtllm_declines_deepseek_routing_without_renormalizing():
-    cfg = _cfg(routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=1, renormalize=False))
+    cfg = _cfg(
+        routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=1, renormalize=False, has_correction_bias=True)
+    )
     d = fm.TrtllmFp8BlockMoE().check_routing(BuildRequest(cfg, QuantScheme.parse("fp8_block"), SM100))
     assert not d.ok and "norm_topk_prob" in d.reason
 
@@ -342,11 +344,22 @@ def test_trtllm_softmax_routing_needs_the_routing_refactor(monkeypatch, renormal
         (dict(num_experts=64, top_k=11, routing=RoutingConfig("softmax")), "top_k <= 10"),
         (dict(num_experts=16, top_k=9, routing=RoutingConfig("deepseek_v3", n_group=2, topk_group=2)), "top_k <= 8"),
         (
-            dict(num_experts=64, top_k=8, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=5)),
+            dict(
+                num_experts=64,
+                top_k=8,
+                routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=5, has_correction_bias=True),
+            ),
             "topk_group <= 4",
         ),
         # 2 of 8 groups of 4 experts: 8 reachable, and the launcher wants top_k strictly below that
-        (dict(num_experts=32, top_k=8, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=2)), "top_k <"),
+        (
+            dict(
+                num_experts=32,
+                top_k=8,
+                routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=2, has_correction_bias=True),
+            ),
+            "top_k <",
+        ),
     ],
     ids=["experts%4", "experts<=topk", "softmax topk>10", "topk>8", "topk_group>4", "unreachable"],
 )
@@ -359,7 +372,9 @@ def test_trtllm_routing_limits_decline_at_build(monkeypatch, kw, why):
     d = fm.TrtllmFp8BlockMoE().check_routing(_trtllm_req(cfg))
     assert not d.ok and d.predicate == "routing" and why in d.reason, d.reason
     # DeepSeek-V3's own shape passes
-    ok = MoEConfig(256, 8, 256, 128, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=4))
+    ok = MoEConfig(
+        256, 8, 256, 128, routing=RoutingConfig("deepseek_v3", n_group=8, topk_group=4, has_correction_bias=True)
+    )
     assert fm.TrtllmFp8BlockMoE().check_routing(_trtllm_req(ok)).ok
 
 

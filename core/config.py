@@ -6,6 +6,7 @@ import enum
 import math
 import operator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from moehal.errors import ConfigError
@@ -18,6 +19,11 @@ class Activation(str, enum.Enum):
     SILU = "silu"
     GELU = "gelu"
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamped gate*sigmoid(alpha*gate)*(up+1); always gated
+
+
+# The strings `MoEConfig(activation=...)` takes for an `Activation` (for type checkers; the test
+# of the config types keeps them equal to the enum's values)
+_ActivationName = Literal["silu", "gelu", "swiglu_oai"]
 
 
 _DTYPES = {torch.bfloat16, torch.float16, torch.float32}
@@ -46,7 +52,7 @@ class MoEConfig:
         top_k: experts per token.
         hidden_size: H.
         intermediate_size: I (per expert, per partition).
-        activation: expert activation.
+        activation: expert activation, an `Activation` or its value ("silu", "gelu", "swiglu_oai").
         gated: whether w13 holds gate and up halves.
         swiglu_alpha, swiglu_limit: SwiGLU-OAI parameters (gpt-oss uses 1.702 and 7.0).
         has_w13_bias, has_w2_bias: whether biases are part of the weights.
@@ -82,6 +88,33 @@ class MoEConfig:
     routing: RoutingConfig | None = None
     max_tokens: int | None = None
     topk_padding: bool = False
+
+    if TYPE_CHECKING:
+        # For type checkers only; at run time the dataclass makes __init__ from the fields. It
+        # takes `activation` as a string too ("silu"), which __post_init__ converts, so that
+        # `cfg.activation` still reads as an `Activation`. tests/core/test_config_types.py keeps
+        # it equal to the fields (names, order, defaults, annotations).
+        def __init__(
+            self,
+            num_experts: int,
+            top_k: int,
+            hidden_size: int,
+            intermediate_size: int,
+            activation: Activation | _ActivationName = Activation.SILU,
+            gated: bool = True,
+            swiglu_alpha: float = 1.702,
+            swiglu_limit: float = 7.0,
+            has_w13_bias: bool = False,
+            has_w2_bias: bool = False,
+            routed_scaling_factor: float = 1.0,
+            apply_router_weight_on_input: bool = False,
+            ep_rank: int = 0,
+            ep_size: int = 1,
+            dtype: torch.dtype = torch.bfloat16,
+            routing: RoutingConfig | None = None,
+            max_tokens: int | None = None,
+            topk_padding: bool = False,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from moehal.errors import ConfigError
@@ -22,12 +23,18 @@ class RoutingMethod(str, enum.Enum):
     DEEPSEEK_V3 = "deepseek_v3"  # sigmoid + correction bias, grouped top-k (DeepSeek-V3/R1, Kimi-K2)
 
 
+# The strings `RoutingConfig(method)` takes for a `RoutingMethod` (for type checkers; the test of
+# the config types keeps them equal to the enum's values)
+_RoutingMethodName = Literal["softmax", "sigmoid", "deepseek_v3"]
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
     """How this layer turns router logits into top-k.
 
     Args:
-        method: score function and selection rule.
+        method: score function and selection rule, a `RoutingMethod` or its value ("softmax",
+            "sigmoid", "deepseek_v3").
         renormalize: divide the selected weights by their sum (DeepSeek's norm_topk_prob).
         n_group, topk_group: DeepSeek-V3 grouped selection: experts are split into n_group
             groups, the best topk_group groups (by the sum of their two best scores) are kept.
@@ -49,6 +56,20 @@ class RoutingConfig:
     n_group: int = 1
     topk_group: int = 1
     has_correction_bias: bool = False
+
+    if TYPE_CHECKING:
+        # For type checkers only; at run time the dataclass makes __init__ from the fields. It
+        # takes `method` as a string too ("softmax"), which __post_init__ converts, so that
+        # `config.method` still reads as a `RoutingMethod`. tests/core/test_config_types.py
+        # keeps it equal to the fields.
+        def __init__(
+            self,
+            method: RoutingMethod | _RoutingMethodName = RoutingMethod.SOFTMAX,
+            renormalize: bool = True,
+            n_group: int = 1,
+            topk_group: int = 1,
+            has_correction_bias: bool = False,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         try:

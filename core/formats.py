@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -60,6 +60,11 @@ class ScaleKind(str, enum.Enum):
     STATIC_TENSOR = "static_tensor"
 
 
+# The strings `ActivationFormat(scales=...)` takes for a `ScaleKind` (for type checkers; the test of
+# the config types keeps them equal to the enum's values)
+_ScaleKindName = Literal["none", "group128", "group128_ue8m0", "per_token", "static_tensor"]
+
+
 @dataclass(frozen=True, slots=True)
 class ActivationFormat:
     """What an experts kernel consumes, and so what its dispatcher must produce.
@@ -76,6 +81,19 @@ class ActivationFormat:
     dtype: torch.dtype
     scales: ScaleKind = ScaleKind.NONE
     row_alignment: int = 1
+
+    if TYPE_CHECKING:
+        # For type checkers only; at run time the dataclass makes __init__ from the fields. It
+        # takes `scales` as a string too ("group128"), which __post_init__ converts, so that
+        # `fmt.scales` still reads as a `ScaleKind`. tests/core/test_config_types.py keeps it
+        # equal to the fields.
+        def __init__(
+            self,
+            layout: Layout | str,
+            dtype: torch.dtype,
+            scales: ScaleKind | _ScaleKindName = ScaleKind.NONE,
+            row_alignment: int = 1,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         try:

@@ -31,8 +31,12 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moehal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Set as AbstractSet
 
 DEFAULT_MASKED_WORKSPACE_GIB = 8.0
 
@@ -69,6 +73,20 @@ class Settings:
     strict: bool = False
     emulate: frozenset[str] = field(default_factory=frozenset)
     masked_workspace_gib: float = DEFAULT_MASKED_WORKSPACE_GIB
+
+    if TYPE_CHECKING:
+        # For type checkers only; at run time the dataclass makes __init__ from the fields. It
+        # takes any set of names (`Settings(emulate={"npu"})`), which __post_init__ freezes, so
+        # that the fields still read as frozensets. tests/core/test_config_types.py keeps it
+        # equal to the fields.
+        def __init__(
+            self,
+            backend: str | None = None,
+            disabled_plugins: AbstractSet[str] = frozenset(),
+            strict: bool = False,
+            emulate: AbstractSet[str] = frozenset(),
+            masked_workspace_gib: float = DEFAULT_MASKED_WORKSPACE_GIB,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         # Settings built in code get the checks the variables get: a string for a set matched

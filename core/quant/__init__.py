@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from moehal.errors import ConfigError
 
@@ -29,12 +30,29 @@ class ScaleFormat(str, enum.Enum):
     UE8M0 = "ue8m0"  # scales rounded up to powers of two (DeepGEMM on SM100, DeepEP round_scale)
 
 
+# The strings `QuantScheme(kind, scale_format)` takes for the enums (for type checkers; the test of
+# the config types keeps them equal to the enums' values)
+_QuantKindName = Literal["bf16", "fp8_block", "fp8_tensor", "nvfp4", "w8a8_int8"]
+_ScaleFormatName = Literal["float", "ue8m0"]
+
+
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
     """A quantization scheme. Build with the constants below or `QuantScheme.parse`."""
 
     kind: QuantKind
     scale_format: ScaleFormat = ScaleFormat.FLOAT
+
+    if TYPE_CHECKING:
+        # For type checkers only; at run time the dataclass makes __init__ from the fields. It
+        # takes the enums as strings too (`QuantScheme("fp8_block", "ue8m0")`), which __post_init__
+        # converts, so that the fields still read as the enums. tests/core/test_config_types.py
+        # keeps it equal to the fields.
+        def __init__(
+            self,
+            kind: QuantKind | _QuantKindName,
+            scale_format: ScaleFormat | _ScaleFormatName = ScaleFormat.FLOAT,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", QuantKind(self.kind))

@@ -24,13 +24,19 @@ from typing import get_args
 
 import pytest
 from moehal.config import MoEConfig
+from moehal.formats import ActivationFormat
+from moehal.quant import QuantScheme
 from moehal.routing import RoutingConfig
+from moehal.settings import Settings
 
 # The configs with an `__init__` stub, and the parameters the stub widens (annotation as written
 # in the stub); every other parameter is annotated as its field is.
 WIDENED: dict[type, dict[str, str]] = {
     MoEConfig: {"activation": "Activation | _ActivationName"},
     RoutingConfig: {"method": "RoutingMethod | _RoutingMethodName"},
+    QuantScheme: {"kind": "QuantKind | _QuantKindName", "scale_format": "ScaleFormat | _ScaleFormatName"},
+    ActivationFormat: {"scales": "ScaleKind | _ScaleKindName"},
+    Settings: {"disabled_plugins": "AbstractSet[str]", "emulate": "AbstractSet[str]"},
 }
 
 
@@ -111,11 +117,12 @@ def test_the_stub_is_for_type_checkers_only(cls):
 
 
 def _enum_parameters() -> list[tuple[type, str, type[enum.Enum]]]:
-    """(class, parameter, enum) of each widened `Enum | ...` annotation."""
+    """(class, parameter, enum) of each widened parameter whose field is an enum."""
     out = []
     for cls, widened in WIDENED.items():
-        for name, annotation in widened.items():
-            kind = eval(annotation.partition(" | ")[0], vars(sys.modules[cls.__module__]))
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for name in widened:
+            kind = eval(types[name], vars(sys.modules[cls.__module__]))
             if isinstance(kind, type) and issubclass(kind, enum.Enum):
                 out.append((cls, name, kind))
     return out
@@ -129,14 +136,15 @@ def test_the_names_a_stub_takes_are_the_enum_values(cls, name, kind):
     assert get_args(names) == tuple(m.value for m in kind)
 
 
-# The documented calls (README.md, docs/user-guide.md, docs/backends/npu.md), and what their
-# fields read as; run here too, so the snippet cannot claim a call that fails at run time.
+# The documented calls (README.md, docs/user-guide.md, docs/backends/npu.md) and the other
+# string forms the configs take, and what their fields read as; run here too, so the snippet
+# cannot claim a call that fails at run time.
 _ACCEPTED = """
     from typing_extensions import assert_type
 
     import torch
     import moehal
-    from moehal import Activation, RoutingMethod
+    from moehal import Activation, Layout, QuantKind, RoutingMethod, ScaleFormat, ScaleKind
 
     cfg = moehal.MoEConfig(
         num_experts=64,
@@ -153,6 +161,13 @@ _ACCEPTED = """
     assert_type(deepseek.method, RoutingMethod)
     routed = cfg.with_(routing=routing)
     assert_type(moehal.MoEConfig(8, 2, 64, 32, Activation.GELU, gated=False).activation, Activation)
+    settings = moehal.Settings(emulate={"npu"})
+    assert_type(settings.emulate, frozenset[str])
+    scheme = moehal.QuantScheme("fp8_block", "ue8m0")
+    assert_type(scheme.kind, QuantKind)
+    assert_type(scheme.scale_format, ScaleFormat)
+    fmt = moehal.ActivationFormat(Layout.CONTIGUOUS, torch.float8_e4m3fn, "group128", row_alignment=128)
+    assert_type(fmt.scales, ScaleKind)
 """
 
 # Wrong calls mypy must still refuse, each with a word of its error
@@ -161,6 +176,8 @@ _REFUSED = [
     ("moehal.MoEConfig(num_experts=8, top_k=2, hidden_size=64)", "intermediate_size"),
     ('moehal.RoutingConfig("Softmax")', "RoutingConfig"),
     ('moehal.RoutingConfig(mehtod="softmax")', "mehtod"),
+    ('moehal.QuantScheme("fp8_block:ue8m0")', "QuantScheme"),
+    ('moehal.Settings(emulate="npu")', "emulate"),
 ]
 
 
@@ -169,8 +186,9 @@ def test_the_documented_calls_run():
 
 
 def test_mypy_accepts_the_documented_calls_and_reads_the_enums(tmp_path):
-    """mypy (where installed: CI does not install it) accepts the string forms, still reads the
-    fields as the enums (`assert_type`), and refuses a wrong name or a missing argument. moehal
+    """mypy (where installed: CI does not install it) accepts the string forms (and a set for
+    Settings' frozensets), still reads the fields as the enums (`assert_type`), and refuses a
+    wrong name, a string for a set or a missing argument. moehal
     is found through a link in MYPYPATH, as an editable install's import hook is invisible to
     mypy; its modules are checked only as far as the snippets need (`--follow-imports=silent`)."""
     try:

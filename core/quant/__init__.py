@@ -55,8 +55,15 @@ class QuantScheme:
         ) -> None: ...
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", QuantKind(self.kind))
-        object.__setattr__(self, "scale_format", ScaleFormat(self.scale_format))
+        for name, enum_type in (("kind", QuantKind), ("scale_format", ScaleFormat)):
+            try:
+                object.__setattr__(self, name, enum_type(getattr(self, name)))
+            except ValueError:
+                names = ", ".join(m.value for m in enum_type)
+                hint = " (QuantScheme.parse reads names such as 'fp8_block:ue8m0')" if name == "kind" else ""
+                raise ConfigError(
+                    f"QuantScheme.{name} must be one of {names}; got {getattr(self, name)!r}{hint}"
+                ) from None
         if self.scale_format is ScaleFormat.UE8M0 and self.kind is not QuantKind.FP8_BLOCK:
             raise ConfigError("UE8M0 scales are defined for fp8_block only")
 

@@ -289,6 +289,14 @@ def test_an_unknown_routing_method_is_a_config_error():
         moehal.RoutingConfig("topk")
 
 
+def test_an_unknown_quant_kind_or_scale_format_is_a_config_error():
+    """Built directly (not through QuantScheme.parse), a bad name raised a bare ValueError."""
+    with pytest.raises(moehal.ConfigError, match="kind must be one of bf16, .*got 'fp8_block:ue8m0'.*parse"):
+        moehal.QuantScheme("fp8_block:ue8m0")
+    with pytest.raises(moehal.ConfigError, match="scale_format must be one of float, ue8m0; got 'e8m0'"):
+        moehal.QuantScheme("fp8_block", "e8m0")
+
+
 def test_quantize_weights_takes_a_scheme_name_and_names_what_nvfp4_cannot_pack():
     w13, w2 = torch.randn(4, 32, 32), torch.randn(4, 32, 16)
     w = moehal.quantize_weights(CFG, "fp8_block", w13, w2)  # as the README writes it

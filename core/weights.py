@@ -343,10 +343,11 @@ def from_per_expert(
     `[I/128, H/128]`, int8's `[I]`, nvfp4's `[I, H/16]`) are stacked gate-then-up.
 
     Where w13 holds one scale for both halves and the checkpoint has two that differ, the half
-    with the finer scale is requantized to the coarser one, as vLLM does: fp8_tensor's
-    per-expert scales (the fp8 weights are rescaled and rounded again), and nvfp4's global
-    scales (`*_global_scale`, one per expert: `1 / weight_scale_2` of a ModelOpt checkpoint;
-    the e4m3 block scales are rescaled and rounded again). `extra`: the other `ExpertWeights`
+    with the finer scale is requantized to the coarser one: fp8_tensor's per-expert scales (the
+    fp8 weights are rescaled and rounded again, as vLLM's `requantize_with_max_scale` does), and
+    nvfp4's global scales (`*_global_scale`, one per expert: `1 / weight_scale_2` of a ModelOpt
+    checkpoint; the e4m3 block scales are rescaled and rounded again, where vLLM keeps the
+    gate's global and warns). `extra`: the other `ExpertWeights`
     fields (activation scales, `correction_bias`), as they are."""
     e = len(down)
     for name, seq in (("gate", gate), ("up", up)):
@@ -441,8 +442,9 @@ def _shared_global_scales(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """nvfp4 gate and up global scales (`x = e2m1 * block / global`) -> one per expert, the
     smaller (ModelOpt's larger `weight_scale_2`), with the other half's e4m3 block scales
-    multiplied by global / own global (<= 1) and rounded again, as vLLM reconciles them. The
-    e2m1 values stay."""
+    multiplied by global / own global (<= 1) and rounded again. The e2m1 values stay. This is
+    faithful to the checkpoint; vLLM's ModelOpt loader instead keeps the gate's global and warns
+    when the two differ (reconciling them was proposed upstream, vllm #55073 and #56095)."""
     if not len(gate_s) == len(up_s) == len(gate_g) == len(up_g):
         raise WeightError(
             f"{len(gate_s)} gate and {len(up_s)} up block scales, {len(gate_g)} gate and {len(up_g)} up global scales"

@@ -1,5 +1,10 @@
 """INT8 W8A8 reference quantization: symmetric, per output channel for weights, dynamic
-per token for activations (the scheme of SGLang's W8A8Int8 and Ascend's W8A8 dynamic)."""
+per token for activations (the scheme of SGLang's W8A8Int8 and Ascend's W8A8 dynamic).
+
+Codes are `round(x / scale)` with ties to even, as vLLM's CUDA quantizer rounds. The Triton
+`per_token_quant_int8` that SGLang's and vLLM's fused MoE call computes `x * (127 / amax)` and
+rounds ties away from zero: about 1 code in 800 differs from this one by one step, with equal
+scales. Conformance tolerances hold either; the reference picks one and says so."""
 
 from __future__ import annotations
 

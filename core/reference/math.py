@@ -1,8 +1,11 @@
 """The reference expert MLP: dequantized weights, activations quantized as the scheme says.
 
-Roundings follow what a real kernel stores: GEMM1 output and the activation output are
+Roundings follow what an unfused kernel stores: GEMM1 output and the activation output are
 rounded to the layer dtype (bf16 kernels keep these intermediates in bf16), then quantized
-for GEMM2 per the scheme. Arithmetic is float32.
+for GEMM2 per the scheme. Arithmetic is float32. Kernels round elsewhere within tolerance:
+vLLM's and SGLang's activation kernels also round `act(gate)` to bf16 before the product
+with `up` (1-2 bf16 ulp on about a quarter of outputs), and kernels that fuse the activation
+into GEMM1's epilogue never round GEMM1's output.
 """
 
 from __future__ import annotations

@@ -389,9 +389,14 @@ class CaseBuilder:
         routings = {
             "softmax": RoutingConfig("softmax"),
             "deepseek_v3": RoutingConfig("deepseek_v3", n_group=4, topk_group=2, has_correction_bias=True),
+            # Llama-4: top-1 on the logits, the token scaled by sigmoid(top logit) on the input
+            "sigmoid": RoutingConfig("sigmoid", renormalize=False),
         }
+        top_ks = {"deepseek_v3": 4, "sigmoid": 1}
         for name, routing in routings.items():
-            change = dict(routing=routing, top_k=4 if name == "deepseek_v3" else 2)
+            change: dict[str, object] = dict(routing=routing, top_k=top_ks.get(name, 2))
+            if name == "sigmoid":
+                change["apply_router_weight_on_input"] = True
             for quant in claimed[:2] or [BF16]:
                 for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                     names = (f"{name}_{dt_name}_logits", f"{name}_{dt_name}_logits_512")

@@ -86,6 +86,30 @@ def test_a_report_write_that_stops_midway_leaves_the_previous_report_whole(tmp_p
     report.check_writable(tmp_path / "ref")  # the next run may write there
 
 
+def test_the_report_folder_is_made_when_the_report_is_written_not_before_the_run(tmp_path, capsys, monkeypatch):
+    """The check of the --report path made its folder before the run: a run stopped or refused
+    before its report (a Ctrl-C outside a case, a crash) left an empty folder behind."""
+    path = tmp_path / "new" / "sub" / "r"
+    assert report.check_writable(path) == (path.with_suffix(".json"), path.with_suffix(".md"))
+    assert not (tmp_path / "new").exists()  # checked, not made
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(report.ReportPathError, match="afile: not a directory"):  # still refused
+        report.check_writable(tmp_path / "afile" / "sub" / "r")
+
+    def stopped(self, *args, **kwargs):
+        raise KeyboardInterrupt  # as a Ctrl-C that lands between the check and the report
+
+    with monkeypatch.context() as m:
+        m.setattr(Suite, "run", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            conformance_main([*BASE, *SILU, "--report", str(path)])
+    assert not (tmp_path / "new").exists()
+    assert conformance_main([*BASE, *SILU, "--report", str(path)]) == 0  # a good run writes as before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.json", "r.md"]
+    assert json.loads(path.with_suffix(".json").read_text())["summary"]["verdict"].startswith("PASS")
+    assert f"reports: {path.with_suffix('.md')} {path.with_suffix('.json')}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("world", ["-2", "x"])
 def test_ep_takes_a_world_size_of_0_or_more(world, capsys, no_run):
     with pytest.raises(SystemExit) as info:

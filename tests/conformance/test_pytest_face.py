@@ -96,3 +96,16 @@ def test_the_pytest_face_refuses_a_report_path_over_a_file_that_is_not_a_report(
     assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]  # pytest's USAGE_ERROR, nothing ran
     assert "not a moehal conformance report" in done.stderr and "passed" not in done.stdout
     assert readme.read_text() == "# My project\n"
+
+
+def test_a_pytest_session_that_writes_no_report_leaves_no_folder(tmp_path):
+    """`--moehal-report` made its folder when pytest started: a session that ran no case (a -k
+    that selects none, a collection error) wrote no report and left the empty folder."""
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
+        "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick", "-k", "no_such_case",
+        f"--moehal-report={tmp_path / 'new' / 'ref'}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 5, done.stdout[-3000:] + done.stderr[-3000:]  # pytest's NO_TESTS_COLLECTED
+    assert "deselected" in done.stdout and not (tmp_path / "new").exists()

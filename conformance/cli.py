@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 from moehal.cli.common import int_at_least, make_console
 from moehal.errors import MoEHalError
 from moehal_conformance import components, report
+from moehal_conformance.cases import Case
 from moehal_conformance.runner import FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite, selected
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -90,6 +93,18 @@ def _interrupt_on_sigterm() -> None:
 # every this many cases or seconds (a 132-case run printed nothing for 50 s)
 PROGRESS_EVERY = 25
 PROGRESS_SECONDS = 30.0
+# ... and while one case runs longer than this, a line every this many seconds that names it (those
+# lines came between cases only: a case of minutes, or a hung one, looked like a hung run)
+HEARTBEAT_SECONDS = 30.0
+
+_STDERR = threading.Lock()  # the progress lines and the heartbeat's thread: whole lines, one at a time
+
+
+def _say(line: str) -> None:
+    """`line` on stderr in one write, under `_STDERR` (never cut by another thread's line)."""
+    with _STDERR:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 class PlainProgress:
@@ -104,11 +119,40 @@ class PlainProgress:
         now = time.monotonic()
         if self.done % PROGRESS_EVERY == 0 or now - self.last >= PROGRESS_SECONDS:
             self.last = now
-            print(
-                f"moehal conformance: {self.done}/{self.total} cases, {now - self.start:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"moehal conformance: {self.done}/{self.total} cases, {now - self.start:.0f} s")
+
+
+@contextmanager
+def heartbeat(case_id: str) -> Iterator[None]:
+    """While the body runs past `HEARTBEAT_SECONDS`, `moehal conformance: still running ID (N s)`
+    on stderr, then again at each multiple of it. A daemon thread writes the lines; it is stopped
+    and joined when the body ends (an exception or KeyboardInterrupt too): no line after that."""
+    every, start, stop = HEARTBEAT_SECONDS, time.monotonic(), threading.Event()
+
+    def beat() -> None:
+        n = 1
+        while not stop.wait(max(0.0, start + n * every - time.monotonic())):
+            _say(f"moehal conformance: still running {case_id} ({time.monotonic() - start:.0f} s)")
+            n += 1
+
+    thread = threading.Thread(target=beat, name="moehal-conformance-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()  # a line being written ends first
+
+
+class RunningCase(ProgressColumn):
+    """The live display's running case and how long it has run (the task's fields `case`, `since`);
+    the clock before it is the whole run's."""
+
+    def render(self, task: Task) -> Text:
+        case = task.fields.get("case")
+        if not case:
+            return Text("")
+        return Text(f"{case} ({time.monotonic() - task.fields['since']:.0f} s)", no_wrap=True, overflow="ellipsis")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,17 +197,26 @@ def _main(argv: Sequence[str] | None) -> int:
     console.print(
         f"moehal conformance: backend [bold]{suite.backend}[/bold] on {suite.device}, {len(cases)} cases{ep_note}"
     )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), RunningCase())
     plain = None if console.is_terminal else PlainProgress(len(cases))  # a log, a pipe: no live bar
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("running", total=len(cases))
+        task = progress.add_task("running", total=len(cases), case="", since=0.0)
 
         def tick(r: object) -> None:
             progress.advance(task)
             if plain is not None:
                 plain.advance()
 
-        suite.run(cases, tick)
+        @contextmanager
+        def watch(case: Case) -> Iterator[None]:
+            progress.update(task, case=case.id, since=time.monotonic())  # the live display's
+            try:
+                with heartbeat(case.id) if plain is not None else nullcontext():  # a log's
+                    yield
+            finally:
+                progress.update(task, case="")
+
+        suite.run(cases, tick, watch)
     if args.ep and not ep_count:
         console.print(f"expert parallelism: -k {args.select} selects none of its cases", markup=False)
     if ep_count:

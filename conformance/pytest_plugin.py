@@ -5,11 +5,14 @@
 Inert unless `--moehal-backend` is given, so it never changes other test sessions.
 Declined and not-run cases are reported as skips whose reason starts with `declined:` or
 `not run:`; the report file lists them too. The terminal summary ends with the backend's
-components, verified or not run and why (`moehal_conformance.components`).
+components, verified or not run and why (`moehal_conformance.components`). A report that fails
+to write at the end is one line on stderr, and a passing session then exits 4 (pytest's usage
+error, as for a `--moehal-report` path refused before the session).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,7 +114,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             done = {r.id for r in suite.results}
             cases = [c.params["moehal_case"] for c in _callspecs(getattr(session, "items", []))]
             suite._not_run([c for c in cases if c.id not in done], "the run was interrupted before this case")
-        report.write(suite, path)
+        try:
+            report.write(suite, path)
+        except (report.ReportPathError, OSError) as exc:  # a full disk: one line, not a traceback
+            # as the CLI: a passing session's lost report is a usage error (pytest's is 4); a
+            # failed or interrupted session keeps its own status
+            sys.stderr.write(f"moehal conformance: the reports were not written: --moehal-report={path}: {exc}\n")
+            if exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:

@@ -240,7 +240,8 @@ def is_report(path: Path) -> bool:
 def check_writable(path: str | Path) -> tuple[Path, Path]:
     """Before a run: `ReportPathError` where `write` would overwrite a file that is not a report,
     or where the reports' folder cannot be made or written to (a run of minutes whose report
-    then failed to write was lost). Makes the folder, as `write` would."""
+    then failed to write was lost). Makes nothing: `write` makes a missing folder, so a run
+    stopped or refused before its report leaves no empty folder behind."""
     js, md = report_paths(path)
     why = output_problem((js, md), is_report, "a moehal conformance report")
     if why is not None:
@@ -250,7 +251,8 @@ def check_writable(path: str | Path) -> tuple[Path, Path]:
 
 def write(suite: Suite, path: str | Path) -> tuple[Path, Path]:
     """Write `<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced), each
-    in one step (`replace_file`: a run stopped mid-write leaves the previous report whole); an
+    in one step (`replace_file`: a run stopped mid-write leaves the previous report whole; it
+    makes the folder where it is missing); an
     existing file of either name that is not a moehal conformance report is left alone
     (`ReportPathError`). OSError where a write fails."""
     js, md = check_writable(path)

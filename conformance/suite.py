@@ -6,6 +6,7 @@ import datetime as _dt
 import functools
 import platform
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -155,13 +156,22 @@ class Suite:
         template = BuildRequest(moehal.MoEConfig(**BASE), BF16, hw, self.registry.settings)  # type: ignore[arg-type]
         return CaseBuilder(self.backend, self.registry, template, self.profile).all_cases()
 
-    def run(self, cases: list[Case] | None = None, on_result: Callable[[CaseResult], None] | None = None) -> None:
+    def run(
+        self,
+        cases: list[Case] | None = None,
+        on_result: Callable[[CaseResult], None] | None = None,
+        watch: Callable[[Case], AbstractContextManager[object]] | None = None,
+    ) -> None:
+        """Run `cases` (all by default) in order, keeping each result and handing it to
+        `on_result`. Each case runs inside `watch(case)` where given (the CLI's heartbeat and live
+        display), which is left when the case ends, by an exception or KeyboardInterrupt too."""
         runner = CaseRunner(self.registry, self.device, self.poison)
         todo = cases if cases is not None else self.cases()
         try:
             for n, case in enumerate(todo):
                 try:
-                    r = runner.run(case)
+                    with watch(case) if watch is not None else nullcontext():
+                        r = runner.run(case)
                 except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit): keep what ran, say what did not
                     self.interrupted = True
                     self._not_run(todo[n:], "the run was interrupted before this case")

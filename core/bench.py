@@ -1079,7 +1079,8 @@ def _earlier_output(path: Path) -> bool:
 
 def out_problem(out: Path) -> str | None:
     """Why `moehal bench --out OUT` could not write OUT.json and OUT.png, found before anything
-    is measured; None where it can. Makes OUT's directory. A file already there is replaced
+    is measured; None where it can. Makes nothing (OUT's directory is made at the first write,
+    `moehal.cli.common.replace_file`). A file already there is replaced
     only where it is an earlier run's output (`_earlier_output`); never a directory."""
     try:
         targets = [out.with_suffix(".json"), out.with_suffix(".png")]

@@ -90,7 +90,10 @@ def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
     """`path` replaced in one step: `write(part)` writes a file beside it, which is then renamed
     over it, so a run stopped mid-write (a time limit's SIGTERM, a full disk) leaves the
     previous file whole, not a truncated one that the next run's `output_problem` would refuse
-    as not its own. OSError as `write` or the rename raise it."""
+    as not its own. Makes `path`'s folder where it is missing: here, when there is something to
+    write, not in `output_problem` before the run (a run refused or stopped before its output
+    left an empty folder behind). OSError as the folder, `write` or the rename raise it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     try:
         write(part)
@@ -103,7 +106,9 @@ def output_problem(paths: Sequence[Path], ours: Callable[[Path], bool], what: st
     """Why `paths` (files of one folder) could not be written, found before a run of minutes
     whose output would then be lost; None where they can. An existing file is replaced only
     where `ours(file)` says it is an earlier output of the same command (`what` names such a
-    file): `--report README` once overwrote a project's README. Makes the folder."""
+    file): `--report README` once overwrote a project's README. Makes nothing: a missing folder
+    is checked at its deepest existing ancestor (can a file, hence the folder, be made there?),
+    and made when the files are written (`replace_file`)."""
     for f in paths:
         if f.is_dir():
             return f"{f} is a directory, not a file"
@@ -111,15 +116,18 @@ def output_problem(paths: Sequence[Path], ours: Callable[[Path], bool], what: st
             return f"{f} exists and is not a file"
         if f.exists() and not ours(f):
             return f"{f} exists and is not {what}: not overwritten (move it, or choose another path)"
-    parent = paths[0].parent
+    base = paths[0].parent
+    while not (base.exists() or base.is_symlink()) and base != base.parent:
+        base = base.parent  # (a dangling link stops here: the folder could not be made through it)
+    if not base.is_dir():
+        return f"cannot write to {base}: not a directory"
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=parent):  # can a file be made there?
+        with tempfile.TemporaryFile(dir=base):  # can a file be made there?
             pass
         for f in paths:
             if f.exists():
                 with f.open("ab"):  # writable (opened without a change)
                     pass
     except OSError as exc:
-        return f"cannot write to {exc.filename or parent}: {exc.strerror or exc}"
+        return f"cannot write to {exc.filename or base}: {exc.strerror or exc}"
     return None

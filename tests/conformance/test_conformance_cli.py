@@ -86,6 +86,30 @@ def test_a_report_write_that_stops_midway_leaves_the_previous_report_whole(tmp_p
     report.check_writable(tmp_path / "ref")  # the next run may write there
 
 
+def test_the_report_folder_is_made_when_the_report_is_written_not_before_the_run(tmp_path, capsys, monkeypatch):
+    """The check of the --report path made its folder before the run: a run stopped or refused
+    before its report (a Ctrl-C outside a case, a crash) left an empty folder behind."""
+    path = tmp_path / "new" / "sub" / "r"
+    assert report.check_writable(path) == (path.with_suffix(".json"), path.with_suffix(".md"))
+    assert not (tmp_path / "new").exists()  # checked, not made
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(report.ReportPathError, match="afile: not a directory"):  # still refused
+        report.check_writable(tmp_path / "afile" / "sub" / "r")
+
+    def stopped(self, *args, **kwargs):
+        raise KeyboardInterrupt  # as a Ctrl-C that lands between the check and the report
+
+    with monkeypatch.context() as m:
+        m.setattr(Suite, "run", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            conformance_main([*BASE, *SILU, "--report", str(path)])
+    assert not (tmp_path / "new").exists()
+    assert conformance_main([*BASE, *SILU, "--report", str(path)]) == 0  # a good run writes as before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.json", "r.md"]
+    assert json.loads(path.with_suffix(".json").read_text())["summary"]["verdict"].startswith("PASS")
+    assert f"reports: {path.with_suffix('.md')} {path.with_suffix('.json')}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("world", ["-2", "x"])
 def test_ep_takes_a_world_size_of_0_or_more(world, capsys, no_run):
     with pytest.raises(SystemExit) as info:
@@ -169,6 +193,118 @@ def test_a_run_into_a_pipe_prints_plain_progress_lines_on_stderr(every, seconds,
     assert [line.split()[2] for line in lines] == want, err
     assert all(line.startswith("moehal conformance: ") and line.endswith(" s") for line in lines)
     assert "\r" not in err and "cases, " not in out
+
+
+HEARTBEAT_THREAD = "moehal-conformance-heartbeat"
+
+
+def _one_slow_case(monkeypatch, seconds: float, then: BaseException | None = None) -> list[str]:
+    """Cases that pass at once, but the first, which takes `seconds` (then raises `then`, if
+    given); returns the slow case's id once it ran. `HEARTBEAT_SECONDS` is lowered to 0.1 s."""
+    import time
+
+    from moehal_conformance import cli
+    from moehal_conformance.runner import PASS, CaseResult, CaseRunner
+
+    slow: list[str] = []
+
+    def run(self, case):
+        if not slow:
+            slow.append(case.id)
+            time.sleep(seconds)
+            if then is not None:
+                raise then
+        return CaseResult(case.id, case.family, case.check, case.quant.name, case.layout, "fake", PASS)
+
+    monkeypatch.setattr(CaseRunner, "run", run)
+    monkeypatch.setattr(cli, "HEARTBEAT_SECONDS", 0.1, raising=False)
+    return slow
+
+
+def _heartbeat_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name == HEARTBEAT_THREAD]
+
+
+def test_a_case_that_runs_long_says_so_in_a_log_while_it_runs(monkeypatch, capsys):
+    """Progress lines came between cases only: a case of minutes (or a hung one) printed
+    nothing, and a CI log read as a hang. Past HEARTBEAT_SECONDS, a line names the running case,
+    again at each multiple; none after the case ends."""
+    import re
+
+    from moehal_conformance import cli
+
+    slow = _one_slow_case(monkeypatch, 0.35)
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 1)  # each case's end is a line too
+    assert conformance_main([*BASE, *SILU]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    beats = [re.fullmatch(r"moehal conformance: still running (\S+) \((\d+) s\)", line) for line in lines[:-3]]
+    assert all(beats) and 2 <= len(beats) <= 4, lines  # at 0.1, 0.2, 0.3 s: whole lines, one each time
+    assert {m.group(1) for m in beats} == set(slow), lines
+    assert [line.split()[2] for line in lines[-3:]] == ["1/3", "2/3", "3/3"], lines  # none after its end
+    assert _heartbeat_threads() == []
+
+
+def test_the_heartbeat_stops_when_a_case_is_interrupted(monkeypatch, capsys):
+    import time
+
+    _one_slow_case(monkeypatch, 0.25, then=KeyboardInterrupt())
+    assert conformance_main([*BASE, *SILU]) == 3  # INCOMPLETE
+    said = capsys.readouterr().err.count("still running")
+    assert said >= 1 and _heartbeat_threads() == []
+    time.sleep(0.3)
+    assert "still running" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_the_heartbeat_thread_is_stopped_by_an_exception_in_its_body(error, monkeypatch, capsys):
+    import time
+
+    from moehal_conformance import cli
+
+    monkeypatch.setattr(cli, "HEARTBEAT_SECONDS", 0.05)
+    with pytest.raises(error):
+        with cli.heartbeat("shapes/x"):
+            time.sleep(0.12)
+            raise error
+    assert capsys.readouterr().err.startswith("moehal conformance: still running shapes/x (0 s)\n")
+    assert _heartbeat_threads() == []
+    time.sleep(0.15)
+    assert capsys.readouterr().err == ""
+
+
+def test_on_a_terminal_the_live_display_shows_the_running_case_and_its_time(monkeypatch, capsys):
+    """On a terminal the bar showed the cases done and the run's clock: a slow case was a bar
+    that did not move. The running case's id and its own time show beside it, no heartbeat
+    line."""
+    import io
+
+    from moehal_conformance import cli
+    from rich.console import Console
+
+    screen = io.StringIO()
+    real = cli.make_console
+    monkeypatch.setattr(
+        cli, "make_console", lambda **kw: real(**kw) if kw else Console(file=screen, force_terminal=True, width=200)
+    )
+    slow = _one_slow_case(monkeypatch, 0.45)  # the display redraws 10 times a second
+    assert conformance_main([*BASE, *SILU]) == 0
+    assert f"{slow[0]} (0 s)" in screen.getvalue()
+    assert "still running" not in capsys.readouterr().err
+
+
+def test_the_running_case_column_reads_the_case_and_its_start():
+    import time
+
+    from moehal_conformance.cli import RunningCase
+    from rich.progress import Progress
+
+    with Progress(RunningCase(), disable=True) as progress:
+        task = progress.add_task("running", case="tuned/x", since=time.monotonic() - 65)
+        assert RunningCase().render(progress.tasks[task]).plain == "tuned/x (65 s)"
+        progress.update(task, case="")  # between cases: nothing
+        assert RunningCase().render(progress.tasks[task]).plain == ""
 
 
 def test_an_interrupted_run_exits_3_not_as_a_failure(monkeypatch, tmp_path, capsys):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_the_pytest_face_runs_cases_writes_the_report_and_lists_components(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -58,6 +60,41 @@ def test_an_interrupted_pytest_session_reports_incomplete(tmp_path):
     assert "**Verdict: INCOMPLETE (interrupted), subset (-k `matrix and bf16`)**" in md
 
 
+@pytest.mark.parametrize(("fail", "code"), [(False, 4), (True, 1)])
+def test_a_report_that_fails_to_write_at_the_pytest_faces_end_is_one_line(tmp_path, fail, code):
+    """A disk error at session finish was a 70-line traceback, the summary line lost and exit
+    status 1 (Python's, for an uncaught exception) on a session whose cases all passed. As the
+    CLI: one line on stderr; a passing session exits with pytest's usage error (4), a failed one
+    keeps its 1."""
+    (tmp_path / "diskfull.py").write_text(
+        "def pytest_configure(config):\n"
+        "    from moehal_conformance import report, runner\n\n"
+        "    def full(path, write):\n"
+        "        raise OSError(28, 'No space left on device', str(path))\n\n"
+        "    report.replace_file = full\n"
+        f"    if {fail}:\n"
+        "        real = runner.CaseRunner.run\n\n"
+        "        def run(self, case):\n"
+        "            r = real(self, case)\n"
+        "            r.status, r.detail = runner.FAIL, 'made to fail'\n"
+        "            return r\n\n"
+        "        runner.CaseRunner.run = run\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *_pythonpath()])}
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
+        "-p", "diskfull", "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick",
+        "-k", "matrix and bf16 and silu", f"--moehal-report={tmp_path / 'ref'}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == code, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ("6 failed" if fail else "6 passed") in done.stdout.splitlines()[-1], done.stdout[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("moehal conformance: the reports were not written: --moehal-report=")
+    assert "No space left on device" in line and "Traceback" not in done.stderr + done.stdout
+    assert not list(tmp_path.glob("ref*"))
+
+
 def _pythonpath() -> list[str]:
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
@@ -96,3 +133,16 @@ def test_the_pytest_face_refuses_a_report_path_over_a_file_that_is_not_a_report(
     assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]  # pytest's USAGE_ERROR, nothing ran
     assert "not a moehal conformance report" in done.stderr and "passed" not in done.stdout
     assert readme.read_text() == "# My project\n"
+
+
+def test_a_pytest_session_that_writes_no_report_leaves_no_folder(tmp_path):
+    """`--moehal-report` made its folder when pytest started: a session that ran no case (a -k
+    that selects none, a collection error) wrote no report and left the empty folder."""
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
+        "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick", "-k", "no_such_case",
+        f"--moehal-report={tmp_path / 'new' / 'ref'}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 5, done.stdout[-3000:] + done.stderr[-3000:]  # pytest's NO_TESTS_COLLECTED
+    assert "deselected" in done.stdout and not (tmp_path / "new").exists()

@@ -816,7 +816,12 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument(
         "--max-reference-tokens", type=int_at_least(0), default=256, help="the reference is slow: cap its tokens"
     )
-    p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write OUT.json and OUT.png, after every row; a .json or .png suffix of OUT is replaced "
+        "(--out run.json: run.json and run.png), any other is part of the name (--out run.v2: run.v2.json)",
+    )
     p.add_argument(
         "--max-tokens",
         type=int_at_least(1),
@@ -894,6 +899,7 @@ def _main(argv: Sequence[str] | None) -> int:
         why = out_problem(out)
         if why is not None:
             p.error(f"--out: {why}")
+        out_json, out_png = out_paths(out)
     import signal
 
     def stop(signum: int, frame: object) -> None:
@@ -944,8 +950,8 @@ def _main(argv: Sequence[str] | None) -> int:
             "jobs": len(jobs),
         }
         text = json_text(data)  # NaN (no GPU clock, no check) as null
-        _write(out.with_suffix(".json"), lambda part: part.write_text(text))
-        written[:] = [out.with_suffix(".json")]
+        _write(out_json, lambda part: part.write_text(text))
+        written[:] = [out_json]
 
     # rich draws its progress bar on a terminal only: a log or a pipe (a device run) saw nothing
     # between rows for hours, so there each finished row is a plain line on stderr
@@ -1028,7 +1034,7 @@ def _main(argv: Sequence[str] | None) -> int:
                 console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
             if out is not None:
                 save()
-                png = plot(rows, out.with_suffix(".png"))
+                png = plot(rows, out_png)
         except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays
             console.print("interrupted while reporting the run", markup=False)
             interrupted.append("while reporting")
@@ -1077,12 +1083,25 @@ def _earlier_output(path: Path) -> bool:
     return isinstance(data, dict) and "rows" in data and "ceilings" in data
 
 
+def out_paths(out: str | Path) -> tuple[Path, Path]:
+    """The JSON and PNG files of `moehal bench --out OUT`: OUT.json and OUT.png, where a `.json`
+    or `.png` suffix of OUT is replaced (`--out run.json` writes run.json and run.png) and any
+    other is kept as part of the name (`--out run.v2` writes run.v2.json, not run.json).
+    ValueError where OUT names no file ('.', '..', '')."""
+    p = Path(out)
+    stem = p.with_suffix("") if p.suffix in (".json", ".png") else p
+    if stem.name in ("", ".", ".."):
+        raise ValueError(f"{str(out)!r} names no file")
+    # appended, not with_suffix: that would take ".v2" off "run.v2" (as conformance's --report)
+    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
+
+
 def out_problem(out: Path) -> str | None:
-    """Why `moehal bench --out OUT` could not write OUT.json and OUT.png, found before anything
-    is measured; None where it can. Makes OUT's directory. A file already there is replaced
-    only where it is an earlier run's output (`_earlier_output`); never a directory."""
+    """Why `moehal bench --out OUT` could not write its files (`out_paths`), found before
+    anything is measured; None where it can. Makes OUT's directory. A file already there is
+    replaced only where it is an earlier run's output (`_earlier_output`); never a directory."""
     try:
-        targets = [out.with_suffix(".json"), out.with_suffix(".png")]
+        targets = list(out_paths(out))
     except ValueError as exc:  # '.', '..': no file name
         return f"{out}: {exc}"
     from moehal.cli.common import output_problem

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -583,6 +584,36 @@ def test_an_earlier_runs_files_are_replaced_and_the_paths_written_are_printed(tm
     assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 1
     assert f"wrote {out.with_suffix('.json')}" in capsys.readouterr().out
     assert sorted(p.name for p in out.parent.iterdir()) in (["bench.json", "bench.png"], ["bench.json"])
+
+
+@pytest.mark.parametrize(
+    "given, files",
+    [
+        ("run.v2", ["run.v2.json", "run.v2.png"]),  # was run.json and run.png: ".v2" taken as a suffix
+        ("run.json", ["run.json", "run.png"]),
+        ("acme-0.1.2", ["acme-0.1.2.json", "acme-0.1.2.png"]),
+    ],
+)
+def test_out_keeps_a_suffix_that_is_part_of_the_name(tmp_path, capsys, given, files):
+    """`--out run.v2` wrote run.json and run.png: a suffix the user meant as part of the name
+    was dropped (and could overwrite another run's run.json). Only .json and .png are replaced."""
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(tmp_path / given), *CPU]) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written in (files, files[:1]), written  # (no PNG without matplotlib)
+    assert len(json.loads((tmp_path / files[0]).read_text())["rows"]) == 1
+    assert f"wrote {tmp_path / files[0]}" in capsys.readouterr().out
+
+
+def test_out_paths_replace_only_their_own_suffixes(tmp_path):
+    from moehal.bench import out_paths
+
+    assert out_paths("reports/bench") == (Path("reports/bench.json"), Path("reports/bench.png"))
+    assert out_paths("bench.png") == (Path("bench.json"), Path("bench.png"))
+    assert out_paths("bench.txt") == (Path("bench.txt.json"), Path("bench.txt.png"))
+    for nameless in (".", "..", "runs/.."):
+        with pytest.raises(ValueError, match="names no file"):
+            out_paths(nameless)
 
 
 def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

@@ -761,7 +761,8 @@ exit status:
      "interrupted": true where it lacks some of them
   2  a usage error (an unknown shape, quant scheme or backend; a number out of range; nothing
      to measure), an --out that cannot be written (checked before measuring) or a write that
-     failed (a run with wrong outputs keeps its 1), or a device or configuration moehal refuses
+     failed (the run stops there and prints the table of the rows measured, then the error on
+     stderr; a run with wrong outputs keeps its 1), or a device or configuration moehal refuses
   (a moehal failure while measuring is a bug: a traceback, exit 1)"""
 
 
@@ -930,6 +931,10 @@ def _main(argv: Sequence[str] | None) -> int:
     skipped: list[dict[str, Any]] = []
     interrupted: list[str] = []  # why the run stopped before its last job (a signal, Ctrl-C)
     written: list[Path] = []  # the JSON, once saved
+    saved_rows = [0]  # how many of `rows` the JSON on disk holds
+    # why the files could not be written (a full disk, a directory gone): the run stops measuring
+    # what it cannot keep, but its table still shows every row measured (then the error, on stderr)
+    write_failed: list[WriteError] = []
 
     def save() -> None:  # after every row: a time limit keeps what was measured
         if out is None:
@@ -952,97 +957,111 @@ def _main(argv: Sequence[str] | None) -> int:
         text = json_text(data)  # NaN (no GPU clock, no check) as null
         _write(out_json, lambda part: part.write_text(text))
         written[:] = [out_json]
+        saved_rows[0] = len(rows)
 
     # rich draws its progress bar on a terminal only: a log or a pipe (a device run) saw nothing
     # between rows for hours, so there each finished row is a plain line on stderr
     plain_progress = not console.is_terminal
     started = time.perf_counter()
-    try:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("benchmarking", total=len(jobs))
-            try:
-                last_cell: tuple[str, int | None] | None = None
-                for done, (shape, q, backend, tokens, rnd) in enumerate(jobs, 1):
-                    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
-                    if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
-                        release_layers(dev)
-                        last_cell = (shape, cfg.max_tokens)
-                    try:
-                        row = bench_one(
-                            shape,
-                            cfg,
-                            QuantScheme.parse(q),
-                            backend,
-                            tokens,
-                            dev,
-                            ceil,
-                            args.reps,
-                            registry,
-                            args.breakdown,
-                            sampler,
-                            args.settle_s,
-                            host_columns=not args.no_host,
-                            check_outputs=not args.no_check,
-                        )
-                        row.round = rnd
-                        rows.append(row)
-                        result = f"{row.time_us:.1f} us" + (", WRONG OUTPUT" if row.check == "fail" else "")
-                        if row.check == "fail":  # loud: a wrong result's time means nothing
-                            console.print(
-                                f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} "
-                                "against the reference pipeline (its goals read 'not measured')",
-                                markup=False,
-                            )
-                    except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
-                        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                        console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
-                        skipped.append(_skip(shape, q, backend, tokens, rnd, why))
-                        result = "skipped"
-                    except Exception as exc:  # noqa: BLE001
-                        if not is_peer(backend):
-                            raise  # a moehal failure is a bug: loud
-                        # another library's failure must not cost the rest of the run
-                        console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
-                        skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
-                        result = "peer failed"
-                    save()  # (not in the try above: a file that cannot be written is no peer's failure)
-                    progress.advance(task)
-                    if plain_progress:
-                        print(
-                            f"[{done}/{len(jobs)}] {shape} {q} {backend} T={tokens}"
-                            + (f" round {rnd}" if args.rounds > 1 else "")
-                            + f": {result} ({time.perf_counter() - started:.0f} s)",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-            except KeyboardInterrupt:
-                console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
-                interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
-            finally:
-                if sampler is not None:
-                    sampler.close()
-        no_png = "no PNG: matplotlib is not installed; pip install 'moehal[plot]'"
-        png: Path | None = None
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(jobs))
         try:
-            console.print(results_view(rows))
-            if args.breakdown:
-                console.print(breakdown_table(rows))
-            if args.goals:
-                from moehal.bench_goals import check_goals, goals_table
+            last_cell: tuple[str, int | None] | None = None
+            for done, (shape, q, backend, tokens, rnd) in enumerate(jobs, 1):
+                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
+                if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
+                    release_layers(dev)
+                    last_cell = (shape, cfg.max_tokens)
+                try:
+                    row = bench_one(
+                        shape,
+                        cfg,
+                        QuantScheme.parse(q),
+                        backend,
+                        tokens,
+                        dev,
+                        ceil,
+                        args.reps,
+                        registry,
+                        args.breakdown,
+                        sampler,
+                        args.settle_s,
+                        host_columns=not args.no_host,
+                        check_outputs=not args.no_check,
+                    )
+                    row.round = rnd
+                    rows.append(row)
+                    result = f"{row.time_us:.1f} us" + (", WRONG OUTPUT" if row.check == "fail" else "")
+                    if row.check == "fail":  # loud: a wrong result's time means nothing
+                        console.print(
+                            f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} "
+                            "against the reference pipeline (its goals read 'not measured')",
+                            markup=False,
+                        )
+                except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
+                    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
+                    skipped.append(_skip(shape, q, backend, tokens, rnd, why))
+                    result = "skipped"
+                except Exception as exc:  # noqa: BLE001
+                    if not is_peer(backend):
+                        raise  # a moehal failure is a bug: loud
+                    # another library's failure must not cost the rest of the run
+                    console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
+                    skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
+                    result = "peer failed"
+                try:  # (not in the try above: a file that cannot be written is no peer's failure)
+                    save()
+                except WriteError as exc:
+                    write_failed.append(exc)
+                progress.advance(task)
+                if plain_progress:
+                    print(
+                        f"[{done}/{len(jobs)}] {shape} {q} {backend} T={tokens}"
+                        + (f" round {rnd}" if args.rounds > 1 else "")
+                        + f": {result} ({time.perf_counter() - started:.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if write_failed:
+                    console.print(
+                        f"stopped after {len(rows)} of {len(jobs)} measurements: the results cannot be written",
+                        markup=False,
+                    )
+                    break
+        except KeyboardInterrupt:
+            console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+            interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
+        finally:
+            if sampler is not None:
+                sampler.close()
+    no_png = "no PNG: matplotlib is not installed; pip install 'moehal[plot]'"
+    png: Path | None = None
+    try:
+        console.print(results_view(rows))
+        if args.breakdown:
+            console.print(breakdown_table(rows))
+        if args.goals:
+            from moehal.bench_goals import check_goals, goals_table
 
-                checks = check_goals([*rows, *skipped], ceil.device)
-                console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
-            if out is not None:
+            checks = check_goals([*rows, *skipped], ceil.device)
+            console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
+        if out is not None and not write_failed:
+            try:
                 save()
                 png = plot(rows, out_png)
-        except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays
-            console.print("interrupted while reporting the run", markup=False)
-            interrupted.append("while reporting")
-            no_png = "no PNG: interrupted"
-        if written:
-            console.print(f"wrote {written[0]}" + (f" and {png}" if png else f" ({no_png})"), markup=False)
-    except WriteError as exc:  # a full disk, a directory gone: the run cannot keep its results
-        print(f"moehal bench: {exc}", file=sys.stderr)
+            except WriteError as exc:
+                write_failed.append(exc)
+    except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays
+        console.print("interrupted while reporting the run", markup=False)
+        interrupted.append("while reporting")
+        no_png = "no PNG: interrupted"
+    if written and write_failed:  # the file keeps what its last write that succeeded saved
+        console.print(f"{written[0]} holds {saved_rows[0]} of the {len(rows)} rows above (no PNG)", markup=False)
+    elif written:
+        console.print(f"wrote {written[0]}" + (f" and {png}" if png else f" ({no_png})"), markup=False)
+    if write_failed:  # after the table: the measurements are on the screen (or in the log) whatever the disk did
+        print(f"moehal bench: {write_failed[0]}", file=sys.stderr)
         return 1 if any(r.check == "fail" for r in rows) else 2  # a wrong output stays the news
     wrong = sum(r.check == "fail" for r in rows)
     if wrong or (jobs and not rows) or interrupted:  # measured nothing, wrong outputs, or not all: no success

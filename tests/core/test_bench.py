@@ -637,6 +637,78 @@ def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, mon
     assert not any(tmp_path.iterdir()), "no partial file left behind"
 
 
+def _table_rows(printed: str) -> list[list[str]]:
+    """The cells of each line of `results_table` in `printed` (its rows start with the shape)."""
+    lines = [line.replace("│", " ").split() for line in printed.splitlines() if line.startswith("│ tiny")]
+    return [cells[:4] for cells in lines]
+
+
+def test_a_failed_write_still_prints_the_table_of_the_rows_measured(tmp_path, capsys, monkeypatch):
+    """A write that failed after a row was measured ended the run with the error alone: the
+    table never came, and the rows measured were lost. Now the run stops measuring, prints the
+    table of every row it measured, says what the file on disk holds, then the error (exit 2)."""
+    import pathlib
+
+    real = pathlib.Path.write_text
+    writes = []
+
+    def full_after_the_first(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            writes.append(self.name)
+            if len(writes) > 1:
+                raise OSError(28, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_after_the_first)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,2,4", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 2
+    captured = capsys.readouterr()
+    assert _table_rows(captured.out) == [["tiny", "reference", "bf16", "1"], ["tiny", "reference", "bf16", "2"]]
+    assert "stopped after 2 of 3 measurements" in captured.out
+    assert f"{out}.json holds 1 of the 2 rows above" in captured.out
+    (line,) = [line for line in captured.err.splitlines() if line.startswith("moehal bench:")]
+    assert "cannot write" in line and "No space left on device" in line and "Traceback" not in captured.err
+    assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 1, "the last whole file stays"
+    assert len(writes) == 2, "no write after the one that failed: the run stopped"
+
+
+def test_a_failed_first_write_still_prints_the_table(tmp_path, capsys, monkeypatch):
+    import pathlib
+
+    real = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise OSError(28, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(tmp_path / "b"), *CPU]) == 2
+    captured = capsys.readouterr()
+    assert _table_rows(captured.out) == [["tiny", "reference", "bf16", "1"]]
+    assert "holds" not in captured.out and "wrote" not in captured.out, "no file was written"
+    assert "No space left on device" in captured.err
+
+
+def test_a_png_that_cannot_be_written_keeps_the_table_and_the_whole_json(tmp_path, capsys, monkeypatch):
+    from moehal import bench
+
+    def no_room(rows, path):
+        raise bench.WriteError(f"cannot write {path}: No space left on device")
+
+    monkeypatch.setattr(bench, "plot", no_room)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 2
+    captured = capsys.readouterr()
+    assert [r[3] for r in _table_rows(captured.out)] == ["1", "2"]
+    assert f"{out}.json holds 2 of the 2 rows above (no PNG)" in captured.out
+    assert f"moehal bench: cannot write {out}.png" in captured.err
+    assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 2
+
+
 def test_a_run_not_on_a_terminal_says_each_finished_row_on_stderr(capsys):
     """rich draws its progress bar on a terminal only: a run logged to a file printed nothing
     between rows (for hours, on a GPU). Now a plain line per finished row, without '\\r' frames."""

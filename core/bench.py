@@ -29,7 +29,7 @@ from typing import Any
 
 import moehal
 import torch
-from moehal.bench_goals import is_peer
+from moehal.bench_goals import BENCH_SCHEMA, BENCH_SCHEMA_NAME, is_peer
 from moehal.clock_sampler import ClockSampler
 from moehal.errors import MoEHalError
 from moehal.hardware import detect
@@ -940,6 +940,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if out is None:
             return
         data = {
+            "schema": BENCH_SCHEMA,  # (readers: `moehal.bench_goals.read_bench_json`)
             "ceilings": asdict(ceil),
             "torch": torch.__version__,
             "moehal": moehal.__version__,
@@ -1091,7 +1092,8 @@ def _write(path: Path, write: Callable[[Path], Any]) -> None:
 
 def _earlier_output(path: Path) -> bool:
     """Whether the existing file `path` is a `moehal bench --out` file that a new run may replace:
-    OUT.json a JSON object with rows and ceilings, OUT.png a PNG image."""
+    OUT.json a JSON object that names a bench schema (any version) or holds rows and ceilings
+    (files before the schema), OUT.png a PNG image."""
     try:
         if path.suffix == ".png":
             with path.open("rb") as f:
@@ -1099,7 +1101,9 @@ def _earlier_output(path: Path) -> bool:
         data = json.loads(path.read_text())
     except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
         return False
-    return isinstance(data, dict) and "rows" in data and "ceilings" in data
+    if not isinstance(data, dict):
+        return False
+    return str(data.get("schema", "")).startswith(f"{BENCH_SCHEMA_NAME}/") or ("rows" in data and "ceilings" in data)
 
 
 def out_paths(out: str | Path) -> tuple[Path, Path]:

@@ -252,8 +252,30 @@ def check_goals(
     return checks
 
 
+# The JSON format of `moehal bench --out`: its name, and the version a reader checks (a new
+# version only where a field changes meaning or goes; added fields keep it). Files written
+# before session 59 have no `schema`: they are read as version 1.
+BENCH_SCHEMA = "moehal.bench/1"
+BENCH_SCHEMA_NAME = BENCH_SCHEMA.split("/")[0]
+
+
+def read_bench_json(path: str | Path) -> Any:
+    """The parsed JSON of the `moehal bench --out` file `path`, whose `schema`, where it names
+    one, must be `BENCH_SCHEMA` (InputError otherwise: a later moehal's format, or another
+    command's file); files without it (before session 59) are version 1. OSError and ValueError
+    (no file, no JSON) as reading and parsing raise them; the fields are the caller's to check."""
+    data = json.loads(Path(path).read_text())
+    schema = data.get("schema", BENCH_SCHEMA) if isinstance(data, dict) else BENCH_SCHEMA
+    if schema != BENCH_SCHEMA:
+        raise InputError(
+            f"{path}: schema {schema!r}, not {BENCH_SCHEMA!r}: not a `moehal bench --out` file this moehal "
+            "reads (a later moehal's format, or another command's file)"
+        )
+    return data
+
+
 def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
-    """`moehal bench --out` JSON files -> rows per device (`ceilings.device`), so that one
+    """`moehal bench --out` JSON files (`read_bench_json`) -> rows per device (`ceilings.device`), so that one
     device's bf16 and fp8 runs are checked together. Each row keeps which file it came from
     (`RUN`): ratios pair rows of one file. A device's later file that measured a cell
     (backend, scheme, shape, tokens) replaces every round of it: rounds of two runs never mix
@@ -264,7 +286,7 @@ def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
     skips: dict[str, dict[tuple, dict[int, dict[str, Any]]]] = {}
     for i, p in enumerate(paths):
         try:
-            data = json.loads(Path(p).read_text())
+            data = read_bench_json(p)
             device = str(data.get("ceilings", {}).get("device", "?"))
             for source, into in ((data["rows"], runs), (data.get(SKIPPED, []), skips)):
                 fresh: dict[tuple, dict[int, dict[str, Any]]] = {}
@@ -272,6 +294,8 @@ def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
                     key = _key(r)
                     fresh.setdefault(key[:4], {})[key[4]] = {**r, RUN: i}
                 into.setdefault(device, {}).update(fresh)
+        except InputError:  # a schema this moehal does not read: its own words
+            raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a wrong path, or no bench file
             raise InputError(f"{p} is not a readable `moehal bench --out` JSON file: {exc!r}") from exc
     out: dict[str, list[dict[str, Any]]] = {}

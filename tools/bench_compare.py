@@ -9,11 +9,13 @@ the rounds of rows measured next to each other (the pairing `moehal goals` uses)
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
 from collections import defaultdict
+
+from moehal.bench_goals import read_bench_json
+from moehal.errors import InputError
 
 
 def _mhz(r: dict | None) -> str:
@@ -40,7 +42,7 @@ def _ratio(num: dict[int, dict], den: dict[int, dict]) -> str:
 
 
 def table(path: str) -> str:
-    data = json.loads(open(path).read())
+    data = read_bench_json(path)  # (an unknown schema: InputError)
     t: dict[tuple, dict[tuple, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for r in data["rows"]:
         t[(r["shape"], r["tokens"])][(r["backend"], r["quant"])][int(r.get("round") or 0)] = r
@@ -78,4 +80,7 @@ def table(path: str) -> str:
 
 
 if __name__ == "__main__":
-    print("\n\n".join(table(p) for p in sys.argv[1:]))
+    try:
+        print("\n\n".join(table(p) for p in sys.argv[1:]))
+    except InputError as exc:  # a file of a schema this tool does not read: one line, no traceback
+        raise SystemExit(f"bench_compare.py: {exc}") from None

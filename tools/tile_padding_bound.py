@@ -11,12 +11,13 @@ and takes the ceilings the run measured from its JSON.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 
 import moehal
 import torch
 from moehal.bench import SHAPES, bench_inputs
+from moehal.bench_goals import read_bench_json
+from moehal.errors import InputError
 from moehal.tile_bounds import tile_bound
 
 GOAL_PCT = 75.0  # of roofline, at 1024-4096 tokens
@@ -28,7 +29,7 @@ def _rate(x: float) -> str:
 
 
 def table(path: str, min_tokens: int = 512) -> str:
-    data = json.loads(open(path).read())
+    data = read_bench_json(path)  # (an unknown schema: InputError)
     ceil = data["ceilings"]
     rows = {(r["shape"], r["tokens"], r["backend"], r["quant"]): r for r in data["rows"]}
     keys = sorted({(s, t) for s, t, b, q in rows if b == "cuda" and q == "bf16" and t >= min_tokens and s in SHAPES})
@@ -71,7 +72,7 @@ def plot(path: str, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.loads(open(path).read())
+    data = read_bench_json(path)  # (an unknown schema: InputError)
     ceil = data["ceilings"]
     rows = [r for r in data["rows"] if r["quant"] == "bf16" and r["shape"] in SHAPES]
     shapes = sorted({r["shape"] for r in rows})
@@ -110,9 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--min-tokens", type=int, default=512, help="rows from this token count up (default 512)")
     ap.add_argument("--plot", metavar="PNG", help="also plot the first JSON's rows and ceilings into PNG")
     args = ap.parse_args(argv)
-    print("\n\n".join(table(p, args.min_tokens) for p in args.bench_json))
-    if args.plot:
-        plot(args.bench_json[0], args.plot)
+    try:
+        print("\n\n".join(table(p, args.min_tokens) for p in args.bench_json))
+        if args.plot:
+            plot(args.bench_json[0], args.plot)
+    except InputError as exc:  # a file of a schema this tool does not read: one line, no traceback
+        raise SystemExit(f"{ap.prog}: {exc}") from None
     return 0
 
 

@@ -616,6 +616,34 @@ def test_out_paths_replace_only_their_own_suffixes(tmp_path):
             out_paths(nameless)
 
 
+def test_the_json_names_its_schema_and_goals_reads_it_with_or_without(tmp_path, capsys):
+    """bench's JSON had no format version, where conformance's names `moehal.conformance/1`:
+    a reader could not tell a later format from this one. Files from before keep being read."""
+    from moehal.bench import _earlier_output
+    from moehal.cli.main import main as moehal_main
+
+    out = tmp_path / "new"
+    argv = ["--shapes", "tiny", "--tokens", "2", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert next(iter(data)) == "schema" and data["schema"] == "moehal.bench/1"
+    old = tmp_path / "old.json"  # as files before session 59 are
+    old.write_text(json.dumps({k: v for k, v in data.items() if k != "schema"}))
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({**data, "schema": "moehal.bench/2"}))
+    for path in (out.with_suffix(".json"), old, later):
+        assert _earlier_output(path), "any bench file may be replaced by a new run"
+    capsys.readouterr()
+    for path in (out.with_suffix(".json"), old):
+        assert moehal_main(["goals", "--json", str(path)]) == 0
+        (cell,) = [c for c in json.loads(capsys.readouterr().out) if c["goal"] == "decode_vs_peer"]
+        assert (cell["backend"], cell["tokens"], cell["status"]) == ("reference", 2, "not measured")
+    assert moehal_main(["goals", str(later)]) == 2
+    captured = capsys.readouterr()
+    assert "schema 'moehal.bench/2', not 'moehal.bench/1'" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
 def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """A disk that fills up (OSError at write time) ended the run in a traceback."""
     import pathlib

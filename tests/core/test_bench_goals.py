@@ -247,6 +247,29 @@ def test_bench_compare_takes_the_median_of_an_even_number_of_rounds(tmp_path):
     assert "| s | 16 | 120.0 (50%) |" in mod.table(str(p))
 
 
+def test_readers_of_bench_json_refuse_a_schema_they_do_not_read(tmp_path):
+    """`load_runs` and `tools/bench_compare.py` read files of `moehal.bench/1` and files without
+    a schema (before session 59), and refuse any other with an error that names it."""
+    import importlib.util
+
+    from moehal.errors import InputError
+
+    spec = importlib.util.spec_from_file_location("bench_compare", REPO / "tools" / "bench_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    rows = [row("cuda", 16, 100.0, pct_roofline=50.0)]
+    for name, schema in (("v1.json", {"schema": "moehal.bench/1"}), ("none.json", {})):
+        p = _run_file(tmp_path, name, rows, date="x", **schema)
+        assert len(load_runs([p])["d"]) == 1
+        assert "| s | 16 | 100.0 (50%) |" in compare.table(str(p))
+    for name, schema in (("v2.json", "moehal.bench/2"), ("conf.json", "moehal.conformance/1")):
+        p = _run_file(tmp_path, name, rows, date="x", schema=schema)
+        with pytest.raises(InputError, match=f"schema '{schema}', not 'moehal.bench/1'"):
+            load_runs([p])
+        with pytest.raises(InputError, match=f"schema '{schema}', not 'moehal.bench/1'"):
+            compare.table(str(p))
+
+
 def _run_file(tmp_path: Path, name: str, rows: list[dict], device: str = "d", **extra) -> Path:
     p = tmp_path / name
     p.write_text(json.dumps({"ceilings": {"device": device}, "rows": rows, **extra}))

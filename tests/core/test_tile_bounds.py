@@ -133,3 +133,25 @@ def test_the_bound_tool_reads_a_benchmark_json(tmp_path, capsys):
     # 1.2x SGLang at 50% of roofline is 60%
     assert cells[11] == "60%"
     assert png.stat().st_size > 10_000
+
+
+def test_the_bound_tool_takes_bench_schema_1_and_refuses_another(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    tool = Path(__file__).parents[2] / "tools" / "tile_padding_bound.py"
+    spec = importlib.util.spec_from_file_location("tile_padding_bound", tool)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    bench = tmp_path / "bench.json"
+    _bench_json(bench, "mixtral_8x7b", (1024,))
+    data = json.loads(bench.read_text())
+    bench.write_text(json.dumps({"schema": "moehal.bench/1", **data}))
+    assert mod.main([str(bench)]) == 0
+    assert "| mixtral_8x7b | 1024 |" in capsys.readouterr().out
+    bench.write_text(json.dumps({"schema": "moehal.bench/2", **data}))
+    with pytest.raises(SystemExit) as exc:
+        mod.main([str(bench)])
+    assert "schema 'moehal.bench/2', not 'moehal.bench/1'" in str(exc.value.code)

@@ -10,10 +10,13 @@ from moehal.cli.common import make_console, print_json
 
 EPILOG = """\
 exit status:
-  0  the goals' table (or --markdown, --json) was printed, whether or not the goals are met:
-     this reports, it does not gate (read a goal's status in the output)
-  1  no row of the files is covered by a goal
-  2  a usage error, or a file that is not a readable `moehal bench --out` JSON file"""
+  0  the goals' table (or --markdown, --json) was printed; without --check whether or not the
+     goals are met (it reports: read a goal's status in the output), with --check every
+     measured cell met its goal (cells not measured do not fail it)
+  1  no row of the files is covered by a goal; with --check, also a measured cell that did not
+     meet its goal (the output is printed first, then the cells not met on stderr)
+  2  a usage error, or a file that is not a readable `moehal bench --out` JSON file (or one of
+     a schema other than moehal.bench/1)"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,11 +36,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="pair a ratio's rows from two files of one device where a file lacks the partner "
         "(each such cell says so); by default a ratio pairs rows of one file, one run",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="gate (CI): exit 1 where a measured cell misses its goal, after printing the output as without it; "
+        "cells not measured (no peer row, a skipped or wrong row) do not fail the check",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, rest: object = None) -> int:
-    """Exit 0 whatever the goals' status: this reports, it does not gate."""
+    """The exit status (`EPILOG`): 0 whatever the goals' status, unless `args.check`, where a
+    measured cell that misses its goal makes it 1 (after the output is printed)."""
     from moehal.bench_goals import check_runs, goals_markdown, goals_table
 
     checks = check_runs(args.files, across_files=args.pair_across_files)
@@ -54,4 +64,11 @@ def run(args: argparse.Namespace, rest: object = None) -> int:
         print(goals_markdown(checks), end="")
     else:
         make_console().print(goals_table(checks))  # made now: the width COLUMNS says at this call
+    missed = [c for c in checks if c.met is False]
+    if args.check and missed:  # on stderr: --json's stdout stays one JSON document
+        measured = sum(c.met is not None for c in checks)
+        print(f"moehal goals --check: {len(missed)} of {measured} measured cells miss their goal:", file=sys.stderr)
+        for c in missed:
+            print(f"  {c.goal.name} {c.device} {c.backend} {c.shape} {c.tokens}: {c.value_text}", file=sys.stderr)
+        return 1
     return 0

@@ -270,6 +270,25 @@ def test_readers_of_bench_json_refuse_a_schema_they_do_not_read(tmp_path):
             compare.table(str(p))
 
 
+def test_goals_check_gates_on_a_missed_goal_and_still_prints_the_output(tmp_path, capsys):
+    """`moehal goals` only reported: a CI could not fail on a missed goal. `--check` exits 1
+    where a measured cell misses its goal, after the same output; cells not measured pass."""
+    met = [row("cuda", 16, 10.0, pct_roofline=95.0), row("cuda", 64, 10.0, pct_roofline=91.0)]
+    good = _run_file(tmp_path, "good.json", [*met, row("cuda", 4, 10.0)])  # decode_vs_peer: no peer row
+    bad = _run_file(tmp_path, "bad.json", [*met, row("cuda", 32, 10.0, pct_roofline=50.0)])
+    for args in ([], ["--markdown"], ["--json"]):
+        assert main(["goals", *args, str(bad)]) == 0, "without --check it reports, whatever the goals say"
+        without = capsys.readouterr().out
+        assert main(["goals", *args, "--check", str(bad)]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == without, "the same output, then the exit status"
+        assert "1 of 3 measured cells miss their goal" in captured.err
+        assert "small_roofline d cuda s 32: 50%" in captured.err
+    json.loads(without)  # --json's stdout stays one JSON document
+    assert main(["goals", "--check", str(good)]) == 0, "every measured cell met; an unmeasured one does not fail"
+    assert capsys.readouterr().err == ""
+
+
 def _run_file(tmp_path: Path, name: str, rows: list[dict], device: str = "d", **extra) -> Path:
     p = tmp_path / name
     p.write_text(json.dumps({"ceilings": {"device": device}, "rows": rows, **extra}))

@@ -151,12 +151,34 @@ class GoalCheck:
         return f"{text} [{note}]" if note else text
 
     def _fmt(self, v: float) -> str:
-        m = self.goal.metric
-        if m == PCT_ROOFLINE:
-            return f"{v:.0f}%"
-        if m in (VS_PEER, VS_BF16):
-            return f"{v:.2f}x"
-        return f"{v:.1f} us"
+        return format_value(self.goal, v)
+
+
+# Digits a goal's values print with (`format_value`), and their unit
+_DIGITS = {PCT_ROOFLINE: (0, "%"), VS_PEER: (2, "x"), VS_BF16: (2, "x")}
+_EXTRA_DIGITS = 3  # at most this many more where the usual ones would print the other verdict
+
+
+def format_value(goal: Goal, v: float) -> str:
+    """`v` as a value of `goal`'s metric ("89%", "1.47x", "20.3 us"), never printed on the other
+    side of the goal's target: 89.6 of a 90% goal prints "89.6%", not "90%" (next to "not met"),
+    and 1.497 of a 1.5x goal "1.497x". Up to `_EXTRA_DIGITS` more digits are taken where the
+    usual ones would cross the target; a value closer still is rounded toward its own side
+    (89.99999 prints "89.999%")."""
+    digits, unit = _DIGITS.get(goal.metric, (1, " us"))
+    met = goal.met_by(v)
+    for d in range(digits, digits + _EXTRA_DIGITS + 1):
+        text = f"{v:.{d}f}"
+        if goal.met_by(float(text)) == met:
+            return text + unit
+    # still on the other side at the most digits: round toward the value's own side (up where
+    # a larger number keeps the verdict: a met ">=" goal, a missed "<=" goal)
+    d = digits + _EXTRA_DIGITS
+    up = met != goal.at_most
+    directed = (math.ceil(v * 10**d) if up else math.floor(v * 10**d)) / 10**d
+    if goal.met_by(directed) != met:  # float rounding landed on the target: one step further
+        directed += (1 if up else -1) / 10**d
+    return f"{directed:.{d}f}{unit}"
 
 
 def _plain(row: Any) -> Mapping[str, Any]:

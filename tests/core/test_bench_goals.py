@@ -506,3 +506,30 @@ def test_cli_goals_table_keeps_every_failing_value_whole_in_a_narrow_terminal():
     words = set(out.split())
     for c in misses:  # each word whole on some line: wrapped at spaces, never cut
         assert c.shape in words and set(f"{c.tokens}: {c.value_text}".split()) <= words, c
+
+
+def test_a_value_that_misses_its_target_never_prints_as_the_target():
+    """The audit (session 59, finding 14): 89.6% printed "90%" next to "not met", 1.497x "1.50x".
+    A value prints with the digits that keep it on its own side of the target, ranges too."""
+    rows = [
+        row("cuda", 16, 10.0, pct_roofline=89.6),
+        *(row("cuda", 128, 10.0, round=r, pct_roofline=p) for r, p in enumerate((89.995, 91.2, 90.6))),
+        row("cuda", 64, 10.0, pct_roofline=90.4),
+        row("cuda", 4096, 149.7),
+        row("cuda", 4096, 100.0, quant="fp8_block"),
+        row("cuda", 8, 10.0, host_us=20.04),
+    ]
+    c = by_cell(check_goals(rows))
+    assert (c["small_roofline", "cuda", "s", 16].value_text, c["small_roofline", "cuda", "s", 16].status) == (
+        "89.6%", "not met"
+    )  # fmt: skip
+    assert c["small_roofline", "cuda", "s", 64].value_text == "90%", "a met value keeps the usual digits"
+    assert c["small_roofline", "cuda", "s", 128].value_text == "91% (89.995%-91%, 3 rounds)", "a round under 90%"
+    fp8 = c["fp8_vs_bf16", "cuda", "s", 4096]
+    assert (fp8.value_text, fp8.status) == ("1.497x", "not met")
+    assert c["host_eager", "cuda", "s", 8].value_text == "20.04 us", "at most 20 us: 20.04 is not 20.0"
+    from moehal.bench_goals import format_value
+
+    goal = c["small_roofline", "cuda", "s", 16].goal
+    assert format_value(goal, 89.99999999) == "89.999%", "closer than the digits: rounded toward its own side"
+    assert format_value(goal, 90.0) == "90%"

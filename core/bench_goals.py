@@ -239,6 +239,16 @@ def _peer_note(peer_row: Mapping[str, Any]) -> str:
     return "" if how == "tuned" else f"peer config: {how}"
 
 
+def _over_ceiling_note(r: Mapping[str, Any]) -> str:
+    """For a % of roofline goal: that row `r` read above 100%, faster than its run's roofline (a
+    ceiling set too low: `moehal.bench.OVER_CEILING_NOTE`), and whether the read ceiling's too."""
+    pct = _finite(r.get(PCT_ROOFLINE))
+    if pct is None or pct <= 100:
+        return ""
+    read = _finite(r.get("pct_roofline_read"))
+    return "above 100% of roofline (ceiling exceeded" + (", the read ceiling's too)" if read and read > 100 else ")")
+
+
 def _value(
     g: Goal, r: Mapping[str, Any], by_key: Mapping[tuple, Mapping[str, Any]], peer: str, across_files: bool
 ) -> tuple[float | None, str, bool]:
@@ -246,6 +256,8 @@ def _value(
     config (`_peer_tuned` False); a ratio pairs it with the peer's or the bf16 row of its round in
     its own file (in any file, noted, with `across_files`)."""
     backend, _, shape, tokens, rnd = _key(r)
+    if g.metric == PCT_ROOFLINE:
+        return _finite(r.get(g.metric)), _over_ceiling_note(r), False
     if g.metric not in (VS_PEER, VS_BF16):
         return _finite(r.get(g.metric)), "", False
     pair = (peer, r["quant"], shape, tokens, rnd) if g.metric == VS_PEER else (backend, "bf16", shape, tokens, rnd)

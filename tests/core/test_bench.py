@@ -37,6 +37,7 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         assert r["flops"] == 2 * r["tokens"] * 2 * (128 * 128 + 64 * 128)
         assert r["host_us"] is None, "host overhead is a CUDA measurement: not measured on CPU"
         assert r["host_graph_us"] is None and r["host_b2b_us"] is None and r["host_graph_out_b2b_us"] is None
+        assert r["over_ceiling"] is (r["pct_roofline"] > 100)
     assert out.with_suffix(".png").stat().st_size > 1000
     assert data["layer_max_tokens"] == "each row's token count"
 
@@ -870,3 +871,38 @@ def test_bench_and_goals_help_document_their_exit_status(capsys):
     with pytest.raises(SystemExit):
         moehal_main(["bench", "--help"])
     assert "interrupted" in capsys.readouterr().out
+
+
+def test_a_row_above_100_percent_of_roofline_is_marked_and_explained(tmp_path, capsys, monkeypatch):
+    """The audit (session 59, finding 1): 650 committed rows read 100-165% of roofline with no
+    mark. A row faster than its run's ceilings is marked in the table (`*`, a footnote saying what
+    it means), in the JSON (`over_ceiling`), and in its goal's notes."""
+    from moehal import bench
+
+    low = bench.Ceilings(1e3, 1e3, "cpu (ceilings set low)", 1e3)  # every row beats them
+    monkeypatch.setattr(bench, "measure_ceilings", lambda dev, settle_s=0: low)
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "16", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--goals", "--out", str(out), *CPU]) == 0
+    printed = capsys.readouterr().out
+    (r,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert r["pct_roofline"] > 100 and r["over_ceiling"] is True
+    assert f"{r['pct_roofline']:.0f}*" in printed.split()
+    assert "* above 100% of roofline: the row ran faster than this run's ceilings allow." in " ".join(printed.split())
+    assert "above 100% of roofline (ceiling exceeded, the read ceiling's too)" in printed, "the goal's note"
+
+
+def test_the_table_has_no_footnote_where_no_row_is_above_100_percent():
+    import io
+
+    from moehal.bench import Row, results_view
+    from rich.console import Console
+
+    def text(pct: float) -> str:
+        c = Console(width=200, file=io.StringIO(), color_system=None)
+        c.print(results_view([Row("tiny", "cuda", "p", "bf16", 8, 10.0, "graph", 1, 1, 5.0, pct, 1.0, 1.0)]))
+        return c.file.getvalue()
+
+    assert "above 100%" not in text(99.6) and " 100 " in text(99.6).replace("│", " ")
+    assert "above 100%" in text(100.4) and " 100* " in text(100.4).replace("│", " "), "100.4 is over, though it rounds"

@@ -533,3 +533,20 @@ def test_a_value_that_misses_its_target_never_prints_as_the_target():
     goal = c["small_roofline", "cuda", "s", 16].goal
     assert format_value(goal, 89.99999999) == "89.999%", "closer than the digits: rounded toward its own side"
     assert format_value(goal, 90.0) == "90%"
+
+
+def test_a_met_cell_that_rests_on_a_row_above_100_percent_says_so():
+    rows = [
+        row("cuda", 16, 10.0, pct_roofline=104.6, pct_roofline_read=98.0),
+        row("cuda", 32, 10.0, round=0, pct_roofline=99.0),
+        row("cuda", 32, 10.0, round=1, pct_roofline=101.0, pct_roofline_read=100.2),
+        row("cuda", 64, 10.0, pct_roofline=95.0),
+    ]
+    c = by_cell(check_goals(rows))
+    assert c["small_roofline", "cuda", "s", 16].note == "above 100% of roofline (ceiling exceeded)"
+    assert c["small_roofline", "cuda", "s", 16].met
+    both = "above 100% of roofline (ceiling exceeded, the read ceiling's too)"
+    assert c["small_roofline", "cuda", "s", 32].note == both, "one round above 100% of either ceiling"
+    assert c["small_roofline", "cuda", "s", 64].note == ""
+    md = goals_markdown(list(c.values()), cells=False)
+    assert "| met | 3 of 3; above 100% of roofline (ceiling exceeded) in 1 of 3; above 100%" in md

@@ -63,6 +63,9 @@ class Goal:
     # a ratio against the peer counts only where the peer ran a tuned config (`Row.peer_config`
     # "tuned", or "tuned for Triton X"): a cell against its default tiles reads `untuned peer`
     tuned_peer: bool = False
+    # not a goal of the issue, shown beside them for what it tells (the host time of a graph
+    # replay): its summary says "informational", and `moehal goals --check` does not gate on it
+    informational: bool = False
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -90,14 +93,19 @@ ISSUE_4_GOALS: tuple[Goal, ...] = (
          VS_PEER, 1.2, tuned_peer=True),
     Goal("fp8_vs_bf16", "fp8 block-scale at 1024+ tokens: at least 1.5x the bf16 path", "fp8_block", 1024, None,
          VS_BF16, 1.5),
-    Goal("host_graphs", "host time under 20 us per eager forward (graph replay, inputs in place, out=), "
-         "1-128 tokens", "bf16", 1, 128, HOST_US, 20.0, at_most=True),
-    Goal("host_eager", "host time under 20 us per plain eager forward (no graphs), 1-128 tokens", "bf16", 1, 128,
-         HOST_EAGER_US, 20.0, at_most=True),
-    # The same replays timed as an engine's loop makes them (`moehal.bench.host_time_back_to_back`):
+    # The issue's host goal: a plain eager forward, no graph. (1-128 tokens: the decode sizes the
+    # bench's host columns time; the issue names no range.)
+    Goal("host_eager", "host overhead under 20 us per forward outside graphs (plain eager forward), 1-128 tokens",
+         "bf16", 1, 128, HOST_EAGER_US, 20.0, at_most=True),
+    # Informational, not the issue's: the host time of a forward that replays a CUDA graph
+    # (`cuda_graph_tokens`; the work inside a graph), timed after a synchronize ...
+    Goal("host_graphs", "informational: host time per replayed forward, inside a CUDA graph (replay, inputs in "
+         "place, out=), under 20 us, 1-128 tokens", "bf16", 1, 128, HOST_US, 20.0, at_most=True, informational=True),
+    # ... and as an engine's loop makes them, back to back (`moehal.bench.host_time_back_to_back`):
     # `host_graphs` times each call right after a synchronize, which adds the host's resume time.
-    Goal("host_graphs_b2b", "host time under 20 us per eager forward (graph replay, inputs in place, out=), "
-         "calls back to back, 1-128 tokens", "bf16", 1, 128, HOST_B2B_US, 20.0, at_most=True),
+    Goal("host_graphs_b2b", "informational: host time per replayed forward, inside a CUDA graph (replay, inputs "
+         "in place, out=), calls back to back, under 20 us, 1-128 tokens", "bf16", 1, 128, HOST_B2B_US, 20.0,
+         at_most=True, informational=True),
 )  # fmt: skip
 
 
@@ -425,6 +433,11 @@ class GoalSummary:
         return PARTLY_MEASURED if self.unmeasured else "met"
 
     @property
+    def status_text(self) -> str:
+        """`status` as the tables print it: "(informational)" after an informational goal's."""
+        return f"{self.status} (informational)" if self.goal.informational else self.status
+
+    @property
     def cells_text(self) -> str:
         """The cells: "M of N" (measured cells met), and those not measured: "(K not measured, J of them
         against an untuned peer)"."""
@@ -480,7 +493,7 @@ def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
     for s in summarize(checks):
         g = s.goal
         met = s.cells_text + _notes_text(s)
-        lines.append(f"| {g.text} | {_target_text(g)} | {s.device} | {s.backend} | {s.status} | {met} "
+        lines.append(f"| {g.text} | {_target_text(g)} | {s.device} | {s.backend} | {s.status_text} | {met} "
                      f"| {_misses_text(s) or '-'} |")  # fmt: skip
     if not cells:
         return "\n".join(lines) + "\n"
@@ -494,10 +507,12 @@ def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
 
 def _target_text(g: Goal) -> str:
     if g.metric == PCT_ROOFLINE:
-        return f">= {g.target:.0f}%"
-    if g.metric in (VS_PEER, VS_BF16):
-        return f">= {g.target:g}x"
-    return f"{'<=' if g.at_most else '>='} {g.target:g} us"
+        text = f">= {g.target:.0f}%"
+    elif g.metric in (VS_PEER, VS_BF16):
+        text = f">= {g.target:g}x"
+    else:
+        text = f"{'<=' if g.at_most else '>='} {g.target:g} us"
+    return text
 
 
 def goals_table(checks: Sequence[GoalCheck]) -> Any:
@@ -525,7 +540,7 @@ def goals_table(checks: Sequence[GoalCheck]) -> Any:
         if s.untuned:
             notes.append(f"{s.untuned} of the unmeasured against an untuned peer")
         t.add_row(
-            s.goal.name, s.goal.tokens_text, _target_text(s.goal), f"[{colour[s.status]}]{s.status}[/]", cells,
+            s.goal.name, s.goal.tokens_text, _target_text(s.goal), f"[{colour[s.status]}]{s.status_text}[/]", cells,
             escape("\n".join([_misses_text(s, "\n"), *notes]).strip()) or "-",
         )  # fmt: skip
     return Group(*(FittedTable(t, keys=1) for t in tables.values()))

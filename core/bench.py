@@ -130,6 +130,9 @@ class Row:
     # `pct_roofline` above 100: the row ran faster than the roofline measured in this run allows
     # (`OVER_CEILING_NOTE`); files before session 59 lack it (read `pct_roofline` > 100)
     over_ceiling: bool = False
+    # the seed of the row's routing and inputs (`bench_inputs`: the token count); -1 in files
+    # before session 59, which drew them the same way
+    routing_seed: int = -1
 
 
 # What a row above 100% of its roofline means, as the table's footnote says it
@@ -179,11 +182,15 @@ def settle(fn: Callable[[], Any], dev: torch.device, seconds: float = SETTLE_S, 
         _sync(dev)
 
 
+# Calls before any timing's settle (`time_call`): compilation, autotuning, first allocations
+WARMUP_CALLS = 3
+
+
 def time_call(
     fn: Callable[[], Any],
     dev: torch.device,
     reps: int,
-    warmup: int = 3,
+    warmup: int = WARMUP_CALLS,
     warmup_s: float = SETTLE_S,
     per_sample: int = 1,
 ) -> float:
@@ -309,19 +316,25 @@ def stream_elements(dev: torch.device) -> int:
     return STREAM_BYTES // 4 if free >= 4 * STREAM_BYTES else 1 << 28
 
 
+def ceiling_reps(dev: torch.device) -> tuple[int, int]:
+    """Samples (the median of which is taken) of each stream ceiling, and of each matmul one."""
+    return (20, 10) if dev.type == "cuda" else (5, 3)
+
+
 def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S) -> Ceilings:
     """Copy bandwidth and dense matmul rate, each timed as the rows are (`time_call`: after
     `settle_s` of the same work, so at the clocks the GPU holds under it)."""
     big = stream_elements(dev)
     src = torch.randn(big, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
-    t = time_call(functools.partial(dst.copy_, src), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    stream_reps, matmul_reps = ceiling_reps(dev)
+    t = time_call(functools.partial(dst.copy_, src), dev, reps=stream_reps, warmup_s=settle_s)
     copy = 2 * src.numel() * src.element_size() / t
     n = 8192 if dev.type == "cuda" else 512
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3, warmup_s=settle_s)
+    t = time_call(lambda: a @ b, dev, reps=matmul_reps, warmup_s=settle_s)
     matmul = 2 * n**3 / t
-    t = time_call(src.sum, dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    t = time_call(src.sum, dev, reps=stream_reps, warmup_s=settle_s)
     read, read_kernel = src.numel() * src.element_size() / t, "torch.sum"
     for rate, name in _stream_read_rates(src, settle_s):
         if rate > read:
@@ -359,7 +372,7 @@ def _stream_read_rates(src: torch.Tensor, settle_s: float) -> list[tuple[float, 
     for i, (block, warps, per_sm) in enumerate(STREAM_READ_CONFIGS):
         partials = torch.empty(sms * per_sm, device=dev, dtype=torch.float32)
         fn = functools.partial(stream_read, src, partials, block, warps)
-        t = time_call(fn, dev, reps=20, warmup_s=settle_s if i == 0 else settle_s / 4)
+        t = time_call(fn, dev, reps=ceiling_reps(dev)[0], warmup_s=settle_s if i == 0 else settle_s / 4)
         rates.append((src.numel() * src.element_size() / t, f"triton_stream({block}, {warps}, {sms * per_sm})"))
     return rates
 
@@ -377,7 +390,7 @@ def _fp8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
         mm()
     except (RuntimeError, AttributeError):
         return math.nan
-    return 2 * n**3 / time_call(mm, dev, reps=10, warmup_s=settle_s)
+    return 2 * n**3 / time_call(mm, dev, reps=ceiling_reps(dev)[1], warmup_s=settle_s)
 
 
 def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
@@ -499,11 +512,44 @@ def model_requests(
     return out
 
 
+def routing_seed(tokens: int) -> int:
+    """The seed of a row's inputs (`bench_inputs`): its token count, so every run of a row, and
+    `tools/tile_padding_bound.py`, draws the same routing."""
+    return tokens
+
+
+# How a run measures, as its JSON says it (`method`): what the file's numbers are medians of,
+# what timed them, and what the inputs were
+ROUTING = (
+    "uniform: each token's top-k experts drawn uniformly at random without replacement "
+    "(moehal.bench.bench_inputs), one draw per row, seeded by routing_seed"
+)
+
+
+def method(reps: int, dev: torch.device) -> dict[str, Any]:
+    """The `method` object of `moehal bench --out`'s JSON: how each row's time was taken."""
+    cuda = dev.type == "cuda"
+    return {
+        "statistic": "median",
+        "reps": reps,  # samples per row, the median of which is time_us
+        "timer": "CUDA events" if cuda else "wall clock (time.perf_counter)",
+        # calls per sample, by the row's `timing`: graph replays queued back to back between
+        # two events, divided by their number
+        "calls_per_sample": {"graph": GRAPH_REPLAYS_PER_SAMPLE, "eager": 1},
+        "warmup_calls": WARMUP_CALLS,  # then `settle_s` of the row's work back to back (CUDA)
+        "routing": ROUTING,
+        "routing_seed": "each row's token count (its `routing_seed`)",
+        "inputs": "the same inputs (hidden states, routing, weights) at every call and replay of a row",
+        "l2_flush": False,  # nothing evicts the L2 between samples or replays
+        "ceiling_reps": dict(zip(("stream", "matmul"), ceiling_reps(dev))),  # samples per ceiling (median)
+    }
+
+
 def bench_inputs(cfg: moehal.MoEConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The benchmark's inputs for one row, on the CPU and seeded by the token count (so every run,
+    """The benchmark's inputs for one row, on the CPU and seeded by `routing_seed` (so every run,
     and `tools/tile_padding_bound.py`, sees the same routing): hidden states `[T, H]` float32,
     top-k ids `[T, K]` int64 drawn uniformly without replacement per token, weights `[T, K]`."""
-    gen = torch.Generator().manual_seed(tokens)
+    gen = torch.Generator().manual_seed(routing_seed(tokens))
     x = torch.randn(tokens, cfg.hidden_size, generator=gen)
     # argsort of noise: top-k without replacement, vectorized (no Python loop over tokens)
     ids = torch.rand(tokens, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
@@ -627,6 +673,7 @@ def bench_one(
         check=check,
         check_rel_l2=check_rel,
         over_ceiling=roof > t,
+        routing_seed=routing_seed(tokens),
     )
 
 
@@ -939,6 +986,7 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     if args.max_tokens:
         console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
+    run_method = method(args.reps, dev)
     rows: list[Row] = []
     # rows that could not be measured, and why: saved beside the rows, so that `moehal goals`
     # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)
@@ -960,6 +1008,7 @@ def _main(argv: Sequence[str] | None) -> int:
             "moehal": moehal.__version__,
             "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "method": run_method,  # how each row was timed, on what inputs
             "layer_max_tokens": args.max_tokens or "each row's token count",
             "settle_s": args.settle_s,
             "rounds": args.rounds,

@@ -906,3 +906,23 @@ def test_the_table_has_no_footnote_where_no_row_is_above_100_percent():
 
     assert "above 100%" not in text(99.6) and " 100 " in text(99.6).replace("│", " ")
     assert "above 100%" in text(100.4) and " 100* " in text(100.4).replace("│", " "), "100.4 is over, though it rounds"
+
+
+def test_the_json_says_how_its_rows_were_measured(tmp_path):
+    """The audit (session 59, finding 9): the file did not say its reps, statistic, timer,
+    routing or L2 policy. `method` does, and each row its routing's seed."""
+    from moehal import bench
+
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "7", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    m = data["method"]
+    assert (m["statistic"], m["reps"], m["timer"]) == ("median", 7, "wall clock (time.perf_counter)")
+    assert m["calls_per_sample"] == {"graph": bench.GRAPH_REPLAYS_PER_SAMPLE, "eager": 1} == {"graph": 10, "eager": 1}
+    assert m["warmup_calls"] == 3 and m["l2_flush"] is False and m["ceiling_reps"] == {"stream": 5, "matmul": 3}
+    assert m["routing"].startswith("uniform:") and "without replacement" in m["routing"]
+    assert "same inputs" in m["inputs"]
+    assert [(r["tokens"], r["routing_seed"]) for r in data["rows"]] == [(1, 1), (8, 8)]
+    assert bench.method(50, torch.device("cuda"))["timer"] == "CUDA events"
+    assert bench.method(50, torch.device("cuda"))["ceiling_reps"] == {"stream": 20, "matmul": 10}

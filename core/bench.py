@@ -694,29 +694,80 @@ def medians_by_tokens(points: Sequence[tuple[int, float]]) -> list[tuple[int, fl
     return [(t, statistics.median(by_tokens[t])) for t in sorted(by_tokens)]
 
 
-def plot(rows: list[Row], path: Path) -> Path | None:
-    try:
-        import matplotlib
+# The goals drawn on the plot: (% of roofline, token range), bf16 rows (`moehal.bench_goals`)
+PLOT_GOALS = ((90.0, 16, 128), (75.0, 1024, 4096))
 
-        matplotlib.use("Agg")
+
+def figure(rows: Sequence[Row], ceil: Ceilings | None = None, date: str = "") -> Any:
+    """The plot of `moehal bench --out` (a matplotlib Figure; ImportError without matplotlib):
+    per shape, % of roofline against tokens, one marker per round and a thin line through each
+    token count's median (drawn at the token counts measured only); rows above 100% ringed in
+    red; the bf16 goals' thresholds over their token ranges. The title names the device and the
+    date, the caption the ceilings; each series names the matmul rate its roofline used (fp8
+    rows: fp8's, where measured), so fp8 and bf16 are each against their own roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r.shape for r in rows})
+    fig, axes = plt.subplots(1, max(len(shapes), 1), figsize=(5 * max(len(shapes), 1), 4.6), squeeze=False,
+                             sharey=True)  # fmt: skip
+    top = max([105.0, *(r.pct_roofline * 1.05 for r in rows if math.isfinite(r.pct_roofline))])
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if r.shape == shape]
+        for key in sorted({(r.backend, r.quant) for r in mine}):
+            series = [r for r in mine if (r.backend, r.quant) == key]
+            basis = "/".join(sorted({r.roofline_matmul for r in series}))
+            pts = sorted((r.tokens, r.pct_roofline) for r in series)
+            # markers where measured (every round), a thin line through the medians
+            (line,) = ax.plot(*zip(*medians_by_tokens(pts)), "-", lw=0.8, alpha=0.7)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=line.get_color(), ms=4,
+                    label=f"{key[0]} {key[1]} (roofline: {basis} matmul rate)")  # fmt: skip
+        over = [(r.tokens, r.pct_roofline) for r in mine if r.pct_roofline > 100]
+        if over:
+            ax.plot(*zip(*over), "o", ms=9, mfc="none", mec="red", mew=1.2, label="above 100%: ceiling exceeded")
+        tokens = sorted({r.tokens for r in mine})
+        for pct, lo, hi in PLOT_GOALS:  # where the run has token counts in the goal's range
+            if not any(lo <= t <= hi for t in tokens):
+                continue
+            span = (max(lo, tokens[0]), min(hi, tokens[-1]))  # within the measured counts, where that is a span
+            ax.plot(span if span[0] < span[1] else (lo, hi), (pct, pct), "--", color="grey", lw=1,
+                    label=f"goal: {pct:.0f}% (bf16, {lo}-{hi} tokens)")  # fmt: skip
+        ax.axhline(100, color="grey", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(tokens, [str(t) for t in tokens])
+        ax.set_ylim(0, top)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens (measured counts only)")
+        ax.set_ylabel("% of roofline (copy bandwidth, matmul rate)")
+        ax.legend(fontsize=6, loc="lower right")
+    device = ceil.device if ceil is not None else "device not recorded"
+    fig.suptitle(f"moehal bench: {device}, {date or 'date not recorded'}", fontsize=10)
+    if ceil is not None:
+        fp8 = ", no fp8 matmul rate (fp8 rows: bf16's)"
+        if math.isfinite(ceil.fp8_matmul_flops_per_s):
+            fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.0f} TFLOP/s"
+        fig.text(
+            0.5, 0.01,
+            f"ceilings measured in this run: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s (reads + writes; "
+            f"read-only stream {ceil.read_bytes_per_s / 1e12:.2f} TB/s, not used for this %), bf16 matmul "
+            f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s{fp8}. Timing: "
+            + "/".join(sorted({r.timing for r in rows})) + ". One marker per round.",
+            ha="center", va="bottom", fontsize=7, wrap=True,
+        )  # fmt: skip
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    return fig
+
+
+def plot(rows: list[Row], path: Path, ceil: Ceilings | None = None, date: str = "") -> Path | None:
+    """`figure` written to `path` (whole or not at all: `WriteError`); None without matplotlib."""
+    try:
         import matplotlib.pyplot as plt
+
+        fig = figure(rows, ceil, date)
     except ImportError:
         return None
-    shapes = sorted({r.shape for r in rows})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        for key in sorted({(r.backend, r.quant) for r in rows if r.shape == shape}):
-            pts = sorted((r.tokens, r.pct_roofline) for r in rows if r.shape == shape and (r.backend, r.quant) == key)
-            # the line joins each token count's median over the rounds; every round is a dot
-            (line,) = ax.plot(*zip(*medians_by_tokens(pts)), label=f"{key[0]} {key[1]}")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=line.get_color(), ms=4)
-        ax.set_xscale("log", base=2)
-        ax.set_title(shape)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("% of roofline")
-        ax.axhline(100, color="grey", lw=0.5)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
     try:  # written whole or not at all, as the JSON
         _write(path, lambda part: fig.savefig(part, dpi=110, format="png"))
     finally:
@@ -1113,7 +1164,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if out is not None and not write_failed:
             try:
                 save()
-                png = plot(rows, out_png)
+                png = plot(rows, out_png, ceil, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
             except WriteError as exc:
                 write_failed.append(exc)
     except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays

@@ -724,7 +724,7 @@ def test_a_failed_first_write_still_prints_the_table(tmp_path, capsys, monkeypat
 def test_a_png_that_cannot_be_written_keeps_the_table_and_the_whole_json(tmp_path, capsys, monkeypatch):
     from moehal import bench
 
-    def no_room(rows, path):
+    def no_room(rows, path, *context):
         raise bench.WriteError(f"cannot write {path}: No space left on device")
 
     monkeypatch.setattr(bench, "plot", no_room)
@@ -771,7 +771,7 @@ def test_ctrl_c_while_the_png_is_written_reports_an_interrupted_run(tmp_path, ca
     JSON, written before the PNG, holds every row."""
     from moehal import bench
 
-    def slow_plot(rows, path):
+    def slow_plot(rows, path, *context):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bench, "plot", slow_plot)
@@ -926,3 +926,48 @@ def test_the_json_says_how_its_rows_were_measured(tmp_path):
     assert [(r["tokens"], r["routing_seed"]) for r in data["rows"]] == [(1, 1), (8, 8)]
     assert bench.method(50, torch.device("cuda"))["timer"] == "CUDA events"
     assert bench.method(50, torch.device("cuda"))["ceiling_reps"] == {"stream": 20, "matmul": 10}
+
+
+def _fig_rows():
+    from moehal.bench import Row
+
+    def row(quant, tokens, pct, rnd=0, basis="bf16"):
+        return Row("deepseek_v3_ep8", "cuda", "p", quant, tokens, 10.0, "graph", 1, 1, 5.0, pct, 1.0, 1.0,
+                   round=rnd, roofline_matmul=basis)  # fmt: skip
+
+    return [
+        row("bf16", 16, 103.0), row("bf16", 16, 101.0, 1), row("bf16", 128, 91.0), row("bf16", 1024, 80.0),
+        row("bf16", 4096, 74.0), row("fp8_block", 1024, 60.0, basis="fp8"), row("fp8_block", 4096, 70.0, basis="fp8"),
+    ]  # fmt: skip
+
+
+def test_the_plot_names_its_device_date_ceilings_goals_and_rooflines():
+    """The audit (session 59, finding 10): the PNG named no device, date or ceiling, drew no goal,
+    joined medians across token counts never measured, and put fp8 (against fp8's rate) and bf16
+    on one axis unlabelled. The Figure is inspected, not its pixels."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from moehal.bench import Ceilings, figure
+
+    ceil = Ceilings(4.2e12, 700e12, "cuda:0 NVIDIA H200 sm90", 4.45e12, 1400e12)
+    fig = figure(_fig_rows(), ceil, "2026-11-29 10:00 UTC")
+    try:
+        assert fig._suptitle.get_text() == "moehal bench: cuda:0 NVIDIA H200 sm90, 2026-11-29 10:00 UTC"
+        caption = " ".join(t.get_text() for t in fig.texts)
+        assert "copy 4.20 TB/s" in caption and "bf16 matmul 700 TFLOP/s" in caption
+        assert "fp8 matmul 1400 TFLOP/s" in caption and "read-only stream 4.45 TB/s" in caption
+        (ax,) = fig.axes
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        goal90, goal75 = lines["goal: 90% (bf16, 16-128 tokens)"], lines["goal: 75% (bf16, 1024-4096 tokens)"]
+        assert list(goal90.get_ydata()) == [90.0, 90.0] and list(goal90.get_xdata()) == [16, 128]
+        assert list(goal75.get_ydata()) == [75.0, 75.0] and list(goal75.get_xdata()) == [1024, 4096]
+        bf16 = lines["cuda bf16 (roofline: bf16 matmul rate)"]
+        fp8 = lines["cuda fp8_block (roofline: fp8 matmul rate)"]
+        assert bf16.get_marker() == "o" and bf16.get_linestyle() == "None", "a marker per measured point"
+        assert list(bf16.get_xdata()) == [16, 16, 128, 1024, 4096] and list(fp8.get_xdata()) == [1024, 4096]
+        over = lines["above 100%: ceiling exceeded"]
+        assert list(over.get_xdata()) == [16, 16] and sorted(over.get_ydata()) == [101.0, 103.0]
+        assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 105, "from 0: a spread of a few points looks its size"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "128", "1024", "4096"], "measured counts only"
+    finally:
+        plt.close(fig)

@@ -865,6 +865,12 @@ EPILOG = """\
 Off CUDA the host-time columns are left out (they time eager calls against a GPU's queue) and
 the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.
 
+"weight TB/s" is the expert weight bytes the row touches, in the checkpoint's format (quantized
+bytes and their scales), per second: not the DRAM traffic, which is larger where a path
+dequantizes weights first (nvfp4 on SM90 reads bf16 copies) and adds activations. "TFLOP/s"
+counts the routed tokens' FLOPs, not the padding rows a tiled GEMM also computes. A "% roofline"
+marked * is above 100%: the row beat the run's ceilings (the footnote under the table says more).
+
 exit status:
   0  the run finished and measured rows, none of them with a wrong output (rows that a backend
      declines are skipped: listed, and saved as such)
@@ -1271,7 +1277,7 @@ def results_table(rows: Sequence[Row]) -> Any:
         ("time us", [f"{r.time_us:.1f}" for r in rows]),
         ("timing", [r.timing for r in rows]),
         ("% roofline", [f"{r.pct_roofline:.0f}" + ("*" if r.pct_roofline > 100 else "") for r in rows]),
-        ("TB/s", [f"{r.tb_per_s:.2f}" for r in rows]),
+        ("weight TB/s", [f"{r.tb_per_s:.2f}" for r in rows]),  # checkpoint-format bytes: `EPILOG`
         ("TFLOP/s", [f"{r.tflop_per_s:.1f}" for r in rows]),
         ("output", [{"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-") for r in rows]),
         *((("SM MHz", [_num(r.sm_mhz, "{:.0f}") for r in rows]), ("W", [_num(r.power_w, "{:.0f}") for r in rows]))

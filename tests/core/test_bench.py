@@ -971,3 +971,18 @@ def test_the_plot_names_its_device_date_ceilings_goals_and_rooflines():
         assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "128", "1024", "4096"], "measured counts only"
     finally:
         plt.close(fig)
+
+
+def test_the_bandwidth_column_says_it_counts_checkpoint_format_weight_bytes(capsys):
+    """The column "TB/s" read as DRAM bandwidth, but it is the weight bytes touched in the checkpoint's format
+    per second (nvfp4 on SM90 reads bf16 copies: 3.5x the traffic; session 59's review)."""
+    from moehal.bench import Row, results_table
+
+    r = Row("tiny", "cuda", "p", "nvfp4", 8, 10.0, "graph", 1, 1, 5.0, 50.0, 0.65, 1.0)
+    headers = [c.header for c in results_table([r]).columns]
+    assert "weight TB/s" in headers and "TB/s" not in headers
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert '"weight TB/s" is the expert weight bytes the row touches, in the checkpoint\'s format' in help_text
+    assert "not the DRAM traffic" in help_text

@@ -579,3 +579,16 @@ def test_the_graph_replay_host_goals_are_informational_and_do_not_gate(tmp_path,
     eager_slow = _run_file(tmp_path, "e.json", [row("cuda", 8, 10.0, host_us=45.0, host_graph_out_us=5.0)])
     assert main(["goals", "--check", str(eager_slow)]) == 1, "the issue's host goal gates"
     assert "host_eager d cuda s 8: 45.0 us" in capsys.readouterr().err
+
+
+def test_every_doc_page_the_code_cites_exists():
+    """core/integrations/sglang.py and tools/sglang_peer.py cited docs/benchmarks.md, which never
+    existed (session 59's review, finding 15): a page named in the code must be in the tree."""
+    import re
+
+    cited = []
+    for d in ("core", "tools", "backends_cuda", "backends_rocm", "backends_npu", "conformance"):
+        for f in sorted((REPO / d).rglob("*.py")):
+            cited += [(f.relative_to(REPO), m) for m in re.findall(r"docs/[\w\-./]*[\w\-]\.md\b", f.read_text())]
+    assert len(cited) >= 10, "the pattern still finds the citations"
+    assert [(str(f), page) for f, page in cited if not (REPO / page).is_file()] == []

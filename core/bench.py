@@ -69,13 +69,28 @@ class Ceilings:
     # bytes of the buffer the copy reads (and writes) and the read-only stream reads
     # (`STREAM_BYTES`; 1 GiB in records before session 43)
     stream_bytes: int = 1 << 30
+    # a dense int8 matmul (`torch._int_mm`, int32 out), operations per second: the compute term of
+    # w8a8_int8 rows, measured where the run has such rows (NaN otherwise, or where torch cannot
+    # run it: those rows then get no % of roofline, never one against bf16's rate)
+    int8_matmul_ops_per_s: float = float("nan")
 
     def matmul_rate(self, quant: QuantScheme) -> tuple[float, str]:
-        """The dense rate a row of `quant` is held to, and its name: fp8's own where measured."""
+        """The dense rate a row of `quant` is held to, and its name: fp8's own where measured;
+        int8's own, or NaN ("none: no int8 ceiling") where not measured: int8 tensor cores run
+        about twice bf16's rate, and held to bf16's a compute-bound int8 row would read up to
+        2x too high (as fp8 rows did before session 42). nvfp4 has no rate of its own: bf16's."""
         kind = quant.kind.value
         if kind.startswith("fp8") and math.isfinite(self.fp8_matmul_flops_per_s):
             return self.fp8_matmul_flops_per_s, "fp8"
+        if kind == "w8a8_int8":
+            if math.isfinite(self.int8_matmul_ops_per_s):
+                return self.int8_matmul_ops_per_s, "int8"
+            return math.nan, NO_INT8_CEILING
         return self.matmul_flops_per_s, "bf16"
+
+
+# `Row.roofline_matmul` of an int8 row without an int8 ceiling: its roofline and % are NaN
+NO_INT8_CEILING = "none: no int8 ceiling"
 
 
 @dataclass
@@ -321,9 +336,12 @@ def ceiling_reps(dev: torch.device) -> tuple[int, int]:
     return (20, 10) if dev.type == "cuda" else (5, 3)
 
 
-def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S) -> Ceilings:
+def measure_ceilings(
+    dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S, int8: bool = False
+) -> Ceilings:
     """Copy bandwidth and dense matmul rate, each timed as the rows are (`time_call`: after
-    `settle_s` of the same work, so at the clocks the GPU holds under it)."""
+    `settle_s` of the same work, so at the clocks the GPU holds under it); `int8`: also a dense
+    int8 matmul's rate (`_int8_matmul_rate`), for w8a8_int8 rows."""
     big = stream_elements(dev)
     src = torch.randn(big, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -340,11 +358,12 @@ def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, set
         if rate > read:
             read, read_kernel = rate, name
     fp8 = _fp8_matmul_rate(dev, n, settle_s)
+    int8_rate = _int8_matmul_rate(dev, n, settle_s) if int8 else math.nan
     nbytes = big * src.element_size()
     del src, dst
     if dev.type == "cuda":  # the streams' 8 GiB back to the device, not kept for the rows
         torch.cuda.empty_cache()
-    return Ceilings(copy, matmul, detect(dev).describe(), read, fp8, read_kernel, nbytes)
+    return Ceilings(copy, matmul, detect(dev).describe(), read, fp8, read_kernel, nbytes, int8_rate)
 
 
 # (elements per step, warps, programs per SM) of the streaming-read kernel that the ceiling
@@ -389,6 +408,19 @@ def _fp8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
         mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
         mm()
     except (RuntimeError, AttributeError):
+        return math.nan
+    return 2 * n**3 / time_call(mm, dev, reps=ceiling_reps(dev)[1], warmup_s=settle_s)
+
+
+def _int8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
+    """Dense int8 matmul operations per second (`torch._int_mm`: int8 x int8 -> int32, the
+    int8 tensor-core path on CUDA), an `n` x `n` x `n` product; NaN where torch cannot run it."""
+    try:
+        a = torch.randint(-128, 128, (n, n), device=dev, dtype=torch.int8)
+        b = torch.randint(-128, 128, (n, n), device=dev, dtype=torch.int8)
+        mm = functools.partial(torch._int_mm, a, b)
+        mm()
+    except (RuntimeError, AttributeError, NotImplementedError):
         return math.nan
     return 2 * n**3 / time_call(mm, dev, reps=ceiling_reps(dev)[1], warmup_s=settle_s)
 
@@ -641,9 +673,12 @@ def bench_one(
     wbytes = int(_weight_bytes_per_expert(weights) * touched)
     flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
     rate, rate_name = ceil.matmul_rate(quant)
-    roof = max(wbytes / ceil.copy_bytes_per_s, flops / rate)
     read = ceil.read_bytes_per_s
-    roof_read = max(wbytes / max(ceil.copy_bytes_per_s, read), flops / rate) if math.isfinite(read) else math.nan
+    if math.isfinite(rate):
+        roof = max(wbytes / ceil.copy_bytes_per_s, flops / rate)
+        roof_read = max(wbytes / max(ceil.copy_bytes_per_s, read), flops / rate) if math.isfinite(read) else math.nan
+    else:  # no rate to hold this scheme to (`NO_INT8_CEILING`): no roofline, rather than a wrong one
+        roof = roof_read = math.nan
     return Row(
         shape,
         backend,
@@ -715,7 +750,7 @@ def figure(rows: Sequence[Row], ceil: Ceilings | None = None, date: str = "") ->
                              sharey=True)  # fmt: skip
     top = max([105.0, *(r.pct_roofline * 1.05 for r in rows if math.isfinite(r.pct_roofline))])
     for ax, shape in zip(axes[0], shapes):
-        mine = [r for r in rows if r.shape == shape]
+        mine = [r for r in rows if r.shape == shape and math.isfinite(r.pct_roofline)]  # (int8 without its rate)
         for key in sorted({(r.backend, r.quant) for r in mine}):
             series = [r for r in mine if (r.backend, r.quant) == key]
             basis = "/".join(sorted({r.roofline_matmul for r in series}))
@@ -1026,8 +1061,9 @@ def _main(argv: Sequence[str] | None) -> int:
 
     signal.signal(signal.SIGTERM, stop)  # a time limit's SIGTERM: as Ctrl-C (`main` gives it back)
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
+    int8 = any(QuantScheme.parse(j[1]).kind.value == "w8a8_int8" for j in jobs)  # its rows' own ceiling
     try:
-        ceil = measure_ceilings(dev, settle_s=args.settle_s)
+        ceil = measure_ceilings(dev, settle_s=args.settle_s, int8=int8)
     except BaseException as exc:
         if sampler is not None:
             sampler.close()
@@ -1036,10 +1072,16 @@ def _main(argv: Sequence[str] | None) -> int:
         console.print("interrupted while measuring the ceilings: no row measured, no file written", markup=False)
         return 1
     fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
+    int8_text = ""
+    if int8:
+        int8_rate = ceil.int8_matmul_ops_per_s
+        int8_text = ", no int8 matmul rate (torch._int_mm did not run: int8 rows get no % of roofline)"
+        if math.isfinite(int8_rate):
+            int8_text = f", int8 matmul {int8_rate / 1e12:.3g} TOP/s"
     console.print(
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
         f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
-        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s (measured now)"
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s{int8_text} (measured now)"
     )
     if args.max_tokens:
         console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
@@ -1276,7 +1318,7 @@ def results_table(rows: Sequence[Row]) -> Any:
         *((("round", [str(r.round) for r in rows]),) if rounds else ()),
         ("time us", [f"{r.time_us:.1f}" for r in rows]),
         ("timing", [r.timing for r in rows]),
-        ("% roofline", [f"{r.pct_roofline:.0f}" + ("*" if r.pct_roofline > 100 else "") for r in rows]),
+        ("% roofline", [_pct_text(r) for r in rows]),
         ("weight TB/s", [f"{r.tb_per_s:.2f}" for r in rows]),  # checkpoint-format bytes: `EPILOG`
         ("TFLOP/s", [f"{r.tflop_per_s:.1f}" for r in rows]),
         ("output", [{"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-") for r in rows]),
@@ -1316,6 +1358,14 @@ def results_view(rows: Sequence[Row]) -> Any:
     if not any(r.pct_roofline > 100 for r in rows):
         return table
     return Group(table, Text(OVER_CEILING_NOTE))
+
+
+def _pct_text(r: Row) -> str:
+    """A row's % of roofline: `*` above 100 (`OVER_CEILING_NOTE`), "n/a: no int8 ceiling" where
+    no matmul rate held it (`NO_INT8_CEILING`)."""
+    if not math.isfinite(r.pct_roofline):
+        return f"n/a: {r.roofline_matmul.removeprefix('none: ')}" if r.roofline_matmul.startswith("none") else "-"
+    return f"{r.pct_roofline:.0f}" + ("*" if r.pct_roofline > 100 else "")
 
 
 def _num(x: float, fmt: str) -> str:

@@ -880,7 +880,7 @@ def test_a_row_above_100_percent_of_roofline_is_marked_and_explained(tmp_path, c
     from moehal import bench
 
     low = bench.Ceilings(1e3, 1e3, "cpu (ceilings set low)", 1e3)  # every row beats them
-    monkeypatch.setattr(bench, "measure_ceilings", lambda dev, settle_s=0: low)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda dev, settle_s=0, int8=False: low)
     monkeypatch.setenv("COLUMNS", "200")
     out = tmp_path / "bench"
     argv = ["--shapes", "tiny", "--tokens", "16", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
@@ -986,3 +986,50 @@ def test_the_bandwidth_column_says_it_counts_checkpoint_format_weight_bytes(caps
     help_text = " ".join(capsys.readouterr().out.split())
     assert '"weight TB/s" is the expert weight bytes the row touches, in the checkpoint\'s format' in help_text
     assert "not the DRAM traffic" in help_text
+
+
+def test_int8_rows_are_held_to_an_int8_rate_never_to_bf16s(monkeypatch):
+    """The audit (session 59, finding 12): w8a8_int8 rows were held to the bf16 matmul rate, as fp8
+    rows were before session 42 (int8 tensor cores run about twice bf16's rate: up to 2x too high).
+    They now take an int8 rate where the run measured one, and no % of roofline where it did not."""
+    from moehal import bench
+    from moehal.bench import NO_INT8_CEILING, Ceilings, Row, results_table
+    from moehal.quant import QuantScheme
+
+    int8 = QuantScheme.parse("w8a8_int8")
+    nan = float("nan")
+    measured = Ceilings(3e12, 600e12, "gpu", 4e12, 1200e12, int8_matmul_ops_per_s=1150e12)
+    assert measured.matmul_rate(int8) == (1150e12, "int8")
+    assert measured.matmul_rate(QuantScheme.parse("bf16")) == (600e12, "bf16")
+    rate, name = Ceilings(3e12, 600e12, "gpu", 4e12, nan).matmul_rate(int8)
+    assert rate != rate and name == NO_INT8_CEILING == "none: no int8 ceiling", "never bf16's rate"
+    # the ceiling step, with a fake timer: 2 n^3 operations over the median sample
+    monkeypatch.setattr(bench, "time_call", lambda fn, dev, reps, warmup_s=0: 0.5)
+    assert bench._int8_matmul_rate(torch.device("cpu"), 64, 0) == 2 * 64**3 / 0.5
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: (_ for _ in ()).throw(RuntimeError("no int8 GEMM")))
+    rate = bench._int8_matmul_rate(torch.device("cpu"), 64, 0)
+    assert rate != rate, "torch cannot run it: NaN, so the rows get no %"
+    row = Row("tiny", "cuda", "p", "w8a8_int8", 8, 10.0, "graph", 1, 1, nan, nan, 1.0, 1.0,
+              roofline_matmul=NO_INT8_CEILING)  # fmt: skip
+    cols = {c.header: list(c.cells) for c in results_table([row]).columns}
+    assert cols["% roofline"] == ["n/a: no int8 ceiling"]
+
+
+def test_a_run_with_int8_rows_measures_their_rate_and_holds_them_to_it(tmp_path):
+    from moehal import bench
+
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "4", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--quant", "bf16,w8a8_int8", "--no-host", "--out", str(out), *CPU]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    rate = data["ceilings"]["int8_matmul_ops_per_s"]
+    assert rate is not None and rate > 0, "torch._int_mm runs on the CPU too"
+    bf16, int8 = data["rows"]
+    assert (bf16["roofline_matmul"], int8["roofline_matmul"]) == ("bf16", "int8")
+    ceil = bench.Ceilings(**{k: v for k, v in data["ceilings"].items()})
+    roof = max(int8["weight_bytes"] / ceil.copy_bytes_per_s, int8["flops"] / rate)
+    assert int8["roofline_us"] == pytest.approx(roof * 1e6)
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["ceilings"]["int8_matmul_ops_per_s"] is None, (
+        "measured only where the run has int8 rows"
+    )

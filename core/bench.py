@@ -29,7 +29,7 @@ from typing import Any
 
 import moehal
 import torch
-from moehal.bench_goals import is_peer
+from moehal.bench_goals import BENCH_SCHEMA, BENCH_SCHEMA_NAME, is_peer
 from moehal.clock_sampler import ClockSampler
 from moehal.errors import MoEHalError
 from moehal.hardware import detect
@@ -69,13 +69,28 @@ class Ceilings:
     # bytes of the buffer the copy reads (and writes) and the read-only stream reads
     # (`STREAM_BYTES`; 1 GiB in records before session 43)
     stream_bytes: int = 1 << 30
+    # a dense int8 matmul (`torch._int_mm`, int32 out), operations per second: the compute term of
+    # w8a8_int8 rows, measured where the run has such rows (NaN otherwise, or where torch cannot
+    # run it: those rows then get no % of roofline, never one against bf16's rate)
+    int8_matmul_ops_per_s: float = float("nan")
 
     def matmul_rate(self, quant: QuantScheme) -> tuple[float, str]:
-        """The dense rate a row of `quant` is held to, and its name: fp8's own where measured."""
+        """The dense rate a row of `quant` is held to, and its name: fp8's own where measured;
+        int8's own, or NaN ("none: no int8 ceiling") where not measured: int8 tensor cores run
+        about twice bf16's rate, and held to bf16's a compute-bound int8 row would read up to
+        2x too high (as fp8 rows did before session 42). nvfp4 has no rate of its own: bf16's."""
         kind = quant.kind.value
         if kind.startswith("fp8") and math.isfinite(self.fp8_matmul_flops_per_s):
             return self.fp8_matmul_flops_per_s, "fp8"
+        if kind == "w8a8_int8":
+            if math.isfinite(self.int8_matmul_ops_per_s):
+                return self.int8_matmul_ops_per_s, "int8"
+            return math.nan, NO_INT8_CEILING
         return self.matmul_flops_per_s, "bf16"
+
+
+# `Row.roofline_matmul` of an int8 row without an int8 ceiling: its roofline and % are NaN
+NO_INT8_CEILING = "none: no int8 ceiling"
 
 
 @dataclass
@@ -127,6 +142,22 @@ class Row:
     # "fail", or "" (not checked: `--no-check`, the reference's own rows, older runs)
     check: str = ""
     check_rel_l2: float = float("nan")
+    # `pct_roofline` above 100: the row ran faster than the roofline measured in this run allows
+    # (`OVER_CEILING_NOTE`); files before session 59 lack it (read `pct_roofline` > 100)
+    over_ceiling: bool = False
+    # the seed of the row's routing and inputs (`bench_inputs`: the token count); -1 in files
+    # before session 59, which drew them the same way
+    routing_seed: int = -1
+
+
+# What a row above 100% of its roofline means, as the table's footnote says it
+OVER_CEILING_NOTE = (
+    "* above 100% of roofline: the row ran faster than this run's ceilings allow. The copy ceiling "
+    "(the issue's bandwidth term) counts reads and writes and sits a few % below a read-only "
+    "stream (pct_roofline_read in the JSON uses the faster), and a dense matmul's rate can sit "
+    "below the layer's own GEMMs. So the ceiling, not the row, is off: such a % is no measure of "
+    "headroom, and rows near it read high too."
+)
 
 
 def _sync(dev: torch.device) -> None:
@@ -166,11 +197,15 @@ def settle(fn: Callable[[], Any], dev: torch.device, seconds: float = SETTLE_S, 
         _sync(dev)
 
 
+# Calls before any timing's settle (`time_call`): compilation, autotuning, first allocations
+WARMUP_CALLS = 3
+
+
 def time_call(
     fn: Callable[[], Any],
     dev: torch.device,
     reps: int,
-    warmup: int = 3,
+    warmup: int = WARMUP_CALLS,
     warmup_s: float = SETTLE_S,
     per_sample: int = 1,
 ) -> float:
@@ -296,29 +331,39 @@ def stream_elements(dev: torch.device) -> int:
     return STREAM_BYTES // 4 if free >= 4 * STREAM_BYTES else 1 << 28
 
 
-def measure_ceilings(dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S) -> Ceilings:
+def ceiling_reps(dev: torch.device) -> tuple[int, int]:
+    """Samples (the median of which is taken) of each stream ceiling, and of each matmul one."""
+    return (20, 10) if dev.type == "cuda" else (5, 3)
+
+
+def measure_ceilings(
+    dev: torch.device, dtype: torch.dtype = torch.bfloat16, settle_s: float = SETTLE_S, int8: bool = False
+) -> Ceilings:
     """Copy bandwidth and dense matmul rate, each timed as the rows are (`time_call`: after
-    `settle_s` of the same work, so at the clocks the GPU holds under it)."""
+    `settle_s` of the same work, so at the clocks the GPU holds under it); `int8`: also a dense
+    int8 matmul's rate (`_int8_matmul_rate`), for w8a8_int8 rows."""
     big = stream_elements(dev)
     src = torch.randn(big, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
-    t = time_call(functools.partial(dst.copy_, src), dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    stream_reps, matmul_reps = ceiling_reps(dev)
+    t = time_call(functools.partial(dst.copy_, src), dev, reps=stream_reps, warmup_s=settle_s)
     copy = 2 * src.numel() * src.element_size() / t
     n = 8192 if dev.type == "cuda" else 512
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    t = time_call(lambda: a @ b, dev, reps=10 if dev.type == "cuda" else 3, warmup_s=settle_s)
+    t = time_call(lambda: a @ b, dev, reps=matmul_reps, warmup_s=settle_s)
     matmul = 2 * n**3 / t
-    t = time_call(src.sum, dev, reps=20 if dev.type == "cuda" else 5, warmup_s=settle_s)
+    t = time_call(src.sum, dev, reps=stream_reps, warmup_s=settle_s)
     read, read_kernel = src.numel() * src.element_size() / t, "torch.sum"
     for rate, name in _stream_read_rates(src, settle_s):
         if rate > read:
             read, read_kernel = rate, name
     fp8 = _fp8_matmul_rate(dev, n, settle_s)
+    int8_rate = _int8_matmul_rate(dev, n, settle_s) if int8 else math.nan
     nbytes = big * src.element_size()
     del src, dst
     if dev.type == "cuda":  # the streams' 8 GiB back to the device, not kept for the rows
         torch.cuda.empty_cache()
-    return Ceilings(copy, matmul, detect(dev).describe(), read, fp8, read_kernel, nbytes)
+    return Ceilings(copy, matmul, detect(dev).describe(), read, fp8, read_kernel, nbytes, int8_rate)
 
 
 # (elements per step, warps, programs per SM) of the streaming-read kernel that the ceiling
@@ -346,7 +391,7 @@ def _stream_read_rates(src: torch.Tensor, settle_s: float) -> list[tuple[float, 
     for i, (block, warps, per_sm) in enumerate(STREAM_READ_CONFIGS):
         partials = torch.empty(sms * per_sm, device=dev, dtype=torch.float32)
         fn = functools.partial(stream_read, src, partials, block, warps)
-        t = time_call(fn, dev, reps=20, warmup_s=settle_s if i == 0 else settle_s / 4)
+        t = time_call(fn, dev, reps=ceiling_reps(dev)[0], warmup_s=settle_s if i == 0 else settle_s / 4)
         rates.append((src.numel() * src.element_size() / t, f"triton_stream({block}, {warps}, {sms * per_sm})"))
     return rates
 
@@ -364,7 +409,20 @@ def _fp8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
         mm()
     except (RuntimeError, AttributeError):
         return math.nan
-    return 2 * n**3 / time_call(mm, dev, reps=10, warmup_s=settle_s)
+    return 2 * n**3 / time_call(mm, dev, reps=ceiling_reps(dev)[1], warmup_s=settle_s)
+
+
+def _int8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
+    """Dense int8 matmul operations per second (`torch._int_mm`: int8 x int8 -> int32, the
+    int8 tensor-core path on CUDA), an `n` x `n` x `n` product; NaN where torch cannot run it."""
+    try:
+        a = torch.randint(-128, 128, (n, n), device=dev, dtype=torch.int8)
+        b = torch.randint(-128, 128, (n, n), device=dev, dtype=torch.int8)
+        mm = functools.partial(torch._int_mm, a, b)
+        mm()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return math.nan
+    return 2 * n**3 / time_call(mm, dev, reps=ceiling_reps(dev)[1], warmup_s=settle_s)
 
 
 def _weight_bytes_per_expert(layer_weights: moehal.ExpertWeights) -> float:
@@ -486,11 +544,44 @@ def model_requests(
     return out
 
 
+def routing_seed(tokens: int) -> int:
+    """The seed of a row's inputs (`bench_inputs`): its token count, so every run of a row, and
+    `tools/tile_padding_bound.py`, draws the same routing."""
+    return tokens
+
+
+# How a run measures, as its JSON says it (`method`): what the file's numbers are medians of,
+# what timed them, and what the inputs were
+ROUTING = (
+    "uniform: each token's top-k experts drawn uniformly at random without replacement "
+    "(moehal.bench.bench_inputs), one draw per row, seeded by routing_seed"
+)
+
+
+def method(reps: int, dev: torch.device) -> dict[str, Any]:
+    """The `method` object of `moehal bench --out`'s JSON: how each row's time was taken."""
+    cuda = dev.type == "cuda"
+    return {
+        "statistic": "median",
+        "reps": reps,  # samples per row, the median of which is time_us
+        "timer": "CUDA events" if cuda else "wall clock (time.perf_counter)",
+        # calls per sample, by the row's `timing`: graph replays queued back to back between
+        # two events, divided by their number
+        "calls_per_sample": {"graph": GRAPH_REPLAYS_PER_SAMPLE, "eager": 1},
+        "warmup_calls": WARMUP_CALLS,  # then `settle_s` of the row's work back to back (CUDA)
+        "routing": ROUTING,
+        "routing_seed": "each row's token count (its `routing_seed`)",
+        "inputs": "the same inputs (hidden states, routing, weights) at every call and replay of a row",
+        "l2_flush": False,  # nothing evicts the L2 between samples or replays
+        "ceiling_reps": dict(zip(("stream", "matmul"), ceiling_reps(dev))),  # samples per ceiling (median)
+    }
+
+
 def bench_inputs(cfg: moehal.MoEConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The benchmark's inputs for one row, on the CPU and seeded by the token count (so every run,
+    """The benchmark's inputs for one row, on the CPU and seeded by `routing_seed` (so every run,
     and `tools/tile_padding_bound.py`, sees the same routing): hidden states `[T, H]` float32,
     top-k ids `[T, K]` int64 drawn uniformly without replacement per token, weights `[T, K]`."""
-    gen = torch.Generator().manual_seed(tokens)
+    gen = torch.Generator().manual_seed(routing_seed(tokens))
     x = torch.randn(tokens, cfg.hidden_size, generator=gen)
     # argsort of noise: top-k without replacement, vectorized (no Python loop over tokens)
     ids = torch.rand(tokens, cfg.num_experts, generator=gen).argsort(dim=1)[:, : cfg.top_k]
@@ -582,9 +673,12 @@ def bench_one(
     wbytes = int(_weight_bytes_per_expert(weights) * touched)
     flops = 2 * tokens * cfg.top_k * (h * cfg.w13_rows + cfg.intermediate_size * h)
     rate, rate_name = ceil.matmul_rate(quant)
-    roof = max(wbytes / ceil.copy_bytes_per_s, flops / rate)
     read = ceil.read_bytes_per_s
-    roof_read = max(wbytes / max(ceil.copy_bytes_per_s, read), flops / rate) if math.isfinite(read) else math.nan
+    if math.isfinite(rate):
+        roof = max(wbytes / ceil.copy_bytes_per_s, flops / rate)
+        roof_read = max(wbytes / max(ceil.copy_bytes_per_s, read), flops / rate) if math.isfinite(read) else math.nan
+    else:  # no rate to hold this scheme to (`NO_INT8_CEILING`): no roofline, rather than a wrong one
+        roof = roof_read = math.nan
     return Row(
         shape,
         backend,
@@ -613,6 +707,8 @@ def bench_one(
         peer_config=peer_config,
         check=check,
         check_rel_l2=check_rel,
+        over_ceiling=roof > t,
+        routing_seed=routing_seed(tokens),
     )
 
 
@@ -633,29 +729,80 @@ def medians_by_tokens(points: Sequence[tuple[int, float]]) -> list[tuple[int, fl
     return [(t, statistics.median(by_tokens[t])) for t in sorted(by_tokens)]
 
 
-def plot(rows: list[Row], path: Path) -> Path | None:
-    try:
-        import matplotlib
+# The goals drawn on the plot: (% of roofline, token range), bf16 rows (`moehal.bench_goals`)
+PLOT_GOALS = ((90.0, 16, 128), (75.0, 1024, 4096))
 
-        matplotlib.use("Agg")
+
+def figure(rows: Sequence[Row], ceil: Ceilings | None = None, date: str = "") -> Any:
+    """The plot of `moehal bench --out` (a matplotlib Figure; ImportError without matplotlib):
+    per shape, % of roofline against tokens, one marker per round and a thin line through each
+    token count's median (drawn at the token counts measured only); rows above 100% ringed in
+    red; the bf16 goals' thresholds over their token ranges. The title names the device and the
+    date, the caption the ceilings; each series names the matmul rate its roofline used (fp8
+    rows: fp8's, where measured), so fp8 and bf16 are each against their own roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r.shape for r in rows})
+    fig, axes = plt.subplots(1, max(len(shapes), 1), figsize=(5 * max(len(shapes), 1), 4.6), squeeze=False,
+                             sharey=True)  # fmt: skip
+    top = max([105.0, *(r.pct_roofline * 1.05 for r in rows if math.isfinite(r.pct_roofline))])
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if r.shape == shape and math.isfinite(r.pct_roofline)]  # (int8 without its rate)
+        for key in sorted({(r.backend, r.quant) for r in mine}):
+            series = [r for r in mine if (r.backend, r.quant) == key]
+            basis = "/".join(sorted({r.roofline_matmul for r in series}))
+            pts = sorted((r.tokens, r.pct_roofline) for r in series)
+            # markers where measured (every round), a thin line through the medians
+            (line,) = ax.plot(*zip(*medians_by_tokens(pts)), "-", lw=0.8, alpha=0.7)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=line.get_color(), ms=4,
+                    label=f"{key[0]} {key[1]} (roofline: {basis} matmul rate)")  # fmt: skip
+        over = [(r.tokens, r.pct_roofline) for r in mine if r.pct_roofline > 100]
+        if over:
+            ax.plot(*zip(*over), "o", ms=9, mfc="none", mec="red", mew=1.2, label="above 100%: ceiling exceeded")
+        tokens = sorted({r.tokens for r in mine})
+        for pct, lo, hi in PLOT_GOALS:  # where the run has token counts in the goal's range
+            if not any(lo <= t <= hi for t in tokens):
+                continue
+            span = (max(lo, tokens[0]), min(hi, tokens[-1]))  # within the measured counts, where that is a span
+            ax.plot(span if span[0] < span[1] else (lo, hi), (pct, pct), "--", color="grey", lw=1,
+                    label=f"goal: {pct:.0f}% (bf16, {lo}-{hi} tokens)")  # fmt: skip
+        ax.axhline(100, color="grey", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(tokens, [str(t) for t in tokens])
+        ax.set_ylim(0, top)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens (measured counts only)")
+        ax.set_ylabel("% of roofline (copy bandwidth, matmul rate)")
+        ax.legend(fontsize=6, loc="lower right")
+    device = ceil.device if ceil is not None else "device not recorded"
+    fig.suptitle(f"moehal bench: {device}, {date or 'date not recorded'}", fontsize=10)
+    if ceil is not None:
+        fp8 = ", no fp8 matmul rate (fp8 rows: bf16's)"
+        if math.isfinite(ceil.fp8_matmul_flops_per_s):
+            fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.0f} TFLOP/s"
+        fig.text(
+            0.5, 0.01,
+            f"ceilings measured in this run: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s (reads + writes; "
+            f"read-only stream {ceil.read_bytes_per_s / 1e12:.2f} TB/s, not used for this %), bf16 matmul "
+            f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s{fp8}. Timing: "
+            + "/".join(sorted({r.timing for r in rows})) + ". One marker per round.",
+            ha="center", va="bottom", fontsize=7, wrap=True,
+        )  # fmt: skip
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    return fig
+
+
+def plot(rows: list[Row], path: Path, ceil: Ceilings | None = None, date: str = "") -> Path | None:
+    """`figure` written to `path` (whole or not at all: `WriteError`); None without matplotlib."""
+    try:
         import matplotlib.pyplot as plt
+
+        fig = figure(rows, ceil, date)
     except ImportError:
         return None
-    shapes = sorted({r.shape for r in rows})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        for key in sorted({(r.backend, r.quant) for r in rows if r.shape == shape}):
-            pts = sorted((r.tokens, r.pct_roofline) for r in rows if r.shape == shape and (r.backend, r.quant) == key)
-            # the line joins each token count's median over the rounds; every round is a dot
-            (line,) = ax.plot(*zip(*medians_by_tokens(pts)), label=f"{key[0]} {key[1]}")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=line.get_color(), ms=4)
-        ax.set_xscale("log", base=2)
-        ax.set_title(shape)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("% of roofline")
-        ax.axhline(100, color="grey", lw=0.5)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
     try:  # written whole or not at all, as the JSON
         _write(path, lambda part: fig.savefig(part, dpi=110, format="png"))
     finally:
@@ -753,6 +900,12 @@ EPILOG = """\
 Off CUDA the host-time columns are left out (they time eager calls against a GPU's queue) and
 the TB/s and TFLOP/s columns are small: the shapes are GPU-sized, so on a CPU try --shapes tiny.
 
+"weight TB/s" is the expert weight bytes the row touches, in the checkpoint's format (quantized
+bytes and their scales), per second: not the DRAM traffic, which is larger where a path
+dequantizes weights first (nvfp4 on SM90 reads bf16 copies) and adds activations. "TFLOP/s"
+counts the routed tokens' FLOPs, not the padding rows a tiled GEMM also computes. A "% roofline"
+marked * is above 100%: the row beat the run's ceilings (the footnote under the table says more).
+
 exit status:
   0  the run finished and measured rows, none of them with a wrong output (rows that a backend
      declines are skipped: listed, and saved as such)
@@ -761,7 +914,8 @@ exit status:
      "interrupted": true where it lacks some of them
   2  a usage error (an unknown shape, quant scheme or backend; a number out of range; nothing
      to measure), an --out that cannot be written (checked before measuring) or a write that
-     failed (a run with wrong outputs keeps its 1), or a device or configuration moehal refuses
+     failed (the run stops there and prints the table of the rows measured, then the error on
+     stderr; a run with wrong outputs keeps its 1), or a device or configuration moehal refuses
   (a moehal failure while measuring is a bug: a traceback, exit 1)"""
 
 
@@ -816,7 +970,12 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument(
         "--max-reference-tokens", type=int_at_least(0), default=256, help="the reference is slow: cap its tokens"
     )
-    p.add_argument("--out", default=None, help="write OUT.json and OUT.png")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write OUT.json and OUT.png, after every row; a .json or .png suffix of OUT is replaced "
+        "(--out run.json: run.json and run.png), any other is part of the name (--out run.v2: run.v2.json)",
+    )
     p.add_argument(
         "--max-tokens",
         type=int_at_least(1),
@@ -894,6 +1053,7 @@ def _main(argv: Sequence[str] | None) -> int:
         why = out_problem(out)
         if why is not None:
             p.error(f"--out: {why}")
+        out_json, out_png = out_paths(out)
     import signal
 
     def stop(signum: int, frame: object) -> None:
@@ -901,8 +1061,9 @@ def _main(argv: Sequence[str] | None) -> int:
 
     signal.signal(signal.SIGTERM, stop)  # a time limit's SIGTERM: as Ctrl-C (`main` gives it back)
     sampler = ClockSampler.start(dev)  # None off NVIDIA GPUs: no clock columns
+    int8 = any(QuantScheme.parse(j[1]).kind.value == "w8a8_int8" for j in jobs)  # its rows' own ceiling
     try:
-        ceil = measure_ceilings(dev, settle_s=args.settle_s)
+        ceil = measure_ceilings(dev, settle_s=args.settle_s, int8=int8)
     except BaseException as exc:
         if sampler is not None:
             sampler.close()
@@ -911,29 +1072,42 @@ def _main(argv: Sequence[str] | None) -> int:
         console.print("interrupted while measuring the ceilings: no row measured, no file written", markup=False)
         return 1
     fp8 = f", fp8 matmul {ceil.fp8_matmul_flops_per_s / 1e12:.3g}" if math.isfinite(ceil.fp8_matmul_flops_per_s) else ""
+    int8_text = ""
+    if int8:
+        int8_rate = ceil.int8_matmul_ops_per_s
+        int8_text = ", no int8 matmul rate (torch._int_mm did not run: int8 rows get no % of roofline)"
+        if math.isfinite(int8_rate):
+            int8_text = f", int8 matmul {int8_rate / 1e12:.3g} TOP/s"
     console.print(
         f"{ceil.device}: copy {ceil.copy_bytes_per_s / 1e12:.3g} TB/s, read {ceil.read_bytes_per_s / 1e12:.3g} TB/s "
         f"({ceil.read_kernel}; streams of {ceil.stream_bytes / 2**30:g} GiB), "
-        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s (measured now)"
+        f"matmul {ceil.matmul_flops_per_s / 1e12:.3g}{fp8} TFLOP/s{int8_text} (measured now)"
     )
     if args.max_tokens:
         console.print(f"every layer is built for max_tokens={args.max_tokens} (or its row's count, if larger)")
+    run_method = method(args.reps, dev)
     rows: list[Row] = []
     # rows that could not be measured, and why: saved beside the rows, so that `moehal goals`
     # reads their cells as "not measured" instead of losing them (`bench_goals.SKIPPED`)
     skipped: list[dict[str, Any]] = []
     interrupted: list[str] = []  # why the run stopped before its last job (a signal, Ctrl-C)
     written: list[Path] = []  # the JSON, once saved
+    saved_rows = [0]  # how many of `rows` the JSON on disk holds
+    # why the files could not be written (a full disk, a directory gone): the run stops measuring
+    # what it cannot keep, but its table still shows every row measured (then the error, on stderr)
+    write_failed: list[WriteError] = []
 
     def save() -> None:  # after every row: a time limit keeps what was measured
         if out is None:
             return
         data = {
+            "schema": BENCH_SCHEMA,  # (readers: `moehal.bench_goals.read_bench_json`)
             "ceilings": asdict(ceil),
             "torch": torch.__version__,
             "moehal": moehal.__version__,
             "peers": {"sglang": sglang_version()} if any(b == "sglang" for b in backends) else {},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "method": run_method,  # how each row was timed, on what inputs
             "layer_max_tokens": args.max_tokens or "each row's token count",
             "settle_s": args.settle_s,
             "rounds": args.rounds,
@@ -944,99 +1118,113 @@ def _main(argv: Sequence[str] | None) -> int:
             "jobs": len(jobs),
         }
         text = json_text(data)  # NaN (no GPU clock, no check) as null
-        _write(out.with_suffix(".json"), lambda part: part.write_text(text))
-        written[:] = [out.with_suffix(".json")]
+        _write(out_json, lambda part: part.write_text(text))
+        written[:] = [out_json]
+        saved_rows[0] = len(rows)
 
     # rich draws its progress bar on a terminal only: a log or a pipe (a device run) saw nothing
     # between rows for hours, so there each finished row is a plain line on stderr
     plain_progress = not console.is_terminal
     started = time.perf_counter()
-    try:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("benchmarking", total=len(jobs))
-            try:
-                last_cell: tuple[str, int | None] | None = None
-                for done, (shape, q, backend, tokens, rnd) in enumerate(jobs, 1):
-                    cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
-                    if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
-                        release_layers(dev)
-                        last_cell = (shape, cfg.max_tokens)
-                    try:
-                        row = bench_one(
-                            shape,
-                            cfg,
-                            QuantScheme.parse(q),
-                            backend,
-                            tokens,
-                            dev,
-                            ceil,
-                            args.reps,
-                            registry,
-                            args.breakdown,
-                            sampler,
-                            args.settle_s,
-                            host_columns=not args.no_host,
-                            check_outputs=not args.no_check,
-                        )
-                        row.round = rnd
-                        rows.append(row)
-                        result = f"{row.time_us:.1f} us" + (", WRONG OUTPUT" if row.check == "fail" else "")
-                        if row.check == "fail":  # loud: a wrong result's time means nothing
-                            console.print(
-                                f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} "
-                                "against the reference pipeline (its goals read 'not measured')",
-                                markup=False,
-                            )
-                    except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
-                        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                        console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
-                        skipped.append(_skip(shape, q, backend, tokens, rnd, why))
-                        result = "skipped"
-                    except Exception as exc:  # noqa: BLE001
-                        if not is_peer(backend):
-                            raise  # a moehal failure is a bug: loud
-                        # another library's failure must not cost the rest of the run
-                        console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
-                        skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
-                        result = "peer failed"
-                    save()  # (not in the try above: a file that cannot be written is no peer's failure)
-                    progress.advance(task)
-                    if plain_progress:
-                        print(
-                            f"[{done}/{len(jobs)}] {shape} {q} {backend} T={tokens}"
-                            + (f" round {rnd}" if args.rounds > 1 else "")
-                            + f": {result} ({time.perf_counter() - started:.0f} s)",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-            except KeyboardInterrupt:
-                console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
-                interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
-            finally:
-                if sampler is not None:
-                    sampler.close()
-        no_png = "no PNG: matplotlib is not installed; pip install 'moehal[plot]'"
-        png: Path | None = None
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(jobs))
         try:
-            console.print(results_view(rows))
-            if args.breakdown:
-                console.print(breakdown_table(rows))
-            if args.goals:
-                from moehal.bench_goals import check_goals, goals_table
+            last_cell: tuple[str, int | None] | None = None
+            for done, (shape, q, backend, tokens, rnd) in enumerate(jobs, 1):
+                cfg = moehal.MoEConfig(**SHAPES[shape], max_tokens=max(tokens, args.max_tokens or 0))
+                if (shape, cfg.max_tokens) != last_cell:  # the previous layers' buffers cannot be reused
+                    release_layers(dev)
+                    last_cell = (shape, cfg.max_tokens)
+                try:
+                    row = bench_one(
+                        shape,
+                        cfg,
+                        QuantScheme.parse(q),
+                        backend,
+                        tokens,
+                        dev,
+                        ceil,
+                        args.reps,
+                        registry,
+                        args.breakdown,
+                        sampler,
+                        args.settle_s,
+                        host_columns=not args.no_host,
+                        check_outputs=not args.no_check,
+                    )
+                    row.round = rnd
+                    rows.append(row)
+                    result = f"{row.time_us:.1f} us" + (", WRONG OUTPUT" if row.check == "fail" else "")
+                    if row.check == "fail":  # loud: a wrong result's time means nothing
+                        console.print(
+                            f"{shape} {q} {backend} T={tokens}: WRONG OUTPUT: rel_l2 {row.check_rel_l2:.3g} "
+                            "against the reference pipeline (its goals read 'not measured')",
+                            markup=False,
+                        )
+                except (MoEHalError, NotImplementedError, torch.OutOfMemoryError) as exc:
+                    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    console.print(f"{shape} {q} {backend} T={tokens}: skipped: {why}", markup=False)
+                    skipped.append(_skip(shape, q, backend, tokens, rnd, why))
+                    result = "skipped"
+                except Exception as exc:  # noqa: BLE001
+                    if not is_peer(backend):
+                        raise  # a moehal failure is a bug: loud
+                    # another library's failure must not cost the rest of the run
+                    console.print(f"{shape} {q} {backend} T={tokens}: peer failed: {exc!r}", markup=False)
+                    skipped.append(_skip(shape, q, backend, tokens, rnd, f"peer failed: {exc!r}"))
+                    result = "peer failed"
+                try:  # (not in the try above: a file that cannot be written is no peer's failure)
+                    save()
+                except WriteError as exc:
+                    write_failed.append(exc)
+                progress.advance(task)
+                if plain_progress:
+                    print(
+                        f"[{done}/{len(jobs)}] {shape} {q} {backend} T={tokens}"
+                        + (f" round {rnd}" if args.rounds > 1 else "")
+                        + f": {result} ({time.perf_counter() - started:.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if write_failed:
+                    console.print(
+                        f"stopped after {len(rows)} of {len(jobs)} measurements: the results cannot be written",
+                        markup=False,
+                    )
+                    break
+        except KeyboardInterrupt:
+            console.print(f"interrupted after {len(rows)} of {len(jobs)} measurements", markup=False)
+            interrupted.append(f"after {len(rows)} of {len(jobs)} measurements")
+        finally:
+            if sampler is not None:
+                sampler.close()
+    no_png = "no PNG: matplotlib is not installed; pip install 'moehal[plot]'"
+    png: Path | None = None
+    try:
+        console.print(results_view(rows))
+        if args.breakdown:
+            console.print(breakdown_table(rows))
+        if args.goals:
+            from moehal.bench_goals import check_goals, goals_table
 
-                checks = check_goals([*rows, *skipped], ceil.device)
-                console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
-            if out is not None:
+            checks = check_goals([*rows, *skipped], ceil.device)
+            console.print(goals_table(checks) if checks else "goals: no row of this run is covered by a goal")
+        if out is not None and not write_failed:
+            try:
                 save()
-                png = plot(rows, out.with_suffix(".png"))
-        except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays
-            console.print("interrupted while reporting the run", markup=False)
-            interrupted.append("while reporting")
-            no_png = "no PNG: interrupted"
-        if written:
-            console.print(f"wrote {written[0]}" + (f" and {png}" if png else f" ({no_png})"), markup=False)
-    except WriteError as exc:  # a full disk, a directory gone: the run cannot keep its results
-        print(f"moehal bench: {exc}", file=sys.stderr)
+                png = plot(rows, out_png, ceil, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+            except WriteError as exc:
+                write_failed.append(exc)
+    except KeyboardInterrupt:  # (a second Ctrl-C, or the first after the last row): what was written stays
+        console.print("interrupted while reporting the run", markup=False)
+        interrupted.append("while reporting")
+        no_png = "no PNG: interrupted"
+    if written and write_failed:  # the file keeps what its last write that succeeded saved
+        console.print(f"{written[0]} holds {saved_rows[0]} of the {len(rows)} rows above (no PNG)", markup=False)
+    elif written:
+        console.print(f"wrote {written[0]}" + (f" and {png}" if png else f" ({no_png})"), markup=False)
+    if write_failed:  # after the table: the measurements are on the screen (or in the log) whatever the disk did
+        print(f"moehal bench: {write_failed[0]}", file=sys.stderr)
         return 1 if any(r.check == "fail" for r in rows) else 2  # a wrong output stays the news
     wrong = sum(r.check == "fail" for r in rows)
     if wrong or (jobs and not rows) or interrupted:  # measured nothing, wrong outputs, or not all: no success
@@ -1066,7 +1254,8 @@ def _write(path: Path, write: Callable[[Path], Any]) -> None:
 
 def _earlier_output(path: Path) -> bool:
     """Whether the existing file `path` is a `moehal bench --out` file that a new run may replace:
-    OUT.json a JSON object with rows and ceilings, OUT.png a PNG image."""
+    OUT.json a JSON object that names a bench schema (any version) or holds rows and ceilings
+    (files before the schema), OUT.png a PNG image."""
     try:
         if path.suffix == ".png":
             with path.open("rb") as f:
@@ -1074,16 +1263,31 @@ def _earlier_output(path: Path) -> bool:
         data = json.loads(path.read_text())
     except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
         return False
-    return isinstance(data, dict) and "rows" in data and "ceilings" in data
+    if not isinstance(data, dict):
+        return False
+    return str(data.get("schema", "")).startswith(f"{BENCH_SCHEMA_NAME}/") or ("rows" in data and "ceilings" in data)
+
+
+def out_paths(out: str | Path) -> tuple[Path, Path]:
+    """The JSON and PNG files of `moehal bench --out OUT`: OUT.json and OUT.png, where a `.json`
+    or `.png` suffix of OUT is replaced (`--out run.json` writes run.json and run.png) and any
+    other is kept as part of the name (`--out run.v2` writes run.v2.json, not run.json).
+    ValueError where OUT names no file ('.', '..', '')."""
+    p = Path(out)
+    stem = p.with_suffix("") if p.suffix in (".json", ".png") else p
+    if stem.name in ("", ".", ".."):
+        raise ValueError(f"{str(out)!r} names no file")
+    # appended, not with_suffix: that would take ".v2" off "run.v2" (as conformance's --report)
+    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
 
 
 def out_problem(out: Path) -> str | None:
-    """Why `moehal bench --out OUT` could not write OUT.json and OUT.png, found before anything
-    is measured; None where it can. Makes nothing (OUT's directory is made at the first write,
-    `moehal.cli.common.replace_file`). A file already there is replaced
-    only where it is an earlier run's output (`_earlier_output`); never a directory."""
+    """Why `moehal bench --out OUT` could not write its files (`out_paths`), found before
+    anything is measured; None where it can. Makes nothing (OUT's directory is made at the first
+    write, `moehal.cli.common.replace_file`). A file already there is replaced only where it is
+    an earlier run's output (`_earlier_output`); never a directory."""
     try:
-        targets = [out.with_suffix(".json"), out.with_suffix(".png")]
+        targets = list(out_paths(out))
     except ValueError as exc:  # '.', '..': no file name
         return f"{out}: {exc}"
     from moehal.cli.common import output_problem
@@ -1115,8 +1319,8 @@ def results_table(rows: Sequence[Row]) -> Any:
         *((("round", [str(r.round) for r in rows]),) if rounds else ()),
         ("time us", [f"{r.time_us:.1f}" for r in rows]),
         ("timing", [r.timing for r in rows]),
-        ("% roofline", [f"{r.pct_roofline:.0f}" for r in rows]),
-        ("TB/s", [f"{r.tb_per_s:.2f}" for r in rows]),
+        ("% roofline", [_pct_text(r) for r in rows]),
+        ("weight TB/s", [f"{r.tb_per_s:.2f}" for r in rows]),  # checkpoint-format bytes: `EPILOG`
         ("TFLOP/s", [f"{r.tflop_per_s:.1f}" for r in rows]),
         ("output", [{"pass": "right", "fail": "[red]WRONG[/red]"}.get(r.check, "-") for r in rows]),
         *((("SM MHz", [_num(r.sm_mhz, "{:.0f}") for r in rows]), ("W", [_num(r.power_w, "{:.0f}") for r in rows]))
@@ -1144,10 +1348,25 @@ def result_keys(rows: Sequence[Row]) -> int:
 
 
 def results_view(rows: Sequence[Row]) -> Any:
-    """`results_table` fitted to the console: no cell cut, split into tables where too narrow."""
+    """`results_table` fitted to the console: no cell cut, split into tables where too narrow;
+    below it, where a row reads above 100% of roofline (marked `*`), what that means
+    (`OVER_CEILING_NOTE`)."""
     from moehal.cli.tables import FittedTable
+    from rich.console import Group
+    from rich.text import Text
 
-    return FittedTable(results_table(rows), keys=result_keys(rows))
+    table = FittedTable(results_table(rows), keys=result_keys(rows))
+    if not any(r.pct_roofline > 100 for r in rows):
+        return table
+    return Group(table, Text(OVER_CEILING_NOTE))
+
+
+def _pct_text(r: Row) -> str:
+    """A row's % of roofline: `*` above 100 (`OVER_CEILING_NOTE`), "n/a: no int8 ceiling" where
+    no matmul rate held it (`NO_INT8_CEILING`)."""
+    if not math.isfinite(r.pct_roofline):
+        return f"n/a: {r.roofline_matmul.removeprefix('none: ')}" if r.roofline_matmul.startswith("none") else "-"
+    return f"{r.pct_roofline:.0f}" + ("*" if r.pct_roofline > 100 else "")
 
 
 def _num(x: float, fmt: str) -> str:

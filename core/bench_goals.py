@@ -4,8 +4,11 @@ A goal says which rows it covers (quant scheme, token range) and what one of the
 reach: % of roofline, speed against a peer (SGLang's Triton fused MoE), fp8 against bf16, or
 host time per eager call. `check_goals` gives one `GoalCheck` per covered cell (device,
 backend, shape, token count) that the rows measured, with the value and `met`, `not met` or
-`not measured` (e.g. no peer row in the run). A claim about a goal is then read off a table
-computed from the committed JSON, never typed by hand:
+`not measured` (e.g. no peer row in the run), or `untuned peer` (a ratio against a peer that ran
+no tuned config: shown, never counted as met). `summarize` reads a goal as `met` only where every
+cell of its range that the rows hold was measured and met; `partly measured` where the measured
+cells met it but some were not measured. A claim about a goal is then read off a table computed
+from the committed JSON, never typed by hand:
 
     moehal bench --backends cuda,sglang --goals          # after the run, on its own rows
     moehal goals docs/device-runs/.../bench.json ...     # saved runs (fp8 and bf16 files merged per device)
@@ -57,6 +60,12 @@ class Goal:
     metric: str
     target: float
     at_most: bool = False
+    # a ratio against the peer counts only where the peer ran a tuned config (`Row.peer_config`
+    # "tuned", or "tuned for Triton X"): a cell against its default tiles reads `untuned peer`
+    tuned_peer: bool = False
+    # not a goal of the issue, shown beside them for what it tells (the host time of a graph
+    # replay): its summary says "informational", and `moehal goals --check` does not gate on it
+    informational: bool = False
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -76,21 +85,27 @@ class Goal:
 
 
 ISSUE_4_GOALS: tuple[Goal, ...] = (
-    Goal("decode_vs_peer", "1-8 tokens: no slower than SGLang's Triton path", "bf16", 1, 8, VS_PEER, 1.0),
+    Goal("decode_vs_peer", "1-8 tokens: no slower than SGLang's Triton path", "bf16", 1, 8, VS_PEER, 1.0,
+         tuned_peer=True),
     Goal("small_roofline", "16-128 tokens: at least 90% of roofline", "bf16", 16, 128, PCT_ROOFLINE, 90.0),
     Goal("prefill_roofline", "1024-4096 tokens: at least 75% of roofline", "bf16", 1024, 4096, PCT_ROOFLINE, 75.0),
     Goal("prefill_vs_peer", "1024-4096 tokens: at least 1.2x SGLang's tuned Triton path", "bf16", 1024, 4096,
-         VS_PEER, 1.2),
+         VS_PEER, 1.2, tuned_peer=True),
     Goal("fp8_vs_bf16", "fp8 block-scale at 1024+ tokens: at least 1.5x the bf16 path", "fp8_block", 1024, None,
          VS_BF16, 1.5),
-    Goal("host_graphs", "host time under 20 us per eager forward (graph replay, inputs in place, out=), "
-         "1-128 tokens", "bf16", 1, 128, HOST_US, 20.0, at_most=True),
-    Goal("host_eager", "host time under 20 us per plain eager forward (no graphs), 1-128 tokens", "bf16", 1, 128,
-         HOST_EAGER_US, 20.0, at_most=True),
-    # The same replays timed as an engine's loop makes them (`moehal.bench.host_time_back_to_back`):
+    # The issue's host goal: a plain eager forward, no graph. (1-128 tokens: the decode sizes the
+    # bench's host columns time; the issue names no range.)
+    Goal("host_eager", "host overhead under 20 us per forward outside graphs (plain eager forward), 1-128 tokens",
+         "bf16", 1, 128, HOST_EAGER_US, 20.0, at_most=True),
+    # Informational, not the issue's: the host time of a forward that replays a CUDA graph
+    # (`cuda_graph_tokens`; the work inside a graph), timed after a synchronize ...
+    Goal("host_graphs", "informational: host time per replayed forward, inside a CUDA graph (replay, inputs in "
+         "place, out=), under 20 us, 1-128 tokens", "bf16", 1, 128, HOST_US, 20.0, at_most=True, informational=True),
+    # ... and as an engine's loop makes them, back to back (`moehal.bench.host_time_back_to_back`):
     # `host_graphs` times each call right after a synchronize, which adds the host's resume time.
-    Goal("host_graphs_b2b", "host time under 20 us per eager forward (graph replay, inputs in place, out=), "
-         "calls back to back, 1-128 tokens", "bf16", 1, 128, HOST_B2B_US, 20.0, at_most=True),
+    Goal("host_graphs_b2b", "informational: host time per replayed forward, inside a CUDA graph (replay, inputs "
+         "in place, out=), calls back to back, under 20 us, 1-128 tokens", "bf16", 1, 128, HOST_B2B_US, 20.0,
+         at_most=True, informational=True),
 )  # fmt: skip
 
 
@@ -112,31 +127,66 @@ class GoalCheck:
     # what a reader needs beside the value: the peer ran SGLang's default config, the pair came
     # from two files, the row was skipped (and why), ...; "" when nothing
     note: str = ""
+    # a goal of `Goal.tuned_peer` whose value is only against a peer that ran no tuned config:
+    # shown, but not a measurement of the goal (`met` None, status "untuned peer")
+    untuned_peer: bool = False
 
     @property
     def met(self) -> bool | None:
-        return None if self.value is None else self.goal.met_by(self.value)
+        """Whether the cell meets its goal; None where it is not measured (no value, or only
+        against an untuned peer)."""
+        return None if self.value is None or self.untuned_peer else self.goal.met_by(self.value)
 
     @property
     def status(self) -> str:
+        if self.untuned_peer and self.value is not None:
+            return UNTUNED_PEER
         return {None: "not measured", True: "met", False: "not met"}[self.met]
 
     @property
     def value_text(self) -> str:
+        return self.value_text_without()
+
+    def value_text_without(self, notes: Iterable[str] = ()) -> str:
+        """`value_text`, leaving out the notes in `notes` (said once for a whole goal)."""
+        said = set(notes)
+        note = "; ".join(n for n in self.note.split("; ") if n and n not in said)
         if self.value is None:
-            return f"- ({self.note})" if self.note else "-"
+            return f"- ({note})" if note else "-"
         text = self._fmt(self.value)
         if self.rounds > 1 and self.low is not None and self.high is not None:
             text += f" ({self._fmt(self.low)}-{self._fmt(self.high)}, {self.rounds} rounds)"
-        return f"{text} [{self.note}]" if self.note else text
+        return f"{text} [{note}]" if note else text
 
     def _fmt(self, v: float) -> str:
-        m = self.goal.metric
-        if m == PCT_ROOFLINE:
-            return f"{v:.0f}%"
-        if m in (VS_PEER, VS_BF16):
-            return f"{v:.2f}x"
-        return f"{v:.1f} us"
+        return format_value(self.goal, v)
+
+
+# Digits a goal's values print with (`format_value`), and their unit
+_DIGITS = {PCT_ROOFLINE: (0, "%"), VS_PEER: (2, "x"), VS_BF16: (2, "x")}
+_EXTRA_DIGITS = 3  # at most this many more where the usual ones would print the other verdict
+
+
+def format_value(goal: Goal, v: float) -> str:
+    """`v` as a value of `goal`'s metric ("89%", "1.47x", "20.3 us"), never printed on the other
+    side of the goal's target: 89.6 of a 90% goal prints "89.6%", not "90%" (next to "not met"),
+    and 1.497 of a 1.5x goal "1.497x". Up to `_EXTRA_DIGITS` more digits are taken where the
+    usual ones would cross the target; a value closer still is rounded toward its own side
+    (89.99999 prints "89.999%")."""
+    digits, unit = _DIGITS.get(goal.metric, (1, " us"))
+    met = goal.met_by(v)
+    for d in range(digits, digits + _EXTRA_DIGITS + 1):
+        text = f"{v:.{d}f}"
+        if goal.met_by(float(text)) == met:
+            return text + unit
+    # still on the other side at the most digits: round toward the value's own side (up where
+    # a larger number keeps the verdict: a met ">=" goal, a missed "<=" goal)
+    d = digits + _EXTRA_DIGITS
+    up = met != goal.at_most
+    directed = (math.ceil(v * 10**d) if up else math.floor(v * 10**d)) / 10**d
+    if goal.met_by(directed) != met:  # float rounding landed on the target: one step further
+        directed += (1 if up else -1) / 10**d
+    return f"{directed:.{d}f}{unit}"
 
 
 def _plain(row: Any) -> Mapping[str, Any]:
@@ -174,37 +224,69 @@ def _wrong_note(r: Mapping[str, Any]) -> str:
     return f"{r['backend']} {r['quant']} output wrong (rel_l2 {rel if rel is not None else math.nan:.3g})"
 
 
-def _peer_note(peer_row: Mapping[str, Any]) -> str:
-    """What the peer ran, where it was not its tuned config (`Row.peer_config`)."""
+# `GoalCheck.status` of a cell measured only against a peer that ran no tuned config
+UNTUNED_PEER = "untuned peer"
+# `GoalSummary.status` of a goal whose measured cells met it while others were not measured
+PARTLY_MEASURED = "partly measured"
+
+
+def _peer_tuned(peer_row: Mapping[str, Any]) -> bool | None:
+    """Whether the peer ran a tuned config (`Row.peer_config`: "tuned", or "tuned for Triton X",
+    SGLang's fallback to another Triton release's file); None where its row does not say
+    (files before session 44)."""
     how = str(peer_row.get("peer_config") or "")
-    return "" if how in ("", "tuned") else f"peer config: {how}"
+    return None if not how else how.startswith("tuned")
+
+
+def _peer_note(peer_row: Mapping[str, Any]) -> str:
+    """What the peer ran, where it was not its tuned config (`Row.peer_config`), or that its row
+    does not say."""
+    how = str(peer_row.get("peer_config") or "")
+    if not how:
+        return "peer config not recorded"
+    return "" if how == "tuned" else f"peer config: {how}"
+
+
+def _over_ceiling_note(r: Mapping[str, Any]) -> str:
+    """For a % of roofline goal: that row `r` read above 100%, faster than its run's roofline (a
+    ceiling set too low: `moehal.bench.OVER_CEILING_NOTE`), and whether the read ceiling's too."""
+    pct = _finite(r.get(PCT_ROOFLINE))
+    if pct is None or pct <= 100:
+        return ""
+    read = _finite(r.get("pct_roofline_read"))
+    return "above 100% of roofline (ceiling exceeded" + (", the read ceiling's too)" if read and read > 100 else ")")
 
 
 def _value(
     g: Goal, r: Mapping[str, Any], by_key: Mapping[tuple, Mapping[str, Any]], peer: str, across_files: bool
-) -> tuple[float | None, str]:
-    """Goal `g`'s number for row `r`, and a note; a ratio pairs it with the peer's or the bf16 row
-    of its round in its own file (in any file, noted, with `across_files`)."""
+) -> tuple[float | None, str, bool]:
+    """Goal `g`'s number for row `r`, a note, and whether it is against a peer that ran no tuned
+    config (`_peer_tuned` False); a ratio pairs it with the peer's or the bf16 row of its round in
+    its own file (in any file, noted, with `across_files`)."""
     backend, _, shape, tokens, rnd = _key(r)
+    if g.metric == PCT_ROOFLINE:
+        return _finite(r.get(g.metric)), _over_ceiling_note(r), False
     if g.metric not in (VS_PEER, VS_BF16):
-        return _finite(r.get(g.metric)), ""
+        return _finite(r.get(g.metric)), "", False
     pair = (peer, r["quant"], shape, tokens, rnd) if g.metric == VS_PEER else (backend, "bf16", shape, tokens, rnd)
     other, note = by_key.get((*pair, r.get(RUN, 0))), ""
     if other is None and across_files:
         other = next((v for k, v in by_key.items() if k[:5] == pair), None)
         note = "rows of two files"
     if other is None:
-        return None, ""
+        return None, "", False
     if SKIPPED in other:
-        return None, f"{other['backend']} {other['quant']} row skipped: {other[SKIPPED]}"
+        return None, f"{other['backend']} {other['quant']} row skipped: {other[SKIPPED]}", False
     if _wrong(other):
-        return None, _wrong_note(other)
+        return None, _wrong_note(other), False
     if r.get("timing") and other.get("timing") and r["timing"] != other["timing"]:
-        return None, f"timed {r['timing']} against {other['timing']}"
+        return None, f"timed {r['timing']} against {other['timing']}", False
+    untuned = False
     if g.metric == VS_PEER:
         note = "; ".join(n for n in (note, _peer_note(other)) if n)
+        untuned = _peer_tuned(other) is False
     theirs, mine = _finite(other.get("time_us")), _finite(r.get("time_us"))
-    return (theirs / mine if theirs and mine else None), note
+    return (theirs / mine if theirs and mine else None), note, untuned
 
 
 def check_goals(
@@ -222,7 +304,9 @@ def check_goals(
     of two files of one device where a file lacks the partner (each such cell says so).
     Dicts with `SKIPPED` (rows the benchmark could not measure, and why) make their cells
     "not measured", with the reason, and so do rows whose output failed the benchmark's check
-    (`CHECK`), as a side of a ratio too."""
+    (`CHECK`), as a side of a ratio too. A goal of `Goal.tuned_peer` takes the rounds against
+    a tuned peer; a cell with none (the peer ran its default tiles) keeps its value, marked
+    `untuned_peer` (status "untuned peer", never met)."""
     plain = [_plain(r) for r in rows]
     by_key = {(*_key(r), r.get(RUN, 0)): r for r in plain}
     cells: dict[tuple[str, str, str, int], list[Mapping[str, Any]]] = {}
@@ -239,21 +323,47 @@ def check_goals(
                 checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0, note=why))
                 continue
             found = [_value(g, r, by_key, peer, across_files) for r in measured]
-            values = [v for v, _ in found if v is not None]
+            values = [v for v, _, _ in found if v is not None]
+            untuned = False
+            if g.tuned_peer:
+                tuned = [v for v, _, against_untuned in found if v is not None and not against_untuned]
+                values, untuned = (tuned, False) if tuned else (values, bool(values))
             wrong = [_wrong_note(r) for r in rs if _wrong(r)]  # rounds left out: their output was wrong
-            note = "; ".join(dict.fromkeys([*(n for _, n in found if n), *wrong]))  # each once, in order
+            note = "; ".join(dict.fromkeys([*(n for _, n, _ in found if n), *wrong]))  # each once, in order
             if not values:
                 checks.append(GoalCheck(g, device, backend, shape, tokens, None, rounds=0, note=note))
                 continue
             mid = statistics.median(values)
             checks.append(
-                GoalCheck(g, device, backend, shape, tokens, mid, min(values), max(values), len(values), note)
+                GoalCheck(g, device, backend, shape, tokens, mid, min(values), max(values), len(values), note, untuned)
             )
     return checks
 
 
+# The JSON format of `moehal bench --out`: its name, and the version a reader checks (a new
+# version only where a field changes meaning or goes; added fields keep it). Files written
+# before session 59 have no `schema`: they are read as version 1.
+BENCH_SCHEMA = "moehal.bench/1"
+BENCH_SCHEMA_NAME = BENCH_SCHEMA.split("/")[0]
+
+
+def read_bench_json(path: str | Path) -> Any:
+    """The parsed JSON of the `moehal bench --out` file `path`, whose `schema`, where it names
+    one, must be `BENCH_SCHEMA` (InputError otherwise: a later moehal's format, or another
+    command's file); files without it (before session 59) are version 1. OSError and ValueError
+    (no file, no JSON) as reading and parsing raise them; the fields are the caller's to check."""
+    data = json.loads(Path(path).read_text())
+    schema = data.get("schema", BENCH_SCHEMA) if isinstance(data, dict) else BENCH_SCHEMA
+    if schema != BENCH_SCHEMA:
+        raise InputError(
+            f"{path}: schema {schema!r}, not {BENCH_SCHEMA!r}: not a `moehal bench --out` file this moehal "
+            "reads (a later moehal's format, or another command's file)"
+        )
+    return data
+
+
 def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
-    """`moehal bench --out` JSON files -> rows per device (`ceilings.device`), so that one
+    """`moehal bench --out` JSON files (`read_bench_json`) -> rows per device (`ceilings.device`), so that one
     device's bf16 and fp8 runs are checked together. Each row keeps which file it came from
     (`RUN`): ratios pair rows of one file. A device's later file that measured a cell
     (backend, scheme, shape, tokens) replaces every round of it: rounds of two runs never mix
@@ -264,7 +374,7 @@ def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
     skips: dict[str, dict[tuple, dict[int, dict[str, Any]]]] = {}
     for i, p in enumerate(paths):
         try:
-            data = json.loads(Path(p).read_text())
+            data = read_bench_json(p)
             device = str(data.get("ceilings", {}).get("device", "?"))
             for source, into in ((data["rows"], runs), (data.get(SKIPPED, []), skips)):
                 fresh: dict[tuple, dict[int, dict[str, Any]]] = {}
@@ -272,6 +382,8 @@ def load_runs(paths: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
                     key = _key(r)
                     fresh.setdefault(key[:4], {})[key[4]] = {**r, RUN: i}
                 into.setdefault(device, {}).update(fresh)
+        except InputError:  # a schema this moehal does not read: its own words
+            raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a wrong path, or no bench file
             raise InputError(f"{p} is not a readable `moehal bench --out` JSON file: {exc!r}") from exc
     out: dict[str, list[dict[str, Any]]] = {}
@@ -294,24 +406,46 @@ def check_runs(
 
 @dataclass(frozen=True)
 class GoalSummary:
-    """One goal on one device and backend: how many measured cells met it, and which did not."""
+    """One goal on one device and backend: how many measured cells met it, and which did not.
+    `status`: "met" only where every cell the rows hold was measured and met; "partly measured"
+    where the measured cells met it and some were not measured (no peer row, a skipped or wrong
+    row, an untuned peer); "not met" where a measured cell missed; "not measured" where none was
+    measured. ("met" is still only as wide as the token counts the rows hold.)"""
 
     goal: Goal
     device: str
     backend: str
     met: int
     measured: int
-    unmeasured: int
+    unmeasured: int  # cells not measured, `untuned` included
     misses: tuple[GoalCheck, ...]
     # the cells' notes (`GoalCheck.note`: why one is not measured, what one was measured against)
     # and how many cells carry each
     notes: tuple[tuple[str, int], ...] = ()
+    untuned: int = 0  # cells measured only against an untuned peer (`GoalCheck.untuned_peer`)
 
     @property
     def status(self) -> str:
         if not self.measured:
             return "not measured"
-        return "met" if self.met == self.measured else "not met"
+        if self.met < self.measured:
+            return "not met"
+        return PARTLY_MEASURED if self.unmeasured else "met"
+
+    @property
+    def status_text(self) -> str:
+        """`status` as the tables print it: "(informational)" after an informational goal's."""
+        return f"{self.status} (informational)" if self.goal.informational else self.status
+
+    @property
+    def cells_text(self) -> str:
+        """The cells: "M of N" (measured cells met), and those not measured: "(K not measured, J of them
+        against an untuned peer)"."""
+        text = f"{self.met} of {self.measured}"
+        if self.unmeasured:
+            untuned = f", {self.untuned} of them against an untuned peer" if self.untuned else ""
+            text += f" ({self.unmeasured} not measured{untuned})"
+        return text
 
 
 def summarize(checks: Iterable[GoalCheck]) -> list[GoalSummary]:
@@ -334,7 +468,7 @@ def summarize(checks: Iterable[GoalCheck]) -> list[GoalSummary]:
                     notes[n] = notes.get(n, 0) + 1
             out.append(
                 GoalSummary(g, device, backend, len(measured) - len(misses), len(measured), len(cs) - len(measured),
-                            misses, tuple(notes.items()))
+                            misses, tuple(notes.items()), sum(c.untuned_peer for c in cs))
             )  # fmt: skip
     return out
 
@@ -344,7 +478,9 @@ def _notes_text(s: GoalSummary) -> str:
 
 
 def _misses_text(s: GoalSummary, sep: str = ", ") -> str:
-    return sep.join(f"{c.shape} {c.tokens}: {c.value_text}" for c in s.misses)
+    """The cells not met, each without the notes that every cell of the goal carries (said once)."""
+    everywhere = [n for n, k in s.notes if k == s.measured + s.unmeasured]
+    return sep.join(f"{c.shape} {c.tokens}: {c.value_text_without(everywhere)}" for c in s.misses)
 
 
 def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
@@ -356,8 +492,8 @@ def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
     ]
     for s in summarize(checks):
         g = s.goal
-        met = f"{s.met} of {s.measured}" + (f" ({s.unmeasured} not measured)" if s.unmeasured else "") + _notes_text(s)
-        lines.append(f"| {g.text} | {_target_text(g)} | {s.device} | {s.backend} | {s.status} | {met} "
+        met = s.cells_text + _notes_text(s)
+        lines.append(f"| {g.text} | {_target_text(g)} | {s.device} | {s.backend} | {s.status_text} | {met} "
                      f"| {_misses_text(s) or '-'} |")  # fmt: skip
     if not cells:
         return "\n".join(lines) + "\n"
@@ -371,15 +507,17 @@ def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
 
 def _target_text(g: Goal) -> str:
     if g.metric == PCT_ROOFLINE:
-        return f">= {g.target:.0f}%"
-    if g.metric in (VS_PEER, VS_BF16):
-        return f">= {g.target:g}x"
-    return f"{'<=' if g.at_most else '>='} {g.target:g} us"
+        text = f">= {g.target:.0f}%"
+    elif g.metric in (VS_PEER, VS_BF16):
+        text = f">= {g.target:g}x"
+    else:
+        text = f"{'<=' if g.at_most else '>='} {g.target:g} us"
+    return text
 
 
 def goals_table(checks: Sequence[GoalCheck]) -> Any:
-    """Rich tables, one per device and backend: a line per goal; the cells met, green where all
-    of them are, red where some are not, yellow where none was measured. Fitted to the console
+    """Rich tables, one per device and backend: a line per goal, its status (`GoalSummary.status`)
+    and cells; green where met, red where not met, yellow where partly or not measured. Fitted to the console
     (`moehal.cli.tables.FittedTable`): no value is cut, the notes move to a table of their own
     where the console is too narrow for them beside the rest."""
     from moehal.cli.tables import FittedTable
@@ -387,20 +525,22 @@ def goals_table(checks: Sequence[GoalCheck]) -> Any:
     from rich.markup import escape
     from rich.table import Table
 
-    colour = {"met": "green", "not met": "red", "not measured": "yellow"}
+    colour = {"met": "green", "not met": "red", PARTLY_MEASURED: "yellow", "not measured": "yellow"}
     tables: dict[tuple[str, str], Table] = {}
     for s in summarize(checks):
         t = tables.get((s.device, s.backend))
         if t is None:
             t = Table(title=f"goals: {s.backend} on {escape(s.device)}", title_justify="left")
             tables[(s.device, s.backend)] = t
-            for col in ("goal", "tokens", "target", "met"):
+            for col in ("goal", "tokens", "target", "status", "cells met"):
                 t.add_column(col, no_wrap=True)
             t.add_column("where not met, and notes", overflow="fold", min_width=24)
         cells = f"{s.met}/{s.measured}" + (f" +{s.unmeasured} unmeasured" if s.unmeasured else "")
         notes = [f"{n} in {k} of {s.measured + s.unmeasured}" for n, k in s.notes]
+        if s.untuned:
+            notes.append(f"{s.untuned} of the unmeasured against an untuned peer")
         t.add_row(
-            s.goal.name, s.goal.tokens_text, _target_text(s.goal), f"[{colour[s.status]}]{cells}[/]",
+            s.goal.name, s.goal.tokens_text, _target_text(s.goal), f"[{colour[s.status]}]{s.status_text}[/]", cells,
             escape("\n".join([_misses_text(s, "\n"), *notes]).strip()) or "-",
         )  # fmt: skip
     return Group(*(FittedTable(t, keys=1) for t in tables.values()))

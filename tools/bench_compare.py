@@ -1,19 +1,23 @@
 """Markdown tables from `moehal bench --out` JSON files: per shape and token count, each
 backend's time and % of roofline, ours against the SGLang peer, and fp8_block against bf16;
 and the SM clock each row held, where the run sampled it. A run of several rounds
-(`moehal bench --rounds`) shows each row's median over the rounds, and each ratio's median over
-the rounds of rows measured next to each other (the pairing `moehal goals` uses).
+(`moehal bench --rounds`) shows each row's median time over the rounds with its % of roofline
+(`_median_row`: for an even number of rounds, not quite the goals' median of %s), and each
+ratio's median over the rounds of rows measured next to each other (the pairing `moehal goals`
+uses).
 
     python tools/bench_compare.py docs/device-runs/.../bench.json [more.json ...]
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
 from collections import defaultdict
+
+from moehal.bench_goals import read_bench_json
+from moehal.errors import InputError
 
 
 def _mhz(r: dict | None) -> str:
@@ -22,9 +26,11 @@ def _mhz(r: dict | None) -> str:
 
 
 def _median_row(rows: list[dict]) -> dict:
-    """A row with the median time over the rounds and its % of roofline (the mean of the two
-    middle times for an even count, as `moehal goals` and the plot take it); the other columns
-    (clocks) are the lower middle round's."""
+    """A row with the median time over the rounds (the mean of the two middle times for an even
+    count) and the % of roofline of that time (roofline / median time). `moehal goals` and the
+    plot take the median of the rounds' % values instead: the same for an odd count, and for an
+    even count the mean of the two middle %s, which can differ from this by a fraction of a
+    point. The other columns (clocks) are the lower middle round's."""
     ranked = sorted(rows, key=lambda r: r["time_us"])
     t = statistics.median(r["time_us"] for r in ranked)
     mid = dict(ranked[(len(ranked) - 1) // 2])
@@ -40,7 +46,7 @@ def _ratio(num: dict[int, dict], den: dict[int, dict]) -> str:
 
 
 def table(path: str) -> str:
-    data = json.loads(open(path).read())
+    data = read_bench_json(path)  # (an unknown schema: InputError)
     t: dict[tuple, dict[tuple, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for r in data["rows"]:
         t[(r["shape"], r["tokens"])][(r["backend"], r["quant"])][int(r.get("round") or 0)] = r
@@ -78,4 +84,7 @@ def table(path: str) -> str:
 
 
 if __name__ == "__main__":
-    print("\n\n".join(table(p) for p in sys.argv[1:]))
+    try:
+        print("\n\n".join(table(p) for p in sys.argv[1:]))
+    except InputError as exc:  # a file of a schema this tool does not read: one line, no traceback
+        raise SystemExit(f"bench_compare.py: {exc}") from None

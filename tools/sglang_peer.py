@@ -18,8 +18,10 @@ What is and is not SGLang's own code when this runs (`info()` prints it; keep it
     import, torch stand-ins are used and `info()` says so. `silu_and_mul`: SGLang's JIT CUDA
     kernel (nvcc on first use), else sgl_kernel's, else torch (reported).
 
-Carried files (docs/benchmarks.md): the sglang 0.5.23 wheel minus its Rust server extensions,
-sglang-kernel 0.4.6 (python files + the sm90 library), msgspec, orjson, pybase64, starlette.
+Carried files (built by tools/fetch_device_wheels.sh; what ran with them is described in
+docs/device-runs/2026-11-22-session2/README.md, "The SGLang peer: exactly what ran"): the sglang
+0.5.23 wheel minus its Rust server extensions, sglang-kernel 0.4.6 (python files + the sm90
+library), msgspec, orjson, pybase64, starlette.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ the entry point SGLang's Triton MoE runner calls, with its shipped tuned configs
 SGLang itself per (E, N, device, M). BF16 with SiLU-and-mul only: that is what the issue
 compares against. It is imported only when asked for; a machine without SGLang declines with
 the import error. On the offline GPU machine SGLang is made importable by
-`tools/sglang_peer.py`, which says exactly what it stubs (see docs/benchmarks.md).
+`tools/sglang_peer.py`, which says exactly what it stubs (its docstring; what ran in the records:
+docs/device-runs/2026-11-22-session2/README.md, "The SGLang peer: exactly what ran").
 """
 
 from __future__ import annotations

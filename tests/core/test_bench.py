@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ def test_bench_tiny_writes_json_and_plot(tmp_path):
         assert r["flops"] == 2 * r["tokens"] * 2 * (128 * 128 + 64 * 128)
         assert r["host_us"] is None, "host overhead is a CUDA measurement: not measured on CPU"
         assert r["host_graph_us"] is None and r["host_b2b_us"] is None and r["host_graph_out_b2b_us"] is None
+        assert r["over_ceiling"] is (r["pct_roofline"] > 100)
     assert out.with_suffix(".png").stat().st_size > 1000
     assert data["layer_max_tokens"] == "each row's token count"
 
@@ -585,6 +587,64 @@ def test_an_earlier_runs_files_are_replaced_and_the_paths_written_are_printed(tm
     assert sorted(p.name for p in out.parent.iterdir()) in (["bench.json", "bench.png"], ["bench.json"])
 
 
+@pytest.mark.parametrize(
+    "given, files",
+    [
+        ("run.v2", ["run.v2.json", "run.v2.png"]),  # was run.json and run.png: ".v2" taken as a suffix
+        ("run.json", ["run.json", "run.png"]),
+        ("acme-0.1.2", ["acme-0.1.2.json", "acme-0.1.2.png"]),
+    ],
+)
+def test_out_keeps_a_suffix_that_is_part_of_the_name(tmp_path, capsys, given, files):
+    """`--out run.v2` wrote run.json and run.png: a suffix the user meant as part of the name
+    was dropped (and could overwrite another run's run.json). Only .json and .png are replaced."""
+    argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(tmp_path / given), *CPU]) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written in (files, files[:1]), written  # (no PNG without matplotlib)
+    assert len(json.loads((tmp_path / files[0]).read_text())["rows"]) == 1
+    assert f"wrote {tmp_path / files[0]}" in capsys.readouterr().out
+
+
+def test_out_paths_replace_only_their_own_suffixes(tmp_path):
+    from moehal.bench import out_paths
+
+    assert out_paths("reports/bench") == (Path("reports/bench.json"), Path("reports/bench.png"))
+    assert out_paths("bench.png") == (Path("bench.json"), Path("bench.png"))
+    assert out_paths("bench.txt") == (Path("bench.txt.json"), Path("bench.txt.png"))
+    for nameless in (".", "..", "runs/.."):
+        with pytest.raises(ValueError, match="names no file"):
+            out_paths(nameless)
+
+
+def test_the_json_names_its_schema_and_goals_reads_it_with_or_without(tmp_path, capsys):
+    """bench's JSON had no format version, where conformance's names `moehal.conformance/1`:
+    a reader could not tell a later format from this one. Files from before keep being read."""
+    from moehal.bench import _earlier_output
+    from moehal.cli.main import main as moehal_main
+
+    out = tmp_path / "new"
+    argv = ["--shapes", "tiny", "--tokens", "2", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert next(iter(data)) == "schema" and data["schema"] == "moehal.bench/1"
+    old = tmp_path / "old.json"  # as files before session 59 are
+    old.write_text(json.dumps({k: v for k, v in data.items() if k != "schema"}))
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({**data, "schema": "moehal.bench/2"}))
+    for path in (out.with_suffix(".json"), old, later):
+        assert _earlier_output(path), "any bench file may be replaced by a new run"
+    capsys.readouterr()
+    for path in (out.with_suffix(".json"), old):
+        assert moehal_main(["goals", "--json", str(path)]) == 0
+        (cell,) = [c for c in json.loads(capsys.readouterr().out) if c["goal"] == "decode_vs_peer"]
+        assert (cell["backend"], cell["tokens"], cell["status"]) == ("reference", 2, "not measured")
+    assert moehal_main(["goals", str(later)]) == 2
+    captured = capsys.readouterr()
+    assert "schema 'moehal.bench/2', not 'moehal.bench/1'" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
 def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """A disk that fills up (OSError at write time) ended the run in a traceback."""
     import pathlib
@@ -604,6 +664,78 @@ def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, mon
     (line,) = [line for line in err.splitlines() if line.startswith("moehal bench:")]
     assert "cannot write" in line and "No space left on device" in line and "Traceback" not in err, err
     assert not any(tmp_path.iterdir()), "no partial file left behind"
+
+
+def _table_rows(printed: str) -> list[list[str]]:
+    """The cells of each line of `results_table` in `printed` (its rows start with the shape)."""
+    lines = [line.replace("│", " ").split() for line in printed.splitlines() if line.startswith("│ tiny")]
+    return [cells[:4] for cells in lines]
+
+
+def test_a_failed_write_still_prints_the_table_of_the_rows_measured(tmp_path, capsys, monkeypatch):
+    """A write that failed after a row was measured ended the run with the error alone: the
+    table never came, and the rows measured were lost. Now the run stops measuring, prints the
+    table of every row it measured, says what the file on disk holds, then the error (exit 2)."""
+    import pathlib
+
+    real = pathlib.Path.write_text
+    writes = []
+
+    def full_after_the_first(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            writes.append(self.name)
+            if len(writes) > 1:
+                raise OSError(28, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_after_the_first)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,2,4", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 2
+    captured = capsys.readouterr()
+    assert _table_rows(captured.out) == [["tiny", "reference", "bf16", "1"], ["tiny", "reference", "bf16", "2"]]
+    assert "stopped after 2 of 3 measurements" in captured.out
+    assert f"{out}.json holds 1 of the 2 rows above" in captured.out
+    (line,) = [line for line in captured.err.splitlines() if line.startswith("moehal bench:")]
+    assert "cannot write" in line and "No space left on device" in line and "Traceback" not in captured.err
+    assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 1, "the last whole file stays"
+    assert len(writes) == 2, "no write after the one that failed: the run stopped"
+
+
+def test_a_failed_first_write_still_prints_the_table(tmp_path, capsys, monkeypatch):
+    import pathlib
+
+    real = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise OSError(28, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(tmp_path / "b"), *CPU]) == 2
+    captured = capsys.readouterr()
+    assert _table_rows(captured.out) == [["tiny", "reference", "bf16", "1"]]
+    assert "holds" not in captured.out and "wrote" not in captured.out, "no file was written"
+    assert "No space left on device" in captured.err
+
+
+def test_a_png_that_cannot_be_written_keeps_the_table_and_the_whole_json(tmp_path, capsys, monkeypatch):
+    from moehal import bench
+
+    def no_room(rows, path, *context):
+        raise bench.WriteError(f"cannot write {path}: No space left on device")
+
+    monkeypatch.setattr(bench, "plot", no_room)
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 2
+    captured = capsys.readouterr()
+    assert [r[3] for r in _table_rows(captured.out)] == ["1", "2"]
+    assert f"{out}.json holds 2 of the 2 rows above (no PNG)" in captured.out
+    assert f"moehal bench: cannot write {out}.png" in captured.err
+    assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 2
 
 
 def test_a_run_not_on_a_terminal_says_each_finished_row_on_stderr(capsys):
@@ -639,7 +771,7 @@ def test_ctrl_c_while_the_png_is_written_reports_an_interrupted_run(tmp_path, ca
     JSON, written before the PNG, holds every row."""
     from moehal import bench
 
-    def slow_plot(rows, path):
+    def slow_plot(rows, path, *context):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bench, "plot", slow_plot)
@@ -739,3 +871,165 @@ def test_bench_and_goals_help_document_their_exit_status(capsys):
     with pytest.raises(SystemExit):
         moehal_main(["bench", "--help"])
     assert "interrupted" in capsys.readouterr().out
+
+
+def test_a_row_above_100_percent_of_roofline_is_marked_and_explained(tmp_path, capsys, monkeypatch):
+    """The audit (session 59, finding 1): 650 committed rows read 100-165% of roofline with no
+    mark. A row faster than its run's ceilings is marked in the table (`*`, a footnote saying what
+    it means), in the JSON (`over_ceiling`), and in its goal's notes."""
+    from moehal import bench
+
+    low = bench.Ceilings(1e3, 1e3, "cpu (ceilings set low)", 1e3)  # every row beats them
+    monkeypatch.setattr(bench, "measure_ceilings", lambda dev, settle_s=0, int8=False: low)
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "16", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--goals", "--out", str(out), *CPU]) == 0
+    printed = capsys.readouterr().out
+    (r,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert r["pct_roofline"] > 100 and r["over_ceiling"] is True
+    assert f"{r['pct_roofline']:.0f}*" in printed.split()
+    assert "* above 100% of roofline: the row ran faster than this run's ceilings allow." in " ".join(printed.split())
+    assert "above 100% of roofline (ceiling exceeded, the read ceiling's too)" in printed, "the goal's note"
+
+
+def test_the_table_has_no_footnote_where_no_row_is_above_100_percent():
+    import io
+
+    from moehal.bench import Row, results_view
+    from rich.console import Console
+
+    def text(pct: float) -> str:
+        c = Console(width=200, file=io.StringIO(), color_system=None)
+        c.print(results_view([Row("tiny", "cuda", "p", "bf16", 8, 10.0, "graph", 1, 1, 5.0, pct, 1.0, 1.0)]))
+        return c.file.getvalue()
+
+    assert "above 100%" not in text(99.6) and " 100 " in text(99.6).replace("│", " ")
+    assert "above 100%" in text(100.4) and " 100* " in text(100.4).replace("│", " "), "100.4 is over, though it rounds"
+
+
+def test_the_json_says_how_its_rows_were_measured(tmp_path):
+    """The audit (session 59, finding 9): the file did not say its reps, statistic, timer,
+    routing or L2 policy. `method` does, and each row its routing's seed."""
+    from moehal import bench
+
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "1,8", "--backends", "reference", "--reps", "7", "--settle-s", "0"]
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    m = data["method"]
+    assert (m["statistic"], m["reps"], m["timer"]) == ("median", 7, "wall clock (time.perf_counter)")
+    assert m["calls_per_sample"] == {"graph": bench.GRAPH_REPLAYS_PER_SAMPLE, "eager": 1} == {"graph": 10, "eager": 1}
+    assert m["warmup_calls"] == 3 and m["l2_flush"] is False and m["ceiling_reps"] == {"stream": 5, "matmul": 3}
+    assert m["routing"].startswith("uniform:") and "without replacement" in m["routing"]
+    assert "same inputs" in m["inputs"]
+    assert [(r["tokens"], r["routing_seed"]) for r in data["rows"]] == [(1, 1), (8, 8)]
+    assert bench.method(50, torch.device("cuda"))["timer"] == "CUDA events"
+    assert bench.method(50, torch.device("cuda"))["ceiling_reps"] == {"stream": 20, "matmul": 10}
+
+
+def _fig_rows():
+    from moehal.bench import Row
+
+    def row(quant, tokens, pct, rnd=0, basis="bf16"):
+        return Row("deepseek_v3_ep8", "cuda", "p", quant, tokens, 10.0, "graph", 1, 1, 5.0, pct, 1.0, 1.0,
+                   round=rnd, roofline_matmul=basis)  # fmt: skip
+
+    return [
+        row("bf16", 16, 103.0), row("bf16", 16, 101.0, 1), row("bf16", 128, 91.0), row("bf16", 1024, 80.0),
+        row("bf16", 4096, 74.0), row("fp8_block", 1024, 60.0, basis="fp8"), row("fp8_block", 4096, 70.0, basis="fp8"),
+    ]  # fmt: skip
+
+
+def test_the_plot_names_its_device_date_ceilings_goals_and_rooflines():
+    """The audit (session 59, finding 10): the PNG named no device, date or ceiling, drew no goal,
+    joined medians across token counts never measured, and put fp8 (against fp8's rate) and bf16
+    on one axis unlabelled. The Figure is inspected, not its pixels."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from moehal.bench import Ceilings, figure
+
+    ceil = Ceilings(4.2e12, 700e12, "cuda:0 NVIDIA H200 sm90", 4.45e12, 1400e12)
+    fig = figure(_fig_rows(), ceil, "2026-11-29 10:00 UTC")
+    try:
+        assert fig._suptitle.get_text() == "moehal bench: cuda:0 NVIDIA H200 sm90, 2026-11-29 10:00 UTC"
+        caption = " ".join(t.get_text() for t in fig.texts)
+        assert "copy 4.20 TB/s" in caption and "bf16 matmul 700 TFLOP/s" in caption
+        assert "fp8 matmul 1400 TFLOP/s" in caption and "read-only stream 4.45 TB/s" in caption
+        (ax,) = fig.axes
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        goal90, goal75 = lines["goal: 90% (bf16, 16-128 tokens)"], lines["goal: 75% (bf16, 1024-4096 tokens)"]
+        assert list(goal90.get_ydata()) == [90.0, 90.0] and list(goal90.get_xdata()) == [16, 128]
+        assert list(goal75.get_ydata()) == [75.0, 75.0] and list(goal75.get_xdata()) == [1024, 4096]
+        bf16 = lines["cuda bf16 (roofline: bf16 matmul rate)"]
+        fp8 = lines["cuda fp8_block (roofline: fp8 matmul rate)"]
+        assert bf16.get_marker() == "o" and bf16.get_linestyle() == "None", "a marker per measured point"
+        assert list(bf16.get_xdata()) == [16, 16, 128, 1024, 4096] and list(fp8.get_xdata()) == [1024, 4096]
+        over = lines["above 100%: ceiling exceeded"]
+        assert list(over.get_xdata()) == [16, 16] and sorted(over.get_ydata()) == [101.0, 103.0]
+        assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 105, "from 0: a spread of a few points looks its size"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "128", "1024", "4096"], "measured counts only"
+    finally:
+        plt.close(fig)
+
+
+def test_the_bandwidth_column_says_it_counts_checkpoint_format_weight_bytes(capsys):
+    """The column "TB/s" read as DRAM bandwidth, but it is the weight bytes touched in the checkpoint's format
+    per second (nvfp4 on SM90 reads bf16 copies: 3.5x the traffic; session 59's review)."""
+    from moehal.bench import Row, results_table
+
+    r = Row("tiny", "cuda", "p", "nvfp4", 8, 10.0, "graph", 1, 1, 5.0, 50.0, 0.65, 1.0)
+    headers = [c.header for c in results_table([r]).columns]
+    assert "weight TB/s" in headers and "TB/s" not in headers
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert '"weight TB/s" is the expert weight bytes the row touches, in the checkpoint\'s format' in help_text
+    assert "not the DRAM traffic" in help_text
+
+
+def test_int8_rows_are_held_to_an_int8_rate_never_to_bf16s(monkeypatch):
+    """The audit (session 59, finding 12): w8a8_int8 rows were held to the bf16 matmul rate, as fp8
+    rows were before session 42 (int8 tensor cores run about twice bf16's rate: up to 2x too high).
+    They now take an int8 rate where the run measured one, and no % of roofline where it did not."""
+    from moehal import bench
+    from moehal.bench import NO_INT8_CEILING, Ceilings, Row, results_table
+    from moehal.quant import QuantScheme
+
+    int8 = QuantScheme.parse("w8a8_int8")
+    nan = float("nan")
+    measured = Ceilings(3e12, 600e12, "gpu", 4e12, 1200e12, int8_matmul_ops_per_s=1150e12)
+    assert measured.matmul_rate(int8) == (1150e12, "int8")
+    assert measured.matmul_rate(QuantScheme.parse("bf16")) == (600e12, "bf16")
+    rate, name = Ceilings(3e12, 600e12, "gpu", 4e12, nan).matmul_rate(int8)
+    assert rate != rate and name == NO_INT8_CEILING == "none: no int8 ceiling", "never bf16's rate"
+    # the ceiling step, with a fake timer: 2 n^3 operations over the median sample
+    monkeypatch.setattr(bench, "time_call", lambda fn, dev, reps, warmup_s=0: 0.5)
+    assert bench._int8_matmul_rate(torch.device("cpu"), 64, 0) == 2 * 64**3 / 0.5
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: (_ for _ in ()).throw(RuntimeError("no int8 GEMM")))
+    rate = bench._int8_matmul_rate(torch.device("cpu"), 64, 0)
+    assert rate != rate, "torch cannot run it: NaN, so the rows get no %"
+    row = Row("tiny", "cuda", "p", "w8a8_int8", 8, 10.0, "graph", 1, 1, nan, nan, 1.0, 1.0,
+              roofline_matmul=NO_INT8_CEILING)  # fmt: skip
+    cols = {c.header: list(c.cells) for c in results_table([row]).columns}
+    assert cols["% roofline"] == ["n/a: no int8 ceiling"]
+
+
+def test_a_run_with_int8_rows_measures_their_rate_and_holds_them_to_it(tmp_path):
+    from moehal import bench
+
+    out = tmp_path / "bench"
+    argv = ["--shapes", "tiny", "--tokens", "4", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
+    assert main([*argv, "--quant", "bf16,w8a8_int8", "--no-host", "--out", str(out), *CPU]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    rate = data["ceilings"]["int8_matmul_ops_per_s"]
+    assert rate is not None and rate > 0, "torch._int_mm runs on the CPU too"
+    bf16, int8 = data["rows"]
+    assert (bf16["roofline_matmul"], int8["roofline_matmul"]) == ("bf16", "int8")
+    ceil = bench.Ceilings(**{k: v for k, v in data["ceilings"].items()})
+    roof = max(int8["weight_bytes"] / ceil.copy_bytes_per_s, int8["flops"] / rate)
+    assert int8["roofline_us"] == pytest.approx(roof * 1e6)
+    assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["ceilings"]["int8_matmul_ops_per_s"] is None, (
+        "measured only where the run has int8 rows"
+    )

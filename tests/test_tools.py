@@ -1,9 +1,10 @@
 """Developer tools under tools/ that touch files a run did not make itself (security review,
-finding 4): the devpath shim's folder."""
+findings 4 and 6): the devpath shim's folder, and the probes' saved `case.pt` files."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import runpy
 import shutil
 import stat
@@ -12,8 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+SAVED_CASE = ROOT / "docs/device-runs/2026-11-28-session48/h200/call1/case.pt"  # tools/fp8_one_token_probe.py's
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None or shutil.which("bash") is None, reason="needs git, bash")
 
@@ -63,6 +66,40 @@ def test_devpath_refuses_a_folder_planted_as_a_link(checkout, tmp_path):
     got = _source_devpath(checkout)
     assert "rc=1" in got.stdout and "PYTHONPATH=\n" in got.stdout and "not a folder of yours" in got.stderr
     assert sorted(p.name for p in elsewhere.iterdir()) == ["sitecustomize.py"]  # no links made there
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("tool", ["fp8_one_token_probe.py", "nvfp4_rounding_probe.py"])
+def test_the_probes_load_case_files_without_running_pickled_code(tool, tmp_path, monkeypatch):
+    """A `case.pt` comes back from a remote device run; `weights_only=False` ran any code a
+    tampered one held, on the developer's machine."""
+    marker = tmp_path / "ran"
+    evil = tmp_path / "case.pt"
+    torch.save({"case": _RunsCode(marker)}, evil)
+    monkeypatch.setattr(sys, "argv", [tool, "--load", str(evil), *(["--out", str(tmp_path)] if "fp8" in tool else [])])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the tools put tests/ first
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        runpy.run_path(str(ROOT / "tools" / tool), run_name="__main__")
+    assert not marker.exists()
+
+
+def test_the_committed_case_file_loads_with_weights_only():
+    saved = torch.load(SAVED_CASE, weights_only=True)
+    assert saved["case"]["quant"] == "fp8_block" and saved["device_name"] == "NVIDIA H200"
+    assert {"x", "ids", "wts", "out", "want", "loop"} <= set(saved)
+    assert all(isinstance(saved[k], torch.Tensor) for k in ("x", "ids", "wts", "out", "want", "loop"))
+    assert set(saved["weights"]) >= {"w13", "w2"} and all(
+        isinstance(t, torch.Tensor) for t in saved["weights"].values()
+    )
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import pathlib
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -438,10 +439,36 @@ def by_tokens(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write(table: dict[str, Any], path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=False)
-    os.replace(tmp, path)
+    """`path` replaced in one step (`moehal.cli.common.replace_file`): an interrupted write
+    leaves the previous table."""
+    from moehal.cli.common import replace_file
+
+    text = json.dumps(table, indent=1, sort_keys=False)
+    replace_file(pathlib.Path(path), lambda part: part.write_text(text))
+
+
+def _is_table(path: pathlib.Path) -> bool:
+    """Whether the existing file `path` is a table this tool wrote (`gemm_choice.register_table`'s
+    test: a JSON object with an `entries` object)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        return False
+    return isinstance(data, dict) and isinstance(data.get("entries"), dict)
+
+
+def out_problem(out: str, fused_only: bool = False) -> str | None:
+    """Why `--out` could not be written, found before the tuning run whose table would then be
+    lost; None where it can. A file already there is replaced (or, with --update or
+    --fused-only, added to) only where it is an earlier table: `--out` once replaced whatever it
+    named. --fused-only needs one. Makes the folder."""
+    from moehal.cli.common import output_problem
+
+    path = pathlib.Path(out)
+    why = output_problem([path], _is_table, "a moehal_cuda.tuning table")
+    if why is None and fused_only and not path.is_file():
+        why = f"{out}: --fused-only adds to an existing table, and there is none"
+    return why
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -451,7 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3_ep8,mixtral_8x7b")
     ap.add_argument("--tokens", default="1,4,16,32,64,128,256,512,1024,2048,4096")
     ap.add_argument("--quant", default="bf16", help="bf16,fp8_block")
-    ap.add_argument("--out", required=True, help="JSON path (written after every GEMM shape)")
+    ap.add_argument(
+        "--out", required=True, help="JSON path (written after every GEMM shape; an existing file must be a table)"
+    )
     ap.add_argument(
         "--update", action="store_true", help="keep what --out holds; only the token counts tuned now are replaced"
     )
@@ -461,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--fused-only", action="store_true", help="only tune the fused GEMM1 + activation tile of --out's bf16 rows"
     )
     args = ap.parse_args(argv)
+    why = out_problem(args.out, args.fused_only)
+    if why is not None:
+        print(f"moehal_cuda.tuning: {why}")
+        return 2
     if not torch.cuda.is_available():
         print("moehal_cuda.tuning needs a CUDA GPU (it measures kernels); none is visible")
         return 2

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -102,8 +104,13 @@ def to_markdown(suite: Suite) -> str:
     hw = meta["hardware"]
     cap = f" (compute capability {hw['capability'][0]}.{hw['capability'][1]})" if hw["capability"] else ""
     libs = ", ".join(f"{k} {v or 'missing'}" for k, v in meta["vendor_libraries"].items()) or "none"
+    backend = _code(meta["backend"])
+    software = (
+        f"moehal {meta['moehal_version']}, suite {meta['suite_version']}, python {meta['python']}, "
+        f"torch {meta['torch']} (cuda {meta['torch_cuda']}), triton {meta['triton']}"
+    )
     lines = [
-        f"# moehal conformance report: backend `{meta['backend']}`",
+        f"# moehal conformance report: backend {backend}",
         "",
         f"**Verdict: {verdict(suite)}**: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[DECLINED]} declined, "
         f"{counts[NOT_RUN]} not run.",
@@ -111,7 +118,8 @@ def to_markdown(suite: Suite) -> str:
     ]
     if suite.lost_in:
         lines += [
-            f"**The device's context was lost** in `{suite.lost_in}` ({suite.lost_error}). A process cannot "
+            f"**The device's context was lost** in {_code(suite.lost_in)} ({_escape(suite.lost_error)}). "
+            "A process cannot "
             "recover from a kernel fault, so the cases after it did not run: the JSON report holds the "
             "failure's traceback.",
             "",
@@ -119,14 +127,13 @@ def to_markdown(suite: Suite) -> str:
     lines += [
         "| | |",
         "|---|---|",
-        f"| backend | `{meta['backend']}` (plugin {meta['plugin_version']}, {meta['plugin_distribution']}) |",
-        f"| hardware | {hw['kind']} `{hw['device']}` {hw['name']}{cap} |",
-        f"| software | moehal {meta['moehal_version']}, suite {meta['suite_version']}, python {meta['python']}, "
-        f"torch {meta['torch']} (cuda {meta['torch_cuda']}), triton {meta['triton']} |",
-        f"| vendor libraries | {libs} |",
-        f"| emulated backends | {', '.join(meta['emulate']) or 'none'} |",
-        f"| date | {meta['date']} |",
-        f"| profile | {meta['profile']} |",
+        f"| backend | {backend} (plugin {_escape(meta['plugin_version'])}, {_escape(meta['plugin_distribution'])}) |",
+        f"| hardware | {_escape(hw['kind'])} {_code(hw['device'])} {_escape(hw['name'])}{cap} |",
+        f"| software | {_escape(software)} |",
+        f"| vendor libraries | {_escape(libs)} |",
+        f"| emulated backends | {_escape(', '.join(meta['emulate']) or 'none')} |",
+        f"| date | {_escape(meta['date'])} |",
+        f"| profile | {_escape(meta['profile'])} |",
         f"| fresh allocations | {_poison_line(meta)} |",
         "",
         "`pass (emulated)`: vendor ops ran as documented torch stand-ins; `pass (interpreted)`: the real kernel "
@@ -144,31 +151,31 @@ def to_markdown(suite: Suite) -> str:
             if r.layout not in layouts:
                 layouts.append(r.layout)
     order = sorted(layouts, key=lambda x: (x == "-", x))
-    lines.append("| quant | " + " | ".join("declined (no pipeline)" if x == "-" else x for x in order) + " |")
+    lines.append("| quant | " + " | ".join("declined (no pipeline)" if x == "-" else _escape(x) for x in order) + " |")
     lines.append("|---" * (len(order) + 1) + "|")
     for quant in sorted(grid):
-        lines.append(f"| {quant} | " + " | ".join(_cell(grid[quant][x]) for x in order) + " |")
+        lines.append(f"| {_escape(quant)} | " + " | ".join(_cell(grid[quant][x]) for x in order) + " |")
     tuned = [r for r in suite.results if r.family == "tuned"]
     if tuned:  # model shapes the backend's tables tune, one batch size per path (`tuned_shapes`)
         lines += ["", "## Tuned shapes (each declared batch size)", "", "| case | result | rel_l2 |", "|---|---|---|"]
         lines += [
-            f"| {r.id} | {_escape(r.label)} | {r.metrics['rel_l2']:.1e} |"
+            f"| {_escape(r.id)} | {_escape(r.label)} | {r.metrics['rel_l2']:.1e} |"
             if "rel_l2" in r.metrics
-            else f"| {r.id} | {_escape(r.label)} | |"
+            else f"| {_escape(r.id)} | {_escape(r.label)} | |"
             for r in tuned
         ]
     lines += ["", "## Behaviour", "", "| case | result |", "|---|---|"]
     for r in suite.results:
         if r.family not in (*NUMERIC_FAMILIES, "tuned"):
-            lines.append(f"| {r.id} | {_escape(r.label)} |")
+            lines.append(f"| {_escape(r.id)} | {_escape(r.label)} |")
     failures = [r for r in suite.results if r.status == FAIL]
     if failures:
         lines += ["", "## Failures", "", "| case | detail |", "|---|---|"]
-        lines += [f"| {r.id} | {_escape(r.detail)} |" for r in failures]
+        lines += [f"| {_escape(r.id)} | {_escape(r.detail)} |" for r in failures]
     declines = sorted({(r.id, r.detail) for r in suite.results if r.status == DECLINED})
     if declines:
         lines += ["", "## Declined (with the backend's reasons)", "", "| case | reason |", "|---|---|"]
-        lines += [f"| {i} | {_escape(d)} |" for i, d in declines]
+        lines += [f"| {_escape(i)} | {_escape(d)} |" for i, d in declines]
     lines += [
         "",
         "<details><summary>All cases</summary>",
@@ -178,7 +185,7 @@ def to_markdown(suite: Suite) -> str:
     ]
     for r in suite.results:
         err = f"{r.metrics['rel_l2']:.1e}" if "rel_l2" in r.metrics else ""
-        lines.append(f"| {r.id} | {_escape(r.pipeline)} | {_escape(r.label)} | {err} |")
+        lines.append(f"| {_escape(r.id)} | {_escape(r.pipeline)} | {_escape(r.label)} | {err} |")
     lines += ["", "</details>", ""]
     return "\n".join(lines)
 
@@ -206,12 +213,31 @@ def _components_section(suite: Suite) -> list[str]:
     ]
     for c in rows:
         result = f"**{c.status}**" if c.status == components.FAILED else c.status
-        lines.append(f"| `{c.qualname}` | {c.kind} | {result} | {_escape(c.detail)} |")
+        lines.append(f"| {_code(c.qualname)} | {_escape(c.kind)} | {result} | {_escape(c.detail)} |")
     return [*lines, ""]
 
 
-def _escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+_NEWLINES = re.compile(r"[\r\n\u2028\u2029\x0b\x0c\x85]+")
+
+
+def _escape(text: object) -> str:
+    """Text a backend or its plugin supplied (a decline reason, an error, a name or version) for
+    a table cell, as Markdown that shows it and nothing more: `&`, `<`, `>` as HTML entities
+    (mkdocs passes inline HTML through to the published site, so a reason could carry a script);
+    `](` with its bracket escaped, so no link or image (`[x](javascript:...)`) is made; `|`
+    escaped; line breaks as spaces (a new line would end the table row, and the next could start
+    a raw HTML block)."""
+    text = html.escape(_NEWLINES.sub(" ", str(text)), quote=False)
+    return text.replace("](", "\\](").replace("|", "\\|")
+
+
+def _code(text: object) -> str:
+    """`text` as a code span, which Markdown shows verbatim (HTML escaped by the renderer): on one
+    line, fenced by more backticks than any run of them inside it."""
+    text = _NEWLINES.sub(" ", str(text))
+    fence = "`" * (1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def report_paths(path: str | Path) -> tuple[Path, Path]:

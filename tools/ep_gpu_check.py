@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,8 +25,12 @@ from pathlib import Path
 def _use_source_tree() -> None:
     """Make `import moehal` resolve to this checkout (like tools/devpath.sh, without git)."""
     root = Path(__file__).resolve().parent.parent
-    link_dir = Path(f"/tmp/moehal-devpath-{root.name}-{os.getuid()}")
-    link_dir.mkdir(parents=True, exist_ok=True)
+    link_dir = Path(tempfile.gettempdir()) / f"moehal-devpath-{root.name}-{os.getuid()}"
+    link_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = link_dir.lstat()  # a predictable name: another user may have made it first
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise SystemExit(f"{link_dir} is not a folder of yours (a link, or another user's): not put on sys.path")
+    link_dir.chmod(0o700)
     mapping = {"moehal": "core", "moehal_cuda": "backends_cuda", "moehal_npu": "backends_npu"}
     mapping |= {"moehal_rocm": "backends_rocm", "moehal_conformance": "conformance"}
     for name, folder in mapping.items():

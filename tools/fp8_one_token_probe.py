@@ -155,7 +155,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
     if a.load:
-        saved = torch.load(a.load, weights_only=False)
+        saved = torch.load(a.load, weights_only=True)  # tensors, dicts, lists, str: no pickle code
         d = dict(saved, weights=moehal.ExpertWeights(**saved["weights"]))
         d["cfg"] = layer_fuzz._config(saved["case"])
         d["quant"] = QuantScheme.parse(saved["case"]["quant"])

@@ -82,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--load", type=Path, required=True)
     a = ap.parse_args()
-    d = torch.load(a.load, weights_only=False)
+    d = torch.load(a.load, weights_only=True)  # tensors, dicts, lists, str: no pickle code
     cfg, quant = layer_fuzz._config(d["case"]), QuantScheme.parse(d["case"]["quant"])
     if cfg.gated or cfg.activation is not moehal.Activation.SILU or cfg.has_w13_bias:
         raise SystemExit("this probe recomputes non-gated SiLU layers without a w13 bias")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -86,20 +89,59 @@ def int_at_least(low: int) -> Callable[[str], int]:
 # --- output files (bench --out, conformance --report) ---------------------------------------
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (`os.umask` can only
+    read it by setting it, which another thread's file creation could catch in between)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
-    """`path` replaced in one step: `write(part)` writes a file beside it, which is then renamed
-    over it, so a run stopped mid-write (a time limit's SIGTERM, a full disk) leaves the
+    """`path` replaced in one step: `write(part)` writes a new file beside it, which is then
+    renamed over it, so a run stopped mid-write (a time limit's SIGTERM, a full disk) leaves the
     previous file whole, not a truncated one that the next run's `output_problem` would refuse
     as not its own. Makes `path`'s folder where it is missing: here, when there is something to
     write, not in `output_problem` before the run (a run refused or stopped before its output
-    left an empty folder behind). OSError as the folder, `write` or the rename raise it."""
+    left an empty folder behind). OSError as the folder, `write` or the rename raise it.
+
+    `part` is made by `tempfile.mkstemp` (a random `.<name>.*.part` name created with O_EXCL, so
+    never a file or link planted in the folder beforehand, and never another run's), written,
+    synced to disk, given the mode of the file it replaces (or, for a new file, the umask's
+    default rather than mkstemp's 0600), then renamed over `path`. On any failure it is removed
+    and `path` is left as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
-        write(part)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        write(Path(name))
+        made, now = os.fstat(fd), os.lstat(name)
+        if (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino):  # swapped in a shared folder
+            raise OSError(errno.EEXIST, "the temporary file was replaced while it was written", name)
+        os.fsync(fd)
+        if os.chmod in os.supports_fd:
+            os.chmod(fd, mode)
+        else:
+            os.chmod(name, mode)
+        os.close(fd)
+        fd = -1
+        os.replace(name, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
 
 
 def output_problem(paths: Sequence[Path], ours: Callable[[Path], bool], what: str) -> str | None:

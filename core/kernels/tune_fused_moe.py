@@ -34,6 +34,8 @@ import argparse
 import datetime as _dt
 import json
 import math
+import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -400,6 +402,43 @@ def _trace_logger(
     return log
 
 
+def _table_or_none(path: Path) -> dict[str, Any] | None:
+    """The tuned table in the existing file `path` (a JSON object of `table_key` entries and
+    `_meta`, as this tuner writes it); None where the file is anything else."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        return None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        return None
+    if not all(k == "_meta" or (k.startswith("E=") and ",dtype=" in k) for k in data):
+        return None
+    return data
+
+
+def _is_trace(path: Path) -> bool:
+    """Whether the existing file `path` is a `--trace` file: empty, or JSON lines of candidates."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(x, dict) and "shape" in x and "tokens" in x for x in lines)
+
+
+def outputs_problem(out: Path, trace: Path | None) -> str | None:
+    """Why `--out` (merged into) or `--trace` (appended to) could not be written, found before
+    the run of minutes to hours whose table would then be lost; None where they can. A file
+    already there must be this tuner's table (`--out`) or trace (`--trace`): a README or a JSON
+    list was merged into, or crashed the merge after the whole run. Makes their folders."""
+    from moehal.cli.common import output_problem
+
+    why = output_problem([out], lambda f: _table_or_none(f) is not None, "a tune_fused_moe table")
+    if why is None and trace is not None:
+        why = output_problem([trace], _is_trace, "a tune_fused_moe --trace file")
+    return why
+
+
 def _meta(dev: torch.device, settle_s: float) -> dict[str, Any]:
     import triton
 
@@ -416,8 +455,9 @@ def _meta(dev: torch.device, settle_s: float) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from moehal.bench import SETTLE_S, SHAPES
-    from moehal.cli.common import make_console
+    from moehal.cli.common import make_console, replace_file
     from moehal.hardware import device_slug
+    from rich.markup import escape
     from rich.progress import Progress
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])  # (python -OO strips docstrings)
@@ -431,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--settle-s", type=float, default=None, help=f"warm-up per timing (default {SETTLE_S})")
     ap.add_argument("--max-candidates", type=int, default=None, help="per GEMM and tile height (smoke tests)")
-    ap.add_argument("--out", default=None, help="JSON to write (merged into if it exists)")
+    ap.add_argument("--out", default=None, help="JSON to write (merged into if it is an earlier table)")
     ap.add_argument("--trace", type=Path, default=None, help="JSON lines: every candidate's time (appended)")
     ap.add_argument(
         "--seed", action="append", default=[], type=parse_tile, metavar="BM,BN,BK[,GM,W,S]",
@@ -445,6 +485,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     console = make_console(stderr=True)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    out = Path(args.out or f"triton_fused_moe.{device_slug(name)}.json")
+    why = outputs_problem(out, args.trace)
+    if why is not None:
+        console.print(f"[red]tune_fused_moe:[/red] {escape(why)}")
+        return 2
     if dev.type == "cpu":
         from moehal.kernels.host import interpreting
 
@@ -458,15 +504,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.budget_s, args.reps, settle, args.max_candidates, progress,
             args.seed, [EngineConfig.load(p) for p in args.seed_config], args.trace,
         )  # fmt: skip
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    out = Path(args.out or f"triton_fused_moe.{device_slug(name)}.json")
-    merged: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
+    merged = _table_or_none(out) if out.exists() else {}
+    if merged is None:  # changed during the run: the new table goes beside it, not over it
+        fd, kept = tempfile.mkstemp(dir=out.parent, prefix=f"{out.stem}.", suffix=".json")
+        os.close(fd)
+        console.print(f"[red]tune_fused_moe:[/red] {escape(str(out))} is no longer a tuned table: not overwritten")
+        out, merged = Path(kept), {}
     for key, rows in table.items():
         merged.setdefault(key, {}).update(rows)
     merged["_meta"] = _meta(dev, settle)
-    tmp = out.with_name(out.name + ".tmp")  # then renamed: an interrupted write leaves the old table
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    tmp.replace(out)
+    text = json.dumps(merged, indent=1, sort_keys=True) + "\n"
+    replace_file(out, lambda part: part.write_text(text))  # an interrupted write leaves the old table
     for key, rows in table.items():
         for t, r in sorted(rows.items(), key=lambda kv: int(kv[0])):
             gain = r["heuristic_us"] / r["us"] if r["us"] > 0 else math.nan

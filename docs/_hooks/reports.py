@@ -67,22 +67,26 @@ def _verdict(report: dict) -> str:
 
 
 def _components(docs_dir: Path, page_dir: Path, path: str) -> str:
+    """The components table of a committed report; its text (a plugin's names and reasons)
+    escaped as the report's own Markdown escapes it (`moehal_conformance.report`)."""
+    from moehal_conformance.report import _code, _escape
+
     src = docs_dir / path.strip()
     report = _conformance_report(src)
     up = [".."] * len(page_dir.relative_to(docs_dir).parts)
     link = Path(*up, src.relative_to(docs_dir).with_suffix(".md")).as_posix()
     hw = report["hardware"]
     rows = [
-        f"Backend `{report['backend']}` on {hw['name']} ({hw['device']}), {report['date'][:10]}, "
-        f"conformance verdict {_verdict(report)} "
+        f"Backend {_code(report['backend'])} on {_escape(hw['name'])} ({_escape(hw['device'])}), "
+        f"{_escape(report['date'][:10])}, conformance verdict {_escape(_verdict(report))} "
         f"([report]({link})):",
         "",
         "| component | kind | result | detail |",
         "|---|---|---|---|",
     ]
     for c in report.get("components", []):
-        detail = c["detail"].replace("|", "\\|")
-        rows.append(f"| `{c['qualname']}` | {c['kind']} | {c['status']} | {detail} |")
+        cells = (_code(c["qualname"]), _escape(c["kind"]), _escape(c["status"]), _escape(c["detail"]))
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

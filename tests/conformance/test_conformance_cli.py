@@ -406,6 +406,23 @@ def test_the_json_report_names_its_schema_and_readers_take_it_with_or_without(tm
         hook._components(tmp_path / "docs", tmp_path / "docs", "v2.json")
 
 
+def test_the_docs_components_table_escapes_a_plugins_text(tmp_path):
+    """The docs hook publishes a committed report's components table: a plugin's detail and
+    names there are escaped as the report's Markdown escapes them (security review, finding 11)."""
+    suite = Suite.create("reference", "cpu", profile="quick")
+    js, _ = report.write(suite, tmp_path / "r")
+    data = json.loads(js.read_text())
+    data["hardware"]["name"] = "<b>GPU</b>"
+    data["components"][0].update(kind="<i>experts</i>", detail="<script>x()</script>\n| [a](javascript:y())")
+    js.write_text(json.dumps(data))
+    table = _reports_hook()._components(tmp_path, tmp_path, "r.json")
+    assert "<" not in table and "[a](" not in table
+    assert "on &lt;b&gt;GPU&lt;/b&gt; (" in table
+    assert (
+        "| &lt;i&gt;experts&lt;/i&gt; |" in table and "&lt;script&gt;x()&lt;/script&gt; \\| [a\\](javascript" in table
+    )
+
+
 @pytest.mark.parametrize(
     "select, case_id, expected",
     [

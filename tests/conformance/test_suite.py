@@ -1140,3 +1140,40 @@ def test_the_cli_puts_the_callers_sigterm_handler_back(capsys):
     before = signal.getsignal(signal.SIGTERM)
     conformance_main(["--backend", "reference", "--device", "cpu", "--quick", "-k", "matrix/bf16/silu"])
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+_HOSTILE = "<script>alert(1)</script> & [click](javascript:alert(1)) | a\n<img src=x onerror=alert(2)>"
+
+
+class _HostileDeclines(ReferenceExperts):
+    name = "hostile"
+    priority = 40
+
+    def check_hardware(self, req):
+        from moehal.capability import decline
+
+        return decline(_HOSTILE)
+
+
+def test_plugin_text_in_the_markdown_report_cannot_inject_html_or_links():
+    """Decline reasons, error details and names come from a third-party plugin, and mkdocs
+    publishes committed reports with their inline HTML as is (security review, finding 11):
+    the report shows that text, escaped, and makes no tag, link or new line of it."""
+    markdown = pytest.importorskip("markdown")
+
+    suite = _suite("hostile", _HostileDeclines())
+    suite.run([c for c in suite.cases() if c.check != "honesty"][:3])
+    declined = [r for r in suite.results if r.status == "declined"]
+    assert declined and all(_HOSTILE in r.detail for r in declined)
+    md = report.to_markdown(suite)
+    assert "<script" not in md and "<img" not in md and "[click](" not in md
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; [click\\](javascript:alert(1)) \\| a &lt;img" in md
+    page = markdown.markdown(md, extensions=["tables"])
+    assert "<script" not in page and "<img" not in page and "<a " not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; [click](javascript:alert(1)) | a &lt;img" in page
+
+
+def test_report_code_spans_hold_any_backticks_on_one_line():
+    assert report._code("cuda.triton") == "`cuda.triton`"
+    assert report._code("a`b\nc") == "``a`b c``"
+    assert report._code("`x`") == "`` `x` ``"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 
 import pytest
@@ -259,3 +260,65 @@ def test_int8_tiles_take_k_tiles_of_32_or_more():
     small = TileConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2)
     assert k._fit(small, 256, 256, "int8").block_k == 32
     assert k._fit(small, 256, 256, "none").block_k == 16
+
+
+def _no_run(*args, **kwargs):
+    raise AssertionError("the tuning run started")
+
+
+@pytest.mark.parametrize(
+    "name,content,flag",
+    [
+        ("README.md", "# my project\n", "--out"),  # not JSON: merged into after the run, or a crash there
+        ("list.json", "[1, 2]\n", "--out"),  # JSON, not an object: the merge crashed after the run
+        ("other.json", '{"name": "my settings"}\n', "--out"),  # an object, not a table: merged into
+        ("notes.txt", "my notes\n", "--trace"),  # appended to
+    ],
+)
+def test_an_output_that_is_not_the_tuners_is_refused_before_the_run(tmp_path, capsys, monkeypatch, name, content, flag):
+    from moehal.kernels import tune_fused_moe
+
+    monkeypatch.setattr(tune_fused_moe, "tune", _no_run)
+    target = tmp_path / name
+    target.write_text(content)
+    outputs = {"--out": str(tmp_path / "table.json"), flag: str(target)}
+    argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "4", *(x for kv in outputs.items() for x in kv)]
+    assert tune_fused_moe.main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(target) in err.replace("\n", "") and "not overwritten" in err
+    assert target.read_text() == content
+
+
+def test_a_directory_as_out_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    from moehal.kernels import tune_fused_moe
+
+    monkeypatch.setattr(tune_fused_moe, "tune", _no_run)
+    assert tune_fused_moe.main(["--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_an_earlier_table_is_merged_into_and_one_changed_during_the_run_is_kept(tmp_path, capsys, monkeypatch):
+    from moehal.kernels import tune_fused_moe
+
+    new = {"E=8,H=64,I=128,dtype=fp32": {"4": {"us": 1.0, "heuristic_us": 2.0, "tried": 1, "rejected": {}}}}
+    out = tmp_path / "table.json"
+    out.write_text(json.dumps({"_meta": {"device": "old"}, "E=1,H=2,I=3,dtype=bf16": {"1": {}}}))
+    out.chmod(0o600)
+    monkeypatch.setattr(tune_fused_moe, "tune", lambda *a, **k: new)
+    argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "4", "--out", str(out)]
+    assert tune_fused_moe.main(argv) == 0
+    merged = json.loads(out.read_text())
+    assert set(merged) == {"_meta", "E=1,H=2,I=3,dtype=bf16", *new} and merged["_meta"]["device"].startswith("cpu")
+    assert os.stat(out).st_mode & 0o777 == 0o600 and sorted(p.name for p in tmp_path.iterdir()) == ["table.json"]
+
+    def overwritten(*args, **kwargs):  # someone writes another file there during the run
+        out.write_text("not a table any more\n")
+        return new
+
+    monkeypatch.setattr(tune_fused_moe, "tune", overwritten)
+    assert tune_fused_moe.main(argv) == 0
+    assert out.read_text() == "not a table any more\n"
+    (kept,) = [p for p in tmp_path.iterdir() if p != out]
+    assert set(json.loads(kept.read_text())) == {"_meta", *new} and str(kept) in capsys.readouterr().err.replace(
+        "\n", ""
+    )

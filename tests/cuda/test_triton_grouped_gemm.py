@@ -477,6 +477,60 @@ def test_shipped_tables_keep_every_token_row_in_order():
 
 
 @pytest.mark.parametrize(
+    "name,content,flags",
+    [
+        ("README.md", "# my project\n", []),  # replaced by the table
+        ("list.json", "[1, 2]\n", ["--update"]),  # json.load'ed and merged into
+        ("settings.json", '{"name": "mine"}\n', ["--fused-only"]),
+        ("missing.json", None, ["--fused-only"]),  # nothing to add to
+    ],
+)
+def test_the_tuner_refuses_an_out_that_is_not_its_table_before_tuning(
+    tmp_path, capsys, monkeypatch, name, content, flags
+):
+    """`python -m moehal_cuda.tuning --out X` replaced whatever X was, with no check that it was
+    a table (security review, finding 8); now refused before anything is measured."""
+    from moehal_cuda import tuning
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the tuning run started")
+
+    monkeypatch.setattr(tuning.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning, "tune", no_run)
+    monkeypatch.setattr(tuning, "tune_fused", no_run)
+    out = tmp_path / name
+    if content is not None:
+        out.write_text(content)
+    assert tuning.main(["--shapes", "tiny", "--tokens", "1", "--out", str(out), *flags]) == 2
+    said = capsys.readouterr().out
+    assert said.startswith(f"moehal_cuda.tuning: {out}") and ("not overwritten" in said or "there is none" in said)
+    assert (out.read_text() == content) if content is not None else not out.exists()
+
+
+def test_the_tuner_writes_an_earlier_table_in_one_step(tmp_path, monkeypatch):
+    """An earlier table is accepted; the write goes through `replace_file`: a link planted at
+    the old fixed `<out>.tmp` name is neither followed nor left as the table."""
+    from moehal_cuda import tuning
+
+    out = tmp_path / "tuned.json"
+    out.write_text(json.dumps({"meta": {}, "entries": {}}))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("data\n")
+    (tmp_path / "tuned.json.tmp").symlink_to(victim)
+    ran = []
+
+    def tune(shapes, tokens, quants, out_path, *args, **kwargs):
+        ran.append(out_path)
+        tuning._write({"entries": {"k": {}}}, out_path)
+
+    monkeypatch.setattr(tuning.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning, "tune", tune)
+    assert tuning.main(["--shapes", "tiny", "--tokens", "1", "--out", str(out), "--update"]) == 0
+    assert ran == [str(out)] and json.loads(out.read_text()) == {"entries": {"k": {}}}
+    assert victim.read_text() == "data\n" and not out.is_symlink()
+
+
+@pytest.mark.parametrize(
     "mode,cfg",
     [
         ("group", TileConfig(16, 128, 128, 1, 4, 1)),

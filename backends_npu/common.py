@@ -12,7 +12,7 @@ from moehal.interfaces import BuildRequest, Implementation
 from moehal_npu.ops import VendorOps
 
 BACKEND = "npu"
-EMULATE_SWITCH = "MOEHAL_NPU_EMULATE=1"
+EMULATE_SWITCH = "MOEHAL_EMULATE=npu"  # (MOEHAL_NPU_EMULATE=1 is its deprecated alias)
 EMULATED_REASON = f"emulated mode ({EMULATE_SWITCH}): vendor ops run as torch stand-ins"
 
 # DeepEP-Ascend's low-latency dispatch (and npu_moe_distribute_dispatch, npu_moe_init_routing_v2)

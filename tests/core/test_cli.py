@@ -105,7 +105,7 @@ def test_explain_json_and_no_pipeline_exit_code(capsys):
 
 
 def test_explain_shows_which_dispatchers_drop_padding_ids(capsys, monkeypatch):
-    monkeypatch.setenv("MOEHAL_NPU_EMULATE", "1")  # the NPU dispatchers, which do not declare it
+    monkeypatch.setenv("MOEHAL_EMULATE", "npu")  # the NPU dispatchers, which do not declare it
     reg = moehal.Registry(moehal.Settings.from_env())
     reg.load_entry_points()
     monkeypatch.setattr(moehal.plugins, "_default", reg)  # what `moehal.discover()` returns here

@@ -12,8 +12,32 @@ from moehal.interfaces import BuildRequest, Implementation
 from moehal_npu.ops import VendorOps
 
 BACKEND = "npu"
-EMULATE_SWITCH = "MOEHAL_NPU_EMULATE=1"
+EMULATE_SWITCH = "MOEHAL_EMULATE=npu"  # (MOEHAL_NPU_EMULATE=1 is its deprecated alias)
 EMULATED_REASON = f"emulated mode ({EMULATE_SWITCH}): vendor ops run as torch stand-ins"
+
+
+def torch_npu_install() -> str:
+    """The command that installs the torch_npu release matching this torch. Each torch-npu
+    release pins the torch of its number (torch-npu 2.14.0: `torch==2.14.0.*`), so a plain
+    `pip install torch-npu`, or a `torch-npu>=...` extra, installs the newest one and replaces
+    the user's torch with its own. `.*`: the release's newest post-fix (2.12.0.post3 for torch
+    2.12.0), each of which pins the same torch."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        version = Version(torch.__version__).base_version  # 2.13.0+cpu, 2.14.0.dev20260101: the release
+    except InvalidVersion:
+        version = torch.__version__.split("+")[0]
+    return f'pip install "torch-npu=={version}.*"'
+
+
+def torch_npu_missing() -> str:
+    """Why the native backend cannot run here when torch_npu is not installed, and the fix."""
+    return (
+        f"torch_npu is not installed: {torch_npu_install()} (the release for this torch, {torch.__version__}; "
+        "each torch-npu release pins its own torch and would replace this one)"
+    )
+
 
 # DeepEP-Ascend's low-latency dispatch (and npu_moe_distribute_dispatch, npu_moe_init_routing_v2)
 # return a flat 2-D, expert-sorted layout with one fp32 scale per row, not CUDA DeepEP's
@@ -80,7 +104,7 @@ class NpuImplementation(Implementation):
         if req.emulating(BACKEND):
             return accept(EMULATED_REASON, "libraries")
         if not module_available("torch_npu"):
-            return decline("torch_npu is not installed (pip install moehal[npu])", "libraries")
+            return decline(torch_npu_missing(), "libraries")
         for module, how in self.extra_libraries:
             if not module_available(module):
                 return decline(f"{module} is not installed ({how})", "libraries")

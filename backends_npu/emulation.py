@@ -1,6 +1,6 @@
 """Torch stand-ins for the Ascend vendor ops the NPU backend calls (emulated mode only).
 
-Used only when emulation is switched on explicitly (`MOEHAL_NPU_EMULATE=1`, or
+Used only when emulation is switched on explicitly (`MOEHAL_EMULATE=npu`, or
 `Settings(emulate={'npu'})`); reports then say `emulated`. Each function implements the
 *documented* semantics of one vendor op, cites the page it follows, and states what the
 documentation leaves open and how the emulation fills it in. The backend's orchestration

@@ -17,7 +17,7 @@ from moehal.hardware import HardwareInfo, module_available, package_version
 from moehal.hookspecs import hookimpl
 from moehal.interfaces import BackendInfo, Dispatcher, Experts, FusedForward, WeightProcessor
 from moehal.settings import Settings
-from moehal_npu.common import BACKEND, EMULATED_REASON
+from moehal_npu.common import BACKEND, EMULATE_SWITCH, EMULATED_REASON, torch_npu_missing
 from moehal_npu.dispatch import HcclDispatcher, LocalFlatDispatcher
 from moehal_npu.experts import GmmExperts
 from moehal_npu.fuseep import DispatchFfnCombine, FusedDeepMoe
@@ -30,7 +30,7 @@ def available(hw: HardwareInfo, settings: Settings | None = None) -> Decision:
     if BACKEND in s.emulate:
         return accept(EMULATED_REASON)
     if not module_available("torch_npu"):
-        return decline("torch_npu is not installed (pip install moehal[npu]); set MOEHAL_NPU_EMULATE=1 to emulate")
+        return decline(f"{torch_npu_missing()}; or set {EMULATE_SWITCH} to emulate")
     if hw.kind != "npu":
         return decline(f"no Ascend NPU visible (the device is {hw.kind}); import torch_npu before building layers")
     return accept(f"Ascend NPU: {hw.name}")

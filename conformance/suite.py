@@ -199,27 +199,18 @@ class Suite:
         names another), compared with the single-process reference on all tokens. A named
         dispatcher that takes no case fails the run where `required` (the user named it), else
         gives one declined result (one of the backend's own, tried as `ep_dispatchers` lists)."""
-        import os
-
         from moehal.distributed_check import run_ep_cases, run_spawned
 
         disp = dispatcher or "reference.torch_distributed"
         cases = self.ep_case_list(world)
         if not cases:  # `-k` selects none of them
             return
-        # The ranks are fresh processes that read Settings from their environment: hand them
-        # this run's emulate switch for the spawn only, never leaving it in ours.
-        saved = os.environ.get("MOEHAL_EMULATE")
-        if self.registry.settings.emulate:
-            os.environ["MOEHAL_EMULATE"] = ",".join(sorted(self.registry.settings.emulate))
-        try:
-            args = (cases, "cpu", self.backend, disp, (), self.poison)
-            outcomes = run_spawned(world, run_ep_cases, args, timeout_s=timeout_s)
-        finally:
-            if saved is None:
-                os.environ.pop("MOEHAL_EMULATE", None)
-            else:
-                os.environ["MOEHAL_EMULATE"] = saved
+        # The ranks are fresh processes: they get this run's settings (`--emulate` among them)
+        # as an argument, not through os.environ. Written there for the spawn, the switch raced
+        # other threads, and beside MOEHAL_NPU_EMULATE=0 every rank refused the two variables'
+        # disagreement (ConfigError), though `--emulate`, an argument, outranks both.
+        args = (cases, "cpu", self.backend, disp, (), self.poison, self.registry.settings)
+        outcomes = run_spawned(world, run_ep_cases, args, timeout_s=timeout_s)
         errors = [
             f"rank {o.rank} {o.status}: {o.error.strip().splitlines()[-1] if o.error else ''}"
             for o in outcomes

@@ -17,6 +17,7 @@ from moehal.config import Activation, MoEConfig
 from moehal.errors import (
     ConfigError,
     ContractError,
+    DeprecatedSettingWarning,
     FallbackWarning,
     InferenceOnlyWarning,
     InputError,
@@ -76,6 +77,7 @@ __all__ = [
     "ContiguousOutput",
     "ContractError",
     "Decision",
+    "DeprecatedSettingWarning",
     "DispatchRunner",
     "Dispatcher",
     "ExpertWeights",

@@ -35,6 +35,7 @@ from moehal.errors import NoBackendError
 from moehal.layer import MoELayer
 from moehal.plugins import Registry, discover
 from moehal.quant import QuantScheme
+from moehal.settings import Settings
 from moehal.weights import local_slice, quantize_weights
 
 
@@ -215,11 +216,12 @@ class EPResult:
         return asdict(self)
 
 
-def default_registry(plugins: Sequence[tuple[str, str]] = ()) -> Registry:
+def default_registry(plugins: Sequence[tuple[str, str]] = (), settings: Settings | None = None) -> Registry:
     """The installed plugins, plus `plugins` ((backend name, module) pairs, e.g. a plugin under
     test that is not installed). The in-tree reference backend is added when moehal runs from
-    a source tree without installed entry points (e.g. a copy on a GPU machine)."""
-    reg = discover()
+    a source tree without installed entry points (e.g. a copy on a GPU machine). `settings`:
+    load with these, not this process's environment (a registry of the caller's own)."""
+    reg = discover() if settings is None else discover(settings=settings)
     if "reference" in reg.loaded_backends() and not plugins:
         return reg
     reg = Registry(reg.settings)  # a fresh one: never register into the shared registry
@@ -360,17 +362,20 @@ def run_ep_cases(
     dispatcher: str | None = "reference.torch_distributed",
     plugins: Sequence[tuple[str, str]] = (),
     poison: bool = False,
+    settings: Settings | None = None,
 ) -> list[EPResult]:
     """Run every case in order on this rank (the `run_spawned` worker for suites).
 
     plugins: extra (backend name, module) pairs to register besides the installed entry
     points, e.g. a plugin under test that is not installed.
     poison: run each case with fresh allocations poisoned (`moehal.poison`), as conformance does.
+    settings: the parent's settings (a conformance run's `--emulate` among them), handed over as
+    an argument; None: the rank reads its environment (`Settings.from_env`).
     """
     from moehal.poison import poisoned
 
     todo = list(cases) if cases is not None else ep_cases(world)
-    reg = default_registry(plugins)
+    reg = default_registry(plugins, settings)
     results = []
     for c in todo:
         try:

@@ -109,6 +109,12 @@ class SettingsWarning(MoEHalWarning):
     a typo would otherwise disable or emulate nothing, silently."""
 
 
+class DeprecatedSettingWarning(SettingsWarning, FutureWarning):
+    """A deprecated `MOEHAL_*` variable is set (MOEHAL_NPU_EMULATE: use MOEHAL_EMULATE=npu). A
+    FutureWarning too, not a DeprecationWarning: the variable is set by whoever runs the
+    program, and Python hides DeprecationWarnings raised outside `__main__` by default."""
+
+
 def warn(message: str, category: type[Warning]) -> None:
     """`warnings.warn` attributed to the first frame outside moehal's packages and torch.nn's
     call wrappers: the user's line, however deep (a forward hook, a direct `forward` call, an

@@ -2,9 +2,12 @@
 
 Precedence, highest first: arguments passed in code (`MoELayer(backend=...)`,
 `discover(strict=...)`), then these variables, then defaults. There is exactly one
-variable per setting, and no variable overrides another (MOEHAL_NPU_EMULATE joins
-MOEHAL_EMULATE: MOEHAL_NPU_EMULATE=0 beside MOEHAL_EMULATE=npu is refused). Booleans take
-1/true/yes/on or 0/false/no/off; anything else raises `ConfigError`, naming the variable.
+variable per setting, and no variable overrides another. MOEHAL_NPU_EMULATE, the NPU
+backend's switch from before MOEHAL_EMULATE, is a deprecated alias of MOEHAL_EMULATE=npu:
+it still works, joined to MOEHAL_EMULATE, and warns (`DeprecatedSettingWarning`); where
+the two disagree (MOEHAL_NPU_EMULATE=0 beside MOEHAL_EMULATE=npu) neither wins: `ConfigError`.
+Booleans take 1/true/yes/on or 0/false/no/off; anything else raises `ConfigError`, naming
+the variable.
 Names that no installed plugin has, in MOEHAL_DISABLE_PLUGINS or MOEHAL_EMULATE, are warned
 about when the plugins load.
 
@@ -14,7 +17,7 @@ about when the plugins load.
 | MOEHAL_DISABLE_PLUGINS   | disabled_plugins  | comma-separated plugin names not to load             |
 | MOEHAL_STRICT_PLUGINS    | strict            | 1: a plugin that fails to load raises                |
 | MOEHAL_EMULATE           | emulate           | comma-separated backends allowed to run in emulated mode |
-| MOEHAL_NPU_EMULATE       | emulate += {npu}  | the NPU backend's switch (same setting: see below)  |
+| MOEHAL_NPU_EMULATE       | emulate += {npu}  | deprecated: use MOEHAL_EMULATE=npu (see above)       |
 | MOEHAL_MASKED_WORKSPACE_GIB | masked_workspace_gib | GiB for worst-case masked buffers (default 8) |
 
 `masked_workspace_gib`: a masked layout `[local_experts, max_tokens, hidden]` must be sized for
@@ -33,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moehal.errors import ConfigError
+from moehal.errors import ConfigError, DeprecatedSettingWarning, warn
 
 if TYPE_CHECKING:
     from collections.abc import Set as AbstractSet
@@ -110,14 +113,21 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         emulate = set(_names(env.get("MOEHAL_EMULATE")))
-        npu = _flag(env, "MOEHAL_NPU_EMULATE")
-        if npu:
-            emulate.add("npu")
-        elif npu is False and "npu" in emulate:  # the two name one setting: they must not disagree
+        npu = _flag(env, "MOEHAL_NPU_EMULATE")  # the deprecated alias of MOEHAL_EMULATE=npu
+        if npu is False and "npu" in emulate:  # the two name one setting: neither may override the other
             raise ConfigError(
                 f"MOEHAL_EMULATE={env.get('MOEHAL_EMULATE')!r} turns on the NPU backend's emulated mode and "
-                f"MOEHAL_NPU_EMULATE={env.get('MOEHAL_NPU_EMULATE')!r} turns it off: unset one of them"
+                f"MOEHAL_NPU_EMULATE={env.get('MOEHAL_NPU_EMULATE')!r} turns it off: unset MOEHAL_NPU_EMULATE "
+                "(a deprecated alias) and keep npu in MOEHAL_EMULATE or drop it"
             )
+        if npu is not None:
+            warn(
+                f"MOEHAL_NPU_EMULATE={env.get('MOEHAL_NPU_EMULATE')!r} is deprecated: unset it and use "
+                "MOEHAL_EMULATE=npu (comma-separated with any other backends to emulate)",
+                DeprecatedSettingWarning,
+            )
+        if npu:
+            emulate.add("npu")
         backend = (env.get("MOEHAL_BACKEND") or "").strip() or None
         gib = (env.get("MOEHAL_MASKED_WORKSPACE_GIB") or "").strip()
         try:

@@ -19,6 +19,20 @@ import moehal  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """Under the interpreter, a Triton whose interpreter cannot run moehal's kernels (before 3.4;
+    or before 3.7 with numpy 2.4, which a CUDA torch's pinned Triton can be) failed hundreds of
+    tests one by one with one error: stop here instead, with the reason and its fixes."""
+    from moehal.kernels.host import interpreter_too_old, interpreting
+
+    why = interpreter_too_old() if interpreting() else None
+    if why is not None:
+        pytest.exit(
+            f"TRITON_INTERPRET=1, but {why}. Nothing was run: fix the environment and run the tests again.",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
 def pytest_report_header(config):
     return [
         f"moehal {moehal.__version__}, torch {torch.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"

@@ -7,7 +7,7 @@ tests/core/test_layer_fuzz.py (every backend that runs on a CPU) and tests/cuda/
 
 Backends on a CPU: the reference; ROCm (its Triton experts interpreted under TRITON_INTERPRET=1,
 its slow torch fallback anyway); NPU in its explicit emulated mode (`Settings(emulate={'npu'})`,
-what MOEHAL_NPU_EMULATE=1 sets); and, under the interpreter, the CUDA backend's pieces that run
+what MOEHAL_EMULATE=npu sets); and, under the interpreter, the CUDA backend's pieces that run
 on a CPU (cuda.permute, and the DeepGEMM experts' Triton glue around the float32 `TorchGemmOps`
 stand-in for DeepGEMM's GEMMs, as tests/cuda/test_deepgemm_glue.py drives them), registered as a
 stand-in plugin so that `MoELayer` builds them. Every pipeline the backend accepts is drawn

@@ -55,14 +55,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
-def interpreter_too_old(version: str | None = None) -> str | None:
-    """Why this Triton's interpreter cannot run moehal's kernels (None: it can). `version`: the
-    installed triton's unless given.
+def interpreter_too_old(version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why this Triton's interpreter cannot run moehal's kernels (None: it can). `version`,
+    `numpy_version`: the installed triton's and numpy's unless given.
 
     Triton's interpreter takes a kernel parameter as a constant from its annotation. Before 3.4
     it did not read the string "tl.constexpr" that `from __future__ import annotations` leaves
     in moehal's kernel modules, so every constant arrived as a tensor and the first `tl.arange`
-    failed. Compiled kernels are unaffected: the compiler reads the string."""
+    failed. Compiled kernels are unaffected: the compiler reads the string.
+
+    Before 3.7 the interpreter took a loop bound's index as `int()` of a 1-element array, which
+    numpy 2.4 refuses (deprecated since 1.25): every kernel loop with a runtime bound failed
+    (`TypeError: only 0-dimensional arrays can be converted to Python scalars`, triton-lang/triton
+    #9171; measured with 3.4.0 and 3.6.0; 3.7.0, 3.7.1 and 3.8.0 pass). CUDA torch wheels pin
+    such a Triton (torch 2.11: 3.6.0), so the fix that never touches torch is an older numpy."""
     from importlib import metadata
 
     from packaging.version import InvalidVersion, Version
@@ -73,11 +79,29 @@ def interpreter_too_old(version: str | None = None) -> str | None:
         except metadata.PackageNotFoundError:
             return None  # another distribution's triton (ROCm's): not one of the old interpreters
     try:
-        if Version(version).release[:2] >= (3, 4):
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        return None
+    if release < (3, 4):
+        why = "ignores moehal's kernel constants (fixed in 3.4)"
+        return f"Triton {version}'s interpreter {why}: pip install 'triton>=3.4'"
+    if release >= (3, 7):
+        return None
+    if numpy_version is None:
+        try:
+            numpy_version = metadata.version("numpy")  # (read as triton's is)
+        except metadata.PackageNotFoundError:
+            return None
+    try:
+        if Version(numpy_version).release[:2] < (2, 4):
             return None
     except InvalidVersion:
         return None
-    return f"Triton {version}'s interpreter ignores moehal's kernel constants (fixed in 3.4): pip install 'triton>=3.4'"
+    return (
+        f"Triton {version}'s interpreter fails on loops with a runtime bound under numpy {numpy_version} "
+        "(numpy 2.4 refuses int() of a 1-element array; fixed in Triton 3.7): pip install 'numpy<2.4' "
+        "(leaves torch and its pinned Triton alone), or pip install 'triton>=3.7' where torch pins no Triton"
+    )
 
 
 # How `triton.jit` decorated moehal's kernel modules, fixed by the first one imported (each

@@ -964,6 +964,16 @@ def bind_permute(
         max_m = 0
         num_rows = out.shape[0]
         so_e, so_m = 0, out.stride(0)
+        # The scatter writes each slot at its segment's start plus its position, unchecked: a
+        # destination with fewer rows than the worst case was written past its end (heap
+        # corruption on the CPU, security review 2026-11-29). Sizes only, no device sync.
+        need = contiguous_rows(s, e, max(alignment, 1))
+        if num_rows < need:
+            raise ValueError(
+                f"contiguous destination has {num_rows} rows, but {t} tokens x top-{top_k} over {e} local experts "
+                f"with segments aligned to {max(alignment, 1)} rows can take {need}: allocate it with "
+                f"contiguous_rows({s}, {e}, {max(alignment, 1)}) rows"
+            )
     if quant:
         sc = dest.scales
         assert sc is not None

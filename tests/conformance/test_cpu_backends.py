@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import moehal
 import pytest
 import torch
 from moehal_conformance import report
@@ -67,6 +68,24 @@ def test_npu_hccl_dispatcher_emulated_takes_the_any_layout_cases():
         (r.id, r.status, r.pipeline) for r in suite.results
     ]
     assert not [r for r in suite.results if r.status == "fail"]
+
+
+def test_emulate_reaches_the_ep_ranks_whatever_the_environment_says(monkeypatch):
+    """`--emulate` is an argument, so it outranks the variables. The suite handed it to its EP
+    ranks by writing MOEHAL_EMULATE into os.environ around the spawn: process-wide, and beside
+    MOEHAL_NPU_EMULATE=0 every rank's `Settings.from_env()` refused the two (ConfigError), so
+    every EP case failed (security review 2026-11-29, finding 9). The ranks get the suite's
+    settings as an argument now, and the environment is not touched."""
+    monkeypatch.delenv("MOEHAL_EMULATE", raising=False)
+    monkeypatch.setenv("MOEHAL_NPU_EMULATE", "0")
+    with pytest.warns(moehal.DeprecatedSettingWarning):
+        suite = Suite.create("npu", "cpu", emulate=True, profile="quick")
+    before = dict(os.environ)
+    suite.run_ep(2, "npu.hccl")
+    assert dict(os.environ) == before
+    assert not [r for r in suite.results if r.status == "fail"], [r.detail for r in suite.results]
+    ran = [r for r in suite.results if r.status == "pass"]
+    assert len(ran) == 2 and all(r.mode == "emulated" for r in ran), [(r.id, r.status) for r in suite.results]
 
 
 def test_a_named_ep_dispatcher_that_takes_no_case_fails():

@@ -170,7 +170,8 @@ def test_the_suite_hands_its_poison_switch_to_the_ranks(monkeypatch):
     reg.load_entry_points()
     for poison in (True, False):
         Suite("reference", reg, torch.device("cpu"), poison=poison).run_ep(2, required=False)
-    assert [a[-1] for a in seen] == [True, False]  # run_ep_cases' `poison` (tests/distributed: it bites)
+    assert [a[5] for a in seen] == [True, False]  # run_ep_cases' `poison` (tests/distributed: it bites)
+    assert all(a[6] is reg.settings for a in seen)  # and the suite's settings (not os.environ)
 
 
 def test_poisoning_needs_no_fp4_dtype(monkeypatch):

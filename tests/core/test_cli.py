@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from moehal.cli import common, explain
 from moehal.cli.main import build_parser, main
 from moehal.formats import ActivationFormat, Layout
 from moehal.interfaces import BackendInfo, Experts
+from packaging.version import Version
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +47,9 @@ def test_doctor_json_lists_reference_available_and_others_with_reason():
     assert ref["reference.local"]["kind"] == "dispatcher"
     npu = by_name["npu"]["components"]
     assert npu and all(not c["runs_here"] and c["reason"] for c in npu)  # no NPU here: each says why
+    if importlib.util.find_spec("torch_npu") is None:  # the line names the torch_npu release for this torch
+        release = Version(torch.__version__).base_version
+        assert f'pip install "torch-npu=={release}.*"' in by_name["npu"]["reason"], by_name["npu"]["reason"]
 
 
 def test_doctor_table(capsys):
@@ -105,7 +110,7 @@ def test_explain_json_and_no_pipeline_exit_code(capsys):
 
 
 def test_explain_shows_which_dispatchers_drop_padding_ids(capsys, monkeypatch):
-    monkeypatch.setenv("MOEHAL_NPU_EMULATE", "1")  # the NPU dispatchers, which do not declare it
+    monkeypatch.setenv("MOEHAL_EMULATE", "npu")  # the NPU dispatchers, which do not declare it
     reg = moehal.Registry(moehal.Settings.from_env())
     reg.load_entry_points()
     monkeypatch.setattr(moehal.plugins, "_default", reg)  # what `moehal.discover()` returns here

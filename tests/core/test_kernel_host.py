@@ -118,7 +118,7 @@ def test_interpreters_before_triton_3_4_are_refused_with_the_release_that_fixed_
     from moehal_cuda import support
 
     assert "fixed in 3.4" in interpreter_too_old("3.3.1") and interpreter_too_old("3.1.0") is not None
-    assert interpreter_too_old("3.4.0") is None and interpreter_too_old("3.9.0") is None
+    assert interpreter_too_old("3.4.0", "2.3.5") is None and interpreter_too_old("3.9.0") is None
     assert interpreter_too_old(metadata.version("triton")) is None  # what this machine runs
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from moehal.kernels import triton_experts
@@ -137,3 +137,65 @@ def test_interpreters_before_triton_3_4_are_refused_with_the_release_that_fixed_
     )
     for d in (TritonExperts().check_hardware(req), support.cuda_or_interpreter(req)):
         assert not d.ok and "Triton 3.2.0's interpreter" in d.reason, d
+
+
+def test_interpreters_before_triton_3_7_are_refused_under_numpy_2_4(monkeypatch) -> None:
+    """Before 3.7, Triton's interpreter takes `int()` of a 1-element array for a loop bound, which
+    numpy 2.4 refuses: every kernel loop with a runtime bound raised (`only 0-dimensional arrays
+    can be converted to Python scalars`; measured with 3.4.0 and 3.6.0, not with 3.7.0-3.9.0).
+    CUDA torch wheels pin such a Triton (torch 2.11: 3.6.0), so the test extra cannot require a
+    newer one (security review 2026-11-29, finding 5): the Triton paths on the CPU decline,
+    naming both fixes, and the test session stops at once (`tests/conftest.py`)."""
+    from importlib import metadata
+
+    from moehal.kernels import triton_experts
+    from moehal.kernels.triton_experts import TritonExperts
+    from moehal_cuda import support
+
+    for old in ("3.4.0", "3.6.0"):
+        why = interpreter_too_old(old, "2.4.0")
+        assert f"Triton {old}'s interpreter fails on loops with a runtime bound under numpy 2.4.0" in why
+        assert "fixed in Triton 3.7" in why and "pip install 'numpy<2.4'" in why and "'triton>=3.7'" in why
+        assert interpreter_too_old(old, "2.3.5") is None  # numpy 2.3 only warns
+    assert all(interpreter_too_old(t, "2.4.6") is None for t in ("3.7.0", "3.7.1", "3.8.0", "3.9.0"))
+    monkeypatch.setattr(triton_experts, "interpreting", lambda: True)
+    monkeypatch.setattr(support, "interpreting", lambda: True)
+    monkeypatch.setattr(metadata, "version", {"triton": "3.6.0", "numpy": "2.4.1"}.__getitem__)
+    import moehal
+    from moehal.hardware import detect
+    from moehal.interfaces import BuildRequest
+
+    req = BuildRequest(
+        moehal.MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64),
+        moehal.QuantScheme.parse("bf16"),
+        detect("cpu"),
+    )
+    for d in (TritonExperts().check_hardware(req), support.cuda_or_interpreter(req)):
+        assert not d.ok and "Triton 3.6.0's interpreter fails" in d.reason and "numpy 2.4.1" in d.reason, d
+
+
+def test_the_test_session_stops_at_once_on_an_interpreter_that_cannot_run_the_kernels(tmp_path) -> None:
+    """Under TRITON_INTERPRET=1, Triton 3.6 with numpy 2.4 failed hundreds of tests one by one
+    with the same InterpreterError. tests/conftest.py stops the session before collecting,
+    with `interpreter_too_old`'s reason and its fixes. The installed versions are stood in for
+    by dist-info folders ahead on the path (what `importlib.metadata` reads)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for dist, version in (("triton", "3.6.0"), ("numpy", "2.4.0")):
+        info = tmp_path / f"{dist}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_packaging.py"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, out
+    assert "Triton 3.6.0's interpreter fails on loops with a runtime bound under numpy 2.4.0" in out, out
+    assert "pip install 'numpy<2.4'" in out and "passed" not in out, out

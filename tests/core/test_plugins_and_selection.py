@@ -267,7 +267,7 @@ def test_settings_read_from_env():
         {
             "MOEHAL_BACKEND": "cuda",
             "MOEHAL_DISABLE_PLUGINS": "a, b",
-            "MOEHAL_NPU_EMULATE": "1",
+            "MOEHAL_EMULATE": "npu",
             "MOEHAL_STRICT_PLUGINS": "true",
         }
     )
@@ -280,7 +280,7 @@ def test_settings_read_from_env():
     [
         ({"MOEHAL_STRICT_PLUGINS": "ture"}, "MOEHAL_STRICT_PLUGINS='ture' is not a boolean"),
         ({"MOEHAL_NPU_EMULATE": "y es"}, "MOEHAL_NPU_EMULATE='y es' is not a boolean"),
-        ({"MOEHAL_EMULATE": "npu", "MOEHAL_NPU_EMULATE": "0"}, "unset one of them"),
+        ({"MOEHAL_EMULATE": "npu", "MOEHAL_NPU_EMULATE": "0"}, "turns it off: unset MOEHAL_NPU_EMULATE"),
     ],
 )
 def test_settings_refuse_what_they_would_misread(env, match):
@@ -288,6 +288,25 @@ def test_settings_refuse_what_they_would_misread(env, match):
     one that turned emulation on winning."""
     with pytest.raises(moehal.ConfigError, match=match):
         moehal.Settings.from_env(env)
+
+
+def test_the_npu_switch_is_a_deprecated_alias_that_warns(recwarn):
+    """MOEHAL_NPU_EMULATE named the setting that MOEHAL_EMULATE=npu names: two variables for one
+    setting (security review 2026-11-29, finding 9). It still works, joined to MOEHAL_EMULATE,
+    and warns, naming the variable to use: a FutureWarning too, which Python shows by default
+    (a DeprecationWarning is hidden outside __main__). Disagreeing with MOEHAL_EMULATE raises."""
+    with pytest.warns(
+        moehal.DeprecatedSettingWarning, match=r"MOEHAL_NPU_EMULATE='1' is deprecated.*MOEHAL_EMULATE=npu"
+    ):
+        s = moehal.Settings.from_env({"MOEHAL_NPU_EMULATE": "1", "MOEHAL_EMULATE": "rocm"})
+    assert s.emulate == frozenset({"npu", "rocm"})
+    with pytest.warns(FutureWarning, match="MOEHAL_NPU_EMULATE='off' is deprecated"):
+        assert moehal.Settings.from_env({"MOEHAL_NPU_EMULATE": "off"}).emulate == frozenset()
+    recwarn.clear()
+    assert moehal.Settings.from_env({"MOEHAL_EMULATE": "npu"}).emulate == frozenset({"npu"})
+    with pytest.raises(moehal.ConfigError, match="unset MOEHAL_NPU_EMULATE"):
+        moehal.Settings.from_env({"MOEHAL_EMULATE": "npu", "MOEHAL_NPU_EMULATE": "no"})
+    assert not [w for w in recwarn if issubclass(w.category, moehal.SettingsWarning)]  # the new name: quiet
 
 
 def test_settings_made_in_code_are_checked_as_the_variables_are():

@@ -343,6 +343,29 @@ def test_positions_over_several_chunks(monkeypatch, masked):
         assert torch.equal(r.hidden.cpu(), ref)
 
 
+@pytest.mark.parametrize("alignment", [1, 8])
+def test_an_undersized_contiguous_destination_is_refused_before_the_launch(alignment):
+    """The scatter writes each slot at its segment start plus its position without a bound:
+    64 tokens into a buffer sized for 2 corrupted the heap on the CPU (security review
+    2026-11-29, finding 10). Binding compares the rows with the worst case (host integers, no
+    sync) and refuses one row short; the worst case itself is taken."""
+    t, k, e = 64, 2, 4
+    ids, w = _routing(t, e, k, 3)
+    need = TP.contiguous_rows(t * k, e, alignment)
+    kw = dict(expert_start=0, num_local_experts=e, masked=False, alignment=alignment)
+    for rows in (TP.contiguous_rows(2 * k, e, alignment), need - 1):
+        small = TP.alloc_padded((rows,), H, torch.bfloat16, DEV, False)
+        # the bind first: it launches nothing, so code without the check fails here, harmlessly
+        with pytest.raises(ValueError, match=rf"has {rows} rows.*contiguous_rows\({t * k}, {e}, {alignment}\)"):
+            TP.bind_permute(t, k, H, small, **kw)
+        with pytest.raises(ValueError, match="allocate it with"):
+            TP.permute(_x(t, 1), ids, w, small, **kw)
+        assert not small.hidden.any() and not small.written.any()  # nothing was written
+    exact = TP.alloc_padded((need,), H, torch.bfloat16, DEV, False)
+    r = TP.permute(_x(t, 1), ids, w, exact, **kw)
+    assert r.counts.sum().item() == t * k and (r.slot_row >= 0).all() and (r.slot_row < need).all()
+
+
 def test_no_slots_count_zero_for_every_expert():
     """A grid of no programs would leave the counts as allocated: garbage, which a contiguous
     layout turned into segment ends past its rows (an illegal instruction in DeepGEMM on an

@@ -13,7 +13,7 @@ from moehal.errors import NoBackendError
 from moehal.hardware import HardwareInfo, detect
 from moehal.interfaces import BuildRequest
 from moehal.quant import QuantScheme
-from moehal_npu import fuseep, ops, plugin, weights
+from moehal_npu import common, experts, fuseep, ops, plugin, weights
 from npu_helpers import make_problem, rel_err
 
 TOL = {"bf16": 2e-2, "w8a8_int8": 0.065}
@@ -177,11 +177,29 @@ def test_hccl_dispatcher_needs_ep_and_a_group(npu_registry):
     assert not d.ok and "process_group" in d.reason
 
 
+@pytest.mark.parametrize("torch_version, release", [("2.11.0+cu130", "2.11.0"), ("2.14.0.dev20260101+cpu", "2.14.0")])
+def test_without_torch_npu_the_reason_names_the_release_for_this_torch(monkeypatch, torch_version, release):
+    """Each torch-npu release pins the torch of its number (2.14.0: `torch==2.14.0.*`): the old
+    `npu` extra (`torch-npu>=2.6`) and its hint `pip install moehal[npu]` installed the newest and
+    replaced the user's torch (security review 2026-11-29, finding 5). The extra adds nothing
+    now, and the backend (doctor's line) and each component name the release for this torch."""
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setattr(plugin, "module_available", lambda name: False)
+    want = f'pip install "torch-npu=={release}.*"'
+    reason = plugin.available(detect("cpu"), moehal.Settings()).reason
+    assert reason.startswith("torch_npu is not installed") and want in reason and torch_version in reason
+    assert "moehal[npu]" not in reason and "MOEHAL_EMULATE=npu to emulate" in reason
+    monkeypatch.setattr(common, "module_available", lambda name: False)
+    req = BuildRequest(SMALL, QuantScheme.parse("bf16"), detect("cpu"), moehal.Settings())
+    d = experts.GmmExperts().check_libraries(req)
+    assert not d.ok and want in d.reason
+
+
 def test_without_the_switch_cpu_is_declined_naming_it(plain_registry):
     with pytest.raises(NoBackendError) as exc:
         MoELayer(SMALL, "bf16", backend="npu", device="cpu", registry=plain_registry)
     npu = [d for d in exc.value.decisions if d.name.startswith("npu.") and d.kind != "pipeline"]
-    assert npu and all(not d.ok and "MOEHAL_NPU_EMULATE=1" in d.reason for d in npu)
+    assert npu and all(not d.ok and "MOEHAL_EMULATE=npu" in d.reason for d in npu)
     hw = detect("cpu")
     info = plugin.available(hw, moehal.Settings())
     assert not info.ok and ("torch_npu is not installed" in info.reason or "no Ascend NPU visible" in info.reason)

@@ -68,15 +68,14 @@ rows = []
 cells = [("qwen3_30b_a3b", t) for t in (16, 128, 1024, 4096)]
 cells += [(s, t) for s in ("deepseek_v3_ep8", "mixtral_8x7b") for t in (128, 4096)]
 for shape, tokens in cells:
-    if True:
-        r = measure(shape, tokens)
-        rows.append(r)
-        print(
-            f"{shape:16s} {tokens:5d}  same {r['same_us']:9.1f} us  alternating {r['alternating_us']:9.1f} us"
-            f"  x{r['ratio']:.3f}  {r['pipeline']}",
-            flush=True,
-        )
-        bench.release_layers(dev)
+    r = measure(shape, tokens)
+    rows.append(r)
+    print(
+        f"{shape:16s} {tokens:5d}  same {r['same_us']:9.1f} us  alternating {r['alternating_us']:9.1f} us"
+        f"  x{r['ratio']:.3f}  {r['pipeline']}",
+        flush=True,
+    )
+    bench.release_layers(dev)
 if len(sys.argv) > 1:
     with open(sys.argv[1], "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

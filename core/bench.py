@@ -76,14 +76,17 @@ class Ceilings:
 
     def matmul_rate(self, quant: QuantScheme) -> tuple[float, str]:
         """The dense rate a row of `quant` is held to, and its name: fp8's own where measured;
-        int8's own, or NaN ("none: no int8 ceiling") where not measured: int8 tensor cores run
+        int8's own, or NaN ("none: no int8 ceiling") where not measured or measured below bf16's
+        (torch's int8 GEMM on a slow path, no ceiling): int8 tensor cores run
         about twice bf16's rate, and held to bf16's a compute-bound int8 row would read up to
         2x too high (as fp8 rows did before session 42). nvfp4 has no rate of its own: bf16's."""
         kind = quant.kind.value
         if kind.startswith("fp8") and math.isfinite(self.fp8_matmul_flops_per_s):
             return self.fp8_matmul_flops_per_s, "fp8"
         if kind == "w8a8_int8":
-            if math.isfinite(self.int8_matmul_ops_per_s):
+            # int8 tensor cores run at least bf16's rate: a measured rate below it is torch's
+            # int8 GEMM taking a slow path, no ceiling (held to it, int8 rows read above 100%)
+            if math.isfinite(self.int8_matmul_ops_per_s) and self.int8_matmul_ops_per_s >= self.matmul_flops_per_s:
                 return self.int8_matmul_ops_per_s, "int8"
             return math.nan, NO_INT8_CEILING
         return self.matmul_flops_per_s, "bf16"
@@ -414,10 +417,13 @@ def _fp8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
 
 def _int8_matmul_rate(dev: torch.device, n: int, settle_s: float) -> float:
     """Dense int8 matmul operations per second (`torch._int_mm`: int8 x int8 -> int32, the
-    int8 tensor-core path on CUDA), an `n` x `n` x `n` product; NaN where torch cannot run it."""
+    int8 tensor-core path on CUDA), an `n` x `n` x `n` product; NaN where torch cannot run it.
+    The second operand is column-major, the layout cuBLASLt's int8 kernels take (as for fp8
+    above): with a row-major one an H200 measured 126 TOP/s, below its bf16 rate, and an int8
+    layer read 214% of that "ceiling" (session 59)."""
     try:
         a = torch.randint(-128, 128, (n, n), device=dev, dtype=torch.int8)
-        b = torch.randint(-128, 128, (n, n), device=dev, dtype=torch.int8)
+        b = torch.randint(-128, 128, (n, n), device=dev, dtype=torch.int8).t()  # column-major
         mm = functools.partial(torch._int_mm, a, b)
         mm()
     except (RuntimeError, AttributeError, NotImplementedError):

@@ -17,7 +17,8 @@ exit status:
      peer that ran no tuned config) do not fail it, but their goal reads "partly measured",
      never "met", and --check names them on stderr
   1  no row of the files is covered by a goal; with --check, also a measured cell that did not
-     meet its goal (the output is printed first, then the cells not met on stderr)
+     meet its goal, or a row whose output was wrong (bench's check against the reference: bench
+     itself exited 1 for it); the output is printed first, then those cells and rows on stderr
   2  a usage error, or a file that is not a readable `moehal bench --out` JSON file (or one of
      a schema other than moehal.bench/1)"""
 
@@ -42,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="gate (CI): exit 1 where a measured cell misses its goal (informational goals aside), after printing "
+        help="gate (CI): exit 1 where a measured cell misses its goal (informational goals aside) or a row's "
+        "output was wrong, after printing "
         "the output as without it; "
         "cells not measured (no peer row, a skipped or wrong row, an untuned peer) do not fail the check: their "
         "goals read 'partly measured', and the check names them on stderr",
@@ -52,8 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, rest: object = None) -> int:
     """The exit status (`EPILOG`): 0 whatever the goals' status, unless `args.check`, where a
-    measured cell that misses its goal makes it 1 (after the output is printed)."""
-    from moehal.bench_goals import check_runs, goals_markdown, goals_table, summarize
+    measured cell that misses its goal, or a row with a wrong output, makes it 1 (after the
+    output is printed)."""
+    from moehal.bench_goals import CHECK, check_runs, goals_markdown, goals_table, load_runs, summarize
 
     checks = check_runs(args.files, across_files=args.pair_across_files)
     if not checks:
@@ -91,4 +94,11 @@ def run(args: argparse.Namespace, rest: object = None) -> int:
         for s in summarize(checks):
             if s.unmeasured:
                 print(f"  {s.goal.name} {s.device} {s.backend}: {s.status}, {s.cells_text}", file=sys.stderr)
-    return 1 if missed else 0
+    # a wrong row is no measurement, so no cell of it can miss: but a gate must not pass it
+    wrong = [r for rows in load_runs(args.files).values() for r in rows if r.get(CHECK) == "fail"]
+    if wrong:
+        print(f"moehal goals --check: {len(wrong)} rows had a wrong output (checked against the reference):",
+              file=sys.stderr)  # fmt: skip
+        for r in wrong:
+            print(f"  {r['backend']} {r['quant']} {r['shape']} {r['tokens']}", file=sys.stderr)
+    return 1 if missed or wrong else 0

@@ -298,6 +298,19 @@ def test_goals_check_gates_on_a_missed_goal_and_still_prints_the_output(tmp_path
     assert "  decode_vs_peer d cuda: not measured, 0 of 0 (1 not measured)" in err
 
 
+def test_goals_check_fails_a_file_whose_rows_had_wrong_outputs(tmp_path, capsys):
+    """A row whose output was wrong is no measurement, so none of its cells missed: --check
+    passed a file of wrong rows (bench itself had exited 1 for them). It fails it now."""
+    rows = [row("cuda", 16, 10.0, pct_roofline=95.0), row("cuda", 32, 10.0, pct_roofline=50.0, check="fail")]
+    p = _run_file(tmp_path, "wrong.json", rows)
+    assert main(["goals", str(p)]) == 0, "without --check it reports"
+    capsys.readouterr()
+    assert main(["goals", "--check", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert "1 rows had a wrong output" in err and "  cuda bf16 s 32" in err, err
+    assert "miss their goal" not in err, "the wrong row is not a missed cell"
+
+
 def _run_file(tmp_path: Path, name: str, rows: list[dict], device: str = "d", **extra) -> Path:
     p = tmp_path / name
     p.write_text(json.dumps({"ceilings": {"device": device}, "rows": rows, **extra}))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import moehal
 import torch
@@ -39,10 +39,17 @@ def medians(rows: Sequence[dict]) -> dict[tuple, dict]:
             continue
         cells.setdefault((r["shape"], r["tokens"], r["backend"], r["quant"]), []).append(r)
     return {
-        k: {**rs[0], "pct_roofline": statistics.median(r["pct_roofline"] for r in rs),
+        k: {**rs[0], "pct_roofline": _median(r.get("pct_roofline") for r in rs),
             "time_us": statistics.median(r["time_us"] for r in rs), "rounds": len(rs)}
         for k, rs in cells.items()
     }  # fmt: skip
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the values given, None where there is none: an int8 row without an int8
+    ceiling (`moehal.bench.NO_INT8_CEILING`) has no `pct_roofline`."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _rate(x: float) -> str:

@@ -135,6 +135,25 @@ def test_the_bound_tool_reads_a_benchmark_json(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
+def test_the_bound_tool_takes_the_median_of_rounds_without_a_roofline():
+    """int8 rows without an int8 ceiling have `pct_roofline: null`: over two rounds the median
+    raised a TypeError comparing None with None."""
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).parents[2] / "tools" / "tile_padding_bound.py"
+    spec = importlib.util.spec_from_file_location("tile_padding_bound", tool)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cell = dict(shape="s", tokens=1024, backend="cuda", quant="w8a8_int8")
+    rows = [{**cell, "time_us": t, "pct_roofline": None, "round": i} for i, t in enumerate((10.0, 12.0))]
+    got = mod.medians(rows)[("s", 1024, "cuda", "w8a8_int8")]
+    assert got["pct_roofline"] is None and got["time_us"] == 11.0 and got["rounds"] == 2
+    rows += [{**cell, "time_us": 14.0, "pct_roofline": 40.0, "round": 2}]
+    assert mod.medians(rows)[("s", 1024, "cuda", "w8a8_int8")]["pct_roofline"] == 40.0
+
+
 def test_the_bound_tool_takes_bench_schema_1_and_refuses_another(tmp_path, capsys):
     import importlib.util
     import json

@@ -461,7 +461,7 @@ def out_problem(out: str, fused_only: bool = False) -> str | None:
     """Why `--out` could not be written, found before the tuning run whose table would then be
     lost; None where it can. A file already there is replaced (or, with --update or
     --fused-only, added to) only where it is an earlier table: `--out` once replaced whatever it
-    named. --fused-only needs one. Makes the folder."""
+    named. --fused-only needs one. Makes nothing: the folder is made when the table is written."""
     from moehal.cli.common import output_problem
 
     path = pathlib.Path(out)

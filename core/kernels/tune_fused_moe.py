@@ -386,7 +386,9 @@ def tune(
 def _trace_logger(
     path: Path, shape: str, tokens: int
 ) -> Callable[[tuple[TileConfig, TileConfig], float, str | None], None]:
-    """`tune_entry`'s `log`, appending one JSON line per candidate to `path`."""
+    """`tune_entry`'s `log`, appending one JSON line per candidate to `path` (its folder made
+    here: `outputs_problem` checked it before the run and made nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def log(pair: tuple[TileConfig, TileConfig], secs: float, why: str | None) -> None:
         line: dict[str, Any] = {
@@ -430,7 +432,8 @@ def outputs_problem(out: Path, trace: Path | None) -> str | None:
     """Why `--out` (merged into) or `--trace` (appended to) could not be written, found before
     the run of minutes to hours whose table would then be lost; None where they can. A file
     already there must be this tuner's table (`--out`) or trace (`--trace`): a README or a JSON
-    list was merged into, or crashed the merge after the whole run. Makes their folders."""
+    list was merged into, or crashed the merge after the whole run. Makes nothing: the table's
+    folder is made when it is written (`replace_file`), the trace's by `_trace_logger`."""
     from moehal.cli.common import output_problem
 
     why = output_problem([out], lambda f: _table_or_none(f) is not None, "a tune_fused_moe table")

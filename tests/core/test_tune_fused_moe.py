@@ -322,3 +322,16 @@ def test_an_earlier_table_is_merged_into_and_one_changed_during_the_run_is_kept(
     assert set(json.loads(kept.read_text())) == {"_meta", *new} and str(kept) in capsys.readouterr().err.replace(
         "\n", ""
     )
+
+
+def test_a_trace_into_a_folder_not_made_yet_is_written(tmp_path):
+    """`outputs_problem` checks --trace before the run and makes nothing (since session 59):
+    the first trace line then raised FileNotFoundError for a folder not made yet."""
+    from moehal.kernels.tune_fused_moe import _trace_logger, outputs_problem
+
+    out, trace = tmp_path / "new" / "table.json", tmp_path / "traces" / "t.jsonl"
+    assert outputs_problem(out, trace) is None
+    assert not out.parent.exists() and not trace.parent.exists(), "checked, nothing made"
+    log = _trace_logger(trace, "E=8,N=64", 16)
+    log((HEURISTIC[0], HEURISTIC[1]), 1e-5, None)
+    assert json.loads(trace.read_text())["us"] == 10.0

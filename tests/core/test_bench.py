@@ -1019,7 +1019,7 @@ def test_int8_rows_are_held_to_an_int8_rate_never_to_bf16s(monkeypatch):
     assert cols["% roofline"] == ["n/a: no int8 ceiling"]
 
 
-def test_a_run_with_int8_rows_measures_their_rate_and_holds_them_to_it(tmp_path):
+def test_a_run_with_int8_rows_measures_their_rate_and_holds_them_to_it(tmp_path, monkeypatch):
     from moehal import bench
 
     out = tmp_path / "bench"
@@ -1028,15 +1028,22 @@ def test_a_run_with_int8_rows_measures_their_rate_and_holds_them_to_it(tmp_path)
     data = json.loads(out.with_suffix(".json").read_text())
     rate = data["ceilings"]["int8_matmul_ops_per_s"]
     assert rate is not None and rate > 0, "torch._int_mm runs on the CPU too"
-    bf16, int8 = data["rows"]
-    ceil = bench.Ceilings(**{k: v for k, v in data["ceilings"].items()})
-    if rate >= ceil.matmul_flops_per_s:  # this CPU's int8 GEMM is a ceiling: the row is held to it
-        assert (bf16["roofline_matmul"], int8["roofline_matmul"]) == ("bf16", "int8")
-        roof = max(int8["weight_bytes"] / ceil.copy_bytes_per_s, int8["flops"] / rate)
-        assert int8["roofline_us"] == pytest.approx(roof * 1e6)
-    else:  # slower than bf16's: no ceiling, never bf16's rate
-        assert (bf16["roofline_matmul"], int8["roofline_matmul"]) == ("bf16", bench.NO_INT8_CEILING)
-        assert int8["pct_roofline"] is None
+    # held to it where it is at least bf16's rate, else no ceiling (never bf16's): both, whatever
+    # this CPU's own int8 and bf16 GEMMs run at
+    for int8_rate, held in ((1e18, True), (1.0, False)):
+        monkeypatch.setattr(bench, "_int8_matmul_rate", lambda dev, n, settle_s, r=int8_rate: r)
+        assert main([*argv, "--quant", "bf16,w8a8_int8", "--no-host", "--out", str(out), *CPU]) == 0
+        data = json.loads(out.with_suffix(".json").read_text())
+        bf16, int8 = data["rows"]
+        ceil = bench.Ceilings(**{k: v for k, v in data["ceilings"].items()})
+        if held:
+            assert (bf16["roofline_matmul"], int8["roofline_matmul"]) == ("bf16", "int8")
+            roof = max(int8["weight_bytes"] / ceil.copy_bytes_per_s, int8["flops"] / int8_rate)
+            assert int8["roofline_us"] == pytest.approx(roof * 1e6)
+        else:
+            assert (bf16["roofline_matmul"], int8["roofline_matmul"]) == ("bf16", bench.NO_INT8_CEILING)
+            assert int8["pct_roofline"] is None
+    monkeypatch.undo()
     assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 0
     assert json.loads(out.with_suffix(".json").read_text())["ceilings"]["int8_matmul_ops_per_s"] is None, (
         "measured only where the run has int8 rows"

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import math
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from moehal.cli.common import output_problem, replace_file
+from moehal.cli import markdown as md
+from moehal.cli.common import output_files, output_problem, replace_file
 from moehal_conformance import components
 from moehal_conformance.runner import DECLINED, FAIL, NOT_RUN, PASS, CaseResult
 from moehal_conformance.suite import Suite
@@ -104,7 +103,7 @@ def to_markdown(suite: Suite) -> str:
     hw = meta["hardware"]
     cap = f" (compute capability {hw['capability'][0]}.{hw['capability'][1]})" if hw["capability"] else ""
     libs = ", ".join(f"{k} {v or 'missing'}" for k, v in meta["vendor_libraries"].items()) or "none"
-    backend = _code(meta["backend"])
+    backend = md.code(meta["backend"])
     software = (
         f"moehal {meta['moehal_version']}, suite {meta['suite_version']}, python {meta['python']}, "
         f"torch {meta['torch']} (cuda {meta['torch_cuda']}), triton {meta['triton']}"
@@ -118,7 +117,7 @@ def to_markdown(suite: Suite) -> str:
     ]
     if suite.lost_in:
         lines += [
-            f"**The device's context was lost** in {_code(suite.lost_in)} ({_escape(suite.lost_error)}). "
+            f"**The device's context was lost** in {md.code(suite.lost_in)} ({md.cell(suite.lost_error)}). "
             "A process cannot "
             "recover from a kernel fault, so the cases after it did not run: the JSON report holds the "
             "failure's traceback.",
@@ -127,13 +126,13 @@ def to_markdown(suite: Suite) -> str:
     lines += [
         "| | |",
         "|---|---|",
-        f"| backend | {backend} (plugin {_escape(meta['plugin_version'])}, {_escape(meta['plugin_distribution'])}) |",
-        f"| hardware | {_escape(hw['kind'])} {_code(hw['device'])} {_escape(hw['name'])}{cap} |",
-        f"| software | {_escape(software)} |",
-        f"| vendor libraries | {_escape(libs)} |",
-        f"| emulated backends | {_escape(', '.join(meta['emulate']) or 'none')} |",
-        f"| date | {_escape(meta['date'])} |",
-        f"| profile | {_escape(meta['profile'])} |",
+        f"| backend | {backend} (plugin {md.cell(meta['plugin_version'])}, {md.cell(meta['plugin_distribution'])}) |",
+        f"| hardware | {md.cell(hw['kind'])} {md.code(hw['device'])} {md.cell(hw['name'])}{cap} |",
+        f"| software | {md.cell(software)} |",
+        f"| vendor libraries | {md.cell(libs)} |",
+        f"| emulated backends | {md.cell(', '.join(meta['emulate']) or 'none')} |",
+        f"| date | {md.cell(meta['date'])} |",
+        f"| profile | {md.cell(meta['profile'])} |",
         f"| fresh allocations | {_poison_line(meta)} |",
         "",
         "`pass (emulated)`: vendor ops ran as documented torch stand-ins; `pass (interpreted)`: the real kernel "
@@ -151,31 +150,31 @@ def to_markdown(suite: Suite) -> str:
             if r.layout not in layouts:
                 layouts.append(r.layout)
     order = sorted(layouts, key=lambda x: (x == "-", x))
-    lines.append("| quant | " + " | ".join("declined (no pipeline)" if x == "-" else _escape(x) for x in order) + " |")
+    lines.append("| quant | " + " | ".join("declined (no pipeline)" if x == "-" else md.cell(x) for x in order) + " |")
     lines.append("|---" * (len(order) + 1) + "|")
     for quant in sorted(grid):
-        lines.append(f"| {_escape(quant)} | " + " | ".join(_cell(grid[quant][x]) for x in order) + " |")
+        lines.append(f"| {md.cell(quant)} | " + " | ".join(_cell(grid[quant][x]) for x in order) + " |")
     tuned = [r for r in suite.results if r.family == "tuned"]
     if tuned:  # model shapes the backend's tables tune, one batch size per path (`tuned_shapes`)
         lines += ["", "## Tuned shapes (each declared batch size)", "", "| case | result | rel_l2 |", "|---|---|---|"]
         lines += [
-            f"| {_escape(r.id)} | {_escape(r.label)} | {r.metrics['rel_l2']:.1e} |"
+            f"| {md.cell(r.id)} | {md.cell(r.label)} | {r.metrics['rel_l2']:.1e} |"
             if "rel_l2" in r.metrics
-            else f"| {_escape(r.id)} | {_escape(r.label)} | |"
+            else f"| {md.cell(r.id)} | {md.cell(r.label)} | |"
             for r in tuned
         ]
     lines += ["", "## Behaviour", "", "| case | result |", "|---|---|"]
     for r in suite.results:
         if r.family not in (*NUMERIC_FAMILIES, "tuned"):
-            lines.append(f"| {_escape(r.id)} | {_escape(r.label)} |")
+            lines.append(f"| {md.cell(r.id)} | {md.cell(r.label)} |")
     failures = [r for r in suite.results if r.status == FAIL]
     if failures:
         lines += ["", "## Failures", "", "| case | detail |", "|---|---|"]
-        lines += [f"| {_escape(r.id)} | {_escape(r.detail)} |" for r in failures]
+        lines += [f"| {md.cell(r.id)} | {md.cell(r.detail)} |" for r in failures]
     declines = sorted({(r.id, r.detail) for r in suite.results if r.status == DECLINED})
     if declines:
         lines += ["", "## Declined (with the backend's reasons)", "", "| case | reason |", "|---|---|"]
-        lines += [f"| {_escape(i)} | {_escape(d)} |" for i, d in declines]
+        lines += [f"| {md.cell(i)} | {md.cell(d)} |" for i, d in declines]
     lines += [
         "",
         "<details><summary>All cases</summary>",
@@ -185,7 +184,7 @@ def to_markdown(suite: Suite) -> str:
     ]
     for r in suite.results:
         err = f"{r.metrics['rel_l2']:.1e}" if "rel_l2" in r.metrics else ""
-        lines.append(f"| {_escape(r.id)} | {_escape(r.pipeline)} | {_escape(r.label)} | {err} |")
+        lines.append(f"| {md.cell(r.id)} | {md.cell(r.pipeline)} | {md.cell(r.label)} | {err} |")
     lines += ["", "</details>", ""]
     return "\n".join(lines)
 
@@ -213,39 +212,15 @@ def _components_section(suite: Suite) -> list[str]:
     ]
     for c in rows:
         result = f"**{c.status}**" if c.status == components.FAILED else c.status
-        lines.append(f"| {_code(c.qualname)} | {_escape(c.kind)} | {result} | {_escape(c.detail)} |")
+        lines.append(f"| {md.code(c.qualname)} | {md.cell(c.kind)} | {result} | {md.cell(c.detail)} |")
     return [*lines, ""]
 
 
-_NEWLINES = re.compile(r"[\r\n\u2028\u2029\x0b\x0c\x85]+")
-
-
-def _escape(text: object) -> str:
-    """Text a backend or its plugin supplied (a decline reason, an error, a name or version) for
-    a table cell, as Markdown that shows it and nothing more: `&`, `<`, `>` as HTML entities
-    (mkdocs passes inline HTML through to the published site, so a reason could carry a script);
-    `](` with its bracket escaped, so no link or image (`[x](javascript:...)`) is made; `|`
-    escaped; line breaks as spaces (a new line would end the table row, and the next could start
-    a raw HTML block)."""
-    text = html.escape(_NEWLINES.sub(" ", str(text)), quote=False)
-    return text.replace("](", "\\](").replace("|", "\\|")
-
-
-def _code(text: object) -> str:
-    """`text` as a code span, which Markdown shows verbatim (HTML escaped by the renderer): on one
-    line, fenced by more backticks than any run of them inside it."""
-    text = _NEWLINES.sub(" ", str(text))
-    fence = "`" * (1 + max((len(run) for run in re.findall("`+", text)), default=0))
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
 def report_paths(path: str | Path) -> tuple[Path, Path]:
-    """`<path>.json` and `<path>.md` (a `.md` or `.json` suffix on path is replaced)."""
-    p = Path(path)
-    stem = p.with_suffix("") if p.suffix in (".md", ".json") else p
-    # appended, not with_suffix: that would take ".2" off a name such as "acme-0.1.2"
-    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"
+    """`<path>.json` and `<path>.md` (`moehal.cli.common.output_files`: a `.md` or `.json` suffix
+    on path is replaced, any other kept, as in `acme-0.1.2`). ValueError where path names no file."""
+    js, md = output_files(path, (".json", ".md"))
+    return js, md
 
 
 def is_report(path: Path) -> bool:
@@ -268,7 +243,10 @@ def check_writable(path: str | Path) -> tuple[Path, Path]:
     or where the reports' folder cannot be made or written to (a run of minutes whose report
     then failed to write was lost). Makes nothing: `write` makes a missing folder, so a run
     stopped or refused before its report leaves no empty folder behind."""
-    js, md = report_paths(path)
+    try:
+        js, md = report_paths(path)
+    except ValueError as exc:  # '.', '..': it wrote hidden .json and .md files
+        raise ReportPathError(str(exc)) from None
     why = output_problem((js, md), is_report, "a moehal conformance report")
     if why is not None:
         raise ReportPathError(why)

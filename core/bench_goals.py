@@ -490,18 +490,19 @@ def goals_markdown(checks: Sequence[GoalCheck], cells: bool = True) -> str:
         "| goal | target | device | backend | status | cells met | where not met |",
         "|---|---|---|---|---|---|---|",
     ]
+    from moehal.cli.markdown import cell  # a device name, a backend's skip reason, a peer's error
+
     for s in summarize(checks):
         g = s.goal
         met = s.cells_text + _notes_text(s)
-        lines.append(f"| {g.text} | {_target_text(g)} | {s.device} | {s.backend} | {s.status_text} | {met} "
-                     f"| {_misses_text(s) or '-'} |")  # fmt: skip
+        theirs = (s.device, s.backend, s.status_text, met, _misses_text(s) or "-")
+        lines.append("| " + " | ".join([g.text, _target_text(g), *map(cell, theirs)]) + " |")
     if not cells:
         return "\n".join(lines) + "\n"
     lines += ["", "| goal | device | backend | shape | tokens | value | status |", "|---|---|---|---|---|---|---|"]
     for c in checks:
-        lines.append(
-            f"| {c.goal.name} | {c.device} | {c.backend} | {c.shape} | {c.tokens} | {c.value_text} | {c.status} |"
-        )
+        theirs = (c.device, c.backend, c.shape, c.tokens, c.value_text, c.status)
+        lines.append("| " + " | ".join([c.goal.name, *map(cell, theirs)]) + " |")
     return "\n".join(lines) + "\n"
 
 

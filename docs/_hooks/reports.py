@@ -68,8 +68,9 @@ def _verdict(report: dict) -> str:
 
 def _components(docs_dir: Path, page_dir: Path, path: str) -> str:
     """The components table of a committed report; its text (a plugin's names and reasons)
-    escaped as the report's own Markdown escapes it (`moehal_conformance.report`)."""
-    from moehal_conformance.report import _code, _escape
+    escaped as the report's own Markdown escapes it (`moehal.cli.markdown`)."""
+    from moehal.cli.markdown import cell as _escape
+    from moehal.cli.markdown import code as _code
 
     src = docs_dir / path.strip()
     report = _conformance_report(src)

@@ -1174,6 +1174,8 @@ def test_plugin_text_in_the_markdown_report_cannot_inject_html_or_links():
 
 
 def test_report_code_spans_hold_any_backticks_on_one_line():
-    assert report._code("cuda.triton") == "`cuda.triton`"
-    assert report._code("a`b\nc") == "``a`b c``"
-    assert report._code("`x`") == "`` `x` ``"
+    from moehal.cli import markdown as md
+
+    assert md.code("cuda.triton") == "`cuda.triton`"
+    assert md.code("a`b\nc") == "``a`b c``"
+    assert md.code("`x`") == "`` `x` ``"

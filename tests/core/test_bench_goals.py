@@ -605,3 +605,20 @@ def test_every_doc_page_the_code_cites_exists():
             cited += [(f.relative_to(REPO), m) for m in re.findall(r"docs/[\w\-./]*[\w\-]\.md\b", f.read_text())]
     assert len(cited) >= 10, "the pattern still finds the citations"
     assert [(str(f), page) for f, page in cited if not (REPO / page).is_file()] == []
+
+
+def test_the_goals_markdown_escapes_what_backends_and_devices_say(tmp_path):
+    """The Reports page publishes this markdown: a backend's skip reason (its decline text) and
+    the device name went in raw, so a `|` split the row and HTML reached the site (as in
+    conformance reports before session 59)."""
+    from moehal.bench_goals import goals_markdown
+
+    hostile = "<img src=x onerror=alert(1)> | [x](javascript:y())"
+    skip = {"shape": "s", "quant": "bf16", "backend": "cuda", "tokens": 32, "round": 0, "skipped": hostile}
+    p = _run_file(tmp_path, "r.json", [row("cuda", 16, 10.0, pct_roofline=95.0)], device="gpu <b>", skipped=[skip])
+    md = goals_markdown(check_runs([p]))
+    assert "<img" not in md and "<b>" not in md and "[x](javascript" not in md, md
+    assert "&lt;img src=x onerror=alert(1)&gt; \\| [x\\](javascript:y())" in md
+    for line in md.splitlines():
+        if line.startswith("| "):
+            assert line.replace("\\|", "").count("|") == 8, line  # 7 columns: no cell split

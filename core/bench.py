@@ -1275,16 +1275,13 @@ def _earlier_output(path: Path) -> bool:
 
 
 def out_paths(out: str | Path) -> tuple[Path, Path]:
-    """The JSON and PNG files of `moehal bench --out OUT`: OUT.json and OUT.png, where a `.json`
-    or `.png` suffix of OUT is replaced (`--out run.json` writes run.json and run.png) and any
-    other is kept as part of the name (`--out run.v2` writes run.v2.json, not run.json).
+    """The JSON and PNG files of `moehal bench --out OUT` (`moehal.cli.common.output_files`):
+    `--out run.json` writes run.json and run.png, `--out run.v2` run.v2.json and run.v2.png.
     ValueError where OUT names no file ('.', '..', '')."""
-    p = Path(out)
-    stem = p.with_suffix("") if p.suffix in (".json", ".png") else p
-    if stem.name in ("", ".", ".."):
-        raise ValueError(f"{str(out)!r} names no file")
-    # appended, not with_suffix: that would take ".v2" off "run.v2" (as conformance's --report)
-    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
+    from moehal.cli.common import output_files
+
+    js, png = output_files(out, (".json", ".png"))
+    return js, png
 
 
 def out_problem(out: Path) -> str | None:

@@ -144,6 +144,19 @@ def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
         raise
 
 
+def output_files(path: str | Path, suffixes: tuple[str, ...]) -> tuple[Path, ...]:
+    """The files a run writes for an output path (`bench --out`, `conformance --report`): PATH
+    plus each of `suffixes`, where a PATH ending in one of them has it replaced (`run.json` ->
+    run.json, run.png) and any other suffix is part of the name (`run.v2` -> run.v2.json, not
+    run.json; `acme-0.1.2` keeps its `.2`). ValueError where PATH names no file ('.', '..', '',
+    `runs/..`): such a path wrote hidden `./.json` files."""
+    p = Path(path)
+    stem = p.with_suffix("") if p.suffix in suffixes else p
+    if stem.name in ("", ".", ".."):
+        raise ValueError(f"{str(path)!r} names no file")
+    return tuple(stem.parent / f"{stem.name}{suffix}" for suffix in suffixes)
+
+
 def output_problem(paths: Sequence[Path], ours: Callable[[Path], bool], what: str) -> str | None:
     """Why `paths` (files of one folder) could not be written, found before a run of minutes
     whose output would then be lost; None where they can. An existing file is replaced only

@@ -33,6 +33,16 @@ def test_an_unwritable_report_path_exits_2_before_the_run(tmp_path, capsys, no_r
     assert "cases" not in out  # nothing ran: no header, no table
 
 
+@pytest.mark.parametrize("report", [".", "..", "runs/.."])
+def test_a_report_path_that_names_no_file_exits_2_before_the_run(report, tmp_path, capsys, monkeypatch, no_run):
+    """`--report .` wrote hidden `./.json` and `./.md` (bench's --out refused it): one rule now,
+    `moehal.cli.common.output_files`."""
+    monkeypatch.chdir(tmp_path)
+    assert conformance_main([*BASE, *SILU, "--report", report]) == 2
+    assert f"{report!r} names no file" in capsys.readouterr().err
+    assert not list(tmp_path.rglob(".json")) and not list(tmp_path.rglob(".md"))
+
+
 def test_a_report_that_fails_to_write_still_prints_the_verdict_then_exits_2(tmp_path, capsys, monkeypatch):
     def refused(suite, path):
         raise PermissionError(13, "Permission denied", str(path) + ".json")

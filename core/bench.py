@@ -29,7 +29,7 @@ from typing import Any
 
 import moehal
 import torch
-from moehal.bench_goals import BENCH_SCHEMA, BENCH_SCHEMA_NAME, is_peer
+from moehal.bench_goals import BENCH_SCHEMA, BENCH_SCHEMA_NAME, ISSUE_4_GOALS, PCT_ROOFLINE, is_peer
 from moehal.clock_sampler import ClockSampler
 from moehal.errors import MoEHalError
 from moehal.hardware import detect
@@ -735,8 +735,11 @@ def medians_by_tokens(points: Sequence[tuple[int, float]]) -> list[tuple[int, fl
     return [(t, statistics.median(by_tokens[t])) for t in sorted(by_tokens)]
 
 
-# The goals drawn on the plot: (% of roofline, token range), bf16 rows (`moehal.bench_goals`)
-PLOT_GOALS = ((90.0, 16, 128), (75.0, 1024, 4096))
+# The goals drawn on the plot: (% of roofline, token range) of the issue's % of roofline goals
+# (`moehal.bench_goals.ISSUE_4_GOALS`: 90% at 16-128 tokens, 75% at 1024-4096), bf16 rows
+PLOT_GOALS = tuple(
+    (g.target, g.min_tokens, g.max_tokens or g.min_tokens) for g in ISSUE_4_GOALS if g.metric == PCT_ROOFLINE
+)
 
 
 def figure(rows: Sequence[Row], ceil: Ceilings | None = None, date: str = "") -> Any:

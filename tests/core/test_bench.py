@@ -645,18 +645,28 @@ def test_the_json_names_its_schema_and_goals_reads_it_with_or_without(tmp_path, 
     assert captured.out == ""
 
 
-def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
-    """A disk that fills up (OSError at write time) ended the run in a traceback."""
+def _fill_disk(monkeypatch, folder, after: int = 0) -> list[str]:
+    """`Path.write_text` into `folder` raises ENOSPC from its write number `after` + 1 on;
+    returns the names written or tried there, in order."""
     import pathlib
 
     real = pathlib.Path.write_text
+    writes: list[str] = []
 
     def full(self, *args, **kwargs):
-        if self.parent == tmp_path:
-            raise OSError(28, "No space left on device", str(self))
+        if self.parent == folder:
+            writes.append(self.name)
+            if len(writes) > after:
+                raise OSError(28, "No space left on device", str(self))
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(pathlib.Path, "write_text", full)
+    return writes
+
+
+def test_a_write_that_fails_mid_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """A disk that fills up (OSError at write time) ended the run in a traceback."""
+    _fill_disk(monkeypatch, tmp_path)
     out = tmp_path / "bench"
     argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "rocm", "--reps", "1", "--settle-s", "0", "--no-host"]
     assert main([*argv, "--out", str(out), *CPU]) == 2
@@ -676,19 +686,7 @@ def test_a_failed_write_still_prints_the_table_of_the_rows_measured(tmp_path, ca
     """A write that failed after a row was measured ended the run with the error alone: the
     table never came, and the rows measured were lost. Now the run stops measuring, prints the
     table of every row it measured, says what the file on disk holds, then the error (exit 2)."""
-    import pathlib
-
-    real = pathlib.Path.write_text
-    writes = []
-
-    def full_after_the_first(self, *args, **kwargs):
-        if self.parent == tmp_path:
-            writes.append(self.name)
-            if len(writes) > 1:
-                raise OSError(28, "No space left on device", str(self))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "write_text", full_after_the_first)
+    writes = _fill_disk(monkeypatch, tmp_path, after=1)
     out = tmp_path / "bench"
     argv = ["--shapes", "tiny", "--tokens", "1,2,4", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
     assert main([*argv, "--no-host", "--out", str(out), *CPU]) == 2
@@ -703,16 +701,7 @@ def test_a_failed_write_still_prints_the_table_of_the_rows_measured(tmp_path, ca
 
 
 def test_a_failed_first_write_still_prints_the_table(tmp_path, capsys, monkeypatch):
-    import pathlib
-
-    real = pathlib.Path.write_text
-
-    def full(self, *args, **kwargs):
-        if self.parent == tmp_path:
-            raise OSError(28, "No space left on device", str(self))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    _fill_disk(monkeypatch, tmp_path)
     argv = ["--shapes", "tiny", "--tokens", "1,2", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
     assert main([*argv, "--no-host", "--out", str(tmp_path / "b"), *CPU]) == 2
     captured = capsys.readouterr()
@@ -834,7 +823,6 @@ def test_sigterms_handler_is_given_back_however_the_run_ends(monkeypatch):
 
 def test_a_failed_write_keeps_a_wrong_outputs_exit_status(tmp_path, capsys, monkeypatch):
     """A write that failed returned 2 (usage) even when rows had wrong outputs (1)."""
-    import pathlib
 
     from moehal import bench
 
@@ -846,14 +834,7 @@ def test_a_failed_write_keeps_a_wrong_outputs_exit_status(tmp_path, capsys, monk
         return row
 
     monkeypatch.setattr(bench, "bench_one", wrong)
-    real = pathlib.Path.write_text
-
-    def full(self, *args, **kwargs):
-        if self.parent == tmp_path:
-            raise OSError(28, "No space left on device", str(self))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    _fill_disk(monkeypatch, tmp_path)
     argv = ["--shapes", "tiny", "--tokens", "1", "--backends", "reference", "--reps", "1", "--settle-s", "0"]
     assert main([*argv, "--out", str(tmp_path / "b"), *CPU]) == 1
     assert "No space left" in capsys.readouterr().err

@@ -182,7 +182,16 @@ _REFUSED = [
 
 
 def test_the_documented_calls_run():
-    exec(compile(textwrap.dedent(_ACCEPTED), "<documented calls>", "exec"), {})
+    """The calls mypy checks below also run, and at run time too the fields are the enums."""
+    from moehal import Activation, QuantKind, RoutingMethod, ScaleFormat, ScaleKind
+
+    ns: dict = {}
+    exec(compile(textwrap.dedent(_ACCEPTED), "<documented calls>", "exec"), ns)
+    assert ns["cfg"].activation is Activation.SILU and ns["routed"].routing is ns["routing"]
+    assert ns["routing"].method is RoutingMethod.SOFTMAX and ns["deepseek"].method is RoutingMethod.DEEPSEEK_V3
+    assert ns["settings"].emulate == frozenset({"npu"})
+    assert (ns["scheme"].kind, ns["scheme"].scale_format) == (QuantKind.FP8_BLOCK, ScaleFormat.UE8M0)
+    assert isinstance(ns["fmt"].scales, ScaleKind)
 
 
 def test_mypy_accepts_the_documented_calls_and_reads_the_enums(tmp_path):

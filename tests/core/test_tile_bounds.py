@@ -111,8 +111,8 @@ def _bench_json(path, shape: str, tokens: tuple[int, ...]) -> None:
     path.write_text(json.dumps({"ceilings": ceil, "date": "today", "rows": rows}))
 
 
-def test_the_bound_tool_reads_a_benchmark_json(tmp_path, capsys):
-    """`tools/tile_padding_bound.py`: one table line per prefill row, and a plot."""
+def _bound_tool():
+    """`tools/tile_padding_bound.py`, imported from its path (tools/ is no package)."""
     import importlib.util
     from pathlib import Path
 
@@ -121,6 +121,12 @@ def test_the_bound_tool_reads_a_benchmark_json(tmp_path, capsys):
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_bound_tool_reads_a_benchmark_json(tmp_path, capsys):
+    """`tools/tile_padding_bound.py`: one table line per prefill row, and a plot."""
+    mod = _bound_tool()
     bench = tmp_path / "bench.json"
     _bench_json(bench, "mixtral_8x7b", (16, 1024))
     png = tmp_path / "bounds.png"
@@ -138,14 +144,7 @@ def test_the_bound_tool_reads_a_benchmark_json(tmp_path, capsys):
 def test_the_bound_tool_takes_the_median_of_rounds_without_a_roofline():
     """int8 rows without an int8 ceiling have `pct_roofline: null`: over two rounds the median
     raised a TypeError comparing None with None."""
-    import importlib.util
-    from pathlib import Path
-
-    tool = Path(__file__).parents[2] / "tools" / "tile_padding_bound.py"
-    spec = importlib.util.spec_from_file_location("tile_padding_bound", tool)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bound_tool()
     cell = dict(shape="s", tokens=1024, backend="cuda", quant="w8a8_int8")
     rows = [{**cell, "time_us": t, "pct_roofline": None, "round": i} for i, t in enumerate((10.0, 12.0))]
     got = mod.medians(rows)[("s", 1024, "cuda", "w8a8_int8")]
@@ -155,15 +154,9 @@ def test_the_bound_tool_takes_the_median_of_rounds_without_a_roofline():
 
 
 def test_the_bound_tool_takes_bench_schema_1_and_refuses_another(tmp_path, capsys):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    tool = Path(__file__).parents[2] / "tools" / "tile_padding_bound.py"
-    spec = importlib.util.spec_from_file_location("tile_padding_bound", tool)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bound_tool()
     bench = tmp_path / "bench.json"
     _bench_json(bench, "mixtral_8x7b", (1024,))
     data = json.loads(bench.read_text())
@@ -179,15 +172,9 @@ def test_the_bound_tool_takes_bench_schema_1_and_refuses_another(tmp_path, capsy
 def test_the_bound_tool_reads_the_median_of_the_rounds_as_the_goals_do(tmp_path, capsys):
     """Rows were keyed without their round, so a 3-round record showed its last round as
     "measured" (session 59's review: 68% where the goals read 67.3%)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    tool = Path(__file__).parents[2] / "tools" / "tile_padding_bound.py"
-    spec = importlib.util.spec_from_file_location("tile_padding_bound", tool)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bound_tool()
     bench = tmp_path / "bench.json"
     _bench_json(bench, "mixtral_8x7b", (1024,))
     data = json.loads(bench.read_text())

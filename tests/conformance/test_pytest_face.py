@@ -41,14 +41,7 @@ def test_an_interrupted_pytest_session_reports_incomplete(tmp_path):
         "        if len(passed) == 2:\n"
         "            raise KeyboardInterrupt\n"
     )
-    # prepended: PYTHONPATH may be what maps the packages onto the tree under test
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *_pythonpath()])}
-    cmd = [
-        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
-        "-p", "interrupter", "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick",
-        "-k", "matrix and bf16", f"--moehal-report={tmp_path / 'ref'}",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = _run_with_plugin(tmp_path, "interrupter", "matrix and bf16")
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]  # pytest's INTERRUPTED
     data = json.loads((tmp_path / "ref.json").read_text())
     summary = data["summary"]
@@ -80,19 +73,26 @@ def test_a_report_that_fails_to_write_at_the_pytest_faces_end_is_one_line(tmp_pa
         "            return r\n\n"
         "        runner.CaseRunner.run = run\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *_pythonpath()])}
-    cmd = [
-        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
-        "-p", "diskfull", "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick",
-        "-k", "matrix and bf16 and silu", f"--moehal-report={tmp_path / 'ref'}",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = _run_with_plugin(tmp_path, "diskfull", "matrix and bf16 and silu")
     assert done.returncode == code, done.stdout[-3000:] + done.stderr[-3000:]
     assert ("6 failed" if fail else "6 passed") in done.stdout.splitlines()[-1], done.stdout[-3000:]
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("moehal conformance: the reports were not written: --moehal-report=")
     assert "No space left on device" in line and "Traceback" not in done.stderr + done.stdout
     assert not list(tmp_path.glob("ref*"))
+
+
+def _run_with_plugin(tmp_path: Path, plugin: str, select: str) -> subprocess.CompletedProcess:
+    """The pytest face on the reference backend (CPU, quick, `-k select`, report at tmp_path/ref)
+    with `tmp_path/<plugin>.py` loaded as a pytest plugin."""
+    # prepended: PYTHONPATH may be what maps the packages onto the tree under test
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *_pythonpath()])}
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "moehal_conformance", "-p", "no:cacheprovider", "-q",
+        "-p", plugin, "--moehal-backend=reference", "--moehal-device=cpu", "--moehal-quick",
+        "-k", select, f"--moehal-report={tmp_path / 'ref'}",
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _pythonpath() -> list[str]:
